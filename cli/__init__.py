@@ -1,0 +1,1 @@
+"""The ``nam`` command line (import package ``nam_cli``)."""

@@ -1,0 +1,3 @@
+from nam_cli.main import main
+
+main()

@@ -1,0 +1,112 @@
+"""``nam data prepare`` and ``nam data inspect``: build a prepared dataset folder, and look inside one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from nam_cli.console import out, print_json
+from nam_cli.options import JsonOpt
+
+app = typer.Typer(
+    name="data",
+    help="Prepare training data (Megatron indexed format) and inspect prepared datasets.",
+    no_args_is_help=True,
+)
+
+
+@app.command("prepare")
+def prepare_command(
+    src: Annotated[Path, typer.Argument(help="A folder of text/code files, a .jsonl file, or .parquet token shards.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="The dataset folder to write (created atomically).")],
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", help="'byte' (built in) or the path of a Hugging Face tokenizer.json.")
+    ] = "byte",
+    eod_token: Annotated[
+        Optional[str],
+        typer.Option("--eod-token", help="End-of-document token of a tokenizer.json that has no usual one."),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists and is not empty.")] = False,
+    no_structure: Annotated[
+        bool, typer.Option("--no-structure", help="Do not write the per-token code-structure ids.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Tokenize SRC into DIR: tokens.bin/.idx, structure.bin/.idx and a dataset.json manifest."""
+    from nam_core.data.prepare import prepare
+    from nam_core.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer, eod_token=eod_token)
+    annotate = None
+    if not no_structure:
+        from nam56r.blocks.structure import char_structure_ids
+
+        annotate = char_structure_ids
+    summary = prepare(src, out_dir, tok, annotate=annotate, overwrite=overwrite, progress=not json_out)
+    if json_out:
+        print_json(summary.to_dict())
+        return
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(summary.skipped.items())) or "none"
+    out.print(f"prepared {summary.out} in {summary.seconds:.1f} s")
+    out.print(f"  source     {summary.source_kind}: {summary.files_read} file(s) read, skipped: {skipped}")
+    out.print(f"  documents  {summary.documents:,}")
+    out.print(f"  tokens     {summary.tokens:,} (tokenizer {tok.name}, vocab {tok.vocab_size}, max id {summary.max_token_id})")
+    out.print(f"  structure  {'yes' if summary.structure else 'no'} ({summary.structure_note})")
+
+
+def _sample(dataset, count: int) -> dict:
+    """The first ``count`` tokens of the first document, as ids and decoded text."""
+    from nam_core.data.tokenizer import tokenizer_from_description
+    from nam_core.errors import DataError
+
+    ids = [int(i) for i in dataset.document(0)[:count]] if dataset.documents and count > 0 else []
+    try:
+        text = tokenizer_from_description(dataset.tokenizer).decode(ids)
+    except DataError as e:  # the tokenizer.json moved: the ids are still worth showing
+        text, note = None, e.message
+    else:
+        note = None
+    return {"ids": ids, "text": text, "note": note}
+
+
+@app.command("inspect")
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="A dataset folder written by `nam data prepare`.")],
+    sample: Annotated[int, typer.Option("--sample", help="Decode this many tokens of the first document.")] = 64,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check a prepared dataset against its manifest and show its size, vocabulary and a decoded sample."""
+    from nam_core.data.dataset import open_dataset
+
+    dataset = open_dataset(path)
+    m = dataset.manifest
+    info = {
+        "path": str(dataset.path),
+        "documents": dataset.documents,
+        "tokens": dataset.num_tokens,
+        "tokenizer": dataset.tokenizer,
+        "vocab_size": dataset.tokenizer.get("vocab_size"),
+        "max_token_id": dataset.max_token_id,
+        "structure": m["structure"],
+        "source": m.get("source"),
+        "files_skipped": m.get("files_skipped"),
+        "sample": _sample(dataset, sample),
+    }
+    if json_out:
+        print_json(info)
+        return
+    tok = dataset.tokenizer
+    out.print(f"dataset    {info['path']}")
+    out.print(f"documents  {info['documents']:,}")
+    out.print(f"tokens     {info['tokens']:,}")
+    out.print(f"vocab      {tok.get('name')} ({tok.get('vocab_size')} ids, eod {tok.get('eod')}), max id {info['max_token_id']}")
+    present = m["structure"].get("present")
+    out.print(f"structure  {'yes' if present else 'no'} ({m['structure'].get('note', '')})")
+    s = info["sample"]
+    out.print(f"sample     first {len(s['ids'])} tokens of document 0:")
+    if s["text"] is not None:
+        out.print(s["text"], markup=False, highlight=False)
+    else:
+        out.print(f"{s['ids']}\n({s['note']})", markup=False, highlight=False)

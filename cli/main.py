@@ -1,0 +1,69 @@
+"""``nam``: the typer app, and the one place that turns a NamError into stderr text and an exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from nam_cli import data, patches, plugins, preflight, recipe
+from nam_cli.console import err
+from nam_core import __version__
+from nam_core.errors import NamError
+
+app = typer.Typer(
+    name="nam",
+    help="Train NAM56R: fail-closed plugins, preflight checks, a patch lane for upstream bugs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(plugins.app, name="plugins")
+app.add_typer(patches.app, name="patches")
+app.add_typer(recipe.app, name="recipe")
+app.add_typer(data.app, name="data")
+app.command("preflight")(preflight.preflight)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"nam {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = None,
+) -> None:
+    """Train NAM56R: fail-closed plugins, preflight checks, a patch lane for upstream bugs."""
+
+
+def report(error: NamError) -> None:
+    err.print(f"[bold red]error:[/bold red] {error.message}", markup=True, highlight=False)
+    if error.hint:
+        err.print(f"[bold]hint:[/bold] {error.hint}", highlight=False)
+    err.print("set NAM_DEBUG=1 for the full traceback", style="dim")
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI with ``argv``; return the exit code instead of exiting (tests call this)."""
+    command = typer.main.get_command(app)
+    try:
+        # Standalone mode: click prints usage errors itself and exits 2; a NamError passes through it.
+        command.main(args=argv, prog_name="nam", standalone_mode=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except NamError as e:
+        if os.environ.get("NAM_DEBUG") == "1":
+            raise
+        report(e)
+        return e.exit_code
+    return 0
+
+
+def main() -> None:
+    sys.exit(run())

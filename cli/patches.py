@@ -1,0 +1,67 @@
+"""``nam patches``: each upstream fix nam carries, and its state on this machine."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from nam_cli.console import out, print_json
+from nam_cli.options import JsonOpt, PluginsOpt
+from nam_core.device import DeviceInfo
+from nam_core.host import PluginHost, requested_plugins
+
+app = typer.Typer(help="The patch lane: upstream fixes, their state here, their reproducers.",
+                  invoke_without_command=True)
+
+VerifyOpt = Annotated[bool, typer.Option("--verify", help="Run each reproducer (GPU ones only on a GPU).")]
+
+
+@app.callback(invoke_without_command=True)
+def patches(plugins: PluginsOpt = None, verify: VerifyOpt = False, json_out: JsonOpt = False) -> None:
+    """List patches of the named plugins (default: every installed plugin) with their state here."""
+    host = PluginHost()
+    names = requested_plugins(plugins) or list(host.installed)
+    device = DeviceInfo.probe()
+    rows = []
+    for name in names:
+        for entry in host.declared_patches(name):
+            patch = entry.impl
+            state, detail = patch.state()
+            row = {"name": patch.name, "plugin": name, "target": patch.target, "versions": patch.versions,
+                   "state": state, "detail": detail, "retire_when": patch.retire_when}
+            if verify:
+                row["verify"] = _verify(patch, device)
+            rows.append(row)
+    if json_out:
+        print_json({"patches": rows})
+    else:
+        _print(rows, verify)
+    if verify and any(r["verify"].startswith("ERROR") for r in rows):
+        raise typer.Exit(code=1)
+
+
+def _verify(patch, device) -> str:
+    if patch.reproduce is None:
+        return "no reproducer"
+    if patch.needs_gpu and not device.is_cuda:
+        return "skipped: needs a GPU"
+    try:
+        return patch.reproduce()
+    except Exception as e:  # reported as this patch's verification result, and the command exits 1
+        return f"ERROR: {type(e).__name__}: {e}"
+
+
+def _print(rows, verify: bool) -> None:
+    if not rows:
+        out.print("no patches registered by the selected plugins")
+        return
+    table = Table(title="patch lane")
+    cols = ["patch", "plugin", "target", "state", "detail", "retire when"] + (["verify"] if verify else [])
+    for col in cols:
+        table.add_column(col)
+    for r in rows:
+        cells = [r["name"], r["plugin"], f"{r['target']} {r['versions']}", r["state"], r["detail"], r["retire_when"]]
+        table.add_row(*cells, *([r["verify"]] if verify else []))
+    out.print(table)

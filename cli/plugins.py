@@ -1,0 +1,53 @@
+"""``nam plugins list``: what is installed, what each provides and needs, and whether this machine has it."""
+
+from __future__ import annotations
+
+from rich.table import Table
+import typer
+
+from nam_cli.console import STATUS_STYLE, out, print_json
+from nam_cli.options import DeviceProfileOpt, JsonOpt, resolve_device
+from nam_core.host import PluginHost
+
+app = typer.Typer(help="Installed plugins.", no_args_is_help=True)
+
+
+def describe_installed(host: PluginHost, device) -> list[dict]:
+    rows = []
+    for name, plugin in host.installed.items():
+        row = {"name": name, "distribution": plugin.distribution, "version": plugin.version,
+               "module": plugin.entry_point.value}
+        info = host.info(name)
+        if info is None:
+            row.update(summary=None, provides={}, requires=[], conflicts=[], meets_requirements=False,
+                       error="cannot be imported: `nam preflight --plugins " + name + "` shows why")
+        else:
+            checks = [req.check(name, device) for req in info.requires]
+            row.update(info.to_dict())
+            row["requires"] = [dict(r.to_dict(), status=c.status, found=c.found) for r, c in zip(info.requires, checks)]
+            row["meets_requirements"] = all(c.ok for c in checks)
+        rows.append(row)
+    return rows
+
+
+@app.command("list")
+def list_plugins(json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None) -> None:
+    """List installed plugins (installed is not active: name them with --plugins to use them)."""
+    device = resolve_device(device_profile)
+    rows = describe_installed(PluginHost(), device)
+    if json_out:
+        print_json({"device": device.to_dict(), "plugins": rows})
+        return
+    if not rows:
+        out.print("no nam plugins installed; `pip install ./plugins/nam-plugin-<name>` adds one")
+        return
+    table = Table(title=f"nam plugins (checked against {device.label})", show_lines=True)
+    for col in ("plugin", "distribution", "provides", "requires", "here"):
+        table.add_column(col)
+    for row in rows:
+        provides = "\n".join(f"{k}: {', '.join(v)}" for k, v in row["provides"].items()) or "-"
+        requires = "\n".join(f"{r['check']} {r['needed']}: {STATUS_STYLE[r['status']]} ({r['found']})"
+                             for r in row["requires"]) or "-"
+        here = "[green]yes[/green]" if row["meets_requirements"] else "[red]no[/red]"
+        table.add_row(row["name"], f"{row['distribution']} {row['version']}", provides, requires, here)
+    out.print(table)

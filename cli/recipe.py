@@ -1,0 +1,89 @@
+"""``nam recipe list`` / ``nam recipe show NAME``: recipes, resolved, with parameter and FLOP counts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from nam_cli.console import out, print_json
+
+app = typer.Typer(help="Model recipes.", no_args_is_help=True)
+
+NameArg = Annotated[str, typer.Argument(help="Recipe name (`nam recipe list`).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def describe(name: str) -> dict:
+    from nam56r.flops import flops_per_token
+    from nam56r.model import count_parameters
+    from nam56r.pattern import resolve
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe(name)
+    cfg = recipe.model
+    plan = resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks)
+    params = count_parameters(cfg)
+    flops = flops_per_token(cfg)
+    return {
+        "name": recipe.name,
+        "summary": recipe.summary,
+        "plugins": recipe.plugins,
+        "params": params,
+        "flops_per_token": flops.total,
+        "flops_by_block": flops.by_block,
+        "pattern": cfg.pattern,
+        "resolved_pattern": plan.resolved,
+        "counts": plan.counts(),
+        "layers": [
+            {"index": l.index, "kind": l.kind, "attention_rank": l.attention_rank, "dsa_rank": l.dsa_rank}
+            for l in plan.layers
+        ],
+        "config": recipe.to_dict(),
+    }
+
+
+@app.command("list")
+def list_recipes(json_out: JsonOpt = False) -> None:
+    """List recipes."""
+    from nam56r.recipes import RECIPES
+
+    rows = [{"name": n, "summary": f().summary, "plugins": f().plugins} for n, f in RECIPES.items()]
+    if json_out:
+        print_json({"recipes": rows})
+        return
+    table = Table(title="recipes")
+    for col in ("name", "summary", "plugins"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["summary"], ", ".join(r["plugins"]))
+    out.print(table)
+
+
+@app.command("show")
+def show(name: NameArg, json_out: JsonOpt = False) -> None:
+    """Show a recipe: layer plan, parameters (counted on the meta device), FLOPs per token, config."""
+    d = describe(name)
+    if json_out:
+        print_json(d)
+        return
+    p = d["params"]
+    out.print(f"[bold]{d['name']}[/bold]: {d['summary']}")
+    out.print(f"plugins: {', '.join(d['plugins'])}")
+    out.print(f"pattern {d['pattern']} -> {d['resolved_pattern']}  ({d['counts']})")
+    out.print(f"parameters: {p['total']:,} total, {p['active_per_token']:,} active per token")
+    out.print(f"model FLOPs per token (training, fwd+bwd): {d['flops_per_token'] / 1e9:.2f} G")
+    table = Table(title="parameters by group")
+    table.add_column("group")
+    table.add_column("parameters", justify="right")
+    for k, v in p["by_kind"].items():
+        table.add_row(k, f"{v:,}")
+    out.print(table)
+    for section in ("model", "train"):
+        t = Table(title=section)
+        t.add_column("field")
+        t.add_column("value")
+        for k, v in d["config"][section].items():
+            t.add_row(k, str(v))
+        out.print(t)

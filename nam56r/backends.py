@@ -1,0 +1,133 @@
+"""What a backend registered under each registry must provide.
+
+Blocks own parameters and projections; a backend owns only the hot core of a block (the Mamba-3 scan, the
+attention over a latent KV, the LM head + cross-entropy, the DSA top-k selection). The reference plugin
+(``nam56r/reference``) implements every protocol in pure PyTorch; GPU plugins implement the same calls with
+kernels and are tested against the reference.
+
+Registries hold *classes*; the model instantiates one object per backend name with no arguments and hands it
+to every block that needs it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from nam56r.state import ForwardState
+
+
+@runtime_checkable
+class SSMScan(Protocol):
+    """Registry ``ssm_mixers``: the Mamba-3 chunked scan (the math of kernels-and-math.md section 1.2).
+
+    Shapes follow mamba-ssm's MIMO kernel so a kernel backend is a thin call::
+
+        q, k     [b, l, r, g, n]   C (query) and B (key) after BC-norm, before bias and rotation
+        v, z     [b, l, h, p]      x and the gate input
+        adt, dt  [b, h, l]         A*dt and dt, fp32
+        trap     [b, h, l]         trapezoid mix, PRE-sigmoid
+        q_bias, k_bias [h, r, n]   fp32
+        angles   [b, l, h, s]      raw angles (the scan applies pi*tanh, * dt, cumsum)
+        d        [h]               skip, fp32
+        mimo_x, mimo_z, mimo_o [h, r, p]   MIMO projections; None when r == 1 (SISO)
+        returns  [b, l, h, p]      gated output, ready for out_proj
+
+    Rotation convention: SISO (r == 1) rotates adjacent pairs (2i, 2i+1); MIMO rotates (i, i + n/2),
+    matching mamba-ssm's Triton SISO and TileLang MIMO kernels respectively.
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        adt: torch.Tensor,
+        dt: torch.Tensor,
+        trap: torch.Tensor,
+        q_bias: torch.Tensor,
+        k_bias: torch.Tensor,
+        angles: torch.Tensor,
+        d: torch.Tensor,
+        z: torch.Tensor,
+        mimo_x: torch.Tensor | None,
+        mimo_z: torch.Tensor | None,
+        mimo_o: torch.Tensor | None,
+        *,
+        chunk_size: int,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class AttentionCore(Protocol):
+    """Registry ``attention_backends``: causal attention in MLA's absorbed (MQA) form.
+
+    One shared KV head whose first ``d_v`` dims are the value (the latent ``c_kv``) and whose full width is
+    the key (``[c_kv ; k_rope]``)::
+
+        q        [b, s, h, dk]     dk = kv_lora_rank + qk_rope_dim (NAM56R: 64 + 64 = 128)
+        kv       [b, s, dk]
+        indices  [b, s, topk] int64, key positions per query; -1 = empty slot (sparse only)
+        returns  [b, s, h, d_v]    d_v = kv_lora_rank (NAM56R: 64)
+    """
+
+    def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor: ...
+
+    def sparse(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, d_v: int
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CEHead(Protocol):
+    """Registry ``ce_heads``: output projection + cross-entropy, never a full fp32 [tokens, vocab] at once.
+
+    ::
+
+        hidden   [t, d]     final hidden states (any float dtype)
+        weight   [v, d]     output head
+        target   [t]        int64 token ids
+        mask     [t]        float 0/1 loss mask
+        returns  scalar fp32: sum over tokens of mask * CE (the caller divides by the mask sum)
+    """
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class IndexerStrategy(Protocol):
+    """Registry ``indexers``: how a DSA layer picks its top-k keys (the built-in one is ``full``).
+
+    Called once per DSA layer per forward, after MLA's projections and before sparse attention::
+
+        layer    the DSA block: ``layer.indexer`` (its LightningIndexer), ``layer.dsa_rank`` (0-based rank
+                 among DSA layers), ``layer.is_mtp``, ``layer.cfg``; ``layer.project(x)`` gives MLA's
+                 absorbed q / kv should a strategy need them (e.g. a fused attention + KL kernel)
+        x        [b, s, hidden]  block input, already DETACHED (the indexer learns only from its KL loss)
+        qr       [b, s, q_lora]  MLA's query latent q_norm(wq_a(x)), already DETACHED
+        state    the ForwardState of this micro-batch, or None (no losses, no cache: compute everything)
+        returns  (indices, index_scores)
+                 indices       [b, s, topk] int64, causal top-k key positions; -1 = empty slot
+                               (topk = min(cfg.index_topk, s))
+                 index_scores  [b, s, s] fp32, causal-masked (-inf above the diagonal), carrying the
+                               graph of the indexer the layer's KL loss should train; or None, and the
+                               layer adds no indexer loss (a strategy with its own loss adds it to state)
+
+    Cross-layer data goes in ``state.dsa_cache`` only, never on the strategy object: one state lives for
+    one micro-batch. IndexCache, for example, stores a Full layer's indices under its own key together with
+    ``state.micro_batch`` and ``state.seq_layout`` and has a Shared layer check both before reusing them
+    (a miss raises or recomputes, never reuses stale indices); a Shared layer may return the Full layer's
+    ``index_scores`` so its own attention also distils that indexer. With ``state.recompute`` set
+    (activation recompute) a strategy must return the same indices as the original pass. MTP layers
+    (``layer.is_mtp``) compute their own selection.
+    """
+
+    name: str
+
+    def select(
+        self, layer: torch.nn.Module, x: torch.Tensor, qr: torch.Tensor, state: ForwardState | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...

@@ -1,0 +1,68 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): MLA whose queries each attend to a chosen top-k of keys.
+
+A DSA layer is an MLA layer (same parameters, same absorbed projections, same output path) plus a lightning
+indexer. Per forward:
+
+1. MLA's projections give the absorbed query and KV row, and ``qr`` for the indexer (``MLA.project``).
+2. The indexer strategy (registry ``indexers``; ``full`` by default) picks ``[b, s, topk]`` key indices from
+   the *detached* ``x`` and ``qr``, so the LM loss never reaches the indexer.
+3. The attention core attends over those keys (``AttentionCore.sparse``), or over all past keys during the
+   dense warm-up (``cfg.dsa_dense_warmup``).
+4. The indexer KL loss, times ``cfg.indexer_loss_coeff``, goes to ``state`` as ``indexer_kl``: the dense
+   form in warm-up, the top-k-restricted form after (kernels-and-math.md section 2.4). Its teacher is built
+   from detached queries/keys, so it trains the indexer only.
+
+Freezing everything but the indexer during warm-up (DeepSeek-V3.2 trains only the indexer for its first
+1000 steps) is the optimizer's job, not this block's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nam56r.backends import AttentionCore, IndexerStrategy
+from nam56r.blocks.indexer import LightningIndexer, indexer_kl_dense, indexer_kl_sparse
+from nam56r.blocks.mla import MLA
+from nam56r.config import NAM56RConfig
+from nam56r.state import ForwardState
+
+
+class DSA(MLA):
+    """MLA + lightning indexer + sparse core. Parameter names follow DeepSeek-V3.2 (``indexer.wq_b``, ...).
+
+    ``dsa_rank`` is this layer's 0-based rank among the model's DSA layers and ``is_mtp`` marks a layer
+    inside an MTP depth; strategies read both (IndexCache decides Full/Shared from them).
+    """
+
+    def __init__(
+        self,
+        cfg: NAM56RConfig,
+        attention: AttentionCore,
+        indexer_strategy: IndexerStrategy,
+        dsa_rank: int,
+        is_mtp: bool = False,
+    ):
+        super().__init__(cfg, attention, absorbed=True)
+        self.indexer = LightningIndexer(cfg)
+        self.indexer_strategy = indexer_strategy
+        self.dsa_rank = dsa_rank
+        self.is_mtp = is_mtp
+
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """``x [b, s, hidden]`` -> ``[b, s, hidden]``, causal; adds ``indexer_kl`` to ``state`` when given."""
+        qr, q, kv = self.project(x)  # [b, s, q_lora], [b, s, h, kv_lora + rope], [b, s, kv_lora + rope]
+        indices, index_scores = self.indexer_strategy.select(self, x.detach(), qr.detach(), state)  # [b, s, k]
+
+        attend = dict(scale=self.softmax_scale, d_v=self.kv_lora)
+        if self.cfg.dsa_dense_warmup:
+            o_latent = self.attention.dense(q, kv, **attend)  # [b, s, h, kv_lora]
+        else:
+            o_latent = self.attention.sparse(q, kv, indices, **attend)
+
+        if state is not None and index_scores is not None:
+            if self.cfg.dsa_dense_warmup:
+                kl = indexer_kl_dense(index_scores, q, kv, self.softmax_scale)
+            else:
+                kl = indexer_kl_sparse(index_scores, indices, q, kv, self.softmax_scale)
+            state.add_loss("indexer_kl", kl * self.cfg.indexer_loss_coeff)
+        return self.output(o_latent)

@@ -1,0 +1,133 @@
+"""Mamba-3 mixer: in_proj, the per-token SSM coefficients, the scan a backend runs, out_proj.
+
+The block owns every parameter and everything cheap (projections, softplus, BC-norm); the ``SSMScan`` it is
+given owns the recurrence (nam56r/backends.py, math in kernels-and-math.md section 1.2). Parameters follow
+mamba-ssm's ``Mamba3`` (section 1.1) with ``is_outproj_norm=False``; there is no conv1d, the trapezoid rule
+takes its place.
+
+D, dt_bias, B_bias and C_bias stay fp32 even in a bf16 model: dt feeds exp(A dt) over thousands of tokens
+and bf16 keeps 8 mantissa bits, so the module refuses to lower them (``_apply``) and the forward computes
+dt and A dt in fp32 whatever the activations are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nam56r.backends import SSMScan
+from nam56r.config import NAM56RConfig
+from nam56r.state import ForwardState
+
+DT_INIT_FLOOR = 1e-4  # mamba-ssm Mamba3 dt_init_floor default
+BC_NORM_EPS = 1e-5  # mamba-ssm Mamba3 B_norm / C_norm eps
+
+
+class Mamba3Mixer(nn.Module):
+    """x [b, l, hidden] -> [b, l, hidden]. SISO when cfg.mamba_mimo_rank == 1, else MIMO of that rank."""
+
+    FP32_PARAMS = ("D", "dt_bias", "B_bias", "C_bias")
+    """Kept at fp32 or wider through ``module.to(dtype)``, ``.half()``, ``.bfloat16()``."""
+
+    def __init__(self, cfg: NAM56RConfig, scan: SSMScan):
+        super().__init__()
+        self.cfg, self.scan = cfg, scan
+        self.d_inner, self.heads, self.headdim = cfg.d_inner, cfg.mamba_heads, cfg.mamba_headdim
+        self.d_state, self.groups, self.rank = cfg.d_state, cfg.mamba_ngroups, cfg.mamba_mimo_rank
+        if self.d_inner % self.headdim or self.heads % self.groups or cfg.mamba_rope_fraction not in (0.5, 1.0):
+            raise ValueError(
+                f"Mamba-3 needs d_inner % headdim == 0, heads % ngroups == 0 and rope_fraction in (0.5, 1.0); "
+                f"got d_inner={self.d_inner}, headdim={self.headdim}, heads={self.heads}, "
+                f"ngroups={self.groups}, rope_fraction={cfg.mamba_rope_fraction}. Fix the recipe's mamba_* fields."
+            )
+        rotated = int(cfg.d_state * cfg.mamba_rope_fraction) // 2 * 2  # floor to even, as mamba-ssm
+        self.angles = rotated // 2  # S: one angle per rotated pair (N=128, rope 0.5 -> 32)
+        H, R, N, P = self.heads, self.rank, self.d_state, self.headdim
+        bc = N * self.groups * R
+        self.split_sizes = [self.d_inner, self.d_inner, bc, bc, H, H, H, self.angles]  # z x B C dt A trap angles
+
+        self.in_proj = nn.Linear(cfg.hidden, sum(self.split_sizes), bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.B_bias = nn.Parameter(torch.empty(H, R, N, dtype=torch.float32))
+        self.C_bias = nn.Parameter(torch.empty(H, R, N, dtype=torch.float32))
+        self.B_norm = nn.RMSNorm(N, eps=BC_NORM_EPS)  # one weight over N, shared by ranks and groups
+        self.C_norm = nn.RMSNorm(N, eps=BC_NORM_EPS)
+        if R > 1:
+            self.mimo_x = nn.Parameter(torch.empty(H, R, P))
+            self.mimo_z = nn.Parameter(torch.empty(H, R, P))
+            self.mimo_o = nn.Parameter(torch.empty(H, R, P))
+        else:
+            self.mimo_x = self.mimo_z = self.mimo_o = None
+        self.D = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden, bias=False)
+        for p in (self.dt_bias, self.D):
+            p._no_weight_decay = True  # mamba-ssm convention, read by optimizer grouping
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg = self.cfg
+        nn.init.normal_(self.in_proj.weight, std=cfg.init_std)
+        nn.init.normal_(self.out_proj.weight, std=cfg.init_std)
+        # dt log-uniform in [dt_min, dt_max], floored, stored as softplus^-1(dt) = dt + log(1 - e^-dt).
+        lo, hi = math.log(cfg.mamba_dt_min), math.log(cfg.mamba_dt_max)
+        dt = torch.exp(torch.rand_like(self.dt_bias) * (hi - lo) + lo).clamp(min=DT_INIT_FLOOR)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.B_bias.fill_(1.0)  # mamba-ssm: B/C biases start at 1
+        self.C_bias.fill_(1.0)
+        self.B_norm.reset_parameters()
+        self.C_norm.reset_parameters()
+        if self.rank > 1:  # mamba-ssm: x spread evenly over ranks, z gate as is, ranks averaged on the way out
+            self.mimo_x.fill_(1.0 / self.rank)
+            self.mimo_z.fill_(1.0)
+            self.mimo_o.fill_(1.0 / self.rank)
+        self.D.fill_(1.0)
+
+    def _apply(self, fn, recurse=True):
+        """Run ``fn`` (a device/dtype move) but put FP32_PARAMS back at fp32 if it narrowed them.
+
+        The fp32 values are kept aside first, so going through bf16 loses no bits; a move to fp64 is allowed
+        (the float64 test copy of a model).
+        """
+        kept = {name: getattr(self, name).detach().clone() for name in self.FP32_PARAMS}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            param = getattr(self, name)
+            if param.dtype.is_floating_point and torch.finfo(param.dtype).bits < 32:
+                param.data = value.to(device=param.device, dtype=torch.float32)
+                if param.grad is not None:
+                    param.grad = param.grad.to(torch.float32)
+        return self
+
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        """``state`` is accepted for the common block interface; Mamba-3 adds no auxiliary loss."""
+        b, l, _ = x.shape
+        H, R, G, N, P = self.heads, self.rank, self.groups, self.d_state, self.headdim
+        z, xs, B, C, dd_dt, dd_A, trap, angles = torch.split(self.in_proj(x), self.split_sizes, dim=-1)
+
+        # dt and A dt in fp32 at least, even if a wrapper handed us bf16 copies of the fp32 parameters.
+        f32 = torch.promote_types(x.dtype, torch.float32)
+        dt = F.softplus(dd_dt.to(f32) + self.dt_bias.to(f32))  # [b, l, H]
+        # A = -softplus(dd_A) is mamba-ssm 2.3.2.post1; main (c69aaab) uses a heavy tail instead:
+        # x + 1 for x >= 0, 1 / (1 - x) below (kernels-and-math.md section 1.2).
+        A = (-F.softplus(dd_A.to(f32))).clamp(max=-self.cfg.mamba_a_floor)
+        adt = (A * dt).transpose(1, 2)  # [b, H, l]
+        dt = dt.transpose(1, 2)
+
+        y = self.scan(
+            self.C_norm(C.unflatten(-1, (R, G, N))),  # q [b, l, R, G, N]
+            self.B_norm(B.unflatten(-1, (R, G, N))),  # k
+            xs.unflatten(-1, (H, P)),  # v [b, l, H, P]
+            adt, dt,
+            trap.transpose(1, 2),  # [b, H, l], pre-sigmoid
+            self.C_bias.to(f32), self.B_bias.to(f32),
+            angles.to(f32).unsqueeze(2).expand(b, l, H, self.angles),  # one set of angles, every head
+            self.D.to(f32),
+            z.unflatten(-1, (H, P)),
+            self.mimo_x, self.mimo_z, self.mimo_o,
+            chunk_size=self.cfg.mamba_chunk,
+        )  # [b, l, H, P]
+        return self.out_proj(y.flatten(2).to(x.dtype))

@@ -1,0 +1,93 @@
+"""Recipes: Python functions that return a complete run (model config, training config, plugins).
+
+Variants start from a base recipe and change a few fields, each change with its reason. ``nam recipe list``
+lists them; ``nam recipe show NAME`` prints the resolved config with parameter and FLOP counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from nam56r.config import NAM56RConfig
+from nam_core.engine.config import TrainConfig
+from nam_core.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    name: str
+    summary: str
+    model: NAM56RConfig
+    train: TrainConfig
+    plugins: list[str] = field(default_factory=list)
+    """Plugins this recipe needs; merged with --plugins and NAM_PLUGINS."""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "summary": self.summary, "plugins": list(self.plugins),
+                "model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+
+
+def nam56r() -> Recipe:
+    """The full 4.73B NAM56R at sequence 4096 on GPUs, fast backends, bf16."""
+    return Recipe(
+        name="nam56r",
+        summary="full NAM56R (52 layers, hidden 4096, 4.73B parameters) on GPUs",
+        model=NAM56RConfig(
+            ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger", indexer="full",
+        ),
+        train=TrainConfig(device="cuda", dtype="bfloat16", micro_batch_size=1, lr=3e-4, warmup_steps=2000,
+                          total_steps=100_000, checkpoint_every=1000),
+        plugins=["mamba-ssm", "sparse-mla", "liger"],
+    )
+
+
+def nam56r_small() -> Recipe:
+    """The full 52-layer pattern at half width: fits one 80 GB GPU with Adam state."""
+    base = nam56r()
+    return Recipe(
+        name="nam56r-small",
+        summary="52-layer NAM56R at hidden 2048 (one GPU)",
+        # Half width: 16 heads of 128, 64 Mamba heads of 64; block internals (ranks, indexer) unchanged.
+        model=base.model.replace(name="nam56r-small", hidden=2048, attn_heads=16, seq_len=4096),
+        train=base.train.replace(micro_batch_size=2, total_steps=20_000, warmup_steps=500),
+        plugins=base.plugins,
+    )
+
+
+def nam56r_tiny() -> Recipe:
+    """The same 52-layer pattern at toy widths, reference backends, CPU: the embedded default of ``nam train``."""
+    return Recipe(
+        name="nam56r-tiny",
+        summary="52-layer NAM56R pattern at toy widths on the CPU (reference backends)",
+        model=NAM56RConfig(
+            name="nam56r-tiny",
+            hidden=64, vocab_size=257, seq_len=64,  # 257 = the built-in byte tokenizer (256 bytes + eod)
+            attn_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_dim=16, qk_rope_dim=16, v_head_dim=16,
+            index_heads=4, index_head_dim=16, index_topk=16,  # top-k 16 of 64: the sparse path is exercised
+            d_state=16, mamba_headdim=16, mamba_ngroups=2, mamba_mimo_rank=4, mamba_chunk=16,
+            # 8 Mamba heads in 2 groups keeps 1 < ngroups < nheads, NAM56R's hard case.
+            num_experts=16, moe_topk=4, moe_ffn_hidden=32, moe_shared_ffn_hidden=64, mtp_ffn_hidden=64,
+            ngram_table=1000, ngram_dim=8,
+        ),
+        train=TrainConfig(device="cpu", dtype="float32", micro_batch_size=4, lr=3e-3, warmup_steps=5,
+                          total_steps=200, checkpoint_every=20, weight_decay=0.0),
+        plugins=["reference"],
+    )
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {
+    "nam56r": nam56r,
+    "nam56r-small": nam56r_small,
+    "nam56r-tiny": nam56r_tiny,
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]()
+    except KeyError:
+        raise ConfigError(
+            f"unknown recipe {name!r}; known: {', '.join(RECIPES)}", hint="`nam recipe list` shows them"
+        ) from None

@@ -1,0 +1,54 @@
+"""TrainConfig: how a run trains (optimizer, schedule, batches, checkpoints), whatever the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    engine: str = "local"
+    """``local`` (one process, CPU or one GPU) or ``megatron`` (torchrun, several GPUs)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    dtype: str = "float32"
+    """Parameter/activation dtype: ``float32`` (CPU) or ``bfloat16`` (GPU; D and dt_bias stay fp32)."""
+    schedule: str = "single"
+    """Registry ``schedules``: how micro-batches run (``single`` = forward/backward each in turn)."""
+    seed: int = 1234
+    """Seeds parameters, data order and dropout."""
+
+    micro_batch_size: int = 2
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a share of the peak."""
+    warmup_steps: int = 10
+    """Linear warmup length, optimizer steps."""
+    total_steps: int = 1000
+    """LR schedule length. ``--max-steps`` only stops a run early; the schedule is fixed by this field, so a
+    run stopped and resumed follows the same curve."""
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global grad-norm clip; 0 disables."""
+
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every N steps (and always at the end)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept; older ones are deleted after a successful save."""
+
+    plugin_options: dict = field(default_factory=dict)
+    """Options read by plugins, ``{"lemyx.warmup_steps": 1000, ...}`` (set with --set lemyx.warmup_steps=...)."""
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,68 @@
+"""The NamError tree: every failure a user can act on carries a message, a hint and an exit code.
+
+The CLI prints ``error: <message>`` and ``hint: <hint>`` on stderr and exits with ``exit_code``
+(``NAM_DEBUG=1`` shows the traceback instead). Exit codes: 1 generic failure, 2 usage (click's), 3 "cannot
+run here" (plugin activation, preflight), 4 bad data, 5 a training run stopped by a guard (NaN/Inf).
+"""
+
+from __future__ import annotations
+
+
+class NamError(Exception):
+    """Base class: a failure with a message, a next step, and the process exit code."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, hint: str | None = None, exit_code: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\nhint: {self.hint}"
+
+
+class ConfigError(NamError):
+    """A recipe, an override or a pattern that cannot describe a valid model or run."""
+
+    exit_code = 2
+
+
+class PluginActivationError(NamError):
+    """One or more requested plugins cannot run here; nothing was registered."""
+
+    exit_code = 3
+
+    def __init__(self, failures: list, *, hint: str | None = None):
+        self.failures = list(failures)
+        n = len(self.failures)
+        lines = [f"{n} check{'s' if n != 1 else ''} failed; no plugin was activated"]
+        lines += [f"  {f.describe()}" for f in self.failures]
+        hints = [f.hint for f in self.failures if getattr(f, "hint", None)]
+        super().__init__("\n".join(lines), hint=hint or "; ".join(dict.fromkeys(hints)) or None)
+
+
+class UnknownBackendError(NamError):
+    """A config names a backend that no active plugin registered."""
+
+    exit_code = 3
+
+
+class PatchError(NamError):
+    """A patch that should apply failed to apply: the run must not go on."""
+
+    exit_code = 3
+
+
+class DataError(NamError):
+    """A dataset that is missing, corrupt, or does not fit the model."""
+
+    exit_code = 4
+
+
+class TrainingGuardError(NamError):
+    """A run stopped by a guard (non-finite loss or gradient)."""
+
+    exit_code = 5

@@ -1,0 +1,293 @@
+"""PluginHost: discover installed plugins, activate requested ones all-or-nothing, expose the registries.
+
+Installed is not active: discovery reads entry points (group ``nam.plugins``) and imports nothing. Only the
+names requested through ``--plugins``, the recipe or ``NAM_PLUGINS`` are imported. ``evaluate`` then runs
+every check (installed, importable, declared, conflicts, requirements, hook names, config checks, launch
+checks, registration) and collects *every* failure; ``activate`` registers all plugins only when there are
+none, and otherwise raises one ``PluginActivationError`` listing them. ``nam preflight`` and ``nam train``
+share this code, so preflight shows exactly what training would refuse.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import pluggy
+
+from nam_core import hookspecs
+from nam_core.device import DeviceInfo
+from nam_core.errors import PluginActivationError
+from nam_core.plugin import PluginInfo
+from nam_core.registry import KINDS, Registry, RegistrationError
+from nam_core.requirements import FAIL, PASS, SKIP, Check
+
+ENV_PLUGINS = "NAM_PLUGINS"
+
+
+@dataclass(frozen=True)
+class InstalledPlugin:
+    """An entry point in ``nam.plugins``: known by name, not imported."""
+
+    name: str
+    entry_point: importlib.metadata.EntryPoint
+    distribution: str | None
+    version: str | None
+
+    def load(self) -> types.ModuleType:
+        return self.entry_point.load()
+
+
+def discover() -> dict[str, InstalledPlugin]:
+    """Every installed plugin, by entry-point name. Imports nothing."""
+    found: dict[str, InstalledPlugin] = {}
+    for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+        dist = ep.dist
+        found[ep.name] = InstalledPlugin(
+            ep.name, ep, dist.metadata["Name"] if dist else None, dist.version if dist else None
+        )
+    return dict(sorted(found.items()))
+
+
+def requested_plugins(*sources: Iterable[str] | str | None, env: bool = True) -> list[str]:
+    """Merge plugin names from the given sources and ``NAM_PLUGINS``, keeping first-seen order."""
+    names: list[str] = []
+    all_sources = list(sources) + ([os.environ.get(ENV_PLUGINS)] if env else [])
+    for src in all_sources:
+        if not src:
+            continue
+        items = src.split(",") if isinstance(src, str) else src
+        for item in items:
+            item = item.strip()
+            if item and item not in names:
+                names.append(item)
+    return names
+
+
+@dataclass
+class Evaluation:
+    """The outcome of evaluating a set of requested plugins: every check, and what would be registered."""
+
+    requested: list[str]
+    device: DeviceInfo
+    checks: list[Check] = field(default_factory=list)
+    modules: dict[str, types.ModuleType] = field(default_factory=dict)
+    pm: pluggy.PluginManager | None = None
+    registries: dict[str, Registry] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class PluginHost:
+    """Owns one pluggy PluginManager and the registries of the plugins it activated."""
+
+    def __init__(self, installed: dict[str, InstalledPlugin] | None = None):
+        self.installed = discover() if installed is None else installed
+        self.pm = _new_manager()
+        self.registries = {kind: Registry(kind, providers=self.providers_of) for kind in KINDS}
+        self.active: dict[str, types.ModuleType] = {}
+        self._info_cache: dict[str, PluginInfo | None] = {}
+
+    # --- activation ---------------------------------------------------------------------------------
+    def evaluate(self, names: Iterable[str], device: DeviceInfo, config: Any = None) -> Evaluation:
+        """Run every activation check for ``names`` and collect the results; register nothing."""
+        ev = Evaluation(requested=list(dict.fromkeys(names)), device=device)
+        for name in ev.requested:
+            module = self._load_checked(name, ev)
+            if module is not None:
+                ev.modules[name] = module
+        self._check_conflicts(ev)
+        for name, module in ev.modules.items():
+            for req in module.PLUGIN.requires:
+                ev.checks.append(req.check(name, device))
+        pm = _new_manager()
+        for name, module in list(ev.modules.items()):
+            self._register_checked(pm, name, module, ev)
+        ev.pm = pm
+        self._run_check_hooks(ev, config)
+        if ev.ok:
+            ev.registries = self._fill_registries(ev)
+        return ev
+
+    def activate(self, names: Iterable[str], device: DeviceInfo, config: Any = None) -> Evaluation:
+        """Activate all of ``names`` or none: raises ``PluginActivationError`` listing every failure."""
+        if self.active:
+            raise RuntimeError("this PluginHost already activated plugins; use a fresh host per run")
+        ev = self.evaluate(names, device, config)
+        if not ev.ok:
+            raise PluginActivationError(ev.failures)
+        self.pm, self.active = ev.pm, dict(ev.modules)
+        for kind, reg in ev.registries.items():
+            self.registries[kind] = reg
+        return ev
+
+    def _load_checked(self, name: str, ev: Evaluation) -> types.ModuleType | None:
+        plugin = self.installed.get(name)
+        if plugin is None:
+            listed = ", ".join(self.installed) or "none"
+            ev.checks.append(Check(
+                name, "installed", FAIL, f"an installed plugin named {name!r}", f"installed: {listed}",
+                f"pip install nam-plugin-{name}  (then `nam plugins list`)",
+            ))
+            return None
+        try:
+            module = plugin.load()
+        except Exception as e:  # an import failure of any kind is this plugin's activation failure
+            ev.checks.append(Check(
+                name, "import", FAIL, f"module {plugin.entry_point.value} imports",
+                f"{type(e).__name__}: {e}", f"reinstall it: pip install --force-reinstall {plugin.distribution}",
+            ))
+            return None
+        info = getattr(module, "PLUGIN", None)
+        if not isinstance(info, PluginInfo):
+            ev.checks.append(Check(
+                name, "declaration", FAIL, "a module-level PLUGIN = PluginInfo(...)",
+                f"PLUGIN = {info!r}", "see plugins/_template/ for the expected shape",
+            ))
+            return None
+        ev.checks.append(Check(name, "import", PASS, "importable", plugin.version or "?"))
+        return module
+
+    def _check_conflicts(self, ev: Evaluation) -> None:
+        seen: set[frozenset] = set()
+        for name, module in ev.modules.items():
+            for other in module.PLUGIN.conflicts:
+                pair = frozenset((name, other))
+                if other in ev.modules and pair not in seen:
+                    seen.add(pair)
+                    why = module.PLUGIN.conflict_reason or "declared incompatible"
+                    ev.checks.append(Check(
+                        name, f"conflicts with {other}", FAIL, f"not together with {other}",
+                        f"both requested ({why})", f"activate only one of {name}, {other}",
+                    ))
+
+    def _register_checked(self, pm: pluggy.PluginManager, name: str, module, ev: Evaluation) -> None:
+        try:
+            pm.register(module, name=name)
+            pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            if pm.is_registered(module):
+                pm.unregister(module)
+            ev.checks.append(Check(
+                name, "hooks", FAIL, "hook implementations matching nam's hookspecs", str(e),
+                "fix the hook's name or arguments (nam_core/hookspecs.py lists them)",
+            ))
+            del ev.modules[name]
+
+    def _run_check_hooks(self, ev: Evaluation, config: Any) -> None:
+        for name, module in ev.modules.items():
+            caller = _only(ev.pm, module, "nam_check_config")
+            ev.checks.extend(_collect(name, "config", lambda: caller(config=config, device=ev.device)))
+        for name, module in ev.modules.items():
+            if not hasattr(module, "nam_preflight"):
+                continue
+            if ev.device.is_fake:
+                ev.checks.append(Check(
+                    name, "launch checks", SKIP, "a real device", f"profile {ev.device.profile_name}",
+                ))
+                continue
+            if any(c.status == FAIL for c in ev.checks if c.plugin == name):
+                continue  # never launch kernels on a device the declared requirements already refused
+            caller = _only(ev.pm, module, "nam_preflight")
+            ev.checks.extend(_collect(name, "launch", lambda: caller(device=ev.device, config=config)))
+
+    def _fill_registries(self, ev: Evaluation) -> dict[str, Registry]:
+        registries = {kind: Registry(kind, providers=self.providers_of) for kind in KINDS}
+        for name, module in ev.modules.items():
+            for kind, hook_name in KINDS.items():
+                reg = registries[kind]
+                reg._open(name, set(module.PLUGIN.provides.get(kind, ())))
+                try:
+                    _only(ev.pm, module, hook_name)(register=reg)
+                except RegistrationError as e:
+                    ev.checks.append(Check(name, f"register {kind}", FAIL, "consistent registration", str(e)))
+                finally:
+                    reg._close()
+            missing = [
+                f"{kind} {n!r}" for kind, ns in module.PLUGIN.provides.items() for n in ns if n not in registries[kind]
+            ]
+            if missing:
+                ev.checks.append(Check(
+                    name, "provides", FAIL, "every declared name registered", f"never registered: {', '.join(missing)}",
+                ))
+        return registries
+
+    # --- access ---------------------------------------------------------------------------------------
+    def registry(self, kind: str) -> Registry:
+        return self.registries[kind]
+
+    def info(self, name: str) -> PluginInfo | None:
+        """The PluginInfo of an installed plugin (imports its module), or None if it cannot be loaded."""
+        if name not in self._info_cache:
+            ev = Evaluation(requested=[name], device=DeviceInfo.profile("cpu"))
+            module = self._load_checked(name, ev)
+            self._info_cache[name] = module.PLUGIN if module is not None else None
+        return self._info_cache[name]
+
+    def providers_of(self, kind: str, impl_name: str) -> list[str]:
+        """Installed plugins whose declaration says they provide ``impl_name`` of ``kind``."""
+        return [
+            n for n in self.installed
+            if (info := self.info(n)) is not None and impl_name in info.provides.get(kind, ())
+        ]
+
+    def declared_patches(self, name: str) -> list:
+        """Registry entries of the patches plugin ``name`` registers, loaded without activating it.
+
+        For listing (``nam patches``): a plugin whose device requirements fail here still shows its patches.
+        """
+        info = self.info(name)
+        if info is None:
+            raise PluginActivationError([Check(name, "import", FAIL, "an importable plugin", "it does not import")],
+                                        hint=f"`nam preflight --plugins {name}` shows why")
+        pm = _new_manager()
+        module = self.installed[name].load()
+        pm.register(module, name=name)
+        reg = Registry("patches")
+        reg._open(name, set(info.provides.get("patches", ())))
+        try:
+            pm.hook.nam_register_patches(register=reg)
+        finally:
+            reg._close()
+        return list(reg)
+
+    def before_step(self, step: int, run: Any) -> None:
+        self.pm.hook.nam_before_step(step=step, run=run)
+
+    def after_step(self, step: int, run: Any, metrics: dict) -> None:
+        self.pm.hook.nam_after_step(step=step, run=run, metrics=metrics)
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _only(pm: pluggy.PluginManager, module, hook_name: str):
+    """A caller of ``hook_name`` restricted to one plugin, so results are attributed to it."""
+    others = [p for p in pm.get_plugins() if p is not module]
+    return pm.subset_hook_caller(hook_name, remove_plugins=others)
+
+
+def _collect(plugin: str, what: str, call) -> list[Check]:
+    try:
+        results = call()
+    except Exception as e:  # a plugin's check that crashes has failed; activation must stop, not skip it
+        return [Check(plugin, f"{what} check", FAIL, "the check to run", f"it raised {type(e).__name__}: {e}")]
+    rows = []
+    for result in results:
+        for check in result or ():
+            if not isinstance(check, Check):
+                check = Check(plugin, f"{what} check", FAIL, "Check objects", repr(check))
+            rows.append(check)
+    return rows

@@ -1,0 +1,105 @@
+"""The patch lane: every fix nam carries for an upstream library, with proof and an end date.
+
+A ``Patch`` names the distribution and version range it targets, a cheap ``detect()`` (is the bug present in
+what is installed?), an idempotent ``apply()``, a ``reproduce()`` that returns ``BUG_REPRODUCED`` or
+``FIX_VALIDATED`` (``nam patches --verify`` runs it), and its retirement condition: the upstream release or
+PR that makes it unnecessary. Plugins register patches through ``nam_register_patches``.
+
+States, in the order they are decided:
+
+* ``not-installed``: the target distribution is absent; nothing to do.
+* ``retired``: the installed version is outside the range, or ``detect()`` says the bug is absent. The
+  patch is not applied, and ``nam patches`` says so: time to delete it once every supported version is out.
+* ``needed`` -> ``applied`` by ``apply_all``. A patch that raises while applying, or whose ``detect()``
+  still reports the bug afterwards, stops the run (``PatchError``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from nam_core.errors import PatchError
+from nam_core.requirements import version_in
+
+BUG_REPRODUCED = "BUG_REPRODUCED"
+FIX_VALIDATED = "FIX_VALIDATED"
+
+NOT_INSTALLED, RETIRED, NEEDED, APPLIED = "not-installed", "retired", "needed", "applied"
+
+
+@dataclass(eq=False)
+class Patch:
+    name: str
+    """Patch-lane name, e.g. ``mamba3-mimo-gqa-bwd``."""
+    target: str
+    """Distribution the fix is for, e.g. ``mamba-ssm``."""
+    versions: str
+    """Specifier of the versions that may carry the bug, e.g. ``"<=2.3.2.post1"``."""
+    summary: str
+    """One line: the bug and the fix."""
+    retire_when: str
+    """The upstream release or PR that makes this patch unnecessary."""
+    detect: Callable[[], bool]
+    """True when the bug is present in what is installed. Cheap: a version or feature check."""
+    apply: Callable[[], None]
+    """Apply the fix; calling it twice must be harmless."""
+    reproduce: Callable[[], str] | None = None
+    """Run the reproducer; return BUG_REPRODUCED (bug present, unpatched) or FIX_VALIDATED."""
+    needs_gpu: bool = False
+    """The reproducer launches GPU code; ``nam patches --verify`` skips it on a CPU machine."""
+
+    def installed_version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.target)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def state(self) -> tuple[str, str]:
+        """(state, detail) for what is installed now, without applying anything."""
+        version = self.installed_version()
+        if version is None:
+            return NOT_INSTALLED, f"{self.target} is not installed"
+        if not version_in(version, self.versions):
+            return RETIRED, f"{self.target} {version} is outside {self.versions}; fixed upstream"
+        if not self.detect():
+            return RETIRED, f"{self.target} {version}: bug not present"
+        return NEEDED, f"{self.target} {version}: bug present"
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    name: str
+    plugin: str
+    target: str
+    state: str
+    detail: str
+    retire_when: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def apply_all(entries: Iterable) -> list[PatchReport]:
+    """Apply every needed patch of the registry entries given; stop the run on any failure."""
+    reports = []
+    for entry in entries:
+        patch: Patch = entry.impl
+        state, detail = patch.state()
+        if state == NEEDED:
+            try:
+                patch.apply()
+            except Exception as e:  # any failure to apply must stop the run, whatever its type
+                raise PatchError(
+                    f"patch {patch.name!r} (plugin {entry.plugin!r}) failed to apply to {detail}: {e}",
+                    hint=f"run `nam patches --verify` for the reproducer; retire condition: {patch.retire_when}",
+                ) from e
+            if patch.detect():
+                raise PatchError(
+                    f"patch {patch.name!r} (plugin {entry.plugin!r}) applied, but the bug is still detected",
+                    hint="`nam patches --verify` shows the reproducer's result",
+                )
+            state, detail = APPLIED, detail.replace("bug present", "fixed in-process")
+        reports.append(PatchReport(patch.name, entry.plugin, patch.target, state, detail, patch.retire_when))
+    return reports

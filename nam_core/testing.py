@@ -1,0 +1,77 @@
+"""Test helpers shared by nam's tests and by plugin test suites.
+
+``no_host_sync()`` fails any op that reads a tensor's value on the host (``.item()``, ``torch.equal``,
+data-dependent shapes such as ``nonzero``): on a GPU each of those stalls the stream and breaks CUDA-graph
+capture, so the DSA and Mamba-3 paths must have none. On CPU the check works at the dispatcher, so it runs in
+CI without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops whose result depends on tensor *values* read back to the host, or whose output shape does.
+HOST_SYNC_OPS = frozenset(
+    {
+        "aten::_local_scalar_dense",  # .item(), float(t), bool(t), Python branching on a tensor
+        "aten::equal",
+        "aten::is_nonzero",
+        "aten::nonzero",
+        "aten::nonzero_static",
+        "aten::masked_select",
+        "aten::unique_dim",
+        "aten::_unique2",
+        "aten::unique_consecutive",
+        "aten::repeat_interleave",
+        "aten::bincount",
+        "aten::histc",
+        "aten::allclose",
+        "aten::_assert_async",
+    }
+)
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+class _NoHostSync(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in HOST_SYNC_OPS:
+            raise HostSyncError(f"{name} reads tensor values on the host (a device sync)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise HostSyncError on any host-syncing op run inside the block (forward and backward alike)."""
+    with _NoHostSync():
+        yield
+
+
+def fake_installed(tmp_path, monkeypatch, plugins: dict[str, str]) -> dict:
+    """Write each ``name -> module source`` as an importable module and return an ``installed`` mapping.
+
+    Use with ``PluginHost(installed=...)`` to test activation without installing distributions. Module
+    names are ``nam_fake_<name>``; the directory is put on ``sys.path`` for the test only.
+    """
+    import importlib.metadata
+    import sys
+
+    from nam_core.host import InstalledPlugin
+
+    root = tmp_path / "fake_plugins"
+    root.mkdir(exist_ok=True)
+    monkeypatch.syspath_prepend(str(root))
+    installed = {}
+    for name, source in plugins.items():
+        module = "nam_fake_" + name.replace("-", "_")
+        (root / f"{module}.py").write_text(source)
+        sys.modules.pop(module, None)
+        ep = importlib.metadata.EntryPoint(name=name, value=module, group="nam.plugins")
+        installed[name] = InstalledPlugin(name, ep, f"nam-plugin-{name}", "0.0.test")
+    return installed

@@ -1,0 +1,1 @@
+"""nam plugin __NAME__."""

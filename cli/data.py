@@ -28,7 +28,9 @@ def prepare_command(
         Optional[str],
         typer.Option("--eod-token", help="End-of-document token of a tokenizer.json that has no usual one."),
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists and is not empty.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace --out if it exists and is not empty.")
+    ] = False,
     no_structure: Annotated[
         bool, typer.Option("--no-structure", help="Do not write the per-token code-structure ids.")
     ] = False,
@@ -52,7 +54,8 @@ def prepare_command(
     out.print(f"prepared {summary.out} in {summary.seconds:.1f} s")
     out.print(f"  source     {summary.source_kind}: {summary.files_read} file(s) read, skipped: {skipped}")
     out.print(f"  documents  {summary.documents:,}")
-    out.print(f"  tokens     {summary.tokens:,} (tokenizer {tok.name}, vocab {tok.vocab_size}, max id {summary.max_token_id})")
+    out.print(f"  tokens     {summary.tokens:,} (tokenizer {tok.name}, vocab {tok.vocab_size}, "
+              f"max id {summary.max_token_id})")
     out.print(f"  structure  {'yes' if summary.structure else 'no'} ({summary.structure_note})")
 
 
@@ -101,7 +104,8 @@ def inspect_command(
     out.print(f"dataset    {info['path']}")
     out.print(f"documents  {info['documents']:,}")
     out.print(f"tokens     {info['tokens']:,}")
-    out.print(f"vocab      {tok.get('name')} ({tok.get('vocab_size')} ids, eod {tok.get('eod')}), max id {info['max_token_id']}")
+    out.print(f"vocab      {tok.get('name')} ({tok.get('vocab_size')} ids, eod {tok.get('eod')}), "
+              f"max id {info['max_token_id']}")
     present = m["structure"].get("present")
     out.print(f"structure  {'yes' if present else 'no'} ({m['structure'].get('note', '')})")
     s = info["sample"]

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nam_cli import data, patches, plugins, preflight, recipe
+from nam_cli import data, patches, plugins, preflight, recipe, train
 from nam_cli.console import err
 from nam_core import __version__
 from nam_core.errors import NamError
@@ -25,6 +25,7 @@ app.add_typer(patches.app, name="patches")
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(data.app, name="data")
 app.command("preflight")(preflight.preflight)
+app.command("train")(train.train)
 
 
 def _version(value: bool) -> None:

@@ -91,3 +91,72 @@ def get_recipe(name: str) -> Recipe:
         raise ConfigError(
             f"unknown recipe {name!r}; known: {', '.join(RECIPES)}", hint="`nam recipe list` shows them"
         ) from None
+
+
+def _coerce(raw: str, annotation, key: str):
+    """Parse ``raw`` as the field's declared type; a ConfigError names the field and the type otherwise."""
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else str(annotation)
+    try:
+        if annotation is bool or text == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if annotation is int or text == "int":
+            return int(raw)
+        if annotation is float or text == "float":
+            return float(raw)
+        if text.startswith("tuple[int"):
+            return tuple(int(x) for x in raw.split(",") if x.strip())
+        if annotation is str or text == "str":
+            return raw
+    except ValueError:
+        raise ConfigError(f"--set {key}={raw}: expected {text}, found {raw!r}",
+                          hint=f"give {key} a value of type {text}") from None
+    raise ConfigError(f"--set {key}: field of type {text} cannot be set from the command line",
+                      hint="change it in a recipe function instead")
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str], *, plugin_names: list[str] = ()) -> Recipe:
+    """Apply ``key=value`` overrides: model fields by name, ``train.<field>``, or ``<plugin>.<option>``.
+
+    Unknown keys and mistyped values are ConfigErrors; plugin options go to ``train.plugin_options`` and
+    are validated by the plugin's config check.
+    """
+    import difflib
+    import typing
+
+    model_types = typing.get_type_hints(NAM56RConfig)
+    train_types = typing.get_type_hints(TrainConfig)
+    model_changes, train_changes = {}, {}
+    options = dict(recipe.train.plugin_options)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE", hint="e.g. --set hidden=128")
+        prefix, dot, rest = key.partition(".")
+        if dot and prefix == "train":
+            if rest not in train_types or rest == "plugin_options":
+                close = difflib.get_close_matches(rest, train_types, n=3)
+                raise ConfigError(f"--set {key}: TrainConfig has no field {rest!r}"
+                                  + (f" (did you mean {', '.join('train.' + c for c in close)}?)" if close else ""),
+                                  hint=f"`nam recipe show {recipe.name}` lists every field")
+            train_changes[rest] = _coerce(raw, train_types[rest], key)
+        elif dot:
+            if prefix not in plugin_names:
+                raise ConfigError(f"--set {key}: {prefix!r} is neither 'train' nor an active plugin",
+                                  hint=f"activate it with --plugins {prefix}, or check the key")
+            options[key] = raw
+        else:
+            if key not in model_types or key == "name":
+                close = difflib.get_close_matches(key, model_types, n=3)
+                raise ConfigError(f"--set {key}: the model config has no field {key!r}"
+                                  + (f" (did you mean {', '.join(close)}?)" if close else ""),
+                                  hint=f"`nam recipe show {recipe.name}` lists every field")
+            model_changes[key] = _coerce(raw, model_types[key], key)
+    return dataclasses.replace(
+        recipe, model=recipe.model.replace(**model_changes),
+        train=recipe.train.replace(**train_changes, plugin_options=options),
+    )

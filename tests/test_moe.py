@@ -73,9 +73,10 @@ def test_uniform_router_gives_aux_equal_to_coeff():
 
 
 def test_builds_on_meta_with_expected_parameter_count():
+    cfg = NAM56RConfig()
     with torch.device("meta"):
-        moe = MoE(NAM56RConfig())
-    d, e, f, fs = 4096, 16, 160, 640  # NAM56RConfig defaults
+        moe = MoE(cfg)
+    d, e, f, fs = cfg.hidden, cfg.num_experts, cfg.moe_ffn_hidden, cfg.moe_shared_ffn_hidden
     expected = d * e + e * 3 * f * d + 3 * fs * d  # router + routed experts + shared expert
     assert sum(p.numel() for p in moe.parameters()) == expected
     assert all(p.is_meta for p in moe.parameters())

@@ -32,9 +32,11 @@ UNKNOWN is a label, not a silent fallback: a corpus of "code" holds prose, JSON,
 magics and truncated files, and the honest annotation of text the Python tokenizer cannot read is "unknown".
 So ``char_structure_ids`` never raises: where the tokenizer stops (an exception in ``TOKENIZER_REJECTS``,
 an ``ERRORTOKEN`` or a character that is no Python operator), everything from that point on keeps id 0, and
-everything before keeps the labels it got. Python 3.11 reports bad characters as ``ERRORTOKEN`` where 3.12+
-raises; stopping at either makes the versions agree, and reading f-strings whole hides 3.12's f-string
-tokens. Builtins come from the running interpreter, so the pipeline should record its Python version.
+everything before keeps the labels it got. Python 3.11 reports a bad character as ``ERRORTOKEN`` where 3.12+
+raises or emits an ``OP`` no operator table knows (``$``); stopping at any of them, and reading f-strings whole
+(3.12+ splits them into tokens), makes 3.11, 3.12 and 3.13 label valid Python identically. On malformed text
+the point of rejection can still differ (3.12+ rejects NUL bytes and inconsistent tabs at the first line), and
+the builtin names come from the running interpreter, so the pipeline should record its Python version.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ the way Liger-Kernel's fused linear cross-entropy does for ``reduction="sum"``::
     dh_c     = G_c W          dW += G_c^T h_c
 
 Backward then only scales the stored ``dh`` and ``dW`` by the incoming scalar. Cost: ``dh [t, d]`` and an fp32
-``dW [v, d]`` are held from forward to backward, one logits pass instead of two (recomputing in backward
-would trade that memory for a second ``[t, d] x [d, v]`` matmul). Masked tokens contribute 0 to the loss and
+``dW [v, d]`` (2 GiB for NAM56R's head) are held from forward to backward, plus an fp32 copy of a bf16 ``W``
+during forward; in exchange one logits pass instead of two (recomputing in backward would trade that memory
+for a second ``[t, d] x [d, v]`` matmul). Masked tokens contribute 0 to the loss and
 to both gradients; their targets are never read, so any placeholder id (-100, -1) is safe there.
 """
 

@@ -107,11 +107,9 @@ class _Document(NamedTuple):
 
 @dataclass
 class _Source:
-    """The resolved input: the files to read, and what was skipped while choosing them."""
+    """The resolved input: the files to read, in order."""
 
-    root: Path
     files: list[Path]
-    skipped: dict[str, int] = field(default_factory=dict)
 
     @property
     def kinds(self) -> list[str]:
@@ -175,9 +173,9 @@ def _resolve_source(src: Path, out: Path) -> _Source:
             hint="nam data prepare PATH/TO/SOURCE --out DIR",
         )
     if src.is_file():
-        source = _Source(root=src.parent, files=[src])
+        source = _Source(files=[src])
     else:
-        source = _Source(root=src, files=_walk(src, out))
+        source = _Source(files=_walk(src, out))
         if not source.files:
             raise DataError(f"{src} holds no files to prepare", hint="nam data prepare PATH/TO/SOURCE --out DIR")
     parquet = [f for f in source.files if _kind_of(f) == "parquet"]
@@ -287,7 +285,11 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     if out.exists():
         old = out.parent / f"{out.name}.old-{os.getpid()}"
         out.rename(old)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except BaseException:
+            old.rename(out)  # put the old dataset back before the caller removes tmp
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
@@ -312,7 +314,8 @@ def _structure_ids(annotate: Annotator, doc: _Document, char_index: np.ndarray) 
         )
     if chars.size and (chars.min() < 0 or chars.max() > np.iinfo(STRUCTURE_DTYPE).max):
         raise DataError(
-            f"{doc.where}: structure ids range {chars.min()}..{chars.max()}, outside 0..{np.iinfo(STRUCTURE_DTYPE).max}",
+            f"{doc.where}: structure ids range {chars.min()}..{chars.max()}, "
+            f"outside 0..{np.iinfo(STRUCTURE_DTYPE).max}",
             hint="prepare without structure ids: nam data prepare SRC --out DIR --no-structure",
         )
     return chars[char_index]
@@ -351,7 +354,7 @@ def _write(
             structure_out = indexed.IndexedDatasetBuilder(str(tmp / f"{STRUCTURE}.bin"), dtype=STRUCTURE_DTYPE)
             builders.append((STRUCTURE, structure_out))
 
-        skipped: dict[str, int] = dict(source.skipped)
+        skipped: dict[str, int] = {}
         documents = tokens = 0
         max_id = max_struct = -1
         eod = np.asarray([tokenizer.eod], dtype=np.int64)
@@ -497,7 +500,7 @@ def build_stdlib_corpus(
 
     It is the installed Python standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``
     without site-packages, test suites, idlelib or lib2to3), sorted by path, capped at ``max_bytes`` of
-    source (default 4 MiB, about 250 files on CPython 3.11) and optionally ``max_files``. A folder that is
+    source (default 4 MiB: 266 files on CPython 3.11) and optionally ``max_files``. A folder that is
     already there is reused when it opens cleanly and was built with the same tokenizer, cap and structure
     choice; otherwise it is rebuilt. Since ``prepare`` only ever renames a complete folder into place, a
     present manifest means a finished build.
@@ -510,7 +513,7 @@ def build_stdlib_corpus(
         return out
     files = stdlib_files(max_files=max_files, max_bytes=max_bytes)
     try:
-        _write(_Source(root=root, files=files), out, tokenizer, annotate=annotate, overwrite=True,
+        _write(_Source(files=files), out, tokenizer, annotate=annotate, overwrite=True,
                progress=progress, source_info=source_info)
     except DataError:
         # Another process may have finished the same build first; its folder is as good as ours.

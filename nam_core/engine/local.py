@@ -1,0 +1,167 @@
+"""The local engine: one process, CPU or one GPU. The reference loop every other engine is compared with.
+
+Per optimizer step: ``nam_before_step``; ``grad_accum`` micro-batches of forward + backward; the global
+grad norm (clipped); the NaN/Inf guard; the optimizer and LR-schedule step; one metrics line;
+``nam_after_step``; a checkpoint every ``checkpoint_every`` steps and at the end.
+
+Resume is bit-exact: model, optimizer, LR schedule and RNG come from the checkpoint, and the data order is a
+pure function of (seed, step), so step N of a resumed run sees what step N of an uninterrupted run saw.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nam_core.engine import checkpoint
+from nam_core.engine.config import TrainConfig
+from nam_core.engine.metrics import MetricsLog
+from nam_core.errors import TrainingGuardError
+
+
+@dataclass
+class LocalRun:
+    """Everything one run needs. ``forward(batch, micro_batch_id) -> dict`` must return ``loss``."""
+
+    run_dir: Path
+    train: TrainConfig
+    model: torch.nn.Module
+    forward: Callable[[dict, int], dict]
+    batch_at: Callable[[int, int], dict]
+    host: Any
+    max_steps: int
+    flops_per_token: float
+    record: dict = field(default_factory=dict)
+    """Identity of the run (config, plugins) stored in every checkpoint manifest."""
+    resume_from: Path | None = None
+    quiet: bool = False
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    log: MetricsLog | None = None
+    step: int = 0
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup to the peak, cosine decay to ``min_lr_ratio`` at ``total_steps``, flat after."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on vectors (norm weights, biases, per-head scalars)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+    )
+
+
+def _memory_gib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    # Peak resident set of this process (Linux reports KiB).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _first_non_finite(model: torch.nn.Module) -> str:
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            return f"parameter {name}"
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return f"gradient of {name}"
+    return "none (the loss itself is non-finite)"
+
+
+def _truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Drop metrics lines after the checkpoint a run resumes from (they will be produced again)."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= last_step]
+        path.write_text("".join(l + "\n" for l in keep))
+
+
+def train(run: LocalRun) -> dict:
+    cfg = run.train
+    ckpt_root = run.run_dir / "checkpoints"
+    run.optimizer = make_optimizer(run.model, cfg)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg))
+    start = 0
+    if run.resume_from is not None:
+        manifest = checkpoint.load(run.resume_from, model=run.model, optimizer=run.optimizer,
+                                   scheduler=run.scheduler)
+        start = manifest["step"]
+        _truncate_metrics(run.run_dir, start)
+    run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
+    if run.resume_from is not None:
+        run.log.note(f"resumed from {run.resume_from} at step {start}")
+    tokens_per_step = None
+    last_good = checkpoint.good_checkpoints(ckpt_root)[-1:] or [None]
+    last_good = last_good[0]
+    try:
+        for step in range(start, run.max_steps):
+            run.step = step
+            run.host.before_step(step, run)
+            t0 = time.perf_counter()
+            run.model.train()
+            totals: dict[str, float] = {}
+            n_tokens = 0
+            for micro in range(cfg.grad_accum):
+                batch = run.batch_at(step * cfg.grad_accum + micro, cfg.micro_batch_size)
+                out = run.forward(batch, step * cfg.grad_accum + micro)
+                (out["loss"] / cfg.grad_accum).backward()
+                for key, value in out.items():
+                    totals[key] = totals.get(key, 0.0) + value.detach().float().item() / cfg.grad_accum
+                n_tokens += batch["tokens"].numel()
+            params = [p for p in run.model.parameters() if p.grad is not None]
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            if not (math.isfinite(totals["loss"]) and math.isfinite(grad_norm)):
+                raise TrainingGuardError(
+                    f"non-finite {'loss' if not math.isfinite(totals['loss']) else 'gradient norm'} at step "
+                    f"{step}: first non-finite is {_first_non_finite(run.model)}; "
+                    f"last good checkpoint: {last_good or 'none'}",
+                    hint=f"resume from it with a lower lr: nam train --resume {last_good or 'auto'} "
+                         f"--run-dir {run.run_dir} --set train.lr=...",
+                )
+            lr = run.scheduler.get_last_lr()[0]
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.scheduler.step()
+            if cfg.device == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tokens_per_s = n_tokens / dt
+            metrics = {"step": step + 1, **{k: round(v, 6) for k, v in totals.items()}, "lr": lr,
+                       "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                       "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12,
+                       "mem_gib": _memory_gib(cfg.device), "step_time_s": dt}
+            run.host.after_step(step, run, metrics)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps:
+                run.log.log(metrics)
+            run.log.advance()
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == run.max_steps:
+                last_good = checkpoint.save(
+                    ckpt_root, step + 1, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                    extra={"record": run.record}, keep=cfg.keep_checkpoints,
+                )
+            tokens_per_step = n_tokens
+    finally:
+        run.log.close()
+    summary = {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
+               "tokens_per_step": tokens_per_step}
+    return summary

@@ -1,0 +1,62 @@
+"""Where step metrics go: metrics.jsonl always, a progress bar on a terminal (plain lines otherwise),
+TensorBoard event files when the tensorboard package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, *, start_step: int, total_steps: int, quiet: bool = False):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
+        self.tty = sys.stderr.isatty() and not quiet
+        self.quiet = quiet
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True) if self.tty else None
+        self.tb = None
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step)
+
+    def log(self, metrics: dict) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        step = metrics["step"]
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, step)
+        line = (f"step {step} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
+                f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:.0f}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(line.split(" ", 2)[2])
+        elif not self.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def note(self, message: str) -> None:
+        """A one-off message (plugin hand-over, checkpoint saved), without breaking the bar."""
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        elif not self.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self._file.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -245,10 +245,10 @@ class PluginHost:
 
         For listing (``nam patches``): a plugin whose device requirements fail here still shows its patches.
         """
+        ev = Evaluation(requested=[name], device=DeviceInfo.profile("cpu"))
+        if self._load_checked(name, ev) is None:
+            raise PluginActivationError(ev.failures)
         info = self.info(name)
-        if info is None:
-            raise PluginActivationError([Check(name, "import", FAIL, "an importable plugin", "it does not import")],
-                                        hint=f"`nam preflight --plugins {name}` shows why")
         pm = _new_manager()
         module = self.installed[name].load()
         pm.register(module, name=name)

@@ -90,10 +90,25 @@ def nam_preflight(device, config):
 
 NO_PLUGIN_OBJECT = "x = 1\n"
 
+WITH_PATCH = HEADER + '''
+from nam_core import Patch
+PLUGIN = PluginInfo(summary="carries a patch", provides={"patches": ["demo-fix"]},
+                    requires=(Requirement.cuda_device(),))
+BUG = {"present": True}
+
+def _apply():
+    BUG["present"] = False
+
+@hookimpl
+def nam_register_patches(register):
+    register("demo-fix", Patch(name="demo-fix", target="pluggy", versions=">=1", summary="demo",
+                               retire_when="pluggy 99", detect=lambda: BUG["present"], apply=_apply))
+'''
+
 ALL = {
     "good": GOOD, "big": BIG_SMEM, "needs-pkg": NEEDS_PACKAGE, "broken": BROKEN_IMPORT,
     "conflicts": CONFLICTS, "typo": TYPO_HOOK, "undeclared": UNDECLARED, "clash": CLASH,
-    "cfgcheck": CONFIG_CHECK, "launch": LAUNCH, "noplugin": NO_PLUGIN_OBJECT,
+    "cfgcheck": CONFIG_CHECK, "launch": LAUNCH, "noplugin": NO_PLUGIN_OBJECT, "patched": WITH_PATCH,
 }
 
 CPU = DeviceInfo.profile("cpu")
@@ -225,3 +240,20 @@ def test_a_host_activates_once(host):
     h.activate(["good"], CPU)
     with pytest.raises(RuntimeError):
         h.activate(["good"], CPU)
+
+
+def test_patches_are_listed_without_activation_and_applied_after_it(host):
+    from nam_core.patches import APPLIED, NEEDED, apply_all
+
+    [entry] = host().declared_patches("patched")  # listed even though this CPU fails its requirement
+    assert entry.impl.state()[0] == NEEDED and entry.plugin == "patched"
+    h = host()
+    h.activate(["patched"], H100)
+    [report] = apply_all(h.registry("patches"))
+    assert report.state == APPLIED and report.name == "demo-fix"
+
+
+def test_declared_patches_of_an_unknown_plugin_lists_the_installed_ones(host):
+    with pytest.raises(PluginActivationError) as e:
+        host().declared_patches("nope")
+    assert "installed" in e.value.message and "patched" in e.value.message

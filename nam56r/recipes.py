@@ -118,13 +118,25 @@ def _coerce(raw: str, annotation, key: str):
                       hint="change it in a recipe function instead")
 
 
+def _field_type(name: str, types: dict, *, key: str, owner: str, shown_prefix: str, excluded: str,
+                recipe_name: str):
+    """The declared type of field ``name``; a ConfigError with close matches when there is no such field."""
+    import difflib
+
+    if name in types and name != excluded:
+        return types[name]
+    close = difflib.get_close_matches(name, types, n=3)
+    did = f" (did you mean {', '.join(shown_prefix + c for c in close)}?)" if close else ""
+    raise ConfigError(f"--set {key}: {owner} has no field {name!r}{did}",
+                      hint=f"`nam recipe show {recipe_name}` lists every field")
+
+
 def apply_overrides(recipe: Recipe, overrides: list[str], *, plugin_names: list[str] = ()) -> Recipe:
     """Apply ``key=value`` overrides: model fields by name, ``train.<field>``, or ``<plugin>.<option>``.
 
     Unknown keys and mistyped values are ConfigErrors; plugin options go to ``train.plugin_options`` and
     are validated by the plugin's config check.
     """
-    import difflib
     import typing
 
     model_types = typing.get_type_hints(NAM56RConfig)
@@ -138,24 +150,18 @@ def apply_overrides(recipe: Recipe, overrides: list[str], *, plugin_names: list[
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE", hint="e.g. --set hidden=128")
         prefix, dot, rest = key.partition(".")
         if dot and prefix == "train":
-            if rest not in train_types or rest == "plugin_options":
-                close = difflib.get_close_matches(rest, train_types, n=3)
-                raise ConfigError(f"--set {key}: TrainConfig has no field {rest!r}"
-                                  + (f" (did you mean {', '.join('train.' + c for c in close)}?)" if close else ""),
-                                  hint=f"`nam recipe show {recipe.name}` lists every field")
-            train_changes[rest] = _coerce(raw, train_types[rest], key)
+            field_type = _field_type(rest, train_types, key=key, owner="TrainConfig", shown_prefix="train.",
+                                     excluded="plugin_options", recipe_name=recipe.name)
+            train_changes[rest] = _coerce(raw, field_type, key)
         elif dot:
             if prefix not in plugin_names:
                 raise ConfigError(f"--set {key}: {prefix!r} is neither 'train' nor an active plugin",
                                   hint=f"activate it with --plugins {prefix}, or check the key")
             options[key] = raw
         else:
-            if key not in model_types or key == "name":
-                close = difflib.get_close_matches(key, model_types, n=3)
-                raise ConfigError(f"--set {key}: the model config has no field {key!r}"
-                                  + (f" (did you mean {', '.join(close)}?)" if close else ""),
-                                  hint=f"`nam recipe show {recipe.name}` lists every field")
-            model_changes[key] = _coerce(raw, model_types[key], key)
+            field_type = _field_type(key, model_types, key=key, owner="the model config", shown_prefix="",
+                                     excluded="name", recipe_name=recipe.name)
+            model_changes[key] = _coerce(raw, field_type, key)
     return dataclasses.replace(
         recipe, model=recipe.model.replace(**model_changes),
         train=recipe.train.replace(**train_changes, plugin_options=options),

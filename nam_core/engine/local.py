@@ -110,8 +110,8 @@ def train(run: LocalRun) -> dict:
     if run.resume_from is not None:
         run.log.note(f"resumed from {run.resume_from} at step {start}")
     tokens_per_step = None
-    last_good = checkpoint.good_checkpoints(ckpt_root)[-1:] or [None]
-    last_good = last_good[0]
+    good = checkpoint.good_checkpoints(ckpt_root)
+    last_good = good[-1] if good else None
     try:
         for step in range(start, run.max_steps):
             run.step = step

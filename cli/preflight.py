@@ -27,12 +27,21 @@ def preflight(
         config = get_recipe(recipe)
         recipe_plugins = config.plugins
     names = requested_plugins(recipe_plugins, plugins)
-    ev = PluginHost().evaluate(names, device, config)
+    host = PluginHost()
+    if config is not None:
+        from nam56r.recipes import apply_plugin_selections
+
+        infos = {n: info for n in names if n in host.installed and (info := host.info(n)) is not None}
+        config = apply_plugin_selections(config, infos)
+    ev = host.evaluate(names, device, config)
+    notes = list(config.notes) if config is not None else []
     if json_out:
-        print_json({"device": device.to_dict(), "plugins": names, "ok": ev.ok,
+        print_json({"device": device.to_dict(), "plugins": names, "ok": ev.ok, "selected_by_plugins": notes,
                     "checks": [c.to_dict() for c in ev.checks]})
     else:
         _print(device, names, ev)
+        for line in notes:
+            out.print(f"config: {line}")
     if not ev.ok:
         raise typer.Exit(code=3)
 

@@ -134,7 +134,9 @@ def train(
                           hint="use --engine local (the megatron engine arrives with its own release)")
     base = get_recipe(recipe)
     names = requested_plugins(base.plugins, plugins)
-    rec = apply_overrides(base, list(set_ or []), plugin_names=names)
+    host = PluginHost()
+    infos = {n: info for n in names if n in host.installed and (info := host.info(n)) is not None}
+    rec = apply_overrides(base, list(set_ or []), plugin_names=names, plugin_infos=infos)
     if seed is not None:
         rec = dataclasses.replace(rec, train=rec.train.replace(seed=seed))
     if device is not None:
@@ -144,15 +146,15 @@ def train(
         raise ConfigError(f"--max-steps must be >= 1, found {steps}", hint="--max-steps 80")
     dev = _device(rec.train.device)
 
-    host = PluginHost()
     host.activate(names, dev, rec)  # PluginActivationError (exit 3) lists every failed check
     patch_reports = apply_all(host.registry("patches"))
-    backends = Backends.from_registries(host.registries, rec.model)
+    backends = Backends.from_registries(host.registries, rec.model, options=rec.train.plugin_options,
+                                        device=rec.train.device)
     flops = flops_per_token(rec.model).total
 
     if dry_run:
         model = build_model(rec.model, backends, device="meta")
-        plan = {"recipe": rec.name, "plugins": names, "device": dev.label, "max_steps": steps,
+        plan = {"recipe": rec.name, "plugins": names, "selected_by_plugins": rec.notes, "device": dev.label, "max_steps": steps,
                 "parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops,
                 "layers": "".join(l.spec.symbol for l in model.layers),
                 "backends": {f.name: type(getattr(backends, f.name)).__name__ for f in dataclasses.fields(backends)},
@@ -192,7 +194,7 @@ def train(
 
     run = LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
                    host=host, max_steps=steps, flops_per_token=flops, record=record,
-                   resume_from=resume_from, quiet=quiet or json_out)
+                   resume_from=resume_from, quiet=quiet or json_out, notes=list(rec.notes))
     summary = local_train(run)
     from nam_core.engine.metrics import read_metrics
 

@@ -5,18 +5,40 @@ attention over a latent KV, the LM head + cross-entropy, the DSA top-k selection
 (``nam56r/reference``) implements every protocol in pure PyTorch; GPU plugins implement the same calls with
 kernels and are tested against the reference.
 
-Registries hold *classes*; the model instantiates one object per backend name with no arguments and hands it
-to every block that needs it.
+Registries hold *classes*; the engine builds one object per backend name (``build_backend``) and the model
+hands it to every block that needs it. A class with a ``build(ctx: BackendContext)`` classmethod is built
+from the model config, the plugin options and the device; any other class is called with no arguments.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
+    from nam56r.config import NAM56RConfig
     from nam56r.state import ForwardState
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend class may read when it is built (``cls.build(ctx)``)."""
+
+    model: NAM56RConfig
+    options: Mapping[str, str] = field(default_factory=dict)
+    """``train.plugin_options``: ``"<plugin>.<option>" -> raw value``, already accepted by the plugin's check."""
+    registries: Mapping[str, Any] = field(default_factory=dict)
+    """The active registries by kind, for a backend that wraps another (lemyx runs ``lemyx.sparse`` after it)."""
+    device: str = "cpu"
+    """``train.device``: ``cpu`` or ``cuda``."""
+
+
+def build_backend(cls: type, ctx: BackendContext) -> Any:
+    """``cls.build(ctx)`` when the class defines it, else ``cls()``."""
+    build = getattr(cls, "build", None)
+    return build(ctx) if build is not None else cls()
 
 
 @runtime_checkable
@@ -131,3 +153,31 @@ class IndexerStrategy(Protocol):
     def select(
         self, layer: torch.nn.Module, x: torch.Tensor, qr: torch.Tensor, state: ForwardState | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@runtime_checkable
+class WarmupStrategy(IndexerStrategy, Protocol):
+    """An indexer strategy that, while ``warming_up()``, computes a DSA layer's dense attention itself.
+
+    During the indexer warm-up (DeepSeek-V3.2's dense stage) a DSA layer attends over every past key and its
+    indexer learns the attention's distribution. A strategy of this kind produces the attention output and
+    the indexer's KL loss together (e.g. one fused kernel) instead of the layer calling the attention core
+    and then a separate KL::
+
+        layer    the DSA block (as for ``select``)
+        q        [b, s, h, dk]  MLA's absorbed query (carries the main model's graph)
+        kv       [b, s, dk]     MLA's KV row (value = first ``layer.kv_lora`` dims; carries the graph)
+        x, qr    detached block input and query latent, for the indexer
+        state    the ForwardState, or None (no losses)
+        returns  [b, s, h, kv_lora] attention output; the strategy adds ``indexer_kl`` (times the layer's
+                 ``cfg.indexer_loss_coeff``) to ``state`` itself
+
+    When ``warming_up()`` is False the layer runs ``select`` and the sparse path as for any strategy.
+    """
+
+    def warming_up(self) -> bool: ...
+
+    def attend_dense(
+        self, layer: torch.nn.Module, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
+        state: ForwardState | None,
+    ) -> torch.Tensor: ...

@@ -13,11 +13,12 @@ Loss, for one micro-batch::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from nam56r.backends import BackendContext, build_backend
 from nam56r.blocks.dsa import DSA
 from nam56r.blocks.mamba3 import Mamba3Mixer
 from nam56r.blocks.mla import MLA
@@ -40,13 +41,20 @@ class Backends:
     indexer: Any
 
     @classmethod
-    def from_registries(cls, registries: dict, cfg: NAM56RConfig) -> "Backends":
-        """Instantiate the backends ``cfg`` names from active registries (UnknownBackendError otherwise)."""
+    def from_registries(
+        cls, registries: dict, cfg: NAM56RConfig, *, options: Mapping[str, str] | None = None, device: str = "cpu",
+    ) -> "Backends":
+        """Build the backends ``cfg`` names from active registries (UnknownBackendError otherwise).
+
+        ``options`` are the run's plugin options (``train.plugin_options``) and ``device`` its device; both
+        reach backends that define ``build(ctx)`` (see ``nam56r.backends.BackendContext``).
+        """
+        ctx = BackendContext(model=cfg, options=dict(options or {}), registries=registries, device=device)
         return cls(
-            ssm=registries["ssm_mixers"].get(cfg.ssm_backend)(),
-            attention=registries["attention_backends"].get(cfg.attention_backend)(),
-            ce=registries["ce_heads"].get(cfg.ce_backend)(),
-            indexer=registries["indexers"].get(cfg.indexer)(),
+            ssm=build_backend(registries["ssm_mixers"].get(cfg.ssm_backend), ctx),
+            attention=build_backend(registries["attention_backends"].get(cfg.attention_backend), ctx),
+            ce=build_backend(registries["ce_heads"].get(cfg.ce_backend), ctx),
+            indexer=build_backend(registries["indexers"].get(cfg.indexer), ctx),
         )
 
     @classmethod

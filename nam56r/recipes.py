@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from nam56r.config import NAM56RConfig
 from nam_core.engine.config import TrainConfig
@@ -23,6 +23,8 @@ class Recipe:
     train: TrainConfig
     plugins: list[str] = field(default_factory=list)
     """Plugins this recipe needs; merged with --plugins and NAM_PLUGINS."""
+    notes: list[str] = field(default_factory=list)
+    """How requested plugins changed the config (``PluginInfo.selects``); printed before a run starts."""
 
     def to_dict(self) -> dict:
         return {"name": self.name, "summary": self.summary, "plugins": list(self.plugins),
@@ -131,11 +133,15 @@ def _field_type(name: str, types: dict, *, key: str, owner: str, shown_prefix: s
                       hint=f"`nam recipe show {recipe_name}` lists every field")
 
 
-def apply_overrides(recipe: Recipe, overrides: list[str], *, plugin_names: list[str] = ()) -> Recipe:
+def apply_overrides(
+    recipe: Recipe, overrides: list[str], *, plugin_names: list[str] = (), plugin_infos: Mapping | None = None,
+) -> Recipe:
     """Apply ``key=value`` overrides: model fields by name, ``train.<field>``, or ``<plugin>.<option>``.
 
     Unknown keys and mistyped values are ConfigErrors; plugin options go to ``train.plugin_options`` and
-    are validated by the plugin's config check.
+    are validated by the plugin's config check. ``plugin_infos`` (name -> PluginInfo of the requested
+    plugins) then fill the fields the requested plugins select (``apply_plugin_selections``), leaving every
+    field the overrides set alone.
     """
     import typing
 
@@ -162,7 +168,59 @@ def apply_overrides(recipe: Recipe, overrides: list[str], *, plugin_names: list[
             field_type = _field_type(key, model_types, key=key, owner="the model config", shown_prefix="",
                                      excluded="name", recipe_name=recipe.name)
             model_changes[key] = _coerce(raw, field_type, key)
-    return dataclasses.replace(
+    recipe = dataclasses.replace(
         recipe, model=recipe.model.replace(**model_changes),
         train=recipe.train.replace(**train_changes, plugin_options=options),
     )
+    return apply_plugin_selections(recipe, plugin_infos or {}, explicit=set(model_changes) | set(options))
+
+
+def apply_plugin_selections(recipe: Recipe, infos: Mapping, *, explicit: set[str] = frozenset()) -> Recipe:
+    """Set the model fields that requested plugins select (``PluginInfo.selects``), noting each change.
+
+    ``infos``: plugin name -> PluginInfo, for the requested plugins. ``explicit``: model fields and plugin
+    options the user set, which no selection touches. Per field: the plain selections must agree (else a
+    ConfigError naming the plugins and the ``--set`` that settles it); a plugin that *wraps* the field takes
+    it and receives the value it displaced (the plain selection, or the recipe's) in its wrap option.
+    """
+    import typing
+
+    model_types = typing.get_type_hints(NAM56RConfig)
+    changes: dict[str, object] = {}
+    options = dict(recipe.train.plugin_options)
+    notes: list[str] = []
+    for fld in sorted({f for info in infos.values() for f in info.selects}):
+        pickers = {name: info.selects[fld] for name, info in infos.items() if fld in info.selects}
+        if fld not in model_types or fld == "name":
+            raise ConfigError(f"plugin(s) {', '.join(pickers)} select {fld!r}, which is not a model-config field",
+                              hint="report this to the plugin's authors; deactivate it meanwhile")
+        current = getattr(recipe.model, fld)
+        if fld in explicit:
+            for name, value in pickers.items():
+                if value != current:
+                    notes.append(f"{fld}={current} (your --set; plugin {name} would have selected {value})")
+            continue
+        plain = {n: v for n, v in pickers.items() if fld not in infos[n].wraps}
+        wrappers = {n: v for n, v in pickers.items() if fld in infos[n].wraps}
+        if len(set(plain.values())) > 1 or len(wrappers) > 1:
+            both = ", ".join(f"{n} -> {v}" for n, v in pickers.items())
+            raise ConfigError(f"requested plugins select different values for {fld!r}: {both}",
+                              hint=f"choose one with --set {fld}=VALUE, or request fewer plugins")
+        base = next(iter(plain.values()), current)
+        source = f"selected by plugin {', '.join(plain)}" if plain else "the recipe's"
+        if wrappers:
+            (name, value), = wrappers.items()
+            option = infos[name].wraps[fld]
+            if option not in explicit:
+                options[option] = str(base)
+                notes.append(f"{fld}={value} (selected by plugin {name}; after it, {option}={base}: {source})")
+            else:
+                notes.append(f"{fld}={value} (selected by plugin {name}; {option}={options[option]} is your --set)")
+            base = value
+        elif plain:
+            notes.append(f"{fld}={base} ({source})")
+        changes[fld] = _coerce(str(base), model_types[fld], fld)
+    if not changes and not notes:
+        return recipe
+    return dataclasses.replace(recipe, model=recipe.model.replace(**changes),
+                               train=recipe.train.replace(plugin_options=options), notes=recipe.notes + notes)

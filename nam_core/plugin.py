@@ -21,6 +21,19 @@ class PluginInfo:
     """Plugin names that must not be active at the same time, each with this plugin."""
     conflict_reason: str = ""
     """Why the conflicts exist (shown in the activation error)."""
+    selects: Mapping[str, str] = field(default_factory=dict)
+    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer": "lemyx"}``.
+
+    Naming a plugin is the user's choice of what it provides, so ``--plugins index-cache`` alone selects the
+    ``index-cache`` indexer. An explicit ``--set field=...`` always wins; two requested plugins selecting
+    different values for one field is a config error unless one of them ``wraps`` the field.
+    """
+    wraps: Mapping[str, str] = field(default_factory=dict)
+    """Field -> option of this plugin that receives the value its selection displaced.
+
+    ``{"indexer": "lemyx.sparse"}``: lemyx takes the ``indexer`` field and runs the strategy it would
+    otherwise have held (``full``, or ``index-cache`` when that plugin is requested too) after its warm-up.
+    """
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.provides) - set(KINDS))
@@ -29,6 +42,9 @@ class PluginInfo:
         for req in self.requires:
             if not isinstance(req, Requirement):
                 raise TypeError(f"PluginInfo.requires holds {req!r}; expected Requirement objects")
+        stray = sorted(set(self.wraps) - set(self.selects))
+        if stray:
+            raise ValueError(f"PluginInfo.wraps names fields {stray} that PluginInfo.selects does not select")
 
     def to_dict(self) -> dict:
         return {
@@ -36,4 +52,6 @@ class PluginInfo:
             "provides": {k: list(v) for k, v in self.provides.items()},
             "requires": [r.to_dict() for r in self.requires],
             "conflicts": list(self.conflicts),
+            "selects": dict(self.selects),
+            "wraps": dict(self.wraps),
         }

@@ -12,6 +12,8 @@ indexer. Per forward:
    form in warm-up, the top-k-restricted form after (kernels-and-math.md section 2.4). Its teacher is built
    from detached queries/keys, so it trains the indexer only.
 
+A ``WarmupStrategy`` that is warming up (lemyx) replaces steps 2-4 with its own dense attention + KL.
+
 Freezing everything but the indexer during warm-up (DeepSeek-V3.2 trains only the indexer for its first
 1000 steps) is the optimizer's job, not this block's.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nam56r.backends import AttentionCore, IndexerStrategy
+from nam56r.backends import AttentionCore, IndexerStrategy, WarmupStrategy
 from nam56r.blocks.indexer import LightningIndexer, indexer_kl_dense, indexer_kl_sparse
 from nam56r.blocks.mla import MLA
 from nam56r.config import NAM56RConfig
@@ -51,6 +53,10 @@ class DSA(MLA):
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         """``x [b, s, hidden]`` -> ``[b, s, hidden]``, causal; adds ``indexer_kl`` to ``state`` when given."""
         qr, q, kv = self.project(x)  # [b, s, q_lora], [b, s, h, kv_lora + rope], [b, s, kv_lora + rope]
+        strategy = self.indexer_strategy
+        if isinstance(strategy, WarmupStrategy) and strategy.warming_up():
+            # The strategy's own dense stage: attention output and indexer KL from one call (e.g. lemyx).
+            return self.output(strategy.attend_dense(self, q, kv, x.detach(), qr.detach(), state))
         indices, index_scores = self.indexer_strategy.select(self, x.detach(), qr.detach(), state)  # [b, s, k]
 
         attend = dict(scale=self.softmax_scale, d_v=self.kv_lora)

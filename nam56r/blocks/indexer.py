@@ -42,7 +42,9 @@ __all__ = [
     "LightningIndexer",
     "causal_topk",
     "gather_keys",
+    "index_scores",
     "indexer_kl_dense",
+    "indexer_kl_dense_rows",
     "indexer_kl_sparse",
     "live_slots",
 ]
@@ -122,16 +124,27 @@ class LightningIndexer(nn.Module):
         rope, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat((apply_rope_halves(rope, self.cfg.rope_theta), rest), dim=-1)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
-        """``x [b, s, hidden]``, ``qr [b, s, q_lora]`` -> fp32 scores ``[b, s, s]``, ``-inf`` on future keys."""
+    def inputs(self, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The score inputs: rotated ``q [b, s, H, d]`` and ``k [b, s, d]`` in the model's dtype, and the head
+        weights ``w [b, s, H]`` in fp32 (fp64 for fp64 inputs). A fused kernel takes these three."""
         acc = _acc_dtype(x)
         q = self._rotate(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)))  # [b, s, H, d]
         k = self._rotate(self.k_norm(self.wk(x)))  # [b, s, d]: one key head shared by all index heads
         # Head weights: H^-0.5 * d^-0.5 as in DeepSeek-V3.2's Indexer (tilelang's finetune example instead
         # scales after the head sum; the two differ only by a constant temperature).
         w = F.linear(x.to(acc), self.weights_proj.weight.to(acc)) * (self.heads**-0.5 * self.head_dim**-0.5)
-        scores = _IndexScores.apply(q.to(acc), k.to(acc), w)  # [b, s, s]
-        return scores.masked_fill(_future(x.shape[1], x.device), float("-inf"))
+        return q, k, w
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """``x [b, s, hidden]``, ``qr [b, s, q_lora]`` -> fp32 scores ``[b, s, s]``, ``-inf`` on future keys."""
+        return index_scores(*self.inputs(x, qr))
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Causal-masked scores ``[b, s, s]`` in ``w``'s dtype from ``q [b, s, H, d]``, ``k [b, s, d]``, ``w [b, s, H]``."""
+    acc = w.dtype
+    scores = _IndexScores.apply(q.to(acc), k.to(acc), w)  # [b, s, s]
+    return scores.masked_fill(_future(q.shape[1], q.device), float("-inf"))
 
 
 # --- selection ------------------------------------------------------------------------------------
@@ -208,11 +221,20 @@ def _teacher_sparse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sc
 
 
 def _kl_rows(p: torch.Tensor, student: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Mean over query rows of ``KL(p || softmax(student))`` restricted to ``live`` entries."""
+    """Per query row, ``KL(p || softmax(student))`` restricted to ``live`` entries: ``[b, s]``."""
     # A finite fill keeps dead entries out of the softmax without -inf * 0 = NaN in forward or backward.
     log_q = student.masked_fill(~live, torch.finfo(student.dtype).min).log_softmax(dim=-1)
     terms = torch.where(live, p * (p.clamp(min=_LOG_FLOOR).log() - log_q), 0.0)
-    return terms.sum(-1).mean()
+    return terms.sum(-1)
+
+
+def indexer_kl_dense_rows(
+    index_scores: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``indexer_kl_dense`` before the mean: one KL per query row, ``[b, s]``."""
+    p = _teacher_dense(q, kv, scale)
+    live = ~_future(index_scores.shape[-1], index_scores.device)
+    return _kl_rows(p.to(index_scores.dtype), index_scores, live.expand_as(index_scores))
 
 
 def indexer_kl_dense(index_scores: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
@@ -221,9 +243,7 @@ def indexer_kl_dense(index_scores: torch.Tensor, q: torch.Tensor, kv: torch.Tens
     ``index_scores [b, s, s]`` (graph to the indexer), ``q [b, s, h, dk]`` and ``kv [b, s, dk]`` MLA's
     absorbed query and KV (used detached), ``scale`` MLA's softmax scale. Returns an fp32 scalar.
     """
-    p = _teacher_dense(q, kv, scale)
-    live = ~_future(index_scores.shape[-1], index_scores.device)
-    return _kl_rows(p.to(index_scores.dtype), index_scores, live.expand_as(index_scores))
+    return indexer_kl_dense_rows(index_scores, q, kv, scale).mean()
 
 
 def indexer_kl_sparse(
@@ -232,4 +252,4 @@ def indexer_kl_sparse(
     """Sparse-stage loss (paper eq. 4): as ``indexer_kl_dense`` with both sides restricted to ``indices``."""
     p = _teacher_sparse(q, kv, indices, scale)  # [b, s, k]
     student = index_scores.gather(-1, indices.clamp(min=0))  # [b, s, k]
-    return _kl_rows(p.to(index_scores.dtype), student, live_slots(indices))
+    return _kl_rows(p.to(index_scores.dtype), student, live_slots(indices)).mean()

@@ -47,6 +47,8 @@ class LocalRun:
     scheduler: Any = None
     log: MetricsLog | None = None
     step: int = 0
+    notes: list[str] = field(default_factory=list)
+    """Lines for the run log before the first step (e.g. which fields the requested plugins selected)."""
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -109,6 +111,8 @@ def train(run: LocalRun) -> dict:
     run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
     if run.resume_from is not None:
         run.log.note(f"resumed from {run.resume_from} at step {start}")
+    for line in run.notes:
+        run.log.note(line)
     tokens_per_step = None
     good = checkpoint.good_checkpoints(ckpt_root)
     last_good = good[-1] if good else None

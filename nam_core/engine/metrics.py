@@ -1,5 +1,6 @@
 """Where step metrics go: metrics.jsonl always, a progress bar on a terminal (plain lines otherwise),
-TensorBoard event files when the tensorboard package is installed."""
+TensorBoard event files when the tensorboard package is installed. One-off notes (a plugin's hand-over, the
+fields plugins selected) go to the terminal and to ``run.log`` in the run folder, even under ``--quiet``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ class MetricsLog:
     def __init__(self, run_dir: Path, *, start_step: int, total_steps: int, quiet: bool = False):
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
+        self._notes = open(run_dir / "run.log", "a", buffering=1)
+        self.step = start_step
         self.tty = sys.stderr.isatty() and not quiet
         self.quiet = quiet
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True) if self.tty else None
@@ -39,11 +42,13 @@ class MetricsLog:
             print(line, file=sys.stderr, flush=True)
 
     def advance(self) -> None:
+        self.step += 1
         if self.bar is not None:
             self.bar.update(1)
 
     def note(self, message: str) -> None:
         """A one-off message (plugin hand-over, checkpoint saved), without breaking the bar."""
+        self._notes.write(f"[step {self.step}] {message}\n")
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
         elif not self.quiet:
@@ -55,6 +60,7 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.close()
         self._file.close()
+        self._notes.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -24,7 +24,7 @@ from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
 from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost
-from nam_core.requirements import FAIL, PASS
+from nam_core.requirements import FAIL, PASS, SKIP
 from nam_plugin_index_cache.cache import CACHE_KEY, IndexCache, default_pattern, saved_fraction, source_rank
 
 CPU = DeviceInfo.profile("cpu")
@@ -257,9 +257,20 @@ def test_activates_with_reference_and_the_configured_pattern_reaches_the_strateg
     rec = recipe_with("index-cache.pattern=FSFSFSFSF")
     host = PluginHost()
     host.activate(PLUGINS, CPU, rec)
-    strategy = Backends.from_registries(host.registries, rec.model).indexer
+    strategy = Backends.from_registries(host.registries, rec.model, options=rec.train.plugin_options).indexer
     assert isinstance(strategy, IndexCache) and strategy.pattern == "FSFSFSFSF"
-    assert IndexCache().pattern is None  # the binding lives in the registered subclass only
+    assert IndexCache().pattern is None
+
+
+def test_requesting_the_plugin_selects_its_strategy_unless_set():
+    infos = {n: PluginHost().info(n) for n in PLUGINS}
+    rec = apply_overrides(get_recipe("nam56r-tiny"), [], plugin_names=PLUGINS, plugin_infos=infos)
+    assert rec.model.indexer == "index-cache"
+    assert rec.notes == ["indexer=index-cache (selected by plugin index-cache)"]
+    rec = apply_overrides(get_recipe("nam56r-tiny"), ["indexer=full"], plugin_names=PLUGINS, plugin_infos=infos)
+    assert rec.model.indexer == "full" and "would have selected index-cache" in rec.notes[0]
+    checks = plugin.nam_check_config(config=rec, device=CPU)
+    assert [c.name for c in checks if c.status == SKIP] == ["selected"]
 
 
 # --- the CLI ---------------------------------------------------------------------------------------
@@ -276,7 +287,7 @@ def corpus(tmp_path_factory):
     return out
 
 
-FAST = ["--plugins", "index-cache", "--set", "indexer=index-cache", "--set", "seq_len=32",
+FAST = ["--plugins", "index-cache", "--set", "seq_len=32",
         "--set", "train.micro_batch_size=2"]
 
 

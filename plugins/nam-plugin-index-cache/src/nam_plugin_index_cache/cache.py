@@ -39,6 +39,8 @@ from nam56r.state import ForwardState
 FULL, SHARED = "F", "S"
 FULL_EVERY = 3
 """Default rule: Full at DSA ranks 0, 3, 6, ... (cppmega ``CPPMEGA_INDEX_CACHE_FULL_LAYERS=0,3,6``, §4)."""
+OPTION_PATTERN = "index-cache.pattern"
+"""The plugin option that sets the pattern (``--set index-cache.pattern=FSSFSSFSS``)."""
 CACHE_KEY = "index-cache"
 """This strategy's slot in ``ForwardState.dsa_cache``."""
 
@@ -96,18 +98,17 @@ def _key(layer: nn.Module, rank: int) -> tuple[str, int]:
 
 
 class IndexCache:
-    """Indexer strategy ``index-cache``. ``IndexCache()`` uses ``configured_pattern`` or the default rule.
+    """Indexer strategy ``index-cache``. ``IndexCache()`` uses the default rule (Full every third DSA rank).
 
-    The model instantiates registry classes with no arguments, so the plugin registers a subclass made by
-    ``bound_to(pattern)`` whose ``configured_pattern`` is the validated ``index-cache.pattern`` option.
+    The engine builds it with ``IndexCache.build(ctx)``, which reads the ``index-cache.pattern`` option the
+    plugin's config check has already accepted.
     """
 
     name = "index-cache"
-    configured_pattern: str | None = None
-    """F/S per DSA rank; None: the default rule (Full every ``FULL_EVERY``-th rank)."""
 
     def __init__(self, pattern: str | None = None):
-        self.pattern = pattern if pattern is not None else self.configured_pattern
+        self.pattern = pattern
+        """F/S per DSA rank; None: the default rule (Full every ``FULL_EVERY``-th rank)."""
         self._logged: set[str] = set()
         self.notes: list[str] = []
         """Miss messages not yet shown by the engine hook (``nam_after_step`` drains them)."""
@@ -115,11 +116,10 @@ class IndexCache:
         """Set by ``nam_before_step`` once it has logged the pattern and the work saved."""
 
     @classmethod
-    def bound_to(cls, pattern: str | None) -> type["IndexCache"]:
-        """A subclass whose no-argument instances use ``pattern``."""
-        if pattern is None:
-            return cls
-        return type(cls.__name__, (cls,), {"configured_pattern": pattern, "__module__": cls.__module__})
+    def build(cls, ctx) -> "IndexCache":
+        """From the run's options (``nam56r.backends.BackendContext``): ``index-cache.pattern`` or the default."""
+        raw = ctx.options.get(OPTION_PATTERN)
+        return cls(None if raw is None else str(raw).strip())
 
     def pattern_for(self, n_dsa: int) -> str:
         return self.pattern if self.pattern is not None else default_pattern(n_dsa)

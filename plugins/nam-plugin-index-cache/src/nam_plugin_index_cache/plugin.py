@@ -1,11 +1,9 @@
 """Entry point of the index-cache plugin: what it declares and the hooks it implements.
 
-How the configured pattern reaches the strategy. The model instantiates registry classes with no arguments
-and provider hooks get no config, but the host calls ``nam_check_config`` before ``nam_register_indexers``
-within one activation (``PluginHost.evaluate``). So the config check validates ``index-cache.pattern`` and
-leaves it in ``_validated``; the provider hook takes it from there and registers ``IndexCache.bound_to(it)``,
-a subclass whose no-argument instances use that pattern. Nothing is read at instantiation time, and the next
-activation's check replaces the value before its own registration.
+Requesting the plugin selects its strategy (``PluginInfo.selects``: ``indexer=index-cache``) unless the user
+sets ``indexer`` themselves; with lemyx requested too, lemyx wraps it and runs it after its warm-up. The
+config check validates ``index-cache.pattern``; the engine builds the strategy with ``IndexCache.build(ctx)``,
+which reads the accepted option.
 
 Keep this module light: torch and the model are imported inside hook bodies, so ``nam plugins list`` reads
 ``PLUGIN`` without them.
@@ -17,7 +15,7 @@ from nam_core import Check, PluginInfo, hookimpl
 from nam_core.requirements import FAIL, PASS, SKIP
 
 NAME = "index-cache"
-OPTION_PATTERN = f"{NAME}.pattern"
+OPTION_PATTERN = f"{NAME}.pattern"  # same string as cache.OPTION_PATTERN
 OPTIONS = (OPTION_PATTERN,)
 
 PLUGIN = PluginInfo(
@@ -25,10 +23,8 @@ PLUGIN = PluginInfo(
             "(FSSFSSFSS: 67% of indexer work saved); pure PyTorch",
     provides={"indexers": [NAME]},
     requires=(),  # pure PyTorch: runs wherever the model runs, CPU or GPU
+    selects={"indexer": NAME},
 )
-
-_validated: str | None = None
-"""The pattern the last config check accepted (None: the default rule), for the provider hook."""
 
 
 def dsa_layer_count(model_cfg) -> int:
@@ -49,8 +45,6 @@ def describe(pattern: str) -> str:
 def nam_check_config(config, device):
     from nam_plugin_index_cache.cache import default_pattern, pattern_problem
 
-    global _validated
-    _validated = None
     if config is None:
         return []
     checks = []
@@ -68,9 +62,9 @@ def nam_check_config(config, device):
         checks.append(Check(NAME, "pattern", FAIL, needed, f"{OPTION_PATTERN}={pattern!r}: {problem}",
                             hint=f"--set {OPTION_PATTERN}={default_pattern(n_dsa)}  (the default)"))
         return checks
-    _validated = None if raw is None else pattern
     checks.append(Check(NAME, "pattern", PASS, needed, describe(pattern)))
-    if config.model.indexer != NAME:
+    # Used directly, or through a strategy that wraps it (lemyx: ``lemyx.sparse=index-cache``).
+    if config.model.indexer != NAME and NAME not in options.values():
         checks.append(Check(NAME, "selected", SKIP, f"indexer={NAME}", f"indexer={config.model.indexer}: "
                             "active but unused", hint=f"--set indexer={NAME}"))
     return checks
@@ -80,7 +74,7 @@ def nam_check_config(config, device):
 def nam_register_indexers(register):
     from nam_plugin_index_cache.cache import IndexCache
 
-    register(NAME, IndexCache.bound_to(_validated))
+    register(NAME, IndexCache)
 
 
 def _strategy(run):
@@ -88,6 +82,7 @@ def _strategy(run):
 
     backends = getattr(run.model, "backends", None)
     indexer = getattr(backends, "indexer", None)
+    indexer = getattr(indexer, "sparse", indexer)  # wrapped by another strategy (lemyx runs it after warm-up)
     return indexer if isinstance(indexer, IndexCache) else None
 
 

@@ -1,0 +1,159 @@
+"""Entry point of the lemyx plugin: what it declares and the hooks it implements.
+
+Requesting the plugin selects the indexer strategy ``lemyx`` and *wraps* whatever strategy the indexer
+field would otherwise hold (``full``, or ``index-cache`` when that plugin is requested too): lemyx runs the
+dense warm-up, then hands the DSA layers to that strategy (``PluginInfo.wraps`` -> ``lemyx.sparse``).
+
+Backend choice is explicit and per device, never by what happens to be installed: on a CPU device the
+reference path *is* the implementation (and preflight and the run log say so); on a CUDA device the fused
+Triton kernel is required, needing sm_90 or newer and Triton, and activation fails with the reason unless
+the user chose ``--set lemyx.backend=reference`` themselves.
+
+This module stays light (no torch, no triton at import) so ``nam plugins list`` can read ``PLUGIN``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nam_core import Check, PluginInfo, Requirement, hookimpl
+from nam_core.requirements import FAIL, PASS, SKIP
+
+NAME = "lemyx"
+GPU_HINT = f"pip install 'nam-plugin-lemyx[gpu]' on a Hopper GPU, or choose the unfused path: --set {NAME}.backend=reference"
+KERNEL_NEEDS = (
+    Requirement.cuda_capability((9, 0), reason="the fused kernel is built and tuned for Hopper (sm_90) and newer"),
+    Requirement.package("triton>=3.3", install_hint=GPU_HINT),
+)
+
+PLUGIN = PluginInfo(
+    summary="lemyx: DSA indexer warm-up, dense attention + indexer KL in one fused Triton pass "
+            "(reference path on CPU), then hand-over to sparse",
+    provides={"indexers": [NAME]},
+    requires=(),  # per backend: the Triton kernel's needs are checked by nam_check_config (KERNEL_NEEDS)
+    selects={"indexer": NAME},
+    wraps={"indexer": f"{NAME}.sparse"},
+)
+
+
+def _train_device(config, device) -> str:
+    if config is not None:
+        return config.train.device
+    return "cuda" if device.is_cuda else "cpu"
+
+
+@hookimpl
+def nam_check_config(config, device):
+    from nam_plugin_lemyx.strategy import OptionError, parse_options, shape_problem
+
+    options = dict(config.train.plugin_options) if config is not None else {}
+    train_device = _train_device(config, device)
+    try:
+        opts = parse_options(options, train_device)
+    except OptionError as e:
+        return [Check(NAME, "options", FAIL, e.expected, f"{e.option}={e.found!r}",
+                      hint=f"--set {e.option}=... with {e.expected}")]
+    checks = []
+    if opts.backend == "reference":
+        why = ("a CPU device: the pure-PyTorch path is the implementation" if train_device == "cpu"
+               else "chosen by you: the unfused path, slower and with [b, s, s] fp32 scores")
+        checks.append(Check(NAME, "backend", PASS, "triton on CUDA, reference on CPU or by name",
+                            f"reference ({opts.backend_source}; {why})"))
+    else:
+        checks.append(Check(NAME, "backend", PASS, "triton on CUDA, reference on CPU or by name",
+                            f"triton ({opts.backend_source}): fused kernel required"))
+        for req in KERNEL_NEEDS:
+            check = req.check(NAME, device)
+            checks.append(check if check.ok else dataclasses.replace(check, hint=GPU_HINT))
+    if config is None:
+        return checks
+    model = config.model
+    if opts.backend == "triton":
+        problem = shape_problem(model.kv_lora_rank + model.qk_rope_dim, model.kv_lora_rank, model.index_head_dim)
+        checks.append(Check(NAME, "kernel shapes", FAIL if problem else PASS,
+                            "head widths the kernel takes", problem or
+                            f"dk {model.kv_lora_rank + model.qk_rope_dim}, dv {model.kv_lora_rank}, "
+                            f"indexer {model.index_heads} x {model.index_head_dim}",
+                            hint=None if problem is None else f"--set {NAME}.backend=reference"))
+    if opts.target == "per-head" and model.index_heads != model.attn_heads:
+        checks.append(Check(NAME, "target", FAIL, "index heads == attention heads for the per-head target",
+                            f"{model.index_heads} index heads, {model.attn_heads} attention heads",
+                            hint=f"--set {NAME}.target=head-sum"))
+    if model.dsa_dense_warmup:
+        checks.append(Check(NAME, "dense warm-up", FAIL, "dsa_dense_warmup=false (lemyx runs the dense stage)",
+                            "dsa_dense_warmup=true", hint="--set dsa_dense_warmup=false"))
+    if model.indexer != NAME:
+        checks.append(Check(NAME, "selected", SKIP, f"indexer={NAME}",
+                            f"indexer={model.indexer}: active but unused", hint=f"--set indexer={NAME}"))
+    else:
+        checks.append(Check(NAME, "schedule", PASS, "warm-up steps >= 0",
+                            f"{opts.warmup_steps} dense steps, then '{opts.sparse}'"))
+    return checks
+
+
+@hookimpl
+def nam_preflight(device, config):
+    """On a real CUDA device with the Triton backend: a tiny fused-vs-reference parity launch."""
+    from nam_plugin_lemyx.strategy import TRITON, OptionError, parse_options
+
+    options = dict(config.train.plugin_options) if config is not None else {}
+    try:
+        if parse_options(options, _train_device(config, device)).backend != TRITON:
+            return []
+    except OptionError:
+        return []  # already a failed config check
+    from nam_plugin_lemyx.selftest import parity
+
+    worst, tolerance = parity(device="cuda", seq=80, block=(16, 16))
+    ok = worst <= tolerance
+    return [Check(NAME, "kernel launch", PASS if ok else FAIL, f"fused == reference within {tolerance:g}",
+                  f"worst relative error {worst:.2e} (forward and every gradient, b=2 s=80)",
+                  hint=None if ok else f"report it; meanwhile --set {NAME}.backend=reference")]
+
+
+def _strategy(run):
+    from nam_plugin_lemyx.strategy import Lemyx
+
+    indexer = getattr(getattr(run.model, "backends", None), "indexer", None)
+    return indexer if isinstance(indexer, Lemyx) else None
+
+
+@hookimpl
+def nam_before_step(step, run):
+    strategy = _strategy(run)
+    if strategy is None:
+        return
+    note = run.log.note if run.log is not None else (lambda _msg: None)
+    if not strategy.announced:
+        strategy.announced = True
+        note(f"{NAME}: {strategy.describe()}")
+    if strategy.at_step(step):
+        _unfreeze(run.model, strategy)
+        note(f"{NAME}: step {step}: indexer warm-up over after {strategy.options.warmup_steps} steps; DSA layers "
+             f"now attend to their top-{run.model.cfg.index_topk} keys chosen by '{strategy.options.sparse}'")
+    elif strategy.warming_up() and strategy.options.freeze_main:
+        _freeze(run.model, strategy)
+
+
+def _freeze(model, strategy) -> None:
+    """Everything but the DSA indexers stops training (requires_grad off) until the hand-over."""
+    if getattr(strategy, "frozen", None):
+        return
+    strategy.frozen = [n for n, p in model.named_parameters() if p.requires_grad and ".indexer." not in n]
+    params = dict(model.named_parameters())
+    for n in strategy.frozen:
+        params[n].requires_grad_(False)
+
+
+def _unfreeze(model, strategy) -> None:
+    params = dict(model.named_parameters())
+    for n in getattr(strategy, "frozen", None) or []:
+        params[n].requires_grad_(True)
+    strategy.frozen = []
+
+
+@hookimpl
+def nam_register_indexers(register):
+    from nam_plugin_lemyx.strategy import Lemyx
+
+    register(NAME, Lemyx)

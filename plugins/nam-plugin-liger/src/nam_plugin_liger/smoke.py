@@ -1,0 +1,70 @@
+"""The preflight launch check: compile and run Liger's kernels once, on a few tokens, against the reference.
+
+A package that imports is not a kernel that runs: Triton compiles Liger's cross-entropy kernel for this
+device on the first call, and a driver, Triton or architecture mismatch shows up only then. The check calls
+the ``liger`` head exactly as training will (bf16, the formulation chosen for the installed release) and
+compares the loss and both gradients with ``nam56r.reference.ce.ReferenceCEHead`` on the same inputs.
+"""
+
+from __future__ import annotations
+
+from nam_core.requirements import FAIL, PASS, SKIP, Check
+
+NAME = "liger"
+CHECK = "fused CE launch"
+TOKENS, HIDDEN, VOCAB = 64, 64, 512
+"""A few tokens, a tiny vocabulary: the kernels compile in seconds and the numbers stay readable."""
+
+MASKED = "dhidden on masked tokens"
+TOLERANCE = 2e-2
+"""Largest error of loss, dL/dhidden and dL/dW, relative to the largest reference value. bf16 inputs, fp32
+reference math: Liger's bf16 logits matmul and bf16 gradient storage cost ~2^-8 relative, well under this;
+a wrong kernel (no gradient, a wrong row) is off by order 1."""
+
+
+def launch_check(device) -> Check:
+    """One ``Check`` row: pass when the liger head matches the reference here; skip on a fake or CPU device."""
+    needed = (f"loss, dL/dhidden, dL/dW within {TOLERANCE:g} (relative) of the reference head and exactly 0 "
+              f"dL/dhidden on masked tokens; bf16, {TOKENS} tokens x hidden {HIDDEN} x vocab {VOCAB}")
+    if device.is_fake or not device.is_cuda:
+        return Check(NAME, CHECK, SKIP, "a real CUDA device", device.label)
+    try:
+        errors, formulation, version = compare_with_reference()
+    except Exception as e:  # a compile or launch failure of any kind is this check's failure, with its message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Check(NAME, CHECK, FAIL, needed, f"it raised {type(e).__name__}: {first}",
+                     hint="python -m pytest plugins/nam-plugin-liger -m gpu -v runs the same call with a traceback")
+    found = ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" ({formulation}, liger-kernel {version})"
+    ok = errors.pop(MASKED) == 0.0 and max(errors.values()) <= TOLERANCE
+    return Check(NAME, CHECK, PASS if ok else FAIL, needed, found,
+                 None if ok else "python -m pytest plugins/nam-plugin-liger -m gpu -v shows the parity tests")
+
+
+def compare_with_reference(device: str = "cuda") -> tuple[dict, str, str | None]:
+    """Relative errors of the liger head against the reference on tiny random inputs, its formulation, version."""
+    import torch
+
+    from nam56r.reference.ce import ReferenceCEHead
+    from nam_plugin_liger.head import LigerCEHead, installed_version
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=g).to(device, torch.bfloat16)  # [t, d]
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * HIDDEN**-0.5).to(device, torch.bfloat16)  # [v, d]
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=g).to(device)  # [t]
+    mask = (torch.arange(TOKENS) % 4 != 0).float().to(device)  # [t]: every 4th token masked, token 0 too
+
+    head = LigerCEHead()
+    results = []
+    for ce in (head, ReferenceCEHead()):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = ce(h, w, target, mask)  # [] fp32
+        loss.backward()
+        results.append((loss.detach().float(), h.grad.float(), w.grad.float()))
+    (loss, dh, dw), (loss_ref, dh_ref, dw_ref) = results
+    errors = {
+        "loss": float((loss - loss_ref).abs() / loss_ref.abs()),
+        "dhidden": float((dh - dh_ref).abs().max() / dh_ref.abs().max()),
+        "dweight": float((dw - dw_ref).abs().max() / dw_ref.abs().max()),
+        MASKED: float(dh[mask == 0].abs().max() / dh_ref.abs().max()),  # exactly 0 if right
+    }
+    return errors, head.formulation, installed_version()

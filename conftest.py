@@ -1,3 +1,5 @@
+"""Repository-wide pytest hooks: GPU-marked tests (in tests/ and every plugin) skip without CUDA, with a reason."""
+
 import pytest
 import torch
 

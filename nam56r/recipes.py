@@ -25,6 +25,8 @@ class Recipe:
     """Plugins this recipe needs; merged with --plugins and NAM_PLUGINS."""
     notes: list[str] = field(default_factory=list)
     """How requested plugins changed the config (``PluginInfo.selects``); printed before a run starts."""
+    explicit: frozenset = frozenset()
+    """Model fields the user set by name (``--set``): a choice config checks may treat as deliberate."""
 
     def to_dict(self) -> dict:
         return {"name": self.name, "summary": self.summary, "plugins": list(self.plugins),
@@ -171,6 +173,7 @@ def apply_overrides(
     recipe = dataclasses.replace(
         recipe, model=recipe.model.replace(**model_changes),
         train=recipe.train.replace(**train_changes, plugin_options=options),
+        explicit=recipe.explicit | frozenset(model_changes),
     )
     return apply_plugin_selections(recipe, plugin_infos or {}, explicit=set(model_changes) | set(options))
 

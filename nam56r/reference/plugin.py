@@ -21,6 +21,34 @@ PLUGIN = PluginInfo(
 
 
 @hookimpl
+def nam_check_config(config, device):
+    """No unfused DSA on a GPU: the reference attention core there only when the user named it.
+
+    On CUDA the reference path holds every DSA layer's ``[b, h, s, s]`` scores (or gathers top-k rows head by
+    head), i.e. a silent 10-20x slowdown; a GPU run must name a kernel plugin or choose the reference by name.
+    """
+    from nam_core import Check
+    from nam_core.requirements import FAIL, PASS
+
+    if config is None or config.train.device != "cuda" or config.model.attention_backend != "reference":
+        return []
+    from nam56r.pattern import resolve
+
+    model = config.model
+    counts = resolve(model.pattern, model.num_layers, model.mla_attention_ranks).counts()
+    if not counts["dsa"]:
+        return []
+    needed = "a fused attention backend for DSA on CUDA, or attention_backend=reference set by name"
+    if "attention_backend" in getattr(config, "explicit", ()):
+        return [Check("reference", "DSA on CUDA", PASS, needed,
+                      f"attention_backend=reference, chosen by you: {counts['dsa']} DSA layers run unfused")]
+    return [Check("reference", "DSA on CUDA", FAIL, needed,
+                  f"{counts['dsa']} DSA layers on the unfused reference attention (the recipe's default)",
+                  hint="add --plugins sparse-mla (pip install 'nam-plugin-sparse-mla[gpu]'), or choose the slow "
+                       "path by name: --set attention_backend=reference")]
+
+
+@hookimpl
 def nam_register_ssm_mixers(register):
     from nam56r.reference.mamba3 import ReferenceSSMScan
 

@@ -1,9 +1,9 @@
 """The ``liger`` CE head: NAM56R's LM head and MTP heads through Liger-Kernel's fused linear cross-entropy.
 
 Liger (kernels-and-math.md section 7) projects ``hidden`` onto the vocabulary a chunk of tokens at a time and
-turns each chunk into losses and gradients with one Triton kernel: at NAM56R's 4096 x 131072 head a chunk is
-256 tokens, a [256, 131072] bf16 logits buffer of 64 MiB (Liger sizes chunks as ``t / ceil(v / d)`` rounded
-to a power of two). No [tokens, vocab] logits tensor ever exists, in bf16 or in fp32.
+turns each chunk into losses and gradients with one Triton kernel: at NAM56R's head (8192 tokens x 4096 x
+131072) a chunk is 1024 tokens, a [1024, 131072] bf16 logits buffer of 256 MiB (``CHUNK_MEM_CONST``; 256
+tokens on releases without that knob). No [tokens, vocab] logits tensor ever exists, in bf16 or in fp32.
 
 Which Liger call gives the CEHead contract ``sum_t mask_t * CE_t`` exactly, and why this one:
 
@@ -12,8 +12,8 @@ Which Liger call gives the CEHead contract ``sum_t mask_t * CE_t`` exactly, and 
   ``mask_t * g``, and since 0.8.2 (PR #1298) Liger folds it into each row of the logits gradient *before*
   the sums into dL/dW, so both gradients are exact for any per-token weight, the reference head's
   semantics. ``accum_dtype=torch.float32`` keeps dL/dW's sum over tokens in fp32. Cost: Liger recomputes the
-  chunked logits in backward (one more [t, d] x [d, v] matmul) but keeps nothing from forward to backward
-  but its inputs.
+  chunked logits in backward (one more [t, d] x [d, v] matmul: 64 ms forward + backward against 49 ms for
+  the call below, H100, liger-kernel 0.8.5) but keeps nothing from forward to backward but its inputs.
 * ``reduction="sum"`` with ``ignore_index`` on masked tokens is exact too, and needs no recompute, but only
   for a 0/1 mask (a weight would be silently read as 1), and its compute-in-forward path holds dL/dhidden
   [t, d] and dL/dW [v, d] (1 GiB in bf16 for NAM56R, per head call: main + 2 MTP) from the head's forward
@@ -35,6 +35,7 @@ the patch (``nam_plugin_liger.patch``, applied by the engine after activation) t
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 from typing import Callable
 
 import torch
@@ -48,6 +49,14 @@ FIXED_IN = "0.8.2"
 AFFECTED = f"<{FIXED_IN}"
 """Releases with Liger issue #968 (reduction="none" backward uses only ``grad_output[0]``)."""
 INSTALL_HINT = "pip install nam-plugin-liger[gpu]"
+
+CHUNK_MEM_CONST = 4
+"""Liger's transient-logits budget, in units of ``t x d`` elements (its default is 1), where the release takes it.
+
+At NAM56R's head (8192 tokens x 4096 x 131072, bf16, H100) the default makes 256-token chunks, and reading and
+writing the 2 GiB fp32 dL/dW once per chunk dominates: 117 ms forward + backward. 4 makes 1024-token chunks
+(a [1024, 131072] bf16 logits buffer, 256 MiB, the reference head's chunk): 64 ms, same 3.06 GiB peak; 8
+gives 61 ms for 512 MiB (measured with liger-kernel 0.8.5, bench/liger.py)."""
 
 IGNORE_INDEX = -100
 """Liger's default ``ignore_index``; masked tokens get it (a vocabulary id is never negative)."""
@@ -120,24 +129,21 @@ def liger_flce() -> FusedLinearCE:
     except ImportError as e:
         raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FIXED_IN}; importing it failed: {e}",
                        hint=INSTALL_HINT, exit_code=3) from None
+    signature = inspect.signature(LigerFusedLinearCrossEntropyFunction.forward)
+    options = dict(
+        ignore_index=IGNORE_INDEX,
+        accum_dtype=torch.float32,  # dL/dW summed over chunks in fp32, cast to the weight's dtype at the end
+    )
+    if "chunk_mem_const" in signature.parameters:  # newer releases (0.8.5 has it, 0.8.2 does not)
+        options["chunk_mem_const"] = CHUNK_MEM_CONST
 
     def flce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-        # Positional: autograd.Function.apply; this argument order is the same in 0.8.0 to 0.8.5.
-        out = LigerFusedLinearCrossEntropyFunction.apply(
-            hidden,  # [t, d]
-            weight,  # [v, d]
-            target,  # [t] int64, IGNORE_INDEX at masked tokens
-            None,  # bias
-            None,  # ce_weight (per class)
-            IGNORE_INDEX,
-            0.0,  # lse_square_scale: no z-loss
-            0.0,  # label_smoothing
-            reduction,
-            None,  # softcap
-            False,  # return_z_loss
-            torch.float32,  # accum_dtype: dL/dW summed over tokens in fp32
-        )
-        return out[0]  # (loss, z_loss, token_accuracy[, predicted_tokens]): 3 values before 0.8.5, 4 since
+        # autograd.Function.apply takes positions: bind by name against this release's forward, so the
+        # defaults (no bias, no z-loss, no label smoothing, no softcap) come from Liger itself.
+        bound = signature.bind(None, hidden, weight, target, reduction=reduction, **options)  # None: ctx
+        bound.apply_defaults()
+        out = LigerFusedLinearCrossEntropyFunction.apply(*bound.args[1:])
+        return out[0]  # (loss, z_loss, token_accuracy[, predicted_tokens]): older releases return 3 values
 
     return flce
 

@@ -30,8 +30,9 @@ PLUGIN = PluginInfo(
         Requirement.cuda_device(reason="Liger's kernels are Triton kernels: CUDA only, no CPU path"),
         # Triton's README: "NVIDIA GPUs (Compute Capability 8.0+)"; bf16 also needs sm_80.
         Requirement.cuda_capability(at_least=(8, 0), reason="Triton supports NVIDIA compute capability 8.0+"),
-        # 0.8.2: first release with the reduction="none" backward fix (Liger PR #1298, issue #968).
-        Requirement.package("liger-kernel>=0.8.2", install_hint=INSTALL_HINT),
+        # 0.8.0 and 0.8.1 have the reduction="none" backward bug (issue #968): they activate, and the patch
+        # lane applies the mean-and-rescale workaround (0.8.2, PR #1298, fixed it; the GPU host runs 0.8.5).
+        Requirement.package("liger-kernel>=0.8.0", install_hint=INSTALL_HINT),
     ),
     selects={"ce_backend": NAME},
 )

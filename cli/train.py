@@ -188,13 +188,17 @@ def train(
         batch = packed.batch_at(step, batch_size)
         return {k: v.to(target) for k, v in batch.items() if k in keys}
 
+    notes = list(rec.notes)
+
     def forward(batch: dict, micro_batch: int) -> dict:
         state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
-        return model(**batch, state=state)
+        out = model(**batch, state=state)
+        notes.extend(state.log)  # the engine logs each distinct line once
+        return out
 
     run = LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
                    host=host, max_steps=steps, flops_per_token=flops, record=record,
-                   resume_from=resume_from, quiet=quiet or json_out, notes=list(rec.notes))
+                   resume_from=resume_from, quiet=quiet or json_out, notes=notes)
     summary = local_train(run)
     from nam_core.engine.metrics import read_metrics
 

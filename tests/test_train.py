@@ -159,3 +159,16 @@ def test_run_folder_contents(tmp_path, corpus):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mem_gib"):
         assert key in m
     assert (run_dir / "checkpoints" / "step-00000003" / "manifest.json").exists()
+
+
+def test_engine_logs_each_pending_note_once():
+    from types import SimpleNamespace
+
+    from nam_core.engine.local import _drain_notes
+
+    logged = []
+    run = SimpleNamespace(notes=["a", "b", "a"], log=SimpleNamespace(note=logged.append))
+    _drain_notes(run)
+    run.notes.extend(["b", "c"])  # what forward appends from ForwardState.log on a later step
+    _drain_notes(run)
+    assert logged == ["a", "b", "c"] and run.notes == []

@@ -48,7 +48,8 @@ class LocalRun:
     log: MetricsLog | None = None
     step: int = 0
     notes: list[str] = field(default_factory=list)
-    """Lines for the run log before the first step (e.g. which fields the requested plugins selected)."""
+    """Lines for the run log, each logged once: before the first step (the fields requested plugins
+    selected) and after each step (what ``forward`` appended, e.g. blocks' ``ForwardState.log``)."""
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -97,6 +98,16 @@ def _truncate_metrics(run_dir: Path, last_step: int) -> None:
         path.write_text("".join(l + "\n" for l in keep))
 
 
+def _drain_notes(run: LocalRun) -> None:
+    """Log each pending note once (selected fields before step 0; blocks' ForwardState.log lines after)."""
+    seen = run.__dict__.setdefault("_noted", set())
+    while run.notes:
+        line = run.notes.pop(0)
+        if line not in seen:
+            seen.add(line)
+            run.log.note(line)
+
+
 def train(run: LocalRun) -> dict:
     cfg = run.train
     ckpt_root = run.run_dir / "checkpoints"
@@ -111,8 +122,7 @@ def train(run: LocalRun) -> dict:
     run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
     if run.resume_from is not None:
         run.log.note(f"resumed from {run.resume_from} at step {start}")
-    for line in run.notes:
-        run.log.note(line)
+    _drain_notes(run)
     tokens_per_step = None
     good = checkpoint.good_checkpoints(ckpt_root)
     last_good = good[-1] if good else None
@@ -155,6 +165,7 @@ def train(run: LocalRun) -> dict:
                        "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12,
                        "mem_gib": _memory_gib(cfg.device), "step_time_s": dt}
             run.host.after_step(step, run, metrics)
+            _drain_notes(run)
             if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps:
                 run.log.log(metrics)
             run.log.advance()

@@ -18,7 +18,8 @@ reduce it into the indexer's gradients.
 Launches. Forward: the attention pass (o, per-head lse), then the KL pass (recomputes the head-summed
 probabilities tile by tile, builds the index scores, accumulates the KL with an online log-sum-exp).
 Backward: attention dq and dkv (the KL's teacher is detached, so only ``o`` reaches q and kv) and the
-KL's ``dI``, then ``d iq``/``d w`` by query blocks and ``d ik`` by key blocks.
+KL's ``dI``, then ``d iq``/``d w`` by query blocks and ``d ik`` by key blocks. For fp16 inputs the indexer-gradient
+dots take fp32 operands: their values scale with the loss coefficient / (b * s), below fp16's normal range.
 
 Kernel constraints, checked by ``shape_problem`` before any launch: ``dk``, ``dv``, ``di`` powers of two in
 [16, 256]; fp16/bf16 q, kv, iq, ik. Sequence length and head counts are free (masks handle ragged tiles).
@@ -226,7 +227,7 @@ def _kl_bwd_dscores(Q, KV, LSE, IQ, IK, W, LSEI, GKL, DS, s, h, H, scale,
 
 @triton.jit
 def _kl_bwd_query(IQ, IK, W, DS, DIQ, DW, s, H,
-                  DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                  DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FP32_DOTS: tl.constexpr):
     """Per (query block, index head): d iq_j = sum_s dI * w_j * [l_j > 0] ik_s and d w_j = sum_s dI * relu(l_j)."""
     pid_m = tl.program_id(0)
     pid_bj = tl.program_id(1)
@@ -249,14 +250,19 @@ def _kl_bwd_query(IQ, IK, W, DS, DIQ, DW, s, H,
         logits = tl.dot(iq, tl.trans(ik))
         dw += tl.sum(ds * tl.maximum(logits, 0.0), 1)
         through = tl.where(logits > 0, ds * wj[:, None], 0.0)
-        diq += tl.dot(through.to(ik.dtype), ik)
+        # `through` carries the loss coefficient / (b * s): far below fp16's normal range, fine in bf16 (fp32's
+        # range). fp16 inputs therefore take fp32 operands (tf32 on tensor cores); bf16 stays on bf16.
+        if FP32_DOTS:
+            diq += tl.dot(through, ik.to(tl.float32))
+        else:
+            diq += tl.dot(through.to(ik.dtype), ik)
     tl.store(DIQ + head_rows * DI + offs_di[None, :], diq.to(DIQ.dtype.element_ty), mask=row_ok[:, None])
     tl.store(DW + (b * s + offs_m) * H + j, dw, mask=row_ok)
 
 
 @triton.jit
 def _kl_bwd_key(IQ, IK, W, DS, DIK_PART, s, H,
-                DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FP32_DOTS: tl.constexpr):
     """Per (key block, index head): d ik_s = sum_t dI * w_j * [l_j > 0] iq_t,j (summed over heads after)."""
     pid_n = tl.program_id(0)
     pid_bj = tl.program_id(1)
@@ -277,7 +283,10 @@ def _kl_bwd_key(IQ, IK, W, DS, DIK_PART, s, H,
         ds = tl.load(DS + (b * s + offs_m[:, None]) * s + offs_n[None, :], mask=live, other=0.0).to(tl.float32)
         logits = tl.dot(iq, tl.trans(ik))
         through = tl.where(logits > 0, ds * wj[:, None], 0.0)
-        dik += tl.dot(tl.trans(through.to(iq.dtype)), iq)
+        if FP32_DOTS:  # see _kl_bwd_query
+            dik += tl.dot(tl.trans(through), iq.to(tl.float32))
+        else:
+            dik += tl.dot(tl.trans(through.to(iq.dtype)), iq)
     tl.store(DIK_PART + ((b * H + j) * s + offs_n[:, None]) * DI + offs_di[None, :], dik, mask=col_ok[:, None])
 
 
@@ -332,8 +341,11 @@ class FusedWarmup(torch.autograd.Function):
             diq = torch.empty_like(iq)
             dw = torch.empty_like(w)
             dik_part = torch.empty(b, H, s, di, dtype=torch.float32, device=q.device)
-            _kl_bwd_query[(triton.cdiv(s, bm), b * H)](iq, ik, w, dscores, diq, dw, s, H, DI=di, BM=bm, BN=bn)
-            _kl_bwd_key[(triton.cdiv(s, bn), b * H)](iq, ik, w, dscores, dik_part, s, H, DI=di, BM=bm, BN=bn)
+            fp32_dots = iq.dtype == torch.float16
+            _kl_bwd_query[(triton.cdiv(s, bm), b * H)](iq, ik, w, dscores, diq, dw, s, H, DI=di, BM=bm, BN=bn,
+                                                       FP32_DOTS=fp32_dots)
+            _kl_bwd_key[(triton.cdiv(s, bn), b * H)](iq, ik, w, dscores, dik_part, s, H, DI=di, BM=bm, BN=bn,
+                                                     FP32_DOTS=fp32_dots)
             dik = dik_part.sum(1).to(ik.dtype)
         return dq, dkv, diq, dik, dw, None, None, None
 

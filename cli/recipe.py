@@ -1,4 +1,5 @@
-"""``nam recipe list`` / ``nam recipe show NAME``: recipes, resolved, with parameter and FLOP counts."""
+"""``nam recipe list`` / ``nam recipe show NAME [--megatron-args]``: recipes, resolved, with parameter and FLOP
+counts, and their lowering to Megatron-Core (nam56r/megatron.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ app = typer.Typer(help="Model recipes.", no_args_is_help=True)
 
 NameArg = Annotated[str, typer.Argument(help="Recipe name (`nam recipe list`).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+MegatronOpt = Annotated[bool, typer.Option(
+    "--megatron-args", help="Print the Megatron-Core >= 0.19 lowering (pattern, slots, args, gaps) and its flags.")]
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size for --megatron-args.")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel size for --megatron-args.")]
+EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size for --megatron-args.")]
 
 
 def describe(name: str) -> dict:
@@ -61,9 +67,60 @@ def list_recipes(json_out: JsonOpt = False) -> None:
     out.print(table)
 
 
+def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
+    """The recipe's Megatron lowering as JSON-ready data, with the equivalent command-line flags."""
+    from nam56r.megatron import lower, megatron_args
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe(name)
+    lowering = lower(recipe.model, tp=tp, pp=pp, ep=ep, micro_batch_size=recipe.train.micro_batch_size,
+                     plugins=dict.fromkeys(recipe.plugins), bf16=recipe.train.dtype == "bfloat16")
+    return {"recipe": recipe.name, **lowering.to_dict(), "flags": megatron_args(lowering)}
+
+
+def _print_megatron(m: dict) -> None:
+    import shlex
+
+    out.print(f"[bold]{m['recipe']}[/bold] lowered for megatron-core {m['megatron_core']}")
+    out.print(f"hybrid_layer_pattern {m['hybrid_layer_pattern']}  ({m['mtp_depths']} MTP depths of "
+              f"{m['mtp_pattern']!r}; schedule {m['schedule']}, MoE dispatcher {m['moe_dispatcher']})")
+    out.print("[bold]slots[/bold] (symbol, slot -> class, provider, backends):")
+    for slot in m["slots"]:
+        backends = "".join(f"; {k}: {v}" for k, v in slot["backends"].items())
+        out.print(f"  {slot['symbol']:5} {slot['path']} -> {slot['module']} ({slot['provider']}{backends})")
+    for title, key in (("MLATransformerConfig", "config_args"), ("HybridModel", "model_args")):
+        t = Table(title=title)
+        t.add_column("argument")
+        t.add_column("value")
+        for k, v in m[key].items():
+            t.add_row(k, str(v))
+        out.print(t)
+    out.print("[bold]what Megatron-Core lacks, and how nam covers it[/bold]:")
+    for gap in m["gaps"]:
+        out.print(f"  [{gap['status']}] {gap['what']}\n      megatron-core: {gap['megatron']}\n      nam: {gap['nam']}",
+                  markup=False)
+    for note in m["notes"]:
+        out.print(f"note: {note}")
+    out.print(shlex.join(m["flags"]))
+
+
 @app.command("show")
-def show(name: NameArg, json_out: JsonOpt = False) -> None:
+def show(
+    name: NameArg,
+    json_out: JsonOpt = False,
+    megatron: MegatronOpt = False,
+    tp: TpOpt = 1,
+    pp: PpOpt = 1,
+    ep: EpOpt = 1,
+) -> None:
     """Show a recipe: layer plan, parameters (counted on the meta device), FLOPs per token, config."""
+    if megatron:
+        m = describe_megatron(name, tp=tp, pp=pp, ep=ep)
+        if json_out:
+            print_json(m)
+        else:
+            _print_megatron(m)
+        return
     d = describe(name)
     if json_out:
         print_json(d)

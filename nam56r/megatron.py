@@ -1,0 +1,474 @@
+"""NAM56R lowered into Megatron-Core >= 0.19 terms, as plain data: pattern, slots, arguments, gaps.
+
+``lower(cfg, tp=, pp=, ep=)`` returns a ``Lowering``: the hybrid layer pattern string, which class fills each
+``HybridStackSubmodules`` slot (and whether Megatron-Core or nam provides it), the ``MLATransformerConfig`` and
+``HybridModel`` keyword arguments, and what Megatron-Core lacks for this model with how nam covers it.
+``megatron_args(lowering)`` prints the same as Megatron command-line flags.
+
+Nothing here imports megatron: the lowering is checked on any CPU (tests/test_megatron_lowering.py); the thin
+step that hands it to Megatron-Core >= 0.19 (Python 3.12, GPU hosts) reads this data and builds the specs.
+Section numbers (§) refer to ``shared/reference/megatron-core.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from nam56r.config import NAM56RConfig
+from nam56r.pattern import LayerPlan, resolve
+from nam_core.errors import ConfigError
+
+MEGATRON_CORE = ">=0.19"
+"""`+` (MLA layer) arrived in core_v0.19.0; `D` in 0.18, `/` and `|` in 0.17 (§1.2)."""
+
+# nam symbol -> Megatron hybrid symbol (§1.2, `class Symbols`). Fail-closed: a nam symbol missing here is a
+# ConfigError, never a guess.
+SYMBOL = {"M": "M", "E": "E", "A": "+", "D": "D"}
+MLP = "-"  # dense MLP layer (`mlp_layer`): only inside NAM56R's MTP depths
+MTP_SEPARATOR = "/"  # one `/`-part per MTP depth, all identical (§1.3 parse_hybrid_pattern)
+PIPE = "|"  # pipeline-segment separator, main pattern only (§1.3 select_pipeline_segment)
+MTP_DEPTH = "+-"  # nam's MTPDepth: one full-MLA layer, then one dense SwiGLU (nam56r/model.py)
+
+DISPATCHER = "alltoall"
+"""MoE token dispatcher (§5). Preflight switches it to "flex" (DeepEP) only when DeepEP is installed."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One module position in ``HybridStackSubmodules`` (or around the stack) and what fills it."""
+
+    symbol: str
+    """Megatron symbol the slot serves (`M`, `E`, `D`, `+`, `-`), or `model` for slots outside the stack."""
+    path: str
+    """Where the class goes, e.g. ``mamba_layer.submodules.mixer`` (0.19 ``hybrid_stack_spec``)."""
+    module: str
+    """Importable class path that fills the slot."""
+    provider: str
+    """``megatron``: Megatron-Core's own class; ``nam``: a nam56r block replaces Megatron's."""
+    nam_block: str | None = None
+    """The nam56r class this slot stands for (for a ``megatron`` slot: the parity oracle)."""
+    backends: dict[str, str] = field(default_factory=dict)
+    """Plugin registry -> backend name the slot's nam block asks for (from the config)."""
+    kwargs: dict = field(default_factory=dict)
+    """NAM56R dims the slot's module needs (nam config field names for nam blocks; config args otherwise)."""
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Something Megatron-Core lacks or gets wrong for NAM56R, and how nam covers it."""
+
+    what: str
+    megatron: str
+    """What Megatron-Core does, with the reference section."""
+    nam: str
+    """How nam covers it."""
+    status: str
+    """``covered``: the nam code exists today; ``open``: it is part of the engine step still to write."""
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """NAM56R as Megatron-Core >= 0.19 sees it. JSON-serialisable through ``to_dict()``."""
+
+    name: str
+    megatron_core: str
+    hybrid_layer_pattern: str
+    """Main pattern (with `|` between pipeline stages when pp > 1), then one `/`-part per MTP depth."""
+    main_pattern: str
+    """The main pattern without `|`: one symbol per stack layer, in nam56r.pattern.resolve order."""
+    mtp_pattern: str
+    mtp_depths: int
+    layers: tuple[dict, ...]
+    """Per stack layer: index, nam symbol, Megatron symbol, dsa_rank, pipeline stage, Megatron layer_number."""
+    slots: tuple[Slot, ...]
+    config_args: dict
+    """``MLATransformerConfig(**config_args)`` (§3, §4, §5, §6 field names)."""
+    model_args: dict
+    """``HybridModel(config, hybrid_stack_spec, **model_args)`` (§1.3)."""
+    micro_batch_size: int
+    schedule: str
+    """``megatron`` (its own pp schedules, §7) or a nam schedule plugin such as ``dualpipev``."""
+    moe_dispatcher: str
+    cuda_graphs: bool
+    gaps: tuple[Gap, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def open_gaps(self) -> tuple[Gap, ...]:
+        """Gaps whose nam side is not written yet: the engine step must refuse to run while any remain."""
+        return tuple(g for g in self.gaps if g.status == "open")
+
+    def to_dict(self) -> dict:
+        """Plain JSON types only (tuples become lists), so ``json.loads(json.dumps(d)) == d``."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --- validation ---------------------------------------------------------------------------------------------
+
+
+def _divides(what: str, value: int, by: int, option: str, hint: str) -> None:
+    """ConfigError unless ``option=by`` is >= 1 and divides ``what=value``."""
+    if by < 1:
+        raise ConfigError(f"{option} must be >= 1, found {by}", hint=hint)
+    if value % by:
+        raise ConfigError(f"{option}={by} must divide {what}, found {what}={value} ({value} % {by} = {value % by})",
+                          hint=hint)
+
+
+def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, plugins: Mapping) -> None:
+    # Stock MambaMixer asserts nheads % tp == 0 and ngroups % tp == 0 (§2); MLA splits heads over tp (§3).
+    tp_hint = "choose --tp among the common divisors of attn_heads, mamba heads and mamba_ngroups"
+    _divides("attn_heads", cfg.attn_heads, tp, "tp", tp_hint)
+    _divides("mamba heads", cfg.mamba_heads, tp, "tp", tp_hint)
+    _divides("mamba_ngroups", cfg.mamba_ngroups, tp, "tp", tp_hint)
+    # Local experts = num_moe_experts / EP (§5).
+    _divides("num_experts", cfg.num_experts, ep, "ep",
+             f"choose --ep among the divisors of num_experts={cfg.num_experts}")
+    # pp > 1: one `|` segment per stage, segment count divisible by pp (§1.3); uneven splits are not lowered.
+    _divides("num_layers", cfg.num_layers, pp, "pp",
+             f"choose --pp among the divisors of num_layers={cfg.num_layers}; an uneven stage split "
+             "(num_layers_in_first/last_pipeline_stage) is not supported by the lowering yet")
+    if "dualpipev" in plugins:
+        # DualPipeV is not in Megatron-Core (PR #5254 only, §7); nam's plugin refuses EP>1 (ARCHITECTURE.md §3).
+        if ep != 1:
+            raise ConfigError(f"plugin dualpipev runs only with expert parallelism 1, found ep={ep}",
+                              hint="drop --plugins dualpipev, or use --ep 1")
+        if pp < 2:
+            raise ConfigError(f"plugin dualpipev needs pipeline parallelism > 1, found pp={pp}",
+                              hint="use --pp 2 (or more), or drop --plugins dualpipev")
+
+
+# --- pattern ------------------------------------------------------------------------------------------------
+
+
+def _main_symbols(plan: LayerPlan, pattern: str) -> str:
+    out = []
+    for layer in plan.layers:
+        if layer.symbol not in SYMBOL:
+            raise ConfigError(f"layer {layer.index} of {pattern!r} resolved to {layer.symbol!r}, which has no "
+                              f"Megatron hybrid symbol (known: {', '.join(SYMBOL)})",
+                              hint="fix the pattern; nam56r/pattern.py lists the symbols")
+        out.append(SYMBOL[layer.symbol])
+    return "".join(out)
+
+
+def _hybrid_pattern(main: str, pp: int, mtp_depths: int) -> str:
+    stage = len(main) // pp
+    staged = PIPE.join(main[i : i + stage] for i in range(0, len(main), stage))
+    return MTP_SEPARATOR.join([staged] + [MTP_DEPTH] * mtp_depths)
+
+
+# --- slots --------------------------------------------------------------------------------------------------
+
+
+def _mla_kwargs(cfg: NAM56RConfig) -> dict:
+    return {"hidden": cfg.hidden, "attn_heads": cfg.attn_heads, "q_lora_rank": cfg.q_lora_rank,
+            "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_dim": cfg.qk_nope_dim, "qk_rope_dim": cfg.qk_rope_dim,
+            "v_head_dim": cfg.v_head_dim, "rope_theta": cfg.rope_theta, "norm_eps": cfg.norm_eps}
+
+
+ADAPTER_NOTE = ("nam blocks take (cfg, backend) and [b, s, h]; the slot passes (config, layer_number, "
+                "pg_collection, ...) and [s, b, h] (§1.4): the adapter is part of the engine step")
+
+
+def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
+    mla = _mla_kwargs(cfg)
+    return (
+        Slot("M", "mamba_layer", "megatron.core.ssm.mamba_layer.MambaLayer", "megatron",
+             notes=("norm, mixer and mamba_bda come from the submodules below",)),
+        Slot("M", "mamba_layer.submodules.norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm",
+             "megatron", kwargs={"normalization": "RMSNorm", "eps": cfg.norm_eps},
+             notes=("the stock spec fuses the norm into a TE in_proj; a plugin mixer needs an explicit norm (§2)",)),
+        Slot("M", "mamba_layer.submodules.mixer", "nam56r.blocks.mamba3.Mamba3Mixer", "nam",
+             nam_block="nam56r.blocks.mamba3.Mamba3Mixer", backends={"ssm_mixers": cfg.ssm_backend},
+             kwargs={"hidden": cfg.hidden, "d_state": cfg.d_state, "mamba_expand": cfg.mamba_expand,
+                     "mamba_headdim": cfg.mamba_headdim, "mamba_heads": cfg.mamba_heads,
+                     "mamba_ngroups": cfg.mamba_ngroups, "mamba_mimo_rank": cfg.mamba_mimo_rank,
+                     "mamba_chunk": cfg.mamba_chunk, "mamba_rope_fraction": cfg.mamba_rope_fraction,
+                     "mamba_dt_min": cfg.mamba_dt_min, "mamba_dt_max": cfg.mamba_dt_max,
+                     "mamba_a_floor": cfg.mamba_a_floor},
+             notes=(ADAPTER_NOTE, "the mixer must return (out [s, b, h], None) (§2)")),
+        Slot("E", "moe_layer", "megatron.core.transformer.transformer_layer.MoETransformerLayer", "megatron",
+             notes=("pre_mlp_layernorm RMSNorm, mlp = MoELayer, mlp_bda (§1.2, 0.19 hybrid_stack_spec)",)),
+        Slot("E", "moe_layer.submodules.mlp", "megatron.core.transformer.moe.moe_layer.MoELayer", "megatron",
+             nam_block="nam56r.blocks.moe.MoE",
+             kwargs={"num_moe_experts": cfg.num_experts, "moe_router_topk": cfg.moe_topk,
+                     "moe_ffn_hidden_size": cfg.moe_ffn_hidden,
+                     "moe_shared_expert_intermediate_size": cfg.moe_shared_ffn_hidden,
+                     "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
+                     "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff, "moe_token_dispatcher_type": dispatcher},
+             notes=("softmax over the top-k logits = nam's renormalised top-k gates; aux_loss is the Switch loss "
+                    "nam56r.blocks.moe.MoE computes",
+                    f"dispatcher {dispatcher!r}: preflight switches it to 'flex' only if DeepEP is installed (§5)",
+                    "experts: TEGroupedMLP on GPU (moe_grouped_gemm)")),
+        Slot("D", "dsa_layer", "megatron.core.transformer.transformer_layer.TransformerLayer", "megatron",
+             notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
+        Slot("D", "dsa_layer.submodules.self_attention", "nam56r.blocks.dsa.DSA", "nam",
+             nam_block="nam56r.blocks.dsa.DSA",
+             backends={"attention_backends": cfg.attention_backend, "indexers": cfg.indexer},
+             kwargs={**mla, "index_heads": cfg.index_heads, "index_head_dim": cfg.index_head_dim,
+                     "index_topk": cfg.index_topk, "indexer_loss_coeff": cfg.indexer_loss_coeff,
+                     "dsa_dense_warmup": cfg.dsa_dense_warmup},
+             notes=(ADAPTER_NOTE, "dsa_rank per layer comes from `layers` (IndexCache places Full/Shared by it)")),
+        Slot("+", "mla_layer", "megatron.core.transformer.transformer_layer.TransformerLayer", "megatron",
+             notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
+        Slot("+", "mla_layer.submodules.self_attention", "nam56r.blocks.mla.MLA", "nam",
+             nam_block="nam56r.blocks.mla.MLA", backends={"attention_backends": cfg.attention_backend}, kwargs=mla,
+             notes=(ADAPTER_NOTE, "Megatron's MLASelfAttention + TEDotProductAttention would fit these dims; "
+                    "nam's MLA keeps MLA and DSA on one projection code, one attention backend and "
+                    "DeepSeek-V3 parameter names")),
+        Slot("-", "mlp_layer", "megatron.core.ssm.mlp_layer.MLPLayer", "megatron", nam_block="nam56r.blocks.mlp.SwiGLU",
+             kwargs={"ffn_hidden_size": cfg.mtp_ffn_hidden, "gated_linear_unit": True},
+             notes=("only in the MTP depths: NAM56R's main stack has no dense MLP layer",)),
+        Slot("model", "mtp_block_spec", "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionBlock",
+             "megatron", kwargs={"mtp_num_layers": cfg.mtp_depths, "mtp_loss_scaling_factor": cfg.mtp_loss_scale},
+             notes=(f"each depth builds a HybridStack from {MTP_DEPTH!r} with the same slots (§6)",
+                    "enorm/hnorm/layer_norm RMSNorm, eh_proj; check the [embedding, hidden] concat order against "
+                    "nam's MTPDepth when converting checkpoints")),
+        Slot("model", "embedding", "nam56r.blocks.ngram_hash.NgramHashEmbedding", "nam",
+             nam_block="nam56r.blocks.ngram_hash.NgramHashEmbedding",
+             kwargs={"ngram_orders": list(cfg.ngram_orders), "ngram_heads": cfg.ngram_heads,
+                     "ngram_table": cfg.ngram_table, "ngram_dim": cfg.ngram_dim,
+                     "structure_vocab": cfg.structure_vocab},
+             notes=("added to Megatron's token embedding on the first pipeline stage, with "
+                    "nam56r.blocks.structure.StructureEmbedding",)),
+        Slot("model", "final_norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm", "megatron",
+             kwargs={"normalization": "RMSNorm", "eps": cfg.norm_eps},
+             notes=("HybridStack hard-wires TENorm here (§1.4); see gaps",)),
+        Slot("model", "output_layer", "megatron.core.tensor_parallel.layers.ColumnParallelLinear", "megatron",
+             backends={"ce_heads": cfg.ce_backend},
+             kwargs={"vocab_size": cfg.vocab_size, "hidden": cfg.hidden},
+             notes=("keeps Megatron's weight and checkpoint keys; LM and MTP losses go through the active "
+                    "ce_heads backend instead of compute_language_model_loss (see gaps)",)),
+    )
+
+
+# --- arguments ----------------------------------------------------------------------------------------------
+
+
+def _config_args(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, bf16: bool, num_layers: int) -> dict:
+    return {
+        # Library users set num_layers (main-pattern length) and mtp_num_layers themselves (§1.3).
+        "num_layers": num_layers,
+        "hidden_size": cfg.hidden,
+        "num_attention_heads": cfg.attn_heads,
+        "ffn_hidden_size": cfg.mtp_ffn_hidden,  # the `-` layers exist only in MTP depths
+        "gated_linear_unit": True,  # SwiGLU everywhere (nam56r/blocks/mlp.py)
+        "activation_func": "silu",
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": cfg.norm_eps,
+        "add_bias_linear": False,  # DSA requires it (§4); nam's linears have no bias
+        "init_method_std": cfg.init_std,
+        # MLA (§3). Megatron's qk_head_dim is the no-RoPE part: nam's qk_nope_dim, not nam's qk_head_dim.
+        "multi_latent_attention": True,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_head_dim": cfg.qk_nope_dim,
+        "qk_pos_emb_head_dim": cfg.qk_rope_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "rope_type": "rope",
+        "rotary_base": cfg.rope_theta,
+        # DSA (§4).
+        "experimental_attention_variant": "dsa",
+        "dsa_indexer_n_heads": cfg.index_heads,
+        "dsa_indexer_head_dim": cfg.index_head_dim,
+        "dsa_indexer_topk": cfg.index_topk,
+        "dsa_indexer_loss_coeff": cfg.indexer_loss_coeff,
+        "dsa_indexer_use_sparse_loss": not cfg.dsa_dense_warmup,
+        # Mamba (§2): read by inference state shapes; nam's mixer reads the nam config.
+        "mamba_state_dim": cfg.d_state,
+        "mamba_head_dim": cfg.mamba_headdim,
+        "mamba_num_groups": cfg.mamba_ngroups,
+        "mamba_num_heads": cfg.mamba_heads,
+        # MoE (§5).
+        "num_moe_experts": cfg.num_experts,
+        "moe_router_topk": cfg.moe_topk,
+        "moe_ffn_hidden_size": cfg.moe_ffn_hidden,
+        "moe_shared_expert_intermediate_size": cfg.moe_shared_ffn_hidden,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+        "moe_token_dispatcher_type": DISPATCHER,
+        "moe_grouped_gemm": True,
+        # MTP (§6).
+        "mtp_num_layers": cfg.mtp_depths,
+        "mtp_loss_scaling_factor": cfg.mtp_loss_scale,
+        # Precision and parallelism.
+        "bf16": bf16,
+        "params_dtype": "bfloat16" if bf16 else "float32",
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "expert_model_parallel_size": ep,
+    }
+
+
+def _model_args(cfg: NAM56RConfig, pattern: str) -> dict:
+    return {
+        "vocab_size": cfg.vocab_size,
+        "max_sequence_length": cfg.seq_len,
+        "hybrid_layer_pattern": pattern,
+        # MLA and DSA apply their own decoupled RoPE; HybridModel builds none with multi_latent_attention (§1.3).
+        "position_embedding_type": "none",
+        "share_embeddings_and_output_weights": cfg.tie_embeddings,
+    }
+
+
+# --- gaps ---------------------------------------------------------------------------------------------------
+
+
+def _gaps(cfg: NAM56RConfig, *, tp: int, schedule: str) -> tuple[Gap, ...]:
+    gaps = [
+        Gap("Mamba-3 mixer",
+            "no Mamba-3 (SISO or MIMO) in any release 0.16.1-0.19.2, main or dev; only community PR #5038 (§2)",
+            "nam56r.blocks.mamba3.Mamba3Mixer in mamba_layer.submodules.mixer, scan from the ssm_mixers backend "
+            f"({cfg.ssm_backend!r})", "covered"),
+        Gap("DSA at NAM56R's MLA dims",
+            "the fused TileLang sparse MLA only takes absorbed dims 576/512 and falls back to the O(s^2) "
+            f"unfused path; NAM56R's is {cfg.kv_lora_rank + cfg.qk_rope_dim}/{cfg.kv_lora_rank} (§4)",
+            f"nam56r.blocks.dsa.DSA in dsa_layer, core from the attention backend ({cfg.attention_backend!r}) "
+            f"and top-k from the indexer ({cfg.indexer!r})", "covered"),
+        Gap("DSA indexer loss scale",
+            "0.16-0.18 schedules never call DSAIndexerLossAutoScaler.set_loss_scale; 0.19 does it only for "
+            "Megatron's own DSAttention (§4, §10 step 7)",
+            "nam's DSA does not use that scaler: it adds indexer_kl (x indexer_loss_coeff) to its ForwardState "
+            "and nam's forward step adds it to the loss, so the schedule's 1/num_microbatches scaling applies",
+            "open"),
+        Gap("final norm",
+            "HybridStack hard-wires TENorm as the final norm, not spec-configurable; without Transformer "
+            "Engine it raises ImportError (§1.4, §9.2)",
+            "RMSNorm (Megatron's WrappedTorchNorm, the torch.nn.RMSNorm nam's model uses) in place of "
+            "hybrid_block.TENorm when Transformer Engine is absent", "open"),
+        Gap("CE head",
+            "the output layer's loss is compute_language_model_loss (native or te); the fused linear-CE module "
+            "exists only on dev, Blackwell only (§6)",
+            f"output layer replaced so LM and MTP losses come from the active ce_heads plugin ({cfg.ce_backend!r}), "
+            "with the output weight kept in ColumnParallelLinear's checkpoint keys", "open"),
+        Gap("n-gram hash and structure embeddings",
+            "LanguageModelEmbedding has the token table only",
+            "nam56r.blocks.ngram_hash.NgramHashEmbedding and nam56r.blocks.structure.StructureEmbedding added "
+            "on the first pipeline stage", "open"),
+        Gap("slot contract",
+            "slots build with (config, layer_number, pg_collection, ...) and call with [s, b, h] (§1.4)",
+            "one adapter per nam slot: build the nam block from the nam config, transpose to [b, s, h], "
+            "return (out, None)", "open"),
+        Gap("fp32 SSM parameters under Float16Module",
+            "Float16Module casts every parameter to bf16; no keep-fp32 list (§8)",
+            "Mamba3Mixer._apply keeps D, dt_bias, B_bias, C_bias fp32 (the §8 plugin pattern)", "covered"),
+    ]
+    if tp > 1:
+        gaps.append(Gap("tensor parallelism in nam slots",
+                        "Megatron's own layers shard over tp; plugin modules must shard themselves (§2)",
+                        f"nam's Mamba3Mixer, MLA and DSA have no tp sharding yet: tp={tp} needs them", "open"))
+    if schedule == "dualpipev":
+        gaps.append(Gap("DualPipeV schedule", "not in any release, main or dev; only community PR #5254 (§7)",
+                        "nam's dualpipev schedule plugin drives the pipeline", "open"))
+    return tuple(gaps)
+
+
+# --- entry points -------------------------------------------------------------------------------------------
+
+
+def lower(
+    cfg: NAM56RConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    micro_batch_size: int = 1,
+    plugins: Mapping | None = None,
+    bf16: bool = True,
+) -> Lowering:
+    """Lower ``cfg`` for Megatron-Core >= 0.19 at the given tensor/pipeline/expert parallel sizes.
+
+    ``plugins``: the active plugins by name (values unused); ``dualpipev`` among them selects that schedule.
+    Raises ConfigError for a parallel layout the model or the lowering cannot take.
+    """
+    plugins = plugins or {}
+    if micro_batch_size < 1:
+        raise ConfigError(f"micro_batch_size must be >= 1, found {micro_batch_size}", hint="e.g. 1")
+    _check_parallel(cfg, tp=tp, pp=pp, ep=ep, plugins=plugins)
+    plan = resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks)
+    main = _main_symbols(plan, cfg.pattern)
+    pattern = _hybrid_pattern(main, pp, cfg.mtp_depths)
+    stage = len(main) // pp
+    layers = tuple(
+        {"index": l.index, "nam": l.symbol, "megatron": main[l.index], "dsa_rank": l.dsa_rank,
+         "pp_stage": l.index // stage, "layer_number": l.index + 1}  # Megatron's layer_number is 1-based, global
+        for l in plan.layers
+    )
+    schedule = "dualpipev" if "dualpipev" in plugins else "megatron"
+    notes = [
+        "D + '+' + M + E in one pattern is allowed; '*' may not appear with D or '+' (§1.3)",
+        "EP all-to-all overlap (combined_1f1b) stays off: it needs GPTModel.build_schedule_plan and "
+        f"mtp_num_layers <= 1, NAM56R has {cfg.mtp_depths} (§5)",
+    ]
+    if pp == 1:
+        notes.append("CUDA graphs off: nam's config check refuses CUDA graphs at pp == 1")
+    else:
+        notes.append(f"{pp} even stages of {stage} layers; the first also holds the embeddings, the last the MTP "
+                     "depths and the output layer (§1.3: MTP is forced onto the last stage)")
+    return Lowering(
+        name=cfg.name,
+        megatron_core=MEGATRON_CORE,
+        hybrid_layer_pattern=pattern,
+        main_pattern=main,
+        mtp_pattern=MTP_DEPTH if cfg.mtp_depths else "",
+        mtp_depths=cfg.mtp_depths,
+        layers=layers,
+        slots=_slots(cfg, DISPATCHER),
+        config_args=_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main)),
+        model_args=_model_args(cfg, pattern),
+        micro_batch_size=micro_batch_size,
+        schedule=schedule,
+        moe_dispatcher=DISPATCHER,
+        cuda_graphs=False,
+        gaps=_gaps(cfg, tp=tp, schedule=schedule),
+        notes=tuple(notes),
+    )
+
+
+# Config/model argument -> Megatron command-line flag, where the flag is not the name with dashes.
+# None: no flag (implied by another one or not a command-line setting).
+_FLAG = {
+    "num_moe_experts": "--num-experts",
+    "gated_linear_unit": "--swiglu",
+    "activation_func": None,  # --swiglu implies silu
+    "layernorm_epsilon": "--norm-epsilon",
+    "max_sequence_length": "--seq-length",
+    "params_dtype": None,  # --bf16 implies it
+    "share_embeddings_and_output_weights": None,  # handled below (--untie-embeddings-and-output-weights)
+    "add_bias_linear": None,  # handled below (--disable-bias-linear)
+}
+
+
+def megatron_args(lowering: Lowering) -> list[str]:
+    """The lowering as Megatron training flags (``pretrain_hybrid.py``-style), one list item per token."""
+    args: list[str] = []
+    merged = {**lowering.config_args, **lowering.model_args}
+    for key, value in merged.items():
+        flag = _FLAG.get(key, "--" + key.replace("_", "-"))
+        if flag is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                args.append(flag)
+            continue
+        args += [flag, str(value)]
+    if not merged["add_bias_linear"]:
+        args.append("--disable-bias-linear")
+    if not merged["share_embeddings_and_output_weights"]:
+        args.append("--untie-embeddings-and-output-weights")
+    args += ["--max-position-embeddings", str(merged["max_sequence_length"])]
+    args += ["--micro-batch-size", str(lowering.micro_batch_size)]
+    return args

@@ -1,0 +1,1 @@
+"""nam plugin sparse-mla: DSA's sparse MLA attention in absorbed form, as Triton kernels."""

@@ -1,0 +1,94 @@
+"""Entry point of the sparse-mla plugin: what it declares and the hooks it implements.
+
+Requesting the plugin selects ``attention_backend=sparse-mla`` (an explicit ``--set attention_backend=...``
+wins): DSA layers then run their top-k attention on the plugin's Triton kernels and MLA layers (and DSA's
+dense warm-up) on torch's fused SDPA. The kernels need a Hopper-or-newer GPU and Triton; activation checks
+both, the model's head widths (``nam_check_config``) and, on a real GPU, one tiny compile-and-launch parity
+run against the reference (``nam_preflight``). There is no CPU fallback: on a CPU the ``reference`` backend
+is the implementation, by name.
+
+This module stays light (no torch, no triton at import) so ``nam plugins list`` can read ``PLUGIN``.
+"""
+
+from __future__ import annotations
+
+from nam_core import Check, PluginInfo, Requirement, hookimpl
+from nam_core.requirements import FAIL, PASS, SKIP
+
+NAME = "sparse-mla"
+GPU_HINT = "pip install 'nam-plugin-sparse-mla[gpu]'"
+
+PLUGIN = PluginInfo(
+    summary="sparse-mla: DSA top-k attention in MLA's absorbed form as Triton kernels (fp32 softmax and "
+            "gradients), dense MLA on torch's fused SDPA",
+    provides={"attention_backends": [NAME]},
+    requires=(
+        Requirement.cuda_capability((9, 0), reason="the kernels are built and tuned for Hopper (sm_90) and newer"),
+        Requirement.package("triton>=3.3", install_hint=GPU_HINT),
+    ),
+    selects={"attention_backend": NAME},
+)
+
+NAM56R_WIDTHS = {"h": 32, "dk": 128, "dv": 64}
+"""Preflight's shape without a config: 32 heads over a 64 + 64 latent key, value 64 (nam56r.config)."""
+
+
+def _widths(model) -> dict[str, int]:
+    return {"h": model.attn_heads, "dk": model.kv_lora_rank + model.qk_rope_dim, "dv": model.kv_lora_rank}
+
+
+@hookimpl
+def nam_check_config(config, device):
+    from nam_plugin_sparse_mla.shape import shape_problem
+
+    if config is None:
+        return []
+    model = config.model
+    w = _widths(model)
+    found = (f"dk {w['dk']} (kv_lora_rank {model.kv_lora_rank} + qk_rope_dim {model.qk_rope_dim}), "
+             f"dv {w['dv']}, {w['h']} heads, top-k {model.index_topk}")
+    problem = shape_problem(w["dk"], w["dv"], w["h"])
+    checks = [Check(NAME, "kernel shapes", FAIL if problem else PASS,
+                    "dk, dv powers of two in [16, 256], dv <= dk, 1..128 heads",
+                    f"{found}: {problem}" if problem else found,
+                    hint=None if problem is None else
+                    "--set kv_lora_rank=64 --set qk_rope_dim=64 (NAM56R's widths), or run the pure-PyTorch "
+                    "core: --set attention_backend=reference --plugins reference")]
+    if model.attention_backend != NAME:
+        checks.append(Check(NAME, "selected", SKIP, f"attention_backend={NAME}",
+                            f"attention_backend={model.attention_backend}: active but unused",
+                            hint=f"--set attention_backend={NAME}"))
+    return checks
+
+
+@hookimpl
+def nam_preflight(device, config):
+    """On a real CUDA device: compile and launch the kernels once, forward and backward, against the reference."""
+    from nam_plugin_sparse_mla.shape import shape_problem
+
+    w = _widths(config.model) if config is not None else dict(NAM56R_WIDTHS)
+    if shape_problem(w["dk"], w["dv"], w["h"]) is not None:
+        return []  # already a failed config check
+    from nam_plugin_sparse_mla.selftest import parity
+
+    needed = "kernel == reference within {tol:g} (out, dq, dkv; sparse and dense)"
+    try:
+        err, tol, details = parity(h=w["h"], dk=w["dk"], dv=w["dv"], device="cuda")
+    except Exception as e:  # a compile or launch failure is this check's failure, with what happened
+        return [Check(NAME, "kernel launch", FAIL, needed.format(tol=2e-2), f"{type(e).__name__}: {e}",
+                      hint=f"report it with `nam preflight --plugins {NAME} --json`; meanwhile "
+                           "--set attention_backend=reference --plugins reference")]
+    ok = err <= tol
+    seeds = f"seeds {details['sparse']['seed']}, {details['dense']['seed']}"
+    return [Check(NAME, "kernel launch", PASS if ok else FAIL, needed.format(tol=tol),
+                  f"worst relative error {err:.2e} (b=2 s=160 h={w['h']} dk={w['dk']} dv={w['dv']} top-k 96, "
+                  f"bf16; {seeds})",
+                  hint=None if ok else "report it with the seeds; meanwhile "
+                                       "--set attention_backend=reference --plugins reference")]
+
+
+@hookimpl
+def nam_register_attention_backends(register):
+    from nam_plugin_sparse_mla.attention import SparseMLA
+
+    register(NAME, SparseMLA)

@@ -1,0 +1,139 @@
+"""The Megatron lowering as plain data: pattern, slot classes, argument checks, JSON, and the CLI."""
+
+import importlib
+import json
+
+import pytest
+
+from nam56r.megatron import SYMBOL, lower, megatron_args
+from nam56r.pattern import resolve
+from nam56r.recipes import get_recipe
+from nam_cli.main import run
+from nam_core.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return get_recipe("nam56r").model
+
+
+def _import(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_pattern_has_the_plan_counts_and_order(cfg):
+    lowering = lower(cfg)
+    plan = resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks)
+    main, *mtp = lowering.hybrid_layer_pattern.split("/")
+    assert main == lowering.main_pattern == "".join(SYMBOL[l.symbol] for l in plan.layers)
+    assert len(main) == 52 == lowering.config_args["num_layers"]
+    counts = {s: main.count(s) for s in "+DEM"}
+    assert counts == {"+": 4, "D": 9, "E": 22, "M": 17}
+    assert mtp == ["+-", "+-"] and lowering.config_args["mtp_num_layers"] == 2
+    assert "*" not in lowering.hybrid_layer_pattern  # '*' cannot be mixed with D or '+' (reference 1.3)
+    assert [l["dsa_rank"] for l in lowering.layers if l["megatron"] == "D"] == list(range(9))
+
+
+def test_config_args_carry_the_nam56r_dims(cfg):
+    a = lower(cfg, tp=2, ep=4).config_args
+    assert (a["hidden_size"], a["num_attention_heads"], a["num_moe_experts"], a["moe_router_topk"]) == (4096, 32, 16, 4)
+    assert (a["moe_ffn_hidden_size"], a["moe_shared_expert_intermediate_size"]) == (160, 576)
+    assert (a["qk_head_dim"], a["qk_pos_emb_head_dim"], a["v_head_dim"]) == (64, 64, 128)  # no-RoPE part, not 128
+    assert (a["tensor_model_parallel_size"], a["expert_model_parallel_size"]) == (2, 4)
+
+
+def test_every_slot_class_imports(cfg):
+    """No placeholder: every nam class must exist here; Megatron classes are checked where this megatron has them."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    lowering = lower(cfg)
+    nam = [s for s in lowering.slots if s.provider == "nam"]
+    assert {s.module for s in nam} == {"nam56r.blocks.mamba3.Mamba3Mixer", "nam56r.blocks.dsa.DSA",
+                                       "nam56r.blocks.mla.MLA", "nam56r.blocks.ngram_hash.NgramHashEmbedding"}
+    for slot in lowering.slots:
+        if slot.nam_block:
+            assert isinstance(_import(slot.nam_block), type), slot.nam_block
+        if slot.provider == "nam":
+            assert isinstance(_import(slot.module), type), slot.module
+    # Every Megatron class named here also exists in 0.16.1 (0.19 keeps them or re-exports them, reference 1.1).
+    assert Version(version("megatron-core")) >= Version("0.16.1")
+    for slot in lowering.slots:
+        if slot.provider == "megatron":
+            assert isinstance(_import(slot.module), type), slot.module
+    moe = next(s for s in lowering.slots if s.path == "moe_layer.submodules.mlp")
+    assert moe.kwargs["moe_token_dispatcher_type"] == lowering.moe_dispatcher == "alltoall"
+
+
+def test_ep_must_divide_the_experts(cfg):
+    with pytest.raises(ConfigError, match=r"ep=3 must divide num_experts, found num_experts=16") as e:
+        lower(cfg, ep=3)
+    assert "divisors of num_experts=16" in e.value.hint
+
+
+def test_tp_must_divide_attention_and_mamba_heads(cfg):
+    with pytest.raises(ConfigError, match=r"tp=3 must divide attn_heads"):
+        lower(cfg, tp=3)
+    with pytest.raises(ConfigError, match=r"tp=16 must divide mamba_ngroups, found mamba_ngroups=8"):
+        lower(cfg, tp=16)  # 32 heads and 128 Mamba heads split by 16; 8 B/C groups do not
+    assert any(g.what == "tensor parallelism in nam slots" and g.status == "open" for g in lower(cfg, tp=2).gaps)
+
+
+def test_pp_splits_evenly_or_is_refused(cfg):
+    lowering = lower(cfg, pp=4)
+    main = lowering.hybrid_layer_pattern.split("/")[0]
+    assert [len(seg) for seg in main.split("|")] == [13, 13, 13, 13]
+    assert main.replace("|", "") == lower(cfg).main_pattern
+    assert [l["pp_stage"] for l in lowering.layers][12:14] == [0, 1]
+    with pytest.raises(ConfigError, match=r"pp=5 must divide num_layers, found num_layers=52"):
+        lower(cfg, pp=5)
+
+
+def test_dualpipev_refuses_expert_parallelism(cfg):
+    with pytest.raises(ConfigError, match=r"dualpipev runs only with expert parallelism 1, found ep=4"):
+        lower(cfg, ep=4, pp=2, plugins={"dualpipev": None})
+    assert lower(cfg, pp=2, plugins={"dualpipev": None}).schedule == "dualpipev"
+
+
+def test_cuda_graphs_note_at_pp1(cfg):
+    lowering = lower(cfg)
+    assert lowering.cuda_graphs is False
+    assert any("CUDA graphs off" in n and "pp == 1" in n for n in lowering.notes)
+
+
+def test_gaps_name_what_megatron_lacks(cfg):
+    gaps = {g.what: g for g in lower(cfg).gaps}
+    for what in ("Mamba-3 mixer", "final norm", "DSA indexer loss scale", "DSA at NAM56R's MLA dims", "CE head"):
+        assert what in gaps
+    assert gaps["Mamba-3 mixer"].status == "covered"
+    assert all(g.status in ("covered", "open") for g in gaps.values())
+
+
+def test_to_dict_round_trips_through_json(cfg):
+    d = lower(cfg, tp=2, pp=2, ep=4).to_dict()
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_megatron_args_flags(cfg):
+    flags = megatron_args(lower(cfg, ep=4))
+    pairs = dict(zip(flags, flags[1:]))
+    assert pairs["--hybrid-layer-pattern"] == lower(cfg).hybrid_layer_pattern
+    assert pairs["--num-experts"] == "16" and pairs["--moe-router-topk"] == "4"
+    assert pairs["--expert-model-parallel-size"] == "4" and pairs["--mtp-num-layers"] == "2"
+    for flag in ("--bf16", "--multi-latent-attention", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
+        assert flag in flags
+    assert not any(f.startswith("--activation-func") or f.startswith("--params-dtype") for f in flags)
+
+
+def test_cli_prints_the_lowering_as_json(capsys):
+    assert run(["recipe", "show", "nam56r", "--megatron-args", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["hybrid_layer_pattern"] == lower(get_recipe("nam56r").model).hybrid_layer_pattern
+    assert "--hybrid-layer-pattern" in d["flags"] and d["gaps"] and d["slots"]
+
+
+def test_cli_refuses_ep3_with_exit_2(capsys):
+    assert run(["recipe", "show", "nam56r", "--megatron-args", "--ep", "3"]) == 2
+    assert "ep=3 must divide num_experts" in capsys.readouterr().err

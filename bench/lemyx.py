@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import time_and_peak
 
 
 def sdpa_plus_kl(q, kv, iq, ik, w, *, scale, d_v):
@@ -39,31 +39,16 @@ def sdpa_plus_kl(q, kv, iq, ik, w, *, scale, d_v):
 
 def measure(fn, inputs, *, warmup: int, iters: int) -> tuple[float, float]:
     """Median fwd+bwd milliseconds and peak extra GiB of ``fn(*inputs) -> (o, kl)``."""
-    def step():
+    def clear():
         for t in inputs:
             t.grad = None
+
+    def step():
+        clear()
         o, kl = fn(*inputs)
         ((o.float() * 1e-3).sum() + kl.sum()).backward()
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    for t in inputs:
-        t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    return time_and_peak(step, clear, warmup=warmup, iters=iters)
 
 
 def main() -> None:

@@ -20,36 +20,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from timing import time_and_peak
 
 
 def measure(fn, q, kv, do, *, warmup: int, iters: int) -> tuple[float, float]:
     """Median fwd+bwd milliseconds and peak extra GiB of ``fn(q, kv) -> o`` with ``o.backward(do)``."""
-    def step():
+    def clear():
         q.grad = kv.grad = None
+
+    def step():
+        clear()
         fn(q, kv).backward(do)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    q.grad = kv.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    return time_and_peak(step, clear, warmup=warmup, iters=iters)
 
 
 def main() -> None:

@@ -1,0 +1,32 @@
+"""What every benchmark here measures the same way: CUDA-event time and peak memory of one training step."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def time_and_peak(step: Callable[[], None], clear: Callable[[], None], *, warmup: int,
+                  iters: int) -> tuple[float, float]:
+    """Median milliseconds of ``step()`` over ``iters`` runs after ``warmup``, and its peak GiB above what is
+    allocated before it (after ``clear()`` drops the last step's gradients). ``step`` runs forward + backward."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    clear()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30

@@ -1,5 +1,8 @@
 """Test helpers shared by nam's tests and by plugin test suites.
 
+``prepare_corpus(tmp_path_factory, modules, chars)`` prepares a small dataset from the source of a few
+standard-library modules through ``nam data prepare`` (faster than the full stdlib default of ``nam train``).
+
 ``no_host_sync()`` fails any op that reads a tensor's value on the host (``.item()``, ``torch.equal``,
 data-dependent shapes such as ``nonzero``): on a GPU each of those stalls the stream and breaks CUDA-graph
 capture, so the DSA and Mamba-3 paths must have none. On CPU the check works at the dispatcher, so it runs in
@@ -75,3 +78,19 @@ def fake_installed(tmp_path, monkeypatch, plugins: dict[str, str]) -> dict:
         ep = importlib.metadata.EntryPoint(name=name, value=module, group="nam.plugins")
         installed[name] = InstalledPlugin(name, ep, f"nam-plugin-{name}", "0.0.test")
     return installed
+
+
+def prepare_corpus(tmp_path_factory, modules, chars: int):
+    """The first ``chars`` characters of each module's source, prepared with ``nam data prepare``: its folder."""
+    import inspect
+
+    from nam_cli.main import run
+
+    src = tmp_path_factory.mktemp("src")
+    for i, mod in enumerate(modules):
+        (src / f"m{i}.py").write_text(inspect.getsource(mod)[:chars])
+    out = tmp_path_factory.mktemp("data") / "ds"
+    code = run(["data", "prepare", str(src), "--out", str(out)])
+    if code != 0:
+        raise RuntimeError(f"nam data prepare exited {code}")
+    return out

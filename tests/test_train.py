@@ -15,6 +15,7 @@ import pytest
 
 from nam_cli.main import run
 from nam_core.engine.metrics import read_metrics
+from nam_core.testing import prepare_corpus
 
 FAST = ["--set", "seq_len=32", "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=10",
         "--set", "train.total_steps=60", "--quiet"]
@@ -23,16 +24,11 @@ FAST = ["--set", "seq_len=32", "--set", "train.micro_batch_size=2", "--set", "tr
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small prepared dataset of Python files (faster than the stdlib default)."""
-    src = tmp_path_factory.mktemp("src")
     import inspect
     import json as json_mod
     import textwrap
 
-    for i, mod in enumerate((json_mod, textwrap, inspect)):
-        (src / f"m{i}.py").write_text(inspect.getsource(mod)[:20000])
-    out = tmp_path_factory.mktemp("data") / "ds"
-    assert run(["data", "prepare", str(src), "--out", str(out)]) == 0
-    return out
+    return prepare_corpus(tmp_path_factory, (json_mod, textwrap, inspect), chars=20000)
 
 
 def losses(run_dir: Path) -> list[float]:

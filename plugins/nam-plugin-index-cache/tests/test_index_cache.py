@@ -5,7 +5,6 @@ model cases run nam56r-tiny at ``seq_len`` 32, where top-k 16 keeps half the key
 """
 
 import dataclasses
-import inspect
 import json
 import statistics
 
@@ -25,6 +24,7 @@ from nam_core.engine.metrics import read_metrics
 from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.testing import prepare_corpus
 from nam_plugin_index_cache.cache import CACHE_KEY, IndexCache, default_pattern, saved_fraction, source_rank
 
 CPU = DeviceInfo.profile("cpu")
@@ -279,12 +279,7 @@ def corpus(tmp_path_factory):
     import json as json_mod
     import textwrap
 
-    src = tmp_path_factory.mktemp("src")
-    for i, mod in enumerate((json_mod, textwrap)):
-        (src / f"m{i}.py").write_text(inspect.getsource(mod)[:8000])
-    out = tmp_path_factory.mktemp("data") / "ds"
-    assert run(["data", "prepare", str(src), "--out", str(out)]) == 0
-    return out
+    return prepare_corpus(tmp_path_factory, (json_mod, textwrap), chars=8000)
 
 
 FAST = ["--plugins", "index-cache", "--set", "seq_len=32",

@@ -5,7 +5,6 @@ and `nam train`. GPU parity at NAM56R's widths and the memory bound are in test_
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ from nam_core.engine.metrics import read_metrics
 from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.testing import prepare_corpus
 from nam_plugin_lemyx.reference import kl_rows, warmup_reference
 from nam_plugin_lemyx.strategy import Lemyx, OptionError, Options, parse_options
 
@@ -274,12 +274,7 @@ def corpus(tmp_path_factory):
     import json as json_mod
     import textwrap
 
-    src = tmp_path_factory.mktemp("src")
-    for i, mod in enumerate((json_mod, textwrap)):
-        (src / f"m{i}.py").write_text(inspect.getsource(mod)[:8000])
-    out = tmp_path_factory.mktemp("data") / "ds"
-    assert run(["data", "prepare", str(src), "--out", str(out)]) == 0
-    return out
+    return prepare_corpus(tmp_path_factory, (json_mod, textwrap), chars=8000)
 
 
 def test_nam_train_refuses_a_bad_option_before_making_a_run_folder(tmp_path, corpus, capsys):

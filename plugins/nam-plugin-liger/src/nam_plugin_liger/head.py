@@ -45,6 +45,8 @@ from nam_core.requirements import version_in
 
 DISTRIBUTION = "liger-kernel"
 FIXED_IN = "0.8.2"
+FLOOR = "0.8.0"
+"""The oldest release the plugin accepts (PluginInfo.requires): 0.8.0 and 0.8.1 run through the patch lane."""
 """First release whose ``reduction="none"`` backward is right (PR #1298, commit 9ac26bb8)."""
 AFFECTED = f"<{FIXED_IN}"
 """Releases with Liger issue #968 (reduction="none" backward uses only ``grad_output[0]``)."""
@@ -106,7 +108,7 @@ def reset_workaround() -> None:
 def formulation_for(version: str | None) -> str:
     """The formulation that is exact with ``version`` of liger-kernel; raises where none is allowed yet."""
     if version is None:
-        raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FIXED_IN}; found it not installed",
+        raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FLOOR}; found it not installed",
                        hint=INSTALL_HINT, exit_code=3)
     if not has_none_reduction_bug(version):
         return NONE_TIMES_MASK
@@ -127,7 +129,7 @@ def liger_flce() -> FusedLinearCE:
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError as e:
-        raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FIXED_IN}; importing it failed: {e}",
+        raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FLOOR}; importing it failed: {e}",
                        hint=INSTALL_HINT, exit_code=3) from None
     signature = inspect.signature(LigerFusedLinearCrossEntropyFunction.forward)
     options = dict(

@@ -13,8 +13,8 @@ the launch that proves it (``nam patches --plugins liger --verify`` on a GPU, an
 
 The workaround (``apply``) switches the ``liger`` head to ``reduction="mean"`` over the live tokens times the
 live-token count, exact for a 0/1 mask (``nam_plugin_liger.head``). On 0.8.2 and later the patch reports
-``retired``. Note that the plugin's package requirement is ``liger-kernel>=0.8.2``, so an affected release
-fails activation before the patch lane runs; the patch still lists, explains and verifies that release.
+``retired``. The plugin's package requirement is ``liger-kernel>=0.8.0``, so an affected release (0.8.0,
+0.8.1) activates and the patch lane applies the workaround before the head is built.
 """
 
 from __future__ import annotations

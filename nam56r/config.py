@@ -86,6 +86,9 @@ class NAM56RConfig:
     mamba_dt_max: float = 0.1
     mamba_a_floor: float = 1e-4
     """A is clamped to at most -a_floor (upstream Mamba-3 default)."""
+    mamba_compile_prelude: bool = False
+    """True: the mixer's elementwise region between in_proj and the scan (dt, A*dt, B/C RMSNorm, the layout
+    changes) runs as one ``torch.compile`` graph shared by every Mamba layer (bench/mamba_ssm.py measures it)."""
 
     # --- MoE --------------------------------------------------------------------------------------
     num_experts: int = 16

@@ -104,30 +104,54 @@ class Mamba3Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         """``state`` is accepted for the common block interface; Mamba-3 adds no auxiliary loss."""
-        b, l, _ = x.shape
-        H, R, G, N, P = self.heads, self.rank, self.groups, self.d_state, self.headdim
-        z, xs, B, C, dd_dt, dd_A, trap, angles = torch.split(self.in_proj(x), self.split_sizes, dim=-1)
+        prelude = compiled_prelude() if self.cfg.mamba_compile_prelude else mamba3_prelude
+        scan_inputs = prelude(
+            self.in_proj(x), self.dt_bias, self.B_bias, self.C_bias, self.B_norm.weight, self.C_norm.weight,
+            self.D, self.split_sizes, (self.rank, self.groups, self.d_state, self.heads, self.headdim),
+            self.cfg.mamba_a_floor, BC_NORM_EPS,
+        )
+        y = self.scan(*scan_inputs, self.mimo_x, self.mimo_z, self.mimo_o, chunk_size=self.cfg.mamba_chunk)
+        return self.out_proj(y.flatten(2).to(x.dtype))  # y [b, l, H, P]
 
-        # dt and A dt in fp32 at least, even if a wrapper handed us bf16 copies of the fp32 parameters.
-        f32 = torch.promote_types(x.dtype, torch.float32)
-        dt = F.softplus(dd_dt.to(f32) + self.dt_bias.to(f32))  # [b, l, H]
-        # A = -softplus(dd_A) is mamba-ssm 2.3.2.post1; main (c69aaab) uses a heavy tail instead:
-        # x + 1 for x >= 0, 1 / (1 - x) below (kernels-and-math.md section 1.2).
-        A = (-F.softplus(dd_A.to(f32))).clamp(max=-self.cfg.mamba_a_floor)
-        adt = (A * dt).transpose(1, 2)  # [b, H, l]
-        dt = dt.transpose(1, 2)
 
-        y = self.scan(
-            self.C_norm(C.unflatten(-1, (R, G, N))),  # q [b, l, R, G, N]
-            self.B_norm(B.unflatten(-1, (R, G, N))),  # k
-            xs.unflatten(-1, (H, P)),  # v [b, l, H, P]
-            adt, dt,
-            trap.transpose(1, 2),  # [b, H, l], pre-sigmoid
-            self.C_bias.to(f32), self.B_bias.to(f32),
-            angles.to(f32).unsqueeze(2).expand(b, l, H, self.angles),  # one set of angles, every head
-            self.D.to(f32),
-            z.unflatten(-1, (H, P)),
-            self.mimo_x, self.mimo_z, self.mimo_o,
-            chunk_size=self.cfg.mamba_chunk,
-        )  # [b, l, H, P]
-        return self.out_proj(y.flatten(2).to(x.dtype))
+def mamba3_prelude(proj, dt_bias, B_bias, C_bias, B_norm_weight, C_norm_weight, D, split_sizes, dims, a_floor,
+                   eps):
+    """The mixer's elementwise region: in_proj output -> the ``SSMScan`` arguments up to ``z``.
+
+    A free function of tensors and plain values (no module), so one ``torch.compile`` of it serves every layer
+    of the same shape. dt and A dt in fp32 at least, even if a wrapper handed bf16 copies of the fp32
+    parameters. ``dims`` = (R, G, N, H, P).
+    """
+    R, G, N, H, P = dims
+    b, l, _ = proj.shape
+    z, xs, B, C, dd_dt, dd_A, trap, angles = torch.split(proj, split_sizes, dim=-1)
+    f32 = torch.promote_types(proj.dtype, torch.float32)
+    dt = F.softplus(dd_dt.to(f32) + dt_bias.to(f32))  # [b, l, H]
+    # A = -softplus(dd_A) is mamba-ssm 2.3.2.post1; main (c69aaab) uses a heavy tail instead:
+    # x + 1 for x >= 0, 1 / (1 - x) below (kernels-and-math.md section 1.2).
+    A = (-F.softplus(dd_A.to(f32))).clamp(max=-a_floor)
+    adt = (A * dt).transpose(1, 2)  # [b, H, l]
+    S = angles.shape[-1]
+    return (
+        F.rms_norm(C.unflatten(-1, (R, G, N)), (N,), C_norm_weight, eps),  # q [b, l, R, G, N]
+        F.rms_norm(B.unflatten(-1, (R, G, N)), (N,), B_norm_weight, eps),  # k
+        xs.unflatten(-1, (H, P)),  # v [b, l, H, P]
+        adt, dt.transpose(1, 2),
+        trap.transpose(1, 2),  # [b, H, l], pre-sigmoid
+        C_bias.to(f32), B_bias.to(f32),
+        angles.to(f32).unsqueeze(2).expand(b, l, H, S),  # one set of angles, every head
+        D.to(f32),
+        z.unflatten(-1, (H, P)),
+    )
+
+
+_COMPILED_PRELUDE = None
+
+
+def compiled_prelude():
+    """``mamba3_prelude`` under ``torch.compile`` (built on first use, shared by every layer). Compile errors
+    propagate: there is no fall-back to the eager function."""
+    global _COMPILED_PRELUDE
+    if _COMPILED_PRELUDE is None:
+        _COMPILED_PRELUDE = torch.compile(mamba3_prelude, dynamic=False, fullgraph=True)
+    return _COMPILED_PRELUDE

@@ -1,0 +1,157 @@
+"""Mamba-3 MIMO forward and backward drivers over mamba-ssm's TileLang kernels: compiled once, any ngroups.
+
+mamba-ssm's autograd function (``mamba3_mimo.py``) calls two module-level drivers, ``mamba_mimo_forward``
+and ``mamba_mimo_bwd_combined``; the patch lane swaps in the two drivers below, with the same signatures
+(``patches.py``), and leaves the autograd function, its Triton helpers and the kernels themselves as they are.
+What the drivers change:
+
+* **Host time.** Upstream's drivers call the ``@tilelang.jit`` kernel factory on every call. In TileLang
+  0.1.8 that re-runs the eager front end (re-parsing and re-building the kernel program, ~775 ms per call on
+  the H100 host) before the compiled-kernel cache is consulted. ``compiled()`` builds each kernel once per
+  static configuration (batch, length, heads and groups stay dynamic, as upstream declares them) and keeps
+  the kernel object, so a warm call is a launch.
+* **Groups.** The backward kernels already write dQ and dK per head, ``[b, l, r, h, n]``; upstream then
+  handles only ngroups 1 and ngroups == nheads and raises ``G value of 8 is not currently supported!``
+  otherwise. ``reduce_groups`` covers every ``h % g == 0``: the bias gradients are per-head sums of those
+  unreduced tensors, and dQ/dK sum the heads of each group (head ``i`` reads group ``i // (h / g)``).
+
+Allocation, launch order and the Triton post-processing follow upstream's drivers, so the two compute the same
+numbers wherever upstream runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from nam_plugin_mamba_ssm import upstream
+
+FWD_THREADS, BWD_FWD_THREADS, BWD_BWD_THREADS = 128, 128, 256
+"""Thread counts upstream's drivers launch with (its defaults); no pipelining stages (``num_stages=0``)."""
+
+
+class Kernels(NamedTuple):
+    fwd: object
+    bwd_fwd: object
+    bwd_bwd: object
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(n: int, p: int, r: int, has_z: bool, has_d: bool, reduce_o: bool, chunk_size: int,
+             rotary_dim_divisor: int, dtype: str, return_state: bool = False) -> Kernels:
+    """The three TileLang kernels for one static configuration, compiled (or read from TileLang's disk cache)
+    on the first call and kept for the life of the process."""
+    language = upstream.load("tilelang.language")
+    fwd_mod, bwd_mod = upstream.load(upstream.MIMO_FWD_MODULE), upstream.load(upstream.MIMO_BWD_MODULE)
+
+    def dynamic():
+        return (language.dynamic("B"), language.dynamic("S"), language.dynamic("H"), language.dynamic("G"))
+
+    static = (n, p, r, has_z, has_d, reduce_o)
+    fwd = fwd_mod.mamba_mimo_fwd(*dynamic(), *static, return_final_state=return_state, chunk_size=chunk_size,
+                                 rotary_dim_divisor=rotary_dim_divisor, dtype=dtype, threads=FWD_THREADS,
+                                 num_stages=0)
+    bwd_fwd = bwd_mod.mamba_mimo_bwd_fwd(*dynamic(), *static, chunk_size, rotary_dim_divisor, dtype,
+                                         BWD_FWD_THREADS, 0)
+    bwd_bwd = bwd_mod.mamba_mimo_bwd_bwd(*dynamic(), *static, chunk_size, rotary_dim_divisor, dtype,
+                                         BWD_BWD_THREADS, 0)
+    return Kernels(fwd, bwd_fwd, bwd_bwd)
+
+
+def reduce_groups(d_per_head: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, l, r, h, n]`` per-head gradient of the biased B or C -> (bias grad ``[h, r, n]`` fp32, grad of the
+    ``[b, l, r, g, n]`` input).
+
+    The bias is added per head, so its gradient sums the per-head tensor over batch and time; the input is
+    shared by the ``h / g`` consecutive heads of a group, so its gradient sums those heads. Both sums
+    accumulate in fp32 at least; the bias gradient is fp32 (the biases are fp32 parameters), the input gradient
+    comes back in the per-head tensor's dtype.
+    """
+    b, l, r, h, n = d_per_head.shape
+    if h % groups:
+        raise ValueError(f"{h} heads do not split into {groups} groups")
+    acc = torch.promote_types(d_per_head.dtype, torch.float32)
+    bias = d_per_head.sum(dim=(0, 1), dtype=acc).transpose(0, 1).to(torch.float32)
+    grouped = d_per_head.view(b, l, r, groups, h // groups, n).sum(dim=4, dtype=acc)
+    return bias, grouped.to(d_per_head.dtype)
+
+
+def forward(q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, D, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, segsum,
+            chunk_size, rotary_dim_divisor, dtype, return_state=False, threads=FWD_THREADS, num_stages=0):
+    """Upstream's ``mamba_mimo_forward`` contract: ``(out, final_state or None, final_k or None)``."""
+    if (threads, num_stages) != (FWD_THREADS, 0):
+        raise ValueError(f"the cached MIMO forward is built with threads={FWD_THREADS}, num_stages=0; "
+                         f"got threads={threads}, num_stages={num_stages}")
+    b, s, r, _g, n = q.shape
+    h, p = v.shape[-2:]
+    reduce_o = mimo_o is not None
+    name = dtype_name(dtype)
+    out_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, name)
+    kernels = compiled(n, p, r, z is not None, D is not None, reduce_o, chunk_size, rotary_dim_divisor, name,
+                       return_state)
+    dev = q.device
+    out = torch.empty((b, s, h, p) if reduce_o else (b, s, r, h, p), device=dev, dtype=out_dtype)
+    # The kernel declares every tensor; absent optional inputs get unread placeholders, as upstream passes.
+    mimo_o_arg = mimo_o if reduce_o else torch.empty((h, r, p), device=dev, dtype=torch.float32)
+    z_arg = z if z is not None else torch.empty((b, s, h, p), device=dev, dtype=out_dtype)
+    d_arg = D if D is not None else torch.empty((h,), device=dev, dtype=torch.float32)
+    mimo_z_arg = mimo_z if mimo_z is not None else torch.empty((h, r, p), device=dev, dtype=torch.float32)
+    final_state = torch.empty((b, h, n, p), device=dev, dtype=torch.float32) if return_state else None
+    final_k = torch.empty((b, r, h, n), device=dev, dtype=out_dtype) if return_state else None
+    kernels.fwd(q, k, v, out, q_bias, k_bias, mimo_v, mimo_o_arg, z_arg, d_arg, mimo_z_arg, angles, dA_cs,
+                dA_cs_rev, dt, trap, segsum, final_state, final_k)
+    return out, final_state, final_k
+
+
+def backward(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, D,
+             segsum, chunk_size, rotary_dim_divisor, dtype, bf_threads=BWD_FWD_THREADS, bf_num_stages=0,
+             bb_threads=BWD_BWD_THREADS, bb_num_stages=0):
+    """Upstream's ``mamba_mimo_bwd_combined`` contract, for any ``h % g == 0``. Returns
+    ``(dq, dk, dv, d_adt, d_dt, d_trap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, d_angles, dD, dz)``."""
+    if (bf_threads, bf_num_stages, bb_threads, bb_num_stages) != (BWD_FWD_THREADS, 0, BWD_BWD_THREADS, 0):
+        raise ValueError("the cached MIMO backward is built with upstream's default threads and num_stages=0")
+    utils = upstream.load("mamba_ssm.ops.triton.mamba3.mamba3_mimo_utils")
+    b, s, r, g, n = q.shape
+    h, p = v.shape[-2:]
+    reduce_o, has_z, has_d = mimo_o is not None, z is not None, D is not None
+    kernels = compiled(n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor, dtype_name(dtype))
+    chunks = math.ceil(s / chunk_size)
+    f32, dev = torch.float32, q.device
+
+    # Pass 1: recompute the chunk states (stored in v's dtype, as upstream) and the gate/output-projection grads.
+    dmimo_o = torch.empty((b, h, r, p), dtype=f32, device=dev) if reduce_o else None
+    states = torch.empty((b, h, chunks, n, p), dtype=v.dtype, device=dev)
+    dz = torch.empty_like(v) if has_z else None
+    dmimo_z = torch.empty((b, h, r, p), dtype=f32, device=dev) if has_z else None
+    qk_dot = torch.zeros((b, h, s, r, r), dtype=q.dtype, device=dev)
+    kernels.bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, dmimo_o, states, z, mimo_z, dz, dmimo_z,
+                    angles, dA_cs, dA_cs_rev, dt, trap, D, qk_dot, segsum)
+
+    # Pass 2: reverse over chunks; dq, dk per head.
+    dq_heads = torch.empty((b, s, r, h, n), dtype=q.dtype, device=dev)
+    dk_heads = torch.empty((b, s, r, h, n), dtype=k.dtype, device=dev)
+    dv = torch.empty_like(v)
+    dmimo_v = torch.empty((b, h, r, p), dtype=f32, device=dev)
+    dD = torch.empty((b, h), dtype=D.dtype, device=dev) if has_d else None
+    d_angles = torch.zeros((b, s, h, n // rotary_dim_divisor), dtype=angles.dtype, device=dev)
+    dfactor, dgamma_diag, d_adt, ddA_cs_rev, ddA_cs = (torch.zeros((b, h, s), dtype=f32, device=dev)
+                                                        for _ in range(5))
+    dSSdA = torch.zeros((b, h, chunks, chunk_size, chunk_size), dtype=f32, device=dev)
+    kernels.bwd_bwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, dk_heads.view(b, s * r, h, n), dv, dmimo_v,
+                    states, dq_heads.view(b, s * r, h, n), z, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, dfactor,
+                    dgamma_diag, d_angles, D, dD, qk_dot, d_adt, dSSdA, ddA_cs_rev, ddA_cs, segsum)
+
+    dq_bias, dq = reduce_groups(dq_heads, g)
+    dk_bias, dk = reduce_groups(dk_heads, g)
+    d_dt, d_trap = utils.bwd_dtrap_ddt_triton(trap, dt, dfactor, dgamma_diag, chunk_size)
+    d_adt += utils.bwd_dadt_fused_triton(dSSdA, segsum, ddA_cs, ddA_cs_rev, dA_cs, dA_cs_rev, chunk_size)
+    return (dq, dk, dv, d_adt, d_dt, d_trap, dq_bias, dk_bias, dmimo_v.sum(0), None if dmimo_z is None else
+            dmimo_z.sum(0), None if dmimo_o is None else dmimo_o.sum(0), d_angles, None if dD is None else dD.sum(0),
+            dz)

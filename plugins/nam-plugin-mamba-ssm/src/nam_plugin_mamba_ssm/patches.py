@@ -1,0 +1,203 @@
+"""The plugin's patch-lane entries for mamba-ssm, each with its detection, fix, reproducer and end date.
+
+* ``mamba-ssm-import-shim``: ``import mamba_ssm.*`` fails without the Mamba-1 extension ``selective_scan_cuda``,
+  which Mamba-3 never uses (``upstream.py``). Fix: a stand-in module. Detected from the installed source (an
+  unguarded top-level import), because the upstream fix did not change the version string.
+* ``mamba3-mimo-grouped-bwd``: the MIMO backward raises ``G value of 8 is not currently supported!`` for any
+  1 < ngroups < nheads, NAM56R's setting. Fix: ``mimo.backward`` reduces the per-head dQ/dK per group.
+  Detected while upstream's driver is bound and the installed tree lacks its own grouped reduction.
+* ``mamba3-mimo-host-overhead``: every MIMO call re-runs TileLang's front end before reaching the compiled
+  kernel (~775 ms a call on the H100 host against ~36 ms of GPU work for a full NAM56R layer). Fix: the
+  drivers of ``mimo.py``, which keep the compiled kernels. Detected while upstream's forward driver is bound:
+  no cheap check tells a fixed upstream from this one, so the reproducer measures it, and reports
+  FIX_VALIDATED for an upstream that no longer pays it (then the patch is to be retired).
+
+The two MIMO patches swap upstream's module-level drivers (in ``mamba3_mimo`` and the modules that define
+them) for ``mimo.forward`` / ``mimo.backward``; upstream's autograd function, Triton helpers and kernels stay.
+Apply the shim first: the others import mamba-ssm. The registry keeps this order.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from nam_core.errors import NamError
+from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, NEEDED, Patch
+from nam_plugin_mamba_ssm import upstream
+
+SHIM, GROUPED, HOST = "mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead"
+NAMES = (SHIM, GROUPED, HOST)
+VERSIONS = ">=2.3.0"
+"""Mamba-3 arrived in 2.3.0; every release since is checked by ``detect`` rather than by number."""
+
+HOST_MS_BUG = 50.0
+"""Host milliseconds per warm MIMO forward at a tiny shape above which the per-call rebuild is present. With
+it a call costs hundreds of ms whatever the shape; without it, a few kernel launches (well under 5 ms)."""
+
+_DRIVERS = {  # module -> {name bound there: the nam driver that replaces it}
+    upstream.MIMO_MODULE: {"mamba_mimo_forward": "forward", "mamba_mimo_bwd_combined": "backward"},
+    upstream.MIMO_FWD_MODULE: {"mamba_mimo_forward": "forward"},
+    upstream.MIMO_BWD_MODULE: {"mamba_mimo_bwd_combined": "backward"},
+}
+
+
+def _bound(module: str, name: str, driver: str) -> bool:
+    """``module.name`` is nam's driver already. A module not imported yet is not patched."""
+    from nam_plugin_mamba_ssm import mimo
+
+    loaded = sys.modules.get(module)
+    return loaded is not None and getattr(loaded, name, None) is getattr(mimo, driver)
+
+
+def _bind(driver: str) -> None:
+    from nam_plugin_mamba_ssm import mimo
+
+    for module, names in _DRIVERS.items():
+        loaded = upstream.load(module)
+        for name, ours in names.items():
+            if ours == driver:
+                setattr(loaded, name, getattr(mimo, ours))
+
+
+# --- detection --------------------------------------------------------------------------------------------
+
+
+def shim_needed() -> bool:
+    return upstream.imports_extension_unguarded() and upstream.extension_missing() and not upstream.shim_installed()
+
+
+def grouped_needed() -> bool:
+    return (not upstream.has_grouped_backward()
+            and not _bound(upstream.MIMO_MODULE, "mamba_mimo_bwd_combined", "backward"))
+
+
+def host_needed() -> bool:
+    return not _bound(upstream.MIMO_MODULE, "mamba_mimo_forward", "forward")
+
+
+# --- reproducers (CUDA) ------------------------------------------------------------------------------------
+
+
+def reproduce_shim() -> str:
+    """Import Mamba-3's SISO and MIMO modules in a fresh interpreter (this one's ``sys.path``), with the stand-in
+    when this process has it."""
+    import subprocess
+
+    code = f"import sys; sys.path[:0] = {sys.path!r}; "
+    if upstream.shim_installed():
+        code += "from nam_plugin_mamba_ssm import upstream; upstream.install_shim(); "
+    code += f"import {upstream.SISO_MODULE}, {upstream.MIMO_MODULE}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode == 0:
+        return FIX_VALIDATED
+    if upstream.EXTENSION in done.stderr:
+        return BUG_REPRODUCED
+    raise RuntimeError(f"importing Mamba-3 failed for another reason:\n{done.stderr[-2000:]}")
+
+
+def reproduce_grouped() -> str:
+    """A tiny MIMO forward+backward through upstream's ``mamba3_mimo`` with 4 heads in 2 groups, at NAM56R's
+    static widths: BUG_REPRODUCED if it raises upstream's unsupported-G error or a gradient misses the
+    reference by more than ``selftest.TOLERANCE``."""
+    from nam_plugin_mamba_ssm import selftest
+    from nam_plugin_mamba_ssm.scan import rotary_divisor
+
+    mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
+
+    def call(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *, chunk_size):
+        return mimo(q, k, v, adt, dt, trap, q_bias, k_bias, mimo_x, mimo_z, mimo_o, angles, d, z, chunk_size,
+                    rotary_divisor(q.shape[-1], angles.shape[-1]), v.dtype)
+
+    try:
+        errors = selftest.compare(call, 1, 64, 4, 2, 128, 64, 4, chunk_size=16)
+    except ValueError as e:
+        if "G value" in str(e):
+            return BUG_REPRODUCED
+        raise
+    return FIX_VALIDATED if selftest.worst(errors) <= selftest.TOLERANCE else BUG_REPRODUCED
+
+
+def host_ms_per_call(calls: int = 3) -> float:
+    """Median wall milliseconds of a warm, synchronised MIMO forward at a tiny shape (1 x 64 tokens, 4 heads)."""
+    import torch
+
+    from nam_plugin_mamba_ssm import selftest
+
+    mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
+    x = selftest.random_inputs(1, 64, 4, 2, 128, 64, 4, device="cuda", seed=selftest.new_seed())
+    bf = {k: t.to(torch.bfloat16) for k, t in x.items() if k in ("q", "k", "v", "z", "trap")}
+    args = (bf["q"], bf["k"], bf["v"], x["adt"], x["dt"], bf["trap"], x["q_bias"], x["k_bias"], x["mimo_x"],
+            x["mimo_z"], x["mimo_o"], x["angles"], x["d"], bf["z"], 16, 4, torch.bfloat16)
+    with torch.no_grad():
+        mimo(*args)  # compile, or read the disk cache
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            mimo(*args)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def reproduce_host() -> str:
+    return BUG_REPRODUCED if host_ms_per_call() > HOST_MS_BUG else FIX_VALIDATED
+
+
+# --- the lane -----------------------------------------------------------------------------------------------
+
+
+def make_patches() -> dict[str, Patch]:
+    """The three entries, in the order they must apply."""
+    return {
+        SHIM: Patch(
+            name=SHIM, target=upstream.DISTRIBUTION, versions=VERSIONS,
+            summary="mamba_ssm/__init__ imports Mamba-1's CUDA extension unguarded, so Mamba-3 cannot be imported "
+                    "from a MAMBA_SKIP_CUDA_BUILD install; a stand-in selective_scan_cuda (raises on use)",
+            retire_when="the first mamba-ssm release with PR #977 (commit f577286, on main since 2026-07-07: the "
+                        "import is guarded); detection reads the source, so it retires itself there",
+            detect=shim_needed, apply=upstream.install_shim, reproduce=reproduce_shim, needs_gpu=False,
+        ),
+        GROUPED: Patch(
+            name=GROUPED, target=upstream.DISTRIBUTION, versions=VERSIONS,
+            summary="Mamba-3 MIMO backward raises 'G value of 8 is not currently supported!' for 1 < ngroups < "
+                    "nheads; nam's driver reduces per-head dQ/dK per group, bias grads from the per-head tensors",
+            retire_when="the first mamba-ssm release with PR #967 (commit 33e2849, grouped_head_reduction.py, on "
+                        "main since 2026-06-07); detection looks for that file",
+            detect=grouped_needed, apply=lambda: _bind("backward"), reproduce=reproduce_grouped, needs_gpu=True,
+        ),
+        HOST: Patch(
+            name=HOST, target=upstream.DISTRIBUTION, versions=VERSIONS,
+            summary="each Mamba-3 MIMO call re-runs TileLang's front end (~775 ms) before the compiled kernel; "
+                    "nam's drivers compile once per static configuration and launch the kept kernel",
+            retire_when=f"a mamba-ssm (or TileLang) release whose warm MIMO call costs under {HOST_MS_BUG:g} ms of "
+                        "host time: `nam patches --plugins mamba-ssm --verify` then reports FIX_VALIDATED "
+                        "for upstream's own drivers",
+            detect=host_needed, apply=lambda: (_bind("forward"), _bind("backward")), reproduce=reproduce_host,
+            needs_gpu=True,
+        ),
+    }
+
+
+def apply_needed() -> list[str]:
+    """Apply every needed entry in order, outside the engine (benchmarks, tests, scripts); returns their names.
+    ``nam train`` does this itself through ``nam_core.patches.apply_all``."""
+    applied = []
+    for name, patch in make_patches().items():
+        if patch.state()[0] == NEEDED:
+            patch.apply()
+            applied.append(name)
+    return applied
+
+
+def require_mimo_fixes() -> None:
+    """Refuse to run MIMO while a needed MIMO patch is not applied (fail closed: upstream would raise in the
+    backward for ngroups 8, or spend most of each step rebuilding kernels)."""
+    patches = make_patches()
+    pending = [name for name in (GROUPED, HOST) if patches[name].state()[0] == NEEDED]
+    if pending:
+        raise NamError(f"mamba-ssm MIMO needs the patch-lane fixes {', '.join(pending)}, not applied in this process",
+                       hint="run through `nam train` (it applies the patch lane after activation); in a script "
+                            "call nam_plugin_mamba_ssm.patches.apply_needed() first")

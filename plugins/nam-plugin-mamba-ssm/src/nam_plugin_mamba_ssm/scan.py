@@ -1,0 +1,93 @@
+"""``MambaSSMScan``: nam's ``SSMScan`` contract (nam56r/backends.py) on mamba-ssm's Mamba-3 kernels.
+
+Rank 1 (SISO) goes to ``mamba3_siso_combined`` (Triton), rank > 1 (MIMO) to ``mamba3_mimo`` (TileLang, with
+the drivers of ``mimo.py`` swapped in by the patch lane). Both take the contract's tensors nearly as they
+are: the contract was written in the kernels' layouts and rotation conventions. What the scan adds:
+
+* the layout of SISO's rank-free tensors (``q``/``k`` ``[b, l, g, n]``, biases ``[h, n]``);
+* the dtypes the kernels read: q, k, v, z and the trapezoid in the activation dtype, biases, MIMO projections,
+  D, angles, A*dt and dt in fp32 (the MIMO projections are cast here, so their gradients come back in the
+  parameters' dtype);
+* contiguous copies where the mixer hands views (``adt``, ``dt``, ``trap`` are transposes; ``angles`` is one
+  set broadcast over heads, which the kernels read per head).
+
+It refuses, rather than converts, what the kernels would compute differently: CPU tensors, an activation
+dtype other than bf16 (SISO casts its inputs to bf16 whatever they are; MIMO is measured here in bf16 only),
+and a MIMO run whose patches are not in effect (upstream would raise for ngroups 8, or spend most of a step
+re-building kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nam_core.errors import NamError
+from nam_plugin_mamba_ssm import upstream
+
+SUPPORTED_DTYPES = (torch.bfloat16,)
+
+
+class MambaSSMScan:
+    """The ``ssm_mixers: mamba-ssm`` backend. Upstream modules are imported, and the MIMO patches checked, at the
+    first call of each kind; after that a call does no host work beyond the launches."""
+
+    def __init__(self):
+        self._siso = self._mimo = None
+
+    def __call__(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
+                 chunk_size: int) -> torch.Tensor:
+        if not v.is_cuda:
+            raise NamError(f"the mamba-ssm scan runs CUDA tensors only; got {v.device}",
+                           hint="--device cuda, or the pure-PyTorch scan: --set ssm_backend=reference --plugins "
+                                "reference")
+        if v.dtype not in SUPPORTED_DTYPES:
+            raise NamError(f"the mamba-ssm scan runs bf16 activations; got {v.dtype} (the SISO kernel would cast "
+                           "them to bf16 silently, and MIMO is not measured in other dtypes)",
+                           hint="--set train.dtype=bfloat16, or --set ssm_backend=reference")
+        if q.shape[2] == 1:
+            if self._siso is None:
+                self._siso = upstream.load(upstream.SISO_MODULE).mamba3_siso_combined
+            return self._siso(*siso_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z),
+                              chunk_size=chunk_size)
+        if self._mimo is None:
+            from nam_plugin_mamba_ssm.patches import require_mimo_fixes
+
+            require_mimo_fixes()
+            self._mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
+        return self._mimo(*mimo_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
+                                     chunk_size=chunk_size))
+
+
+def _act(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.to(like.dtype).contiguous()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def siso_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z) -> tuple:
+    """Positional arguments of ``mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z)``:
+    ``Q, K [b, l, g, n]`` and biases ``[h, n]`` (the contract's rank axis of 1 dropped); activations in v's
+    dtype, the rest fp32; all contiguous."""
+    return (_act(q.squeeze(2), v), _act(k.squeeze(2), v), _act(v, v), _f32(adt), _f32(dt), _act(trap, v),
+            _f32(q_bias.squeeze(1)), _f32(k_bias.squeeze(1)), _f32(angles), _f32(d), _act(z, v))
+
+
+def mimo_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
+              chunk_size: int) -> tuple:
+    """Positional arguments of ``mamba3_mimo(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out,
+    Angles, D, Z, chunk_size, rotary_dim_divisor, dtype)``: the contract's layouts as they are; activations in
+    v's dtype, biases, projections, angles, D, A*dt and dt fp32; all contiguous."""
+    return (_act(q, v), _act(k, v), _act(v, v), _f32(adt), _f32(dt), _act(trap, v), _f32(q_bias), _f32(k_bias),
+            _f32(mimo_x), _f32(mimo_z), _f32(mimo_o), _f32(angles), _f32(d), _act(z, v), chunk_size,
+            rotary_divisor(q.shape[-1], angles.shape[-1]), v.dtype)
+
+
+def rotary_divisor(n: int, angles: int) -> int:
+    """mamba-ssm's ``rotary_dim_divisor``: the MIMO kernels read ``n / divisor`` angles per head, one per rotated
+    pair, so rope fraction 0.5 (n=128: 32 angles) gives 4 and fraction 1.0 (64 angles) gives 2."""
+    if angles <= 0 or n % angles or n // angles not in (2, 4):
+        raise NamError(f"the MIMO kernels rotate all (n/2 angles) or half (n/4 angles) of the {n} state dims; "
+                       f"got {angles} angles", hint="--set mamba_rope_fraction=0.5 (or 1.0)")
+    return n // angles

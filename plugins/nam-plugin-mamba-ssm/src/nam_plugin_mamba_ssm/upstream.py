@@ -1,0 +1,136 @@
+"""Where the plugin reaches into mamba-ssm, and the import shim its 2.3.2.post1 release needs.
+
+Every name the plugin uses from mamba-ssm, TileLang and Triton is resolved here, so a renamed module fails in
+one place with one message. Nothing is imported at module load: ``nam plugins list`` and the CPU tests read
+this file without mamba-ssm installed.
+
+The shim. ``import mamba_ssm.<anything>`` runs the package ``__init__``, which imports the Mamba-1 selective
+scan interface, which imports the compiled extension ``selective_scan_cuda`` without a guard. Mamba-3 uses
+none of it (SISO is Triton, MIMO TileLang), and an install built with ``MAMBA_SKIP_CUDA_BUILD=TRUE`` does not
+have it, so every Mamba-3 import fails. The patch-lane entry ``mamba-ssm-import-shim`` (``patches.py``)
+installs a stand-in module under that name whose every attribute raises ``Mamba1Unavailable``: Mamba-3
+imports, and anything that really calls Mamba-1 gets a clear error instead of a wrong result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import re
+import sys
+import types
+from pathlib import Path
+
+from nam_core.errors import NamError
+
+DISTRIBUTION = "mamba-ssm"
+TESTED = "2.3.2.post1"
+INSTALL_HINT = "MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation 'nam-plugin-mamba-ssm[gpu]'"
+EXTENSION = "selective_scan_cuda"
+"""The Mamba-1 CUDA extension ``mamba_ssm/__init__`` imports (``ops/selective_scan_interface.py``)."""
+
+SISO_MODULE = "mamba_ssm.ops.triton.mamba3.mamba3_siso_combined"
+MIMO_MODULE = "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo"
+MIMO_FWD_MODULE = "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_fwd"
+MIMO_BWD_MODULE = "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_bwd"
+GROUPED_REDUCTION_MODULE = "mamba_ssm/ops/triton/mamba3/grouped_head_reduction.py"
+"""Added with mamba-ssm's own grouped MIMO backward (PR #967); absent from 2.3.2.post1."""
+
+
+def installed_version() -> str | None:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def package_dir() -> Path | None:
+    """The installed ``mamba_ssm`` folder, found without running its ``__init__``."""
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+# --- the import shim ---------------------------------------------------------------------------------------
+
+
+class Mamba1Unavailable(AttributeError):
+    """Raised by the stand-in extension: Mamba-1's selective scan was called, and it is not installed."""
+
+
+class _MissingExtension(types.ModuleType):
+    """Stand-in for ``selective_scan_cuda``. Module dunders behave as absent; every other name raises."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise Mamba1Unavailable(
+            f"{EXTENSION}.{name}: Mamba-1's CUDA selective scan is not installed. nam's mamba-ssm plugin put a "
+            f"stand-in {EXTENSION} in sys.modules so Mamba-3 (which never uses it) can be imported. To run "
+            "Mamba-1, install mamba-ssm with its CUDA build (pip install mamba-ssm, without MAMBA_SKIP_CUDA_BUILD)."
+        )
+
+
+def shim_installed() -> bool:
+    return isinstance(sys.modules.get(EXTENSION), _MissingExtension)
+
+
+def extension_missing() -> bool:
+    """No real ``selective_scan_cuda`` can be imported (the stand-in does not count)."""
+    module = sys.modules.get(EXTENSION)
+    if module is not None:
+        return isinstance(module, _MissingExtension)
+    return importlib.util.find_spec(EXTENSION) is None
+
+
+def imports_extension_unguarded(root: Path | None = None) -> bool:
+    """The installed mamba-ssm imports the extension at package import, outside any ``try`` (2.3.2.post1).
+
+    Read from the source: the fix upstream (PR #977) wraps the import in ``try``, but keeps the version
+    string, so a version check cannot tell the two apart.
+    """
+    root = root if root is not None else package_dir()
+    if root is None:
+        return False
+    source = root / "ops" / "selective_scan_interface.py"
+    if not source.is_file():
+        return False
+    return re.search(rf"^import {EXTENSION}\b", source.read_text(), re.MULTILINE) is not None
+
+
+def install_shim() -> None:
+    """Put the stand-in in ``sys.modules`` (no-op when a real extension or the stand-in is there)."""
+    if not extension_missing() or shim_installed():
+        return
+    stub = _MissingExtension(EXTENSION, "nam-plugin-mamba-ssm's stand-in for Mamba-1's CUDA extension")
+    stub.__spec__ = importlib.machinery.ModuleSpec(EXTENSION, loader=None)
+    sys.modules[EXTENSION] = stub
+
+
+def has_grouped_backward(root: Path | None = None) -> bool:
+    """The installed mamba-ssm reduces MIMO dQ/dK per B/C group itself (the file PR #967 added)."""
+    root = root if root is not None else package_dir()
+    return root is not None and (root.parent / GROUPED_REDUCTION_MODULE).is_file()
+
+
+# --- modules ------------------------------------------------------------------------------------------------
+
+
+def load(module: str) -> types.ModuleType:
+    """Import one of mamba-ssm's Mamba-3 modules, or fail with what is missing and the command that fixes it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == EXTENSION:
+            raise NamError(
+                f"importing {module} needs Mamba-1's CUDA extension {EXTENSION} (mamba-ssm {installed_version()} "
+                "imports it at package import, though Mamba-3 never uses it), and the import shim is not applied",
+                hint="run through `nam train`, which applies the patch lane; in a script call "
+                     "nam_plugin_mamba_ssm.patches.apply_needed() first",
+            ) from e
+        missing = e.name or str(e)
+        raise NamError(f"importing {module} failed: module {missing!r} is not installed "
+                       f"(mamba-ssm {installed_version() or 'not installed'})", hint=INSTALL_HINT) from e

@@ -1,0 +1,509 @@
+"""nam-plugin-mamba-ssm on CPU: declaration, activation and config refusals, the patch lane on fake mamba-ssm
+trees (2.3.2.post1-like and fixed), the grouped reduction against autograd, the drivers' kernel calls against
+the kernels' declared signatures, the scan's argument mapping against upstream's entry points, and the parity
+harness against nam's two pure-PyTorch scans. Kernel parity on the GPU is in test_mamba_ssm_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import nam_plugin_mamba_ssm.plugin as plugin
+from nam56r.recipes import apply_overrides, get_recipe
+from nam_cli.main import run
+from nam_core.device import DeviceInfo
+from nam_core.errors import NamError, PluginActivationError
+from nam_core.host import PluginHost
+from nam_core.patches import APPLIED, BUG_REPRODUCED, FIX_VALIDATED, NEEDED, RETIRED, apply_all
+from nam_core.requirements import FAIL, PASS, SKIP
+from nam_plugin_mamba_ssm import mimo, patches, selftest, upstream
+from nam_plugin_mamba_ssm.scan import mimo_args, rotary_divisor, siso_args
+
+CPU = DeviceInfo.profile("cpu")
+H100 = DeviceInfo.profile("h100")
+GB10 = DeviceInfo.profile("gb10")
+HINT = plugin.GPU_HINT
+RELEASES = {"mamba-ssm": "2.3.2.post1", "tilelang": "0.1.8", "triton": "3.6.0"}
+
+
+# --- fixtures: installed releases, a fake mamba-ssm tree ------------------------------------------------
+@pytest.fixture
+def releases(monkeypatch):
+    """``releases(**{"mamba-ssm": None})``: the distributions the plugin needs look installed at RELEASES, with
+    overrides (``None``: not installed)."""
+    real = importlib.metadata.version
+
+    def fake(**overrides):
+        table = {**RELEASES, **overrides}
+
+        def lookup(name):
+            if name not in table:
+                return real(name)
+            if table[name] is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return table[name]
+
+        monkeypatch.setattr(importlib.metadata, "version", lookup)
+
+    fake()
+    return fake
+
+
+DRIVERS = """
+def mamba_mimo_forward(*args, **kwargs):
+    return "upstream forward"
+
+def mamba_mimo_bwd_combined(*args, **kwargs):
+    raise ValueError("G value of 8 is not currently supported!")
+"""
+
+
+@pytest.fixture
+def fake_tree(tmp_path, monkeypatch):
+    """``fake_tree(fixed=False)`` writes a mamba_ssm package shaped like 2.3.2.post1 (``fixed``: like main after
+    PRs #967 and #977), puts it first on sys.path, and removes every module it imported afterwards."""
+    before = set(sys.modules)
+
+    def make(fixed: bool = False):
+        root = tmp_path / ("fixed" if fixed else "release")
+        pkg = root / "mamba_ssm"
+        files = {
+            "__init__.py": '__version__ = "2.3.2.post1"\nfrom mamba_ssm.ops import selective_scan_interface\n',
+            "ops/__init__.py": "",
+            "ops/selective_scan_interface.py": (
+                "try:\n    import selective_scan_cuda\nexcept ImportError:\n    selective_scan_cuda = None\n"
+                if fixed else "import torch\nimport selective_scan_cuda\n"),
+            "ops/triton/__init__.py": "", "ops/triton/mamba3/__init__.py": "",
+            "ops/triton/mamba3/mamba3_siso_combined.py": "def mamba3_siso_combined(*a, **k):\n    return 'siso'\n",
+            "ops/tilelang/__init__.py": "", "ops/tilelang/mamba3/__init__.py": "",
+            "ops/tilelang/mamba3/mamba3_mimo_fwd.py": DRIVERS,
+            "ops/tilelang/mamba3/mamba3_mimo_bwd.py": DRIVERS,
+            "ops/tilelang/mamba3/mamba3_mimo.py": (
+                "from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_fwd import mamba_mimo_forward\n"
+                "from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_bwd import mamba_mimo_bwd_combined\n"
+                "def mamba3_mimo(*a, **k):\n    return mamba_mimo_forward(*a, **k)\n"),
+        }
+        if fixed:
+            files["ops/triton/mamba3/grouped_head_reduction.py"] = "def reduce_grouped_qk_grads(*a):\n    pass\n"
+        for rel, text in files.items():
+            (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+            (pkg / rel).write_text(text)
+        monkeypatch.syspath_prepend(str(root))
+        return root
+
+    yield make
+    for name in set(sys.modules) - before:
+        if name.startswith("mamba_ssm") or name == upstream.EXTENSION:
+            del sys.modules[name]
+
+
+# --- declaration --------------------------------------------------------------------------------------
+def test_declaration_entry_point_and_gpu_extra():
+    info = plugin.PLUGIN
+    assert info.provides == {"ssm_mixers": ["mamba-ssm"], "patches": list(patches.NAMES)}
+    assert info.selects == {"ssm_backend": "mamba-ssm"}
+    assert [(r.title, r.needed) for r in info.requires] == [
+        ("CUDA capability", ">= sm_90"),
+        ("shared memory per block", f">= {plugin.MIMO_SMEM_BYTES:,} B ({plugin.MIMO_SMEM_BYTES / 1024:.0f} KiB)"),
+        ("package mamba-ssm", "mamba-ssm>=2.3.2"), ("package tilelang", "tilelang>=0.1.8"),
+        ("package triton", "triton>=3.5"),
+    ]
+    assert all(r.install_hint == HINT for r in info.requires if r.kind == "package")
+    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "mamba-ssm"]
+    assert ep.value == "nam_plugin_mamba_ssm.plugin"
+    gpu = [r for r in importlib.metadata.requires("nam-plugin-mamba-ssm") if "extra ==" in r]
+    assert sorted(r.split(";")[0] for r in gpu) == ["mamba-ssm>=2.3.2", "tilelang>=0.1.8", "triton>=3.5"]
+    assert [r for r in importlib.metadata.requires("nam-plugin-mamba-ssm") if "extra" not in r] == ["nam-train"]
+
+
+def test_plugin_module_imports_neither_torch_nor_kernels():
+    code = ("import sys, nam_plugin_mamba_ssm.plugin; "
+            "print([m for m in ('torch', 'triton', 'tilelang', 'mamba_ssm') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- activation and config: fail closed ----------------------------------------------------------------
+def recipe(*overrides, base="nam56r"):
+    return apply_overrides(get_recipe(base), list(overrides),
+                           plugin_infos={"mamba-ssm": plugin.PLUGIN})
+
+
+def failures(device, config=None, names=("mamba-ssm",)):
+    ev = PluginHost().evaluate(list(names), device, config)
+    return {c.name: c for c in ev.failures if c.plugin == "mamba-ssm"}
+
+
+def test_activates_on_an_h100_profile_and_registers_the_scan(releases):
+    from nam_plugin_mamba_ssm.scan import MambaSSMScan
+
+    host = PluginHost()
+    ev = host.activate(["mamba-ssm"], H100, recipe())
+    assert host.registry("ssm_mixers").get("mamba-ssm") is MambaSSMScan
+    assert [c.status for c in ev.checks if c.plugin == "mamba-ssm" and c.name == "launch checks"] == [SKIP]
+    assert [e.name for e in host.registry("patches")] == list(patches.NAMES)  # the order they must apply in
+
+
+def test_activation_is_refused_on_the_cpu_profile(releases):
+    bad = failures(CPU)
+    assert set(bad) == {"CUDA capability", "shared memory per block"}
+    assert bad["CUDA capability"].found.startswith("no CUDA device")
+    with pytest.raises(PluginActivationError, match="mamba-ssm: CUDA capability"):
+        PluginHost().activate(["mamba-ssm"], CPU)
+
+
+def test_activation_is_refused_before_hopper(releases):
+    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
+    assert set(failures(a100)) == {"CUDA capability"}
+
+
+def test_activation_is_refused_where_shared_memory_is_short_with_the_number(releases):
+    bad = failures(GB10)  # sm_121, 99 KiB per block
+    assert set(bad) == {"shared memory per block"}
+    assert bad["shared memory per block"].found == "101,376 B (99 KiB)"
+    assert bad["shared memory per block"].needed == f">= {plugin.MIMO_SMEM_BYTES:,} B ({plugin.MIMO_SMEM_BYTES / 1024:.0f} KiB)"
+
+
+@pytest.mark.parametrize("missing", ["mamba-ssm", "tilelang", "triton"])
+def test_activation_without_a_kernel_package_names_the_gpu_extra(releases, missing):
+    releases(**{missing: None})
+    bad = failures(H100)
+    assert set(bad) == {f"package {missing}"}
+    assert bad[f"package {missing}"].found == "not installed" and bad[f"package {missing}"].hint == HINT
+
+
+def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
+    assert recipe(base="nam56r-tiny").model.ssm_backend == "mamba-ssm"
+    rec = recipe("ssm_backend=reference")
+    assert rec.model.ssm_backend == "reference"
+    [check] = plugin.nam_check_config(config=rec, device=H100)
+    assert check.status == SKIP and "active but unused" in check.found
+
+
+def test_config_check_passes_nam56r():
+    checks = {c.name: c for c in plugin.nam_check_config(config=recipe(), device=H100)}
+    assert checks["kernel shapes"].status == PASS
+    assert checks["kernel shapes"].found == "d_state 128, headdim 64, rank 4, chunk 16, ngroups 8"
+    assert set(checks) == {"kernel shapes"}
+    assert plugin.nam_check_config(config=None, device=H100) == []
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (("mamba_headdim=16",), "MIMO headdim 16 is not one of (32, 64, 128)"),
+    (("mamba_mimo_rank=3",), "MIMO rank 3 is not one of (2, 4, 8)"),
+    (("mamba_chunk=32",), "chunk 32 x rank 4"),
+    (("mamba_mimo_rank=1", "d_state=96"), "SISO d_state 96 is not a power of two"),
+])
+def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment):
+    bad = {c.name: c for c in plugin.nam_check_config(config=recipe(*overrides), device=H100)}["kernel shapes"]
+    assert bad.status == FAIL and fragment in bad.found, bad
+    assert "ssm_backend=reference" in bad.hint
+
+
+def test_config_check_wants_cuda_and_bf16():
+    checks = {c.name: c for c in plugin.nam_check_config(
+        config=recipe("train.device=cpu", "train.dtype=float32"), device=CPU)}
+    assert checks["train.device"].status == FAIL and checks["train.device"].found == "train.device=cpu"
+    assert checks["train.dtype"].status == FAIL and checks["train.dtype"].found == "train.dtype=float32"
+    assert "ssm_backend=reference" in checks["train.dtype"].hint
+
+
+def test_preflight_launch_is_not_attempted_on_a_fake_device():
+    ev = PluginHost().evaluate(["mamba-ssm"], H100)
+    assert [c.status for c in ev.checks if c.plugin == "mamba-ssm" and c.name == "launch checks"] == [SKIP]
+
+
+# --- the patch lane on fake trees ----------------------------------------------------------------------
+def states():
+    return {name: p.state()[0] for name, p in patches.make_patches().items()}
+
+
+def test_on_a_release_tree_every_patch_is_needed_and_mamba3_does_not_import(releases, fake_tree):
+    fake_tree()
+    assert states() == dict.fromkeys(patches.NAMES, NEEDED)
+    with pytest.raises(NamError, match="import shim is not applied") as e:
+        upstream.load(upstream.SISO_MODULE)
+    assert "apply_needed()" in e.value.hint
+    with pytest.raises(NamError, match="mamba3-mimo-grouped-bwd, mamba3-mimo-host-overhead"):
+        patches.require_mimo_fixes()
+
+
+def test_the_lane_applies_in_order_and_binds_nam_drivers(releases, fake_tree):
+    fake_tree()
+    host = PluginHost()
+    host.activate(["mamba-ssm"], H100, recipe())
+    reports = apply_all(host.registry("patches"))
+    assert [(r.name, r.state) for r in reports] == [(n, APPLIED) for n in patches.NAMES]
+    mimo_module = sys.modules[upstream.MIMO_MODULE]
+    assert mimo_module.mamba_mimo_forward is mimo.forward
+    assert mimo_module.mamba_mimo_bwd_combined is mimo.backward
+    assert sys.modules[upstream.MIMO_BWD_MODULE].mamba_mimo_bwd_combined is mimo.backward
+    assert sys.modules[upstream.MIMO_FWD_MODULE].mamba_mimo_forward is mimo.forward
+    assert upstream.load(upstream.SISO_MODULE).mamba3_siso_combined() == "siso"
+    patches.require_mimo_fixes()  # no longer raises
+    assert patches.apply_needed() == []  # idempotent: nothing left to do
+
+
+def test_the_stand_in_extension_refuses_mamba1_use_by_name(releases, fake_tree):
+    fake_tree()
+    patches.apply_needed()
+    stub = sys.modules[upstream.EXTENSION]
+    with pytest.raises(upstream.Mamba1Unavailable, match=r"selective_scan_cuda\.fwd: Mamba-1's CUDA"):
+        stub.fwd
+    assert not hasattr(stub, "__path__")  # import machinery sees a plain module
+
+
+def test_on_a_fixed_tree_the_shim_and_grouped_patches_retire(releases, fake_tree):
+    fake_tree(fixed=True)
+    assert states() == {patches.SHIM: RETIRED, patches.GROUPED: RETIRED, patches.HOST: NEEDED}
+
+
+def test_the_shim_reproducer_tells_the_bug_from_the_fix(releases, fake_tree):
+    fake_tree()
+    assert patches.reproduce_shim() == BUG_REPRODUCED
+    upstream.install_shim()
+    assert patches.reproduce_shim() == FIX_VALIDATED
+
+
+def test_the_shim_reproducer_passes_a_fixed_tree(releases, fake_tree):
+    fake_tree(fixed=True)
+    assert patches.reproduce_shim() == FIX_VALIDATED
+
+
+def test_patches_declare_reproducers_and_retirement():
+    for p in patches.make_patches().values():
+        assert p.reproduce is not None and p.retire_when and p.target == "mamba-ssm"
+    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, True, True]
+
+
+# --- the grouped reduction -----------------------------------------------------------------------------
+@pytest.mark.parametrize("h, g", [(8, 2), (8, 1), (8, 8), (6, 3)])
+def test_reduce_groups_equals_autograd_through_expand_and_bias(h, g):
+    """The kernel's per-head gradient of (input expanded to heads + bias), reduced, must equal what autograd
+    gives the [b, l, r, g, n] input and the [h, r, n] bias."""
+    torch.manual_seed(h * 10 + g)
+    b, l, r, n = 2, 5, 3, 4
+    x = torch.randn(b, l, r, g, n, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(h, r, n, dtype=torch.float64, requires_grad=True)
+    per_head = x.unsqueeze(4).expand(b, l, r, g, h // g, n).reshape(b, l, r, h, n) + bias.transpose(0, 1)
+    upstream_grad = torch.randn(b, l, r, h, n, dtype=torch.float64)  # what the kernel would write per head
+    (per_head * upstream_grad).sum().backward()
+    d_bias, d_x = mimo.reduce_groups(upstream_grad, g)
+    torch.testing.assert_close(d_bias.double(), bias.grad, rtol=1e-6, atol=1e-6)  # fp32 accumulation
+    torch.testing.assert_close(d_x, x.grad, rtol=1e-12, atol=1e-12)
+    assert d_bias.dtype == torch.float32 and d_x.dtype == torch.float64
+
+
+def test_reduce_groups_refuses_a_ragged_split():
+    with pytest.raises(ValueError, match="6 heads do not split into 4 groups"):
+        mimo.reduce_groups(torch.zeros(1, 1, 1, 6, 2), 4)
+
+
+# --- the drivers' kernel calls against the kernels' declared signatures --------------------------------
+B, S, R, G, H, N, P, CH, DIV = 2, 40, 4, 2, 4, 16, 8, 8, 4
+NC = -(-S // CH)
+BF, F32 = torch.bfloat16, torch.float32
+# Shapes and dtypes of every argument the TileLang prim_funcs declare, in order (mamba-ssm 2.3.2.post1,
+# mamba3_mimo_fwd.py and mamba3_mimo_bwd.py), at the sizes above; None = optional output passed as None.
+FWD_SIGNATURE = [
+    ((B, S, R, G, N), BF), ((B, S, R, G, N), BF), ((B, S, H, P), BF), ((B, S, H, P), BF),  # Q K V O
+    ((H, R, N), F32), ((H, R, N), F32), ((H, R, P), F32), ((H, R, P), F32),  # Q_BIAS K_BIAS MIMO_V MIMO_O
+    ((B, S, H, P), BF), ((H,), F32), ((H, R, P), F32), ((B, S, H, N // DIV), F32),  # Z D MIMO_Z ANGLES
+    ((B, H, S), F32), ((B, H, S), F32), ((B, H, S), F32), ((B, H, S), BF),  # DA_CS DA_CS_REV DT TRAP
+    ((B, H, NC, CH, CH), F32), None, None,  # SEGSUM FINAL_STATE FINAL_K
+]
+BWD_FWD_SIGNATURE = [
+    ((B, S, H, P), BF), ((B, S, R, G, N), BF), ((B, S, R, G, N), BF), ((B, S, H, P), BF),  # DOUT Q K V
+    ((H, R, N), F32), ((H, R, N), F32), ((H, R, P), F32), ((H, R, P), F32),  # biases, MIMO_V MIMO_O
+    ((B, H, R, P), F32), ((B, H, NC, N, P), BF),  # DMIMO_O STATES
+    ((B, S, H, P), BF), ((H, R, P), F32), ((B, S, H, P), BF), ((B, H, R, P), F32),  # Z MIMO_Z DZ DMIMO_Z
+    ((B, S, H, N // DIV), F32), ((B, H, S), F32), ((B, H, S), F32), ((B, H, S), F32),  # ANGLES DA_CS(_REV) DT
+    ((B, H, S), BF), ((H,), F32), ((B, H, S, R, R), BF), ((B, H, NC, CH, CH), F32),  # TRAP D QK_DOT SEGSUM
+]
+BWD_BWD_SIGNATURE = [
+    ((B, S, H, P), BF), ((B, S, R, G, N), BF), ((B, S, R, G, N), BF), ((B, S, H, P), BF),  # DOUT Q K V
+    ((H, R, N), F32), ((H, R, N), F32), ((H, R, P), F32), ((H, R, P), F32),  # biases, MIMO_V MIMO_O
+    ((B, S * R, H, N), BF), ((B, S, H, P), BF), ((B, H, R, P), F32), ((B, H, NC, N, P), BF),  # DK DV DMIMO_V STATES
+    ((B, S * R, H, N), BF), ((B, S, H, P), BF), ((H, R, P), F32), ((B, S, H, N // DIV), F32),  # DQ Z MIMO_Z ANGLES
+    ((B, H, S), F32), ((B, H, S), F32), ((B, H, S), F32), ((B, H, S), BF),  # DA_CS DA_CS_REV DT TRAP
+    ((B, H, S), F32), ((B, H, S), F32), ((B, S, H, N // DIV), F32), ((H,), F32), ((B, H), F32),  # DFACTOR DGAMMA DANGLES D DD
+    ((B, H, S, R, R), BF), ((B, H, S), F32), ((B, H, NC, CH, CH), F32), ((B, H, S), F32), ((B, H, S), F32),
+    ((B, H, NC, CH, CH), F32),  # QK_DOT DDA DSSDA DDA_CS_REV DDA_CS SEGSUM
+]
+
+
+class SignatureKernel:
+    """Stands in for a compiled TileLang kernel: checks each argument against the declared signature, and fills
+    the per-head dQ / dK it is given with known values (bwd_bwd)."""
+
+    def __init__(self, signature, name):
+        self.signature, self.name, self.calls = signature, name, 0
+
+    def __call__(self, *args):
+        assert len(args) == len(self.signature), (self.name, len(args))
+        for i, (arg, want) in enumerate(zip(args, self.signature)):
+            if want is None:
+                assert arg is None, (self.name, i)
+                continue
+            assert (tuple(arg.shape), arg.dtype) == want, (self.name, i, tuple(arg.shape), arg.dtype, want)
+        if self.name == "bwd_bwd":
+            args[8].copy_(torch.arange(args[8].numel()).view_as(args[8]) % 7)  # DK per head
+            args[12].fill_(1.0)  # DQ per head
+        self.calls += 1
+
+
+@pytest.fixture
+def signature_kernels(monkeypatch):
+    kernels = mimo.Kernels(SignatureKernel(FWD_SIGNATURE, "fwd"), SignatureKernel(BWD_FWD_SIGNATURE, "bwd_fwd"),
+                           SignatureKernel(BWD_BWD_SIGNATURE, "bwd_bwd"))
+    keys = []
+    monkeypatch.setattr(mimo, "compiled", lambda *key: keys.append(key) or kernels)
+    utils = types.SimpleNamespace(
+        bwd_dtrap_ddt_triton=lambda trap, dt, dfactor, dgamma, chunk: (torch.zeros_like(dt), torch.zeros_like(dt)),
+        bwd_dadt_fused_triton=lambda *a: torch.ones(B, H, S))
+    monkeypatch.setattr(upstream, "load", lambda name: utils)
+    return kernels, keys
+
+
+def driver_inputs():
+    g = torch.Generator().manual_seed(3)
+    t = lambda *shape, dtype=F32: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    return dict(q=t(B, S, R, G, N, dtype=BF), k=t(B, S, R, G, N, dtype=BF), v=t(B, S, H, P, dtype=BF),
+                q_bias=t(H, R, N), k_bias=t(H, R, N), mimo_v=t(H, R, P), mimo_o=t(H, R, P), z=t(B, S, H, P, dtype=BF),
+                D=t(H), mimo_z=t(H, R, P), angles=t(B, S, H, N // DIV), dA_cs=t(B, H, S), dA_cs_rev=t(B, H, S),
+                dt=t(B, H, S), trap=t(B, H, S, dtype=BF), segsum=t(B, H, NC, CH, CH))
+
+
+def test_forward_driver_calls_the_kernel_with_its_declared_signature(signature_kernels):
+    kernels, keys = signature_kernels
+    x = driver_inputs()
+    out, state, final_k = mimo.forward(x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["mimo_o"],
+                                       x["z"], x["D"], x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"],
+                                       x["trap"], x["segsum"], chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF)
+    assert (tuple(out.shape), out.dtype, state, final_k) == ((B, S, H, P), BF, None, None)
+    assert kernels.fwd.calls == 1 and keys == [(N, P, R, True, True, True, CH, DIV, "bfloat16", False)]
+
+
+def test_backward_driver_signatures_and_grouped_reduction(signature_kernels):
+    kernels, keys = signature_kernels
+    x = driver_inputs()
+    dout = torch.randn(B, S, H, P).to(BF)
+    grads = mimo.backward(dout, x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["mimo_o"], x["z"],
+                          x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"], x["D"],
+                          x["segsum"], CH, DIV, BF)
+    assert (kernels.bwd_fwd.calls, kernels.bwd_bwd.calls) == (1, 1)
+    dq, dk, dv, d_adt, d_dt, d_trap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, d_angles, dD, dz = grads
+    # Upstream's autograd function returns these as the gradients of its inputs: shapes must be the inputs'.
+    for grad, like in ((dq, x["q"]), (dk, x["k"]), (dv, x["v"]), (dq_bias, x["q_bias"]), (dk_bias, x["k_bias"]),
+                       (dmimo_v, x["mimo_v"]), (dmimo_z, x["mimo_z"]), (dmimo_o, x["mimo_o"]), (dD, x["D"]),
+                       (dz, x["z"]), (d_angles, x["angles"]), (d_dt, x["dt"]), (d_adt, x["dt"])):
+        assert grad.shape == like.shape
+    heads_per_group = H // G
+    assert torch.equal(dq, torch.full_like(dq, heads_per_group))  # each group sums its heads' ones
+    assert torch.equal(dq_bias, torch.full((H, R, N), float(B * S)))  # per head: summed over batch and time
+    dk_heads = (torch.arange(B * S * R * H * N) % 7).view(B, S, R, H, N).to(BF)
+    assert torch.equal(dk, dk_heads.view(B, S, R, G, heads_per_group, N).float().sum(4).to(BF))
+    assert torch.equal(d_adt, torch.ones(B, H, S))  # the Triton post-pass is added to the kernel's dA
+
+
+# --- the scan's argument mapping against upstream's entry points ----------------------------------------
+def scan_inputs(r, h=8, g=2, n=16, p=8, l=24, b=2, angles=4):
+    x = selftest.random_inputs(b, l, h, g, n, p, r, device="cpu", seed=11)
+    x["angles"] = x["angles"][..., :1].expand(b, l, h, angles)  # the mixer's broadcast view
+    x["adt"], x["dt"], x["trap"] = (x[k].transpose(1, 2).contiguous().transpose(1, 2) for k in ("adt", "dt", "trap"))
+    for k in ("q", "k", "v", "z", "trap"):
+        x[k] = x[k].to(BF)
+    return x
+
+
+def test_siso_arguments_follow_mamba3_siso_combined():
+    x = scan_inputs(1)
+    args = siso_args(**{k: x[k] for k in selftest.INPUT_NAMES if not k.startswith("mimo")})
+    q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z = args
+    assert (q.shape, k.shape, q_bias.shape, k_bias.shape) == ((2, 24, 2, 16), (2, 24, 2, 16), (8, 16), (8, 16))
+    assert (v.shape, z.shape, adt.shape, trap.shape, angles.shape) == ((2, 24, 8, 8), (2, 24, 8, 8), (2, 8, 24),
+                                                                       (2, 8, 24), (2, 24, 8, 4))
+    assert [t.dtype for t in args] == [BF, BF, BF, F32, F32, BF, F32, F32, F32, F32, BF]
+    assert all(t.is_contiguous() for t in args)
+    assert torch.equal(q, x["q"][:, :, 0]) and torch.equal(angles, x["angles"])
+
+
+def test_mimo_arguments_follow_mamba3_mimo():
+    x = scan_inputs(4, n=16, angles=4)
+    args = mimo_args(**{k: x[k] for k in selftest.INPUT_NAMES}, chunk_size=8)
+    (q, k, v, adt, dt, trap, q_bias, k_bias, mimo_x, mimo_z, mimo_o, angles, d, z, chunk, divisor, dtype) = args
+    assert (q.shape, q_bias.shape, mimo_x.shape, angles.shape) == ((2, 24, 4, 2, 16), (8, 4, 16), (8, 4, 8),
+                                                                   (2, 24, 8, 4))
+    assert (chunk, divisor, dtype) == (8, 4, BF)
+    tensors = args[:14]
+    assert [t.dtype for t in tensors] == [BF, BF, BF, F32, F32, BF, F32, F32, F32, F32, F32, F32, F32, BF]
+    assert all(t.is_contiguous() for t in tensors)
+
+
+def test_rotary_divisor_follows_the_rope_fraction():
+    assert (rotary_divisor(128, 32), rotary_divisor(128, 64)) == (4, 2)
+    with pytest.raises(NamError, match="got 16 angles"):
+        rotary_divisor(128, 16)
+
+
+def test_the_scan_refuses_cpu_tensors():
+    from nam_plugin_mamba_ssm.scan import MambaSSMScan
+
+    x = scan_inputs(4)
+    with pytest.raises(NamError, match="CUDA tensors only"):
+        MambaSSMScan()(*(x[k] for k in selftest.INPUT_NAMES), chunk_size=8)
+
+
+# --- the parity harness --------------------------------------------------------------------------------
+def test_harness_finds_the_step_oracle_equal_to_the_chunked_reference():
+    from nam56r.reference.mamba3 import mamba3_step_scan
+
+    errors = selftest.compare(mamba3_step_scan, 1, 37, 4, 2, 16, 8, 4, chunk_size=8, device="cpu",
+                              dtype=torch.float32)
+    assert set(errors) == {"out", "seed"} | {f"d{k}" for k in selftest.INPUT_NAMES}
+    assert selftest.worst(errors) < 1e-4, errors
+
+
+def test_harness_catches_a_scan_that_drops_the_skip_term():
+    from nam56r.reference.mamba3 import ReferenceSSMScan
+
+    ref = ReferenceSSMScan()
+
+    def no_skip(*args, chunk_size):
+        args = list(args)
+        args[9] = args[9] * 0  # D
+        return ref(*args, chunk_size=chunk_size)
+
+    errors = selftest.compare(no_skip, 1, 32, 4, 2, 16, 8, 4, chunk_size=8, device="cpu", dtype=torch.float32)
+    assert errors["dd"] > 0.5 and selftest.worst(errors) > selftest.TOLERANCE
+
+
+def test_harness_inputs_are_fresh_and_rounded_like_the_kernels_read_them():
+    a = selftest.random_inputs(1, 8, 4, 2, 16, 8, 4, device="cpu", seed=selftest.new_seed())
+    b = selftest.random_inputs(1, 8, 4, 2, 16, 8, 4, device="cpu", seed=selftest.new_seed())
+    assert not torch.equal(a["q"], b["q"])
+    for k in ("q", "k", "v", "z", "trap", "angles"):
+        assert torch.equal(a[k], a[k].to(BF).float()), k
+    assert (a["dt"] >= 1e-3).all() and (a["dt"] <= 1e-1).all() and (a["adt"] < 0).all()
+
+
+def test_nam_patches_lists_the_three_entries_with_their_state(releases, fake_tree, capsys):
+    fake_tree()
+    assert run(["patches", "--plugins", "mamba-ssm", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["patches"]}
+    assert {name: row["state"] for name, row in rows.items()} == dict.fromkeys(patches.NAMES, NEEDED)
+    assert "PR #967" in rows[patches.GROUPED]["retire_when"]
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_detection_reads_the_installed_source_not_the_version(fake_tree, fixed):
+    root = fake_tree(fixed=fixed)
+    assert upstream.imports_extension_unguarded(root / "mamba_ssm") is (not fixed)
+    assert upstream.has_grouped_backward(root / "mamba_ssm") is fixed

@@ -447,6 +447,33 @@ def test_mimo_arguments_follow_mamba3_mimo():
     assert all(t.is_contiguous() for t in tensors)
 
 
+@pytest.mark.parametrize("l", [37, 48])
+def test_zero_padding_to_whole_chunks_leaves_the_real_positions_exact(l):
+    """MIMO's ragged lengths: the scan pads at the end (upstream's backward needs whole chunks). On the
+    reference scan, the padded run sliced back must equal the unpadded run, output and every gradient."""
+    from nam56r.reference.mamba3 import ReferenceSSMScan
+    from nam_plugin_mamba_ssm.scan import pad_to_chunks
+
+    x = selftest.random_inputs(2, l, 4, 2, 16, 8, 4, device="cpu", seed=selftest.new_seed())
+    x = {k: None if t is None else t.double() for k, t in x.items()}
+    dout = torch.randn(2, l, 4, 8, dtype=torch.float64)
+    per_token = ("q", "k", "v", "adt", "dt", "trap", "angles", "z")
+    results = []
+    for padded in (False, True):
+        leaves = {k: None if t is None else t.clone().requires_grad_() for k, t in x.items()}
+        args = dict(leaves)
+        if padded:
+            args.update(zip(per_token, pad_to_chunks(*(leaves[k] for k in per_token), chunk_size=16)))
+            assert args["v"].shape[1] == -(-l // 16) * 16 and args["adt"].shape[2] == args["v"].shape[1]
+        y = ReferenceSSMScan()(*(args[k] for k in selftest.INPUT_NAMES), chunk_size=16)[:, :l]
+        y.backward(dout)
+        results.append((y.detach(), {k: t.grad for k, t in leaves.items() if t is not None}))
+    (y0, g0), (y1, g1) = results
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
 def test_rotary_divisor_follows_the_rope_fraction():
     assert (rotary_divisor(128, 32), rotary_divisor(128, 64)) == (4, 2)
     with pytest.raises(NamError, match="got 16 angles"):

@@ -9,7 +9,11 @@ are: the contract was written in the kernels' layouts and rotation conventions. 
   D, angles, A*dt and dt in fp32 (the MIMO projections are cast here, so their gradients come back in the
   parameters' dtype);
 * contiguous copies where the mixer hands views (``adt``, ``dt``, ``trap`` are transposes; ``angles`` is one
-  set broadcast over heads, which the kernels read per head).
+  set broadcast over heads, which the kernels read per head);
+* MIMO at a length that is not a multiple of the chunk: upstream's forward handles the ragged tail, but its
+  backward's Triton post-pass asserts ``S % chunk_size == 0``. The scan pads the sequence at its end with
+  zeros (A*dt = dt = 0: padded steps neither decay nor add to the state) and drops those positions again;
+  the scan is causal, so no real position sees them, and their gradients are discarded by the slice.
 
 It refuses, rather than converts, what the kernels would compute differently: CPU tensors, an activation
 dtype other than bf16 (SISO casts its inputs to bf16 whatever they are; MIMO is measured here in bf16 only),
@@ -20,6 +24,7 @@ re-building kernels).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nam_core.errors import NamError
 from nam_plugin_mamba_ssm import upstream
@@ -54,8 +59,22 @@ class MambaSSMScan:
 
             require_mimo_fixes()
             self._mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
-        return self._mimo(*mimo_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
-                                     chunk_size=chunk_size))
+        l = v.shape[1]
+        q, k, v, adt, dt, trap, angles, z = pad_to_chunks(q, k, v, adt, dt, trap, angles, z, chunk_size=chunk_size)
+        y = self._mimo(*mimo_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
+                                  chunk_size=chunk_size))
+        return y[:, :l] if y.shape[1] != l else y
+
+
+def pad_to_chunks(q, k, v, adt, dt, trap, angles, z, *, chunk_size: int) -> tuple:
+    """Zero-pad every per-token argument at the end of the sequence to a whole number of chunks (unchanged if
+    it already is). Time is dim 1 of q, k, v, angles, z and dim 2 of adt, dt, trap."""
+    pad = -v.shape[1] % chunk_size
+    if not pad:
+        return q, k, v, adt, dt, trap, angles, z
+    q, k, v, angles, z = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, angles, z))
+    adt, dt, trap = (F.pad(t, (0, pad)) for t in (adt, dt, trap))
+    return q, k, v, adt, dt, trap, angles, z
 
 
 def _act(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ Time: CUDA events around forward + backward, median of ``--iters`` after ``--war
 host work shows up here, since the GPU waits for it); memory: peak allocated above the inputs. Prints one
 markdown table with the speed-up over ``upstream`` and writes ``--json``.
 
-    python bench/mamba_ssm.py --json bench/results/mamba_ssm.json
+    python bench/mamba3_layer.py --json bench/results/mamba3_layer.json
 """
 
 from __future__ import annotations

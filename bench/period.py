@@ -6,7 +6,7 @@ depths), hidden 4096, sequence 4096, bf16. A step is forward + backward of the w
 
 Rows:
 
-* ``nam``         the fast plugins: mamba-ssm (patch lane applied), sparse-mla, liger; ngroups 8;
+* ``nam``         the fast plugins: mamba-ssm (patch lane applied, compiled prelude), sparse-mla, liger; ngroups 8;
 * ``reference``   the same model on nam's pure-PyTorch backends on the GPU; ngroups 8;
 * ``upstream``    Mamba-3 through mamba-ssm's ``mamba3_mimo`` as released (only the import shim), CE through
                   Liger as released, attention on nam's reference (no upstream kernel takes NAM56R's 128/64
@@ -112,7 +112,8 @@ def main() -> None:
     print(f"patch lane applied: {patches.apply_needed()}", flush=True)
     print("[nam] ...", flush=True)
     ours = Backends(ssm=MambaSSMScan(), attention=SparseMLA(), ce=LigerCEHead(), indexer=ref.indexer)
-    rows["nam"] = measure(config(8, ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger"),
+    rows["nam"] = measure(config(8, ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger",
+                                 mamba_compile_prelude=True),
                           ours, batch=args.batch, warmup=args.warmup, iters=args.iters)
     if "reference" not in skip:
         print("[reference] ...", flush=True)

@@ -40,6 +40,8 @@ def nam56r() -> Recipe:
         summary="full NAM56R (52 layers, hidden 4096, 4.73B parameters) on GPUs",
         model=NAM56RConfig(
             ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger", indexer="full",
+            # 1.02-1.08x on a Mamba-3 layer fwd+bwd, H100 (bench/mamba3_layer.py, results/mamba3_layer.json)
+            mamba_compile_prelude=True,
         ),
         train=TrainConfig(device="cuda", dtype="bfloat16", micro_batch_size=1, lr=3e-4, warmup_steps=2000,
                           total_steps=100_000, checkpoint_every=1000),

@@ -87,10 +87,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def siso_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z) -> tuple:
     """Positional arguments of ``mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z)``:
-    ``Q, K [b, l, g, n]`` and biases ``[h, n]`` (the contract's rank axis of 1 dropped); activations in v's
-    dtype, the rest fp32; all contiguous."""
+    ``Q, K [b, l, g, n]`` and biases ``[h, n]`` (the contract's rank axis of 1 dropped); activations and the
+    angles in v's dtype (upstream casts the angles to bf16 itself: handing them over in bf16 saves an fp32
+    copy of ``[b, l, h, s]``), the rest fp32; all contiguous."""
     return (_act(q.squeeze(2), v), _act(k.squeeze(2), v), _act(v, v), _f32(adt), _f32(dt), _act(trap, v),
-            _f32(q_bias.squeeze(1)), _f32(k_bias.squeeze(1)), _f32(angles), _f32(d), _act(z, v))
+            _f32(q_bias.squeeze(1)), _f32(k_bias.squeeze(1)), _act(angles, v), _f32(d), _act(z, v))
 
 
 def mimo_args(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,

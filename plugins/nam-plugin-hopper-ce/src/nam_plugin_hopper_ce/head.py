@@ -1,0 +1,117 @@
+"""The ``hopper-ce`` head: ``sum_t m_t * CE(h_t W^T, y_t)`` in chunks of tokens, fp32 logits, exact gradients.
+
+Per chunk of ``CHUNK_TOKENS`` tokens (``c``), with ``W [v, d]`` and ``h [c, d]`` in bf16:
+
+* forward: ``logits = h W^T`` as one cuBLAS product with **fp32 output** (``torch.mm(..., out_dtype=fp32)``:
+  bf16 tensor-core inputs, the fp32 accumulator stored as is; Liger and plain torch round it to bf16), then
+  ``row_lse_loss``. Only ``lse [t]`` (fp32) is kept for backward, besides the inputs.
+* backward: the same product again, ``row_grad`` writes ``g = (softmax - onehot) * m * dL`` in bf16, then
+  ``dh = g W`` (bf16 out) and ``dW += g^T h`` accumulated in an **fp32** ``[v, d]`` buffer by cuBLAS
+  (``addmm(..., out_dtype=fp32)``), cast to W's dtype once at the end.
+
+So nothing of size ``[t, v]`` exists, nothing but ``lse`` is held between forward and backward (the model
+calls the head three times, LM + 2 MTP, before its backward), and the largest transients are one chunk's
+fp32 logits and bf16 gradient (768 MiB at 1024 x 131072) plus the fp32 ``dW`` (2 GiB for NAM56R's head)
+during backward. Masked tokens contribute exactly 0 and their targets are never read.
+
+The two cuBLAS calls with ``out_dtype`` are CUDA-only; ``Matmuls`` lets the CPU tests substitute plain fp32
+products around the same row kernels (run under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nam_core.errors import NamError
+
+CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Matmuls:
+    """``logits(h [c, d], w [v, d]) -> [c, v] fp32`` and ``accumulate(acc [v, d] fp32, g [c, v], h [c, d])``
+    (``acc += g^T h`` in place)."""
+
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    accumulate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _cuda_logits(h, w):
+    return torch.mm(h, w.t(), out_dtype=torch.float32)
+
+
+def _cuda_accumulate(acc, g, h):
+    torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+
+
+CUBLAS = Matmuls(_cuda_logits, _cuda_accumulate)
+
+
+class HopperLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, mask, chunk: int, mm: Matmuls):
+        from nam_plugin_hopper_ce.kernel import row_lse_loss
+
+        t = hidden.shape[0]
+        mask = mask.to(torch.float32).contiguous()
+        lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        rows = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        for s in range(0, t, chunk):
+            logits = mm.logits(hidden[s : s + chunk], weight)  # [c, v] fp32
+            row_lse_loss(logits, target[s : s + chunk], mask[s : s + chunk], lse[s : s + chunk],
+                         rows[s : s + chunk])
+        ctx.chunk, ctx.mm = chunk, mm
+        ctx.save_for_backward(hidden, weight, target, mask, lse)
+        return rows.sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        from nam_plugin_hopper_ce.kernel import row_grad
+
+        hidden, weight, target, mask, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        t, chunk = hidden.shape[0], ctx.chunk
+        row_weight = (mask * grad_loss.to(torch.float32)).contiguous()  # [t], on the device: no host sync
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, t, chunk):
+            h = hidden[s : s + chunk]
+            logits = ctx.mm.logits(h, weight)
+            g = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
+            row_grad(logits, lse[s : s + chunk], target[s : s + chunk], row_weight[s : s + chunk], g)
+            del logits
+            if need_h:
+                torch.mm(g, weight, out=dh[s : s + chunk])
+            if need_w:
+                ctx.mm.accumulate(dw, g, h)
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None
+
+
+class HopperCEHead:
+    """``CEHead`` (nam56r/backends.py): ``sum_t mask_t * CE_t`` as an fp32 scalar; ``mask`` is a per-token weight
+    (0 for masked tokens) and gets no gradient."""
+
+    def __init__(self, chunk_tokens: int = CHUNK_TOKENS, matmuls: Matmuls | None = None):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, found {chunk_tokens}")
+        self.chunk_tokens, self.matmuls = chunk_tokens, matmuls
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+        mm = self.matmuls
+        if mm is None:
+            if not (hidden.is_cuda and weight.is_cuda):
+                raise NamError(f"the hopper-ce head runs cuBLAS and Triton on CUDA tensors; found hidden on "
+                               f"{hidden.device}, weight on {weight.device}",
+                               hint="train on a GPU (--device cuda), or the reference head: --set "
+                                    "ce_backend=reference --plugins reference")
+            mm = CUBLAS
+        if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+            raise NamError(f"the hopper-ce head takes bf16 or fp16 hidden and weight of one dtype; found "
+                           f"{hidden.dtype} and {weight.dtype}", hint="--set train.dtype=bfloat16")
+        return HopperLinearCE.apply(hidden.contiguous(), weight.contiguous(), target.contiguous(), mask,
+                                    self.chunk_tokens, mm)

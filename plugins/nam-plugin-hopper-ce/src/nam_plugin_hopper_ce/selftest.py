@@ -1,0 +1,71 @@
+"""The gradient-parity self-test the plugin runs before it activates, and the GPU tests run at larger sizes.
+
+It reproduces what the model does with a CE head: three calls sharing one weight (the LM head and both MTP
+depths), each with its own hidden states, targets and 0/1 mask (a quarter of tokens masked, token 0 always,
+their targets set to the placeholder -100 that must never be read), summed and divided by the live-token
+count, bf16 inputs. The reference is ``ReferenceCEHead`` in fp32 on the same bf16 values. Errors are
+``max |head - reference| / max |reference|`` for the loss, every call's dL/dhidden and the shared dL/dW; the
+largest |dL/dhidden| on masked tokens must be exactly 0; any non-finite value fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+TOLERANCE = 2e-2
+"""bf16 inputs and a bf16 logits gradient (~2^-8 relative per element) against fp32 math; a wrong row, a
+missing gradient or a NaN is off by order 1 or more."""
+
+PLACEHOLDER = -100
+
+
+def new_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _rel(a: torch.Tensor, r: torch.Tensor) -> float:
+    a, r = a.double(), r.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - r).abs().max() / r.abs().max().clamp(min=1e-30)).item()
+
+
+def compare(head, *, tokens: int = 300, hidden: int = 256, vocab: int = 1000, calls: int = 3, device="cuda",
+            dtype=torch.bfloat16, seed: int | None = None) -> dict:
+    """Errors of ``head`` against the reference (module docstring) plus ``seed`` and ``masked_dh``."""
+    from nam56r.reference.ce import ReferenceCEHead
+
+    seed = new_seed() if seed is None else seed
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(device, dtype)
+    inputs = []
+    for _ in range(calls):
+        h = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        mask = (torch.rand(tokens, generator=g) > 0.25).float()
+        mask[0] = 0.0
+        target = torch.randint(0, vocab, (tokens,), generator=g)
+        target = torch.where(mask != 0, target, PLACEHOLDER)
+        inputs.append((h, target.to(device), mask.to(device)))
+
+    def run(ce, work_dtype):
+        w = weight.to(work_dtype, copy=True).requires_grad_()
+        hs = [h.to(work_dtype, copy=True).requires_grad_() for h, _, _ in inputs]
+        total = sum(ce(h, w, y, m) for h, (_, y, m) in zip(hs, inputs))
+        live = sum(m.sum() for _, _, m in inputs)
+        loss = total / live
+        loss.backward()
+        return loss.detach(), [h.grad for h in hs], w.grad
+
+    loss, dhs, dw = run(head, dtype)
+    ref_loss, ref_dhs, ref_dw = run(ReferenceCEHead(), torch.float32)
+    errors = {"loss": _rel(loss, ref_loss), "dhidden": max(_rel(a, r) for a, r in zip(dhs, ref_dhs)),
+              "dweight": _rel(dw, ref_dw)}
+    masked = max(dh[m == 0].abs().max().item() for dh, (_, _, m) in zip(dhs, inputs))
+    return {**errors, "masked_dh": masked, "seed": seed}
+
+
+def passed(result: dict) -> bool:
+    return result["masked_dh"] == 0.0 and all(result[k] <= TOLERANCE for k in ("loss", "dhidden", "dweight"))

@@ -1,0 +1,160 @@
+"""nam-plugin-hopper-ce on CPU: the row kernels under Triton's interpreter against torch, the whole head (row
+kernels interpreted, fp32 CPU products in place of the CUDA-only cuBLAS calls) through the activation
+self-test against the reference head, declaration, selection and refusals. GPU parity at NAM56R's head and
+the benchmark against Liger are in test_hopper_ce_gpu.py and bench/hopper_ce.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import nam_plugin_hopper_ce.plugin as plugin
+from nam56r.recipes import apply_overrides, get_recipe
+from nam_core.device import DeviceInfo
+from nam_core.errors import NamError, PluginActivationError
+from nam_core.host import PluginHost
+from nam_core.requirements import FAIL, SKIP
+
+CPU = DeviceInfo.profile("cpu")
+H100 = DeviceInfo.profile("h100")
+
+INTERPRETED = """
+import json, torch
+from nam_plugin_hopper_ce import kernel, selftest
+from nam_plugin_hopper_ce.head import HopperCEHead, Matmuls
+
+out = {}
+g = torch.Generator().manual_seed(7)
+c, v = 5, 300  # v not a multiple of the 128-wide block
+logits = torch.randn(c, v, generator=g) * 4
+target = torch.randint(0, v, (c,), generator=g)
+mask = torch.tensor([1.0, 0.0, 1.0, 0.5, 1.0])
+target[1] = -100  # masked: never read
+lse, loss = torch.empty(c), torch.empty(c)
+kernel.row_lse_loss(logits, target, mask, lse, loss, block=128)
+ref_lse = logits.logsumexp(-1)
+safe = torch.where(mask != 0, target, 0)
+ref_loss = (ref_lse - logits.gather(1, safe[:, None])[:, 0]) * mask
+out["lse"] = (lse - ref_lse).abs().max().item()
+out["loss"] = (loss - ref_loss).abs().max().item()
+w = mask * 0.37
+grad = torch.empty(c, v, dtype=torch.float16)
+kernel.row_grad(logits, lse, target, w, grad, block=128)
+ref_grad = (logits.softmax(-1) - torch.nn.functional.one_hot(safe, v)) * w[:, None]
+out["grad"] = (grad.float() - ref_grad).abs().max().item()
+out["masked_row_zero"] = bool((grad[1] == 0).all())
+
+cpu = Matmuls(lambda h, w: h.float() @ w.float().t(), lambda acc, g, h: acc.add_(g.float().t() @ h.float()))
+head = HopperCEHead(chunk_tokens=48, matmuls=cpu)  # 130 tokens: 3 chunks, the last ragged
+out["head"] = selftest.compare(head, tokens=130, hidden=32, vocab=200, device="cpu", dtype=torch.float16)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton", reason="the test extra installs Triton: "
+                                         "pip install -e './plugins/nam-plugin-hopper-ce[test]'")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_row_kernels_match_torch_under_the_interpreter(interpreted):
+    assert interpreted["lse"] < 1e-5 and interpreted["loss"] < 1e-5, interpreted
+    assert interpreted["grad"] < 1e-3, interpreted  # fp16 storage of values within [-1, 1]
+    assert interpreted["masked_row_zero"] is True
+
+
+def test_the_head_passes_the_activation_self_test_on_cpu(interpreted):
+    """Three calls sharing one weight, masked tokens with placeholder targets, fp16, against fp32 reference."""
+    from nam_plugin_hopper_ce import selftest
+
+    r = dict(interpreted["head"])
+    print(r)
+    assert selftest.passed(r), r
+    assert r["masked_dh"] == 0.0
+
+
+def test_the_self_test_fails_a_head_that_drops_the_mask():
+    """The activation gate can refuse: a head that ignores the mask (every token counted) fails it."""
+    import torch
+
+    from nam56r.reference.ce import ReferenceCEHead
+    from nam_plugin_hopper_ce import selftest
+
+    ref = ReferenceCEHead()
+
+    def unmasked(h, w, y, m):
+        return ref(h, w, torch.where(y < 0, 0, y), torch.ones_like(m))
+
+    r = selftest.compare(unmasked, tokens=64, hidden=16, vocab=50, device="cpu", dtype=torch.float32)
+    assert not selftest.passed(r) and r["masked_dh"] > 0
+
+
+def test_the_head_refuses_cpu_tensors_and_fp32():
+    import torch
+
+    from nam_plugin_hopper_ce.head import HopperCEHead
+
+    h, w = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(NamError, match="CUDA tensors"):
+        HopperCEHead()(h, w, torch.zeros(4, dtype=torch.long), torch.ones(4))
+    from nam_plugin_hopper_ce.head import Matmuls
+
+    cpu = Matmuls(lambda a, b: a, lambda *a: None)
+    with pytest.raises(NamError, match="bf16 or fp16"):
+        HopperCEHead(matmuls=cpu)(h, w, torch.zeros(4, dtype=torch.long), torch.ones(4))
+
+
+# --- declaration, selection, refusals -------------------------------------------------------------------
+def recipe(*overrides):
+    return apply_overrides(get_recipe("nam56r"), list(overrides), plugin_infos={"hopper-ce": plugin.PLUGIN})
+
+
+def test_declaration_and_gpu_extra():
+    info = plugin.PLUGIN
+    assert info.provides == {"ce_heads": ["hopper-ce"]} and info.selects == {"ce_backend": "hopper-ce"}
+    assert [(r.title, r.needed) for r in info.requires] == [("CUDA capability", ">= sm_90"),
+                                                            ("package triton", "triton>=3.3")]
+    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "hopper-ce"]
+    assert ep.value == "nam_plugin_hopper_ce.plugin"
+    assert [r for r in importlib.metadata.requires("nam-plugin-hopper-ce") if "extra" not in r] == ["nam-train"]
+
+
+def test_requesting_the_plugin_selects_the_head_and_an_explicit_choice_wins():
+    assert recipe().model.ce_backend == "hopper-ce"
+    [check] = plugin.nam_check_config(config=recipe("ce_backend=liger"), device=H100)
+    assert check.status == SKIP and "active but unused" in check.found
+
+
+def test_config_check_wants_cuda_and_16_bit():
+    checks = {c.name: c for c in plugin.nam_check_config(config=recipe("train.device=cpu", "train.dtype=float32"),
+                                                          device=CPU)}
+    assert checks["train.device"].status == FAIL and checks["train.dtype"].status == FAIL
+    assert "ce_backend=reference" in checks["train.dtype"].hint
+    assert plugin.nam_check_config(config=recipe(), device=H100) == []
+
+
+def test_activation_is_refused_on_cpu_and_before_hopper():
+    with pytest.raises(PluginActivationError, match="hopper-ce: CUDA capability"):
+        PluginHost().activate(["hopper-ce"], CPU)
+    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
+    ev = PluginHost().evaluate(["hopper-ce"], a100)
+    assert [c.found for c in ev.failures] == ["sm_80"]
+
+
+def test_activates_on_an_h100_profile_without_launching():
+    from nam_plugin_hopper_ce.head import HopperCEHead
+
+    host = PluginHost()
+    ev = host.activate(["hopper-ce"], H100, recipe())
+    assert host.registry("ce_heads").get("hopper-ce") is HopperCEHead
+    assert [c.status for c in ev.checks if c.plugin == "hopper-ce" and c.name == "launch checks"] == [SKIP]

@@ -28,8 +28,8 @@ def test_preflight_row_passes():
 
 
 def test_peak_memory_at_nam56r_shape_holds_no_full_logits():
-    """8192 x 4096 x 131072 bf16: a [t, v] fp32 logits tensor alone is 4 GiB; the head's extra peak must stay
-    below it (one 1024-token chunk of fp32 logits + bf16 gradient, and the fp32 dW: ~2.8 GiB)."""
+    """8192 x 4096 x 131072 bf16: the head's extra peak must stay below Liger's measured 3.06 GiB (the bf16 dW,
+    one slice's fp32 dW, fp32 dh and one chunk's buffers: ~2 GiB; a [t, v] fp32 logits tensor alone is 4 GiB)."""
     from nam_plugin_hopper_ce.head import HopperCEHead
 
     t, d, v = 8192, 4096, 131072
@@ -43,4 +43,4 @@ def test_peak_memory_at_nam56r_shape_holds_no_full_logits():
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - before) / 2**30
     print(f"peak extra {extra:.2f} GiB")
-    assert extra < 4.0 and torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    assert extra < 3.06 and torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()

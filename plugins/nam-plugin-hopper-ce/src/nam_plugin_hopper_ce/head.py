@@ -5,14 +5,17 @@ Per chunk of ``CHUNK_TOKENS`` tokens (``c``), with ``W [v, d]`` and ``h [c, d]``
 * forward: ``logits = h W^T`` as one cuBLAS product with **fp32 output** (``torch.mm(..., out_dtype=fp32)``:
   bf16 tensor-core inputs, the fp32 accumulator stored as is; Liger and plain torch round it to bf16), then
   ``row_lse_loss``. Only ``lse [t]`` (fp32) is kept for backward, besides the inputs.
-* backward: the same product again, ``row_grad`` writes ``g = (softmax - onehot) * m * dL`` in bf16, then
-  ``dh = g W`` (bf16 out) and ``dW += g^T h`` accumulated in an **fp32** ``[v, d]`` buffer by cuBLAS
-  (``addmm(..., out_dtype=fp32)``), cast to W's dtype once at the end.
+* backward, one vocabulary slice of ``VOCAB_SLICE`` rows of W at a time (the full-row ``lse`` from forward
+  makes the slices independent), and within it chunk by chunk: the product again for the slice,
+  ``row_grad`` writes ``g = (softmax - onehot) * m * dL`` in bf16, then ``dh += g W_slice`` and
+  ``dW_slice += g^T h``, both accumulated in **fp32** by cuBLAS (``addmm(..., out_dtype=fp32)``); each
+  finished slice of dW is cast into W's dtype, and dh once at the end.
 
-So nothing of size ``[t, v]`` exists, nothing but ``lse`` is held between forward and backward (the model
-calls the head three times, LM + 2 MTP, before its backward), and the largest transients are one chunk's
-fp32 logits and bf16 gradient (768 MiB at 1024 x 131072) plus the fp32 ``dW`` (2 GiB for NAM56R's head)
-during backward. Masked tokens contribute exactly 0 and their targets are never read.
+So nothing of size ``[t, v]`` exists and nothing but ``lse`` is held between forward and backward (the model
+calls the head three times, LM + 2 MTP, before its backward). Transients at NAM56R's head: forward one
+chunk's fp32 logits (512 MiB at 1024 x 131072); backward the bf16 dW being filled (1 GiB), one slice's fp32
+dW (512 MiB at 32768 rows), fp32 dh (128 MiB at 8192 tokens) and one chunk-by-slice of fp32 logits and bf16
+gradient (192 MiB). Masked tokens contribute exactly 0 and their targets are never read.
 
 The two cuBLAS calls with ``out_dtype`` are CUDA-only; ``Matmuls`` lets the CPU tests substitute plain fp32
 products around the same row kernels (run under Triton's interpreter).
@@ -28,12 +31,13 @@ import torch
 from nam_core.errors import NamError
 
 CHUNK_TOKENS = 1024
+VOCAB_SLICE = 32768
 
 
 @dataclass(frozen=True)
 class Matmuls:
-    """``logits(h [c, d], w [v, d]) -> [c, v] fp32`` and ``accumulate(acc [v, d] fp32, g [c, v], h [c, d])``
-    (``acc += g^T h`` in place)."""
+    """``logits(h [c, d], w [v, d]) -> h w^T [c, v] fp32`` and ``accumulate(acc fp32, a, b)``: ``acc += a b``
+    in place, 16-bit operands, fp32 accumulator."""
 
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     accumulate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -43,8 +47,8 @@ def _cuda_logits(h, w):
     return torch.mm(h, w.t(), out_dtype=torch.float32)
 
 
-def _cuda_accumulate(acc, g, h):
-    torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+def _cuda_accumulate(acc, a, b):
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
 CUBLAS = Matmuls(_cuda_logits, _cuda_accumulate)
@@ -52,7 +56,7 @@ CUBLAS = Matmuls(_cuda_logits, _cuda_accumulate)
 
 class HopperLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, mask, chunk: int, mm: Matmuls):
+    def forward(ctx, hidden, weight, target, mask, chunk: int, vocab_slice: int, mm: Matmuls):
         from nam_plugin_hopper_ce.kernel import row_lse_loss
 
         t = hidden.shape[0]
@@ -63,7 +67,7 @@ class HopperLinearCE(torch.autograd.Function):
             logits = mm.logits(hidden[s : s + chunk], weight)  # [c, v] fp32
             row_lse_loss(logits, target[s : s + chunk], mask[s : s + chunk], lse[s : s + chunk],
                          rows[s : s + chunk])
-        ctx.chunk, ctx.mm = chunk, mm
+        ctx.chunk, ctx.vocab_slice, ctx.mm = chunk, vocab_slice, mm
         ctx.save_for_backward(hidden, weight, target, mask, lse)
         return rows.sum()
 
@@ -74,31 +78,39 @@ class HopperLinearCE(torch.autograd.Function):
 
         hidden, weight, target, mask, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        t, chunk = hidden.shape[0], ctx.chunk
+        (t, d), v, chunk, mm = hidden.shape, weight.shape[0], ctx.chunk, ctx.mm
         row_weight = (mask * grad_loss.to(torch.float32)).contiguous()  # [t], on the device: no host sync
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, t, chunk):
-            h = hidden[s : s + chunk]
-            logits = ctx.mm.logits(h, weight)
-            g = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
-            row_grad(logits, lse[s : s + chunk], target[s : s + chunk], row_weight[s : s + chunk], g)
-            del logits
-            if need_h:
-                torch.mm(g, weight, out=dh[s : s + chunk])
+        dh32 = torch.zeros((t, d), dtype=torch.float32, device=hidden.device) if need_h else None
+        dw = torch.empty_like(weight) if need_w else None
+        for v0 in range(0, v, ctx.vocab_slice):
+            w_slice = weight[v0 : v0 + ctx.vocab_slice]  # [vs, d]
+            dw32 = torch.zeros(w_slice.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            for s in range(0, t, chunk):
+                h = hidden[s : s + chunk]
+                logits = mm.logits(h, w_slice)  # [c, vs] fp32
+                g = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
+                row_grad(logits, lse[s : s + chunk], target[s : s + chunk], row_weight[s : s + chunk], g, col0=v0)
+                del logits
+                if need_h:
+                    mm.accumulate(dh32[s : s + chunk], g, w_slice)
+                if need_w:
+                    mm.accumulate(dw32, g.t(), h)
+                del g
             if need_w:
-                ctx.mm.accumulate(dw, g, h)
-        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None
+                dw[v0 : v0 + ctx.vocab_slice].copy_(dw32)
+                del dw32
+        return None if dh32 is None else dh32.to(hidden.dtype), dw, None, None, None, None, None
 
 
 class HopperCEHead:
     """``CEHead`` (nam56r/backends.py): ``sum_t mask_t * CE_t`` as an fp32 scalar; ``mask`` is a per-token weight
     (0 for masked tokens) and gets no gradient."""
 
-    def __init__(self, chunk_tokens: int = CHUNK_TOKENS, matmuls: Matmuls | None = None):
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, found {chunk_tokens}")
-        self.chunk_tokens, self.matmuls = chunk_tokens, matmuls
+    def __init__(self, chunk_tokens: int = CHUNK_TOKENS, vocab_slice: int = VOCAB_SLICE,
+                 matmuls: Matmuls | None = None):
+        if chunk_tokens < 1 or vocab_slice < 1:
+            raise ValueError(f"chunk_tokens and vocab_slice must be >= 1, found {chunk_tokens}, {vocab_slice}")
+        self.chunk_tokens, self.vocab_slice, self.matmuls = chunk_tokens, vocab_slice, matmuls
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -114,4 +126,4 @@ class HopperCEHead:
             raise NamError(f"the hopper-ce head takes bf16 or fp16 hidden and weight of one dtype; found "
                            f"{hidden.dtype} and {weight.dtype}", hint="--set train.dtype=bfloat16")
         return HopperLinearCE.apply(hidden.contiguous(), weight.contiguous(), target.contiguous(), mask,
-                                    self.chunk_tokens, mm)
+                                    self.chunk_tokens, self.vocab_slice, mm)

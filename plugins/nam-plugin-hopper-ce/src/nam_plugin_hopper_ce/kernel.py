@@ -5,8 +5,8 @@ One program per row walks the vocabulary ``BLOCK_V`` at a time:
 * ``row_lse_loss``: an online max and sum of exponentials give ``lse``; the loss is ``(lse - logit[y]) * m``.
   A row with ``m == 0`` reads no target (its id may be a placeholder such as -100) and its loss is 0.
 * ``row_grad``: ``g = (exp(logit - lse) - onehot(y)) * w`` with ``w = m * dL/dloss``, written in the
-  activation dtype: the logits gradient that the two cuBLAS products of the backward read. A row with
-  ``w == 0`` is written as zeros.
+  activation dtype: the logits gradient that the two cuBLAS products of the backward read, for one slice of
+  the vocabulary (``lse`` is the whole row's, from forward). A row with ``w == 0`` is written as zeros.
 
 Everything is computed in fp32; only ``g`` is stored narrower (the operand the bf16 tensor cores take).
 """
@@ -41,13 +41,13 @@ def _row_lse_loss(logits, target, mask, lse_out, loss_out, V, stride, BLOCK: tl.
 
 
 @triton.jit
-def _row_grad(logits, lse_in, target, weight, grad_out, V, stride, grad_stride, BLOCK: tl.constexpr):
+def _row_grad(logits, lse_in, target, weight, grad_out, V, stride, grad_stride, col0, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     out = grad_out + row * grad_stride
     w = tl.load(weight + row)
     lse = tl.load(lse_in + row)
-    y = tl.where(w != 0, tl.load(target + row), -1)  # -1 matches no column
+    y = tl.where(w != 0, tl.load(target + row) - col0, -1)  # column within this slice; -1 matches none
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         live = cols < V
@@ -64,7 +64,8 @@ def row_lse_loss(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
 
 
 def row_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
-             grad: torch.Tensor, block: int = BLOCK_V) -> None:
-    """Fill ``grad [c, v]`` (activation dtype) with ``(softmax(logits) - onehot(target)) * weight[:, None]``."""
+             grad: torch.Tensor, col0: int = 0, block: int = BLOCK_V) -> None:
+    """Fill ``grad [c, vs]`` (activation dtype) with ``(softmax - onehot(target)) * weight[:, None]`` for the
+    vocabulary slice ``[col0, col0 + vs)`` whose logits are ``logits [c, vs]``; ``lse`` is the full row's."""
     c, v = logits.shape
-    _row_grad[(c,)](logits, lse, target, weight, grad, v, logits.stride(0), grad.stride(0), BLOCK=block)
+    _row_grad[(c,)](logits, lse, target, weight, grad, v, logits.stride(0), grad.stride(0), col0, BLOCK=block)

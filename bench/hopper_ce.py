@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=131072)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--configs", default="", help="extra hopper-ce rows, comma-separated CHUNK:SLICE pairs "
+                    "(tokens per chunk : vocabulary rows per backward slice), e.g. 2048:65536")
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args(argv)
 
@@ -34,8 +36,11 @@ def main(argv=None) -> int:
     from nam_plugin_hopper_ce.head import HopperCEHead
     from nam_plugin_liger.head import LigerCEHead
 
-    heads = {"hopper-ce": HopperCEHead(), "liger": LigerCEHead(), "torch": torch_baseline,
-             "reference": ReferenceCEHead()}
+    heads = {"hopper-ce": HopperCEHead()}
+    for pair in filter(None, args.configs.split(",")):
+        chunk, slice_ = (int(x) for x in pair.split(":"))
+        heads[f"hopper-ce {chunk}:{slice_}"] = HopperCEHead(chunk_tokens=chunk, vocab_slice=slice_)
+    heads |= {"liger": LigerCEHead(), "torch": torch_baseline, "reference": ReferenceCEHead()}
     inputs = make_inputs(args.tokens, args.hidden, args.vocab)
     rows = {}
     for name, ce in heads.items():

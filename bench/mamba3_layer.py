@@ -38,7 +38,10 @@ CASES = {"mimo g8": (4, 8, 16), "mimo g1": (4, 1, 16), "siso g8": (1, 8, 64), "s
 """name -> (rank, ngroups, chunk)."""
 
 
-def measure(layer, x, dout, *, warmup: int, iters: int) -> dict:
+def measure(layer, x, dout, *, warmup: int, iters: int, baseline: bool = False) -> dict:
+    """Median ms and peak GiB of forward + backward. Only a ``baseline`` row may fail and report its exception
+    as its result; a failure of nam's own rows ends the run."""
+
     def clear():
         x.grad = None
         for p in layer.parameters():
@@ -48,6 +51,9 @@ def measure(layer, x, dout, *, warmup: int, iters: int) -> dict:
         clear()
         layer(x).backward(dout)
 
+    if not baseline:
+        ms, gib = time_and_peak(step, clear, warmup=warmup, iters=iters)
+        return {"ms": ms, "peak_gib": gib}
     try:
         ms, gib = time_and_peak(step, clear, warmup=warmup, iters=iters)
     except Exception as e:  # the baseline's failure is its result (upstream's ngroups-8 backward raises)
@@ -121,7 +127,7 @@ def main() -> None:
         layer = upstream_layer(rank, groups, chunk)
         print(f"[upstream] {case} ...", flush=True)
         row = measure(layer, x, dout, warmup=1 if rank > 1 else args.warmup,
-                      iters=args.upstream_iters if rank > 1 else args.iters)
+                      iters=args.upstream_iters if rank > 1 else args.iters, baseline=True)
         if "error" in row:
             row["forward_ms"] = forward_ms(layer, x)
         results[case]["upstream"] = row

@@ -51,7 +51,9 @@ def config(groups: int, **backends):
     return NAM56RConfig(num_layers=12, mla_attention_ranks=(0,), mamba_ngroups=groups, indexer="full", **backends)
 
 
-def measure(cfg, backends, *, batch: int, warmup: int, iters: int) -> dict:
+def measure(cfg, backends, *, batch: int, warmup: int, iters: int, baseline: bool = False) -> dict:
+    """One row. Only a ``baseline`` row may fail and report its exception as its result; a failure of nam's
+    own row ends the run."""
     from nam56r.flops import flops_per_token
     from nam56r.model import build_model
     from nam56r.state import ForwardState
@@ -73,6 +75,8 @@ def measure(cfg, backends, *, batch: int, warmup: int, iters: int) -> dict:
     try:
         ms, gib = time_and_peak(step, clear, warmup=warmup, iters=iters)
     except Exception as e:  # a baseline's failure is its result
+        if not baseline:
+            raise
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200],
                 "where": traceback.extract_tb(e.__traceback__)[-1].name}
     finally:
@@ -104,11 +108,11 @@ def main() -> None:
     ref = Backends.reference()
     rows = {}
     if "upstream" not in skip:  # before the patch lane binds nam's drivers
-        baseline = dataclasses.replace(ref, ssm=UpstreamMimo(), ce=LigerCEHead())
+        upstream_backends = dataclasses.replace(ref, ssm=UpstreamMimo(), ce=LigerCEHead())
         for groups in (8, 1):
             print(f"[upstream] ngroups {groups} ...", flush=True)
-            rows[f"upstream g{groups}"] = measure(config(groups), baseline, batch=args.batch, warmup=1,
-                                                  iters=min(args.iters, 3))
+            rows[f"upstream g{groups}"] = measure(config(groups), upstream_backends, batch=args.batch, warmup=1,
+                                                  iters=min(args.iters, 3), baseline=True)
     print(f"patch lane applied: {patches.apply_needed()}", flush=True)
     print("[nam] ...", flush=True)
     ours = Backends(ssm=MambaSSMScan(), attention=SparseMLA(), ce=LigerCEHead(), indexer=ref.indexer)
@@ -117,7 +121,8 @@ def main() -> None:
                           ours, batch=args.batch, warmup=args.warmup, iters=args.iters)
     if "reference" not in skip:
         print("[reference] ...", flush=True)
-        rows["reference"] = measure(config(8), ref, batch=args.batch, warmup=1, iters=min(args.iters, 3))
+        rows["reference"] = measure(config(8), ref, batch=args.batch, warmup=1, iters=min(args.iters, 3),
+                                    baseline=True)
 
     nam = rows["nam"]
     print(f"\nNAM56R one period (12 layers, full widths), b={args.batch} s=4096 bf16, fwd+bwd, "

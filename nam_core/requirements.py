@@ -48,6 +48,13 @@ class Check:
         }
 
 
+def unused(plugin: str, field: str, found: str) -> Check:
+    """The skip row of a plugin that is active while the model's ``field`` names another backend, ``found``
+    (an explicit ``--set`` beat the plugin's selection): the run goes on without it, and says so."""
+    return Check(plugin, "selected", SKIP, f"{field}={plugin}", f"{field}={found}: active but unused",
+                 hint=f"--set {field}={plugin}")
+
+
 def _fmt_bytes(n: int) -> str:
     return f"{n:,} B ({n / 1024:.0f} KiB)"
 

@@ -11,7 +11,7 @@ This module stays light (no torch, no triton at import) so ``nam plugins list`` 
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.requirements import FAIL, PASS, unused
 
 NAME = "hopper-ce"
 GPU_HINT = "pip install 'nam-plugin-hopper-ce[gpu]'"
@@ -36,8 +36,7 @@ def nam_check_config(config, device):
         return []
     model, train = config.model, config.train
     if model.ce_backend != NAME:
-        return [Check(NAME, "selected", SKIP, f"ce_backend={NAME}", f"ce_backend={model.ce_backend}: active but "
-                      "unused", hint=f"--set ce_backend={NAME}")]
+        return [unused(NAME, "ce_backend", model.ce_backend)]
     checks = []
     if train.device != "cuda":
         checks.append(Check(NAME, "train.device", FAIL, "train.device=cuda", f"train.device={train.device}",

@@ -12,7 +12,7 @@ Keep this module light: torch and the model are imported inside hook bodies, so 
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, hookimpl
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.requirements import FAIL, PASS, unused
 
 NAME = "index-cache"
 OPTION_PATTERN = f"{NAME}.pattern"  # same string as cache.OPTION_PATTERN
@@ -65,8 +65,7 @@ def nam_check_config(config, device):
     checks.append(Check(NAME, "pattern", PASS, needed, describe(pattern)))
     # Used directly, or through a strategy that wraps it (lemyx: ``lemyx.sparse=index-cache``).
     if config.model.indexer != NAME and NAME not in options.values():
-        checks.append(Check(NAME, "selected", SKIP, f"indexer={NAME}", f"indexer={config.model.indexer}: "
-                            "active but unused", hint=f"--set indexer={NAME}"))
+        checks.append(unused(NAME, "indexer", config.model.indexer))
     return checks
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.requirements import FAIL, PASS, unused
 
 NAME = "lemyx"
 GPU_HINT = f"pip install 'nam-plugin-lemyx[gpu]' on a Hopper GPU, or choose the unfused path: --set {NAME}.backend=reference"
@@ -83,8 +83,7 @@ def nam_check_config(config, device):
         checks.append(Check(NAME, "dense warm-up", FAIL, "dsa_dense_warmup=false (lemyx runs the dense stage)",
                             "dsa_dense_warmup=true", hint="--set dsa_dense_warmup=false"))
     if model.indexer != NAME:
-        checks.append(Check(NAME, "selected", SKIP, f"indexer={NAME}",
-                            f"indexer={model.indexer}: active but unused", hint=f"--set indexer={NAME}"))
+        checks.append(unused(NAME, "indexer", model.indexer))
     else:
         checks.append(Check(NAME, "schedule", PASS, "warm-up steps >= 0",
                             f"{opts.warmup_steps} dense steps, then '{opts.sparse}'"))

@@ -16,7 +16,7 @@ Keep this module light: torch and Liger are imported inside hook bodies and the 
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, SKIP
+from nam_core.requirements import FAIL, unused
 
 NAME = "liger"
 PATCH_NAME = "liger-none-reduction-bwd"  # same string as patch.NAME, kept here so this module stays light
@@ -44,8 +44,7 @@ def nam_check_config(config, device):
         return []
     model, train = config.model, config.train
     if model.ce_backend != NAME:
-        return [Check(NAME, "selected", SKIP, f"ce_backend={NAME}", f"ce_backend={model.ce_backend}: active but "
-                      "unused", hint=f"--set ce_backend={NAME}")]
+        return [unused(NAME, "ce_backend", model.ce_backend)]
     if train.device != "cuda":
         return [Check(NAME, "train.device", FAIL, "train.device=cuda (Liger's kernels run on CUDA tensors only)",
                       f"train.device={train.device}",

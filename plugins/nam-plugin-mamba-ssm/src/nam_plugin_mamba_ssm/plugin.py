@@ -12,7 +12,7 @@ This module stays light (no torch, no mamba-ssm at import) so ``nam plugins list
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.requirements import FAIL, PASS, SKIP, unused
 
 NAME = "mamba-ssm"
 GPU_HINT = "MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation 'nam-plugin-mamba-ssm[gpu]'"
@@ -69,8 +69,7 @@ def nam_check_config(config, device):
         return []
     model, train = config.model, config.train
     if model.ssm_backend != NAME:
-        return [Check(NAME, "selected", SKIP, f"ssm_backend={NAME}", f"ssm_backend={model.ssm_backend}: active "
-                      "but unused", hint=f"--set ssm_backend={NAME}")]
+        return [unused(NAME, "ssm_backend", model.ssm_backend)]
     checks = []
     if train.device != "cuda":
         checks.append(Check(NAME, "train.device", FAIL, "train.device=cuda (the kernels run CUDA tensors only)",

@@ -13,7 +13,7 @@ This module stays light (no torch, no triton at import) so ``nam plugins list`` 
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.requirements import FAIL, PASS, unused
 
 NAME = "sparse-mla"
 GPU_HINT = "pip install 'nam-plugin-sparse-mla[gpu]'"
@@ -55,9 +55,7 @@ def nam_check_config(config, device):
                     "--set kv_lora_rank=64 --set qk_rope_dim=64 (NAM56R's widths), or run the pure-PyTorch "
                     "core: --set attention_backend=reference --plugins reference")]
     if model.attention_backend != NAME:
-        checks.append(Check(NAME, "selected", SKIP, f"attention_backend={NAME}",
-                            f"attention_backend={model.attention_backend}: active but unused",
-                            hint=f"--set attention_backend={NAME}"))
+        checks.append(unused(NAME, "attention_backend", model.attention_backend))
     return checks
 
 

@@ -102,13 +102,12 @@ def reproduce_grouped() -> str:
     static widths: BUG_REPRODUCED if it raises upstream's unsupported-G error or a gradient misses the
     reference by more than ``selftest.TOLERANCE``."""
     from nam_plugin_mamba_ssm import selftest
-    from nam_plugin_mamba_ssm.scan import rotary_divisor
+    from nam_plugin_mamba_ssm.scan import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
 
-    def call(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *, chunk_size):
-        return mimo(q, k, v, adt, dt, trap, q_bias, k_bias, mimo_x, mimo_z, mimo_o, angles, d, z, chunk_size,
-                    rotary_divisor(q.shape[-1], angles.shape[-1]), v.dtype)
+    def call(*scan_args, chunk_size):  # the SSMScan arguments, handed over as the scan does
+        return mimo(*mimo_args(*scan_args, chunk_size=chunk_size))
 
     try:
         errors = selftest.compare(call, 1, 64, 4, 2, 128, 64, 4, chunk_size=16)
@@ -124,12 +123,12 @@ def host_ms_per_call(calls: int = 3) -> float:
     import torch
 
     from nam_plugin_mamba_ssm import selftest
+    from nam_plugin_mamba_ssm.scan import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
     x = selftest.random_inputs(1, 64, 4, 2, 128, 64, 4, device="cuda", seed=selftest.new_seed())
-    bf = {k: t.to(torch.bfloat16) for k, t in x.items() if k in ("q", "k", "v", "z", "trap")}
-    args = (bf["q"], bf["k"], bf["v"], x["adt"], x["dt"], bf["trap"], x["q_bias"], x["k_bias"], x["mimo_x"],
-            x["mimo_z"], x["mimo_o"], x["angles"], x["d"], bf["z"], 16, 4, torch.bfloat16)
+    x["v"] = x["v"].to(torch.bfloat16)  # mimo_args casts the other activations to v's dtype
+    args = mimo_args(*(x[k] for k in selftest.INPUT_NAMES), chunk_size=16)
     with torch.no_grad():
         mimo(*args)  # compile, or read the disk cache
         torch.cuda.synchronize()

@@ -115,7 +115,7 @@ def main() -> None:
                                                   iters=min(args.iters, 3), baseline=True)
     print(f"patch lane applied: {patches.apply_needed()}", flush=True)
     print("[nam] ...", flush=True)
-    ours = Backends(ssm=MambaSSMScan(), attention=SparseMLA(), ce=LigerCEHead(), indexer=ref.indexer)
+    ours = Backends(ssm=MambaSSMScan(), attention=SparseMLA(), ce=LigerCEHead(), indexer=ref.indexer, moe=ref.moe)
     rows["nam"] = measure(config(8, ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger",
                                  mamba_compile_prelude=True),
                           ours, batch=args.batch, warmup=args.warmup, iters=args.iters)

@@ -121,6 +121,37 @@ class CEHead(Protocol):
 
 
 @runtime_checkable
+class MoEExperts(Protocol):
+    """Registry ``moe_experts``: the routed experts of one MoE layer; routing and the shared expert stay in
+    the block (nam56r/blocks/moe.py)::
+
+        x          [t, d]      the layer's tokens after its norm
+        chosen     [t, k]      int64 expert id per slot
+        gates      [t, k]      renormalised top-k router probabilities, x.dtype (carries the router's graph)
+        w_gate_up  [E, 2f, d]  per expert: gate rows, then up rows
+        w_down     [E, d, f]
+        state      what ``layer_state`` returned for this layer (None for a stateless backend)
+        returns    [t, d]      sum_j gates[:, j] * down_e(silu(gate_e x) * up_e x) with e = chosen[:, j]
+
+    ``layer_state(cfg)`` is called once per MoE layer when the model is built; a module it returns becomes
+    the layer's ``expert_state`` submodule (so it follows ``.to(device)``), e.g. FP8 amax histories. Its
+    buffers must be non-persistent: a checkpoint holds the same keys whichever backend wrote it.
+    """
+
+    def layer_state(self, cfg: NAM56RConfig) -> torch.nn.Module | None: ...
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        chosen: torch.Tensor,
+        gates: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        state: torch.nn.Module | None,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class IndexerStrategy(Protocol):
     """Registry ``indexers``: how a DSA layer picks its top-k keys (the built-in one is ``full``).
 

@@ -137,6 +137,8 @@ class NAM56RConfig:
     """Registry ``ce_heads``: who runs the LM head + cross-entropy (main and MTP)."""
     indexer: str = "full"
     """Registry ``indexers``: DSA top-k strategy."""
+    moe_backend: str = "reference"
+    """Registry ``moe_experts``: who runs the routed experts' GEMMs (router and shared expert stay bf16)."""
 
     # --- derived ---------------------------------------------------------------------------------
     @property

@@ -135,6 +135,11 @@ def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, plugins: Ma
     # Local experts = num_moe_experts / EP (§5).
     _divides("num_experts", cfg.num_experts, ep, "ep",
              f"choose --ep among the divisors of num_experts={cfg.num_experts}")
+    # `E` is Megatron-Core's MoELayer with its own expert GEMMs (§5): a moe_experts backend has no slot there.
+    if cfg.moe_backend != "reference":
+        raise ConfigError(f"the megatron engine runs Megatron-Core's MoELayer for `E`, which has no moe_experts slot; "
+                          f"found moe_backend={cfg.moe_backend!r}",
+                          hint="--set moe_backend=reference for the megatron engine (the local engine takes fp8)")
     # pp > 1: one `|` segment per stage, segment count divisible by pp (§1.3); uneven splits are not lowered.
     _divides("num_layers", cfg.num_layers, pp, "pp",
              f"choose --pp among the divisors of num_layers={cfg.num_layers}; an uneven stage split "

@@ -39,6 +39,7 @@ class Backends:
     attention: Any
     ce: Any
     indexer: Any
+    moe: Any
 
     @classmethod
     def from_registries(
@@ -55,6 +56,7 @@ class Backends:
             attention=build_backend(registries["attention_backends"].get(cfg.attention_backend), ctx),
             ce=build_backend(registries["ce_heads"].get(cfg.ce_backend), ctx),
             indexer=build_backend(registries["indexers"].get(cfg.indexer), ctx),
+            moe=build_backend(registries["moe_experts"].get(cfg.moe_backend), ctx),
         )
 
     @classmethod
@@ -75,7 +77,7 @@ class Layer(nn.Module):
         if spec.kind == "mamba":
             self.mixer = Mamba3Mixer(cfg, backends.ssm)
         elif spec.kind == "moe":
-            self.mixer = MoE(cfg)
+            self.mixer = MoE(cfg, backends.moe)
         elif spec.kind == "mla":
             self.mixer = MLA(cfg, backends.attention)
         else:

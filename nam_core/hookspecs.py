@@ -76,6 +76,17 @@ def nam_register_indexers(register: "Registry") -> None:
 
 
 @hookspec
+def nam_register_moe_experts(register: "Registry") -> None:
+    """Offer routed-expert implementations for MoE layers: ``register("fp8", FP8Experts)``.
+
+    The class must implement ``nam56r.backends.MoEExperts`` (the router and the shared expert stay in the
+    block). Selected by ``moe_backend``.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
 def nam_register_schedules(register: "Registry") -> None:
     """Offer training schedules (how micro-batches' forward and backward passes are ordered).
 

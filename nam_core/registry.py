@@ -17,6 +17,7 @@ KINDS: dict[str, str] = {
     "ssm_mixers": "nam_register_ssm_mixers",
     "ce_heads": "nam_register_ce_heads",
     "indexers": "nam_register_indexers",
+    "moe_experts": "nam_register_moe_experts",
     "schedules": "nam_register_schedules",
     "patches": "nam_register_patches",
 }

@@ -3,6 +3,11 @@
 ``prepare_corpus(tmp_path_factory, modules, chars)`` prepares a small dataset from the source of a few
 standard-library modules through ``nam data prepare`` (faster than the full stdlib default of ``nam train``).
 
+``new_seed()`` draws a fresh seed for a parity check (the check reports it, so a failure can be replayed) and
+``max_rel_error(a, ref)`` is the error every parity check reports: ``max |a - ref| / max |ref|`` in float64,
+``inf`` when ``a`` has a non-finite value; ``rel_norm_error(a, ref)`` is ``||a - ref|| / ||ref||``, the steadier
+statistic for formats as coarse as FP8.
+
 ``no_host_sync()`` fails any op that reads a tensor's value on the host (``.item()``, ``torch.equal``,
 data-dependent shapes such as ``nonzero``): on a GPU each of those stalls the stream and breaks CUDA-graph
 capture, so the DSA and Mamba-3 paths must have none. On CPU the check works at the dispatcher, so it runs in
@@ -12,6 +17,8 @@ CI without a GPU.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,6 +42,27 @@ HOST_SYNC_OPS = frozenset(
         "aten::_assert_async",
     }
 )
+
+
+def new_seed() -> int:
+    """A fresh 32-bit seed from the OS (never a fixed one: each run of a parity check draws new inputs)."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def max_rel_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |a - ref| / max |ref|`` in float64; ``inf`` if ``a`` has a NaN or an infinity."""
+    a, ref = a.detach().double(), ref.detach().double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
+def rel_norm_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||a - ref||_2 / ||ref||_2`` in float64; ``inf`` if ``a`` has a NaN or an infinity."""
+    a, ref = a.detach().double(), ref.detach().double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
 class HostSyncError(AssertionError):

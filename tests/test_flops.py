@@ -98,7 +98,9 @@ def test_dsa_block_matches_formula(warmup):
 
 def test_moe_block_matches_formula():
     moe = pytest.importorskip("nam56r.blocks.moe")
-    block = moe.MoE(TINY)
+    from nam56r.reference.moe import ReferenceExperts
+
+    block = moe.MoE(TINY, ReferenceExperts())
     x = torch.randn(B, S, TINY.hidden)
     # The reference MoE runs all E experts and gates; the same formula with top-k = E is what it executes.
     executed = F.moe_forward_flops(TINY.replace(moe_topk=TINY.num_experts))

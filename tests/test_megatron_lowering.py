@@ -97,6 +97,11 @@ def test_dualpipev_refuses_expert_parallelism(cfg):
     assert lower(cfg, pp=2, plugins={"dualpipev": None}).schedule == "dualpipev"
 
 
+def test_a_moe_experts_backend_has_no_megatron_slot(cfg):
+    with pytest.raises(ConfigError, match=r"no moe_experts slot; found moe_backend='fp8'"):
+        lower(cfg.replace(moe_backend="fp8"))
+
+
 def test_cuda_graphs_note_at_pp1(cfg):
     lowering = lower(cfg)
     assert lowering.cuda_graphs is False

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from nam56r.blocks.mlp import SwiGLU
 from nam56r.blocks.moe import MoE
 from nam56r.config import NAM56RConfig
+from nam56r.reference.moe import ReferenceExperts
 from nam56r.state import ForwardState
 
 CFG = NAM56RConfig(hidden=8, num_experts=5, moe_topk=2, moe_ffn_hidden=6, moe_shared_ffn_hidden=4)
@@ -27,7 +28,7 @@ def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 def test_moe_matches_per_token_loop_in_value_and_grad():
     torch.manual_seed(0)
-    moe = MoE(CFG).double()
+    moe = MoE(CFG, ReferenceExperts()).double()
     for p in moe.parameters():  # init_std 0.02 makes routing nearly uniform; spread it so top-k is clear
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(2, 3, CFG.hidden, dtype=torch.float64)
@@ -45,7 +46,7 @@ def test_moe_matches_per_token_loop_in_value_and_grad():
 
 def test_aux_loss_is_switch_formula_and_lands_in_state():
     torch.manual_seed(1)
-    moe = MoE(CFG).double()
+    moe = MoE(CFG, ReferenceExperts()).double()
     torch.nn.init.normal_(moe.router.weight, std=0.5)
     x = torch.randn(2, 7, CFG.hidden, dtype=torch.float64)
     state = ForwardState()
@@ -65,7 +66,7 @@ def test_aux_loss_is_switch_formula_and_lands_in_state():
 
 
 def test_uniform_router_gives_aux_equal_to_coeff():
-    moe = MoE(CFG).double()
+    moe = MoE(CFG, ReferenceExperts()).double()
     torch.nn.init.zeros_(moe.router.weight)  # p_e = 1/E for every token, whatever top-k picks
     state = ForwardState()
     moe(torch.randn(1, 5, CFG.hidden, dtype=torch.float64), state)
@@ -75,7 +76,7 @@ def test_uniform_router_gives_aux_equal_to_coeff():
 def test_builds_on_meta_with_expected_parameter_count():
     cfg = NAM56RConfig()
     with torch.device("meta"):
-        moe = MoE(cfg)
+        moe = MoE(cfg, ReferenceExperts())
     d, e, f, fs = cfg.hidden, cfg.num_experts, cfg.moe_ffn_hidden, cfg.moe_shared_ffn_hidden
     expected = d * e + e * 3 * f * d + 3 * fs * d  # router + routed experts + shared expert
     assert sum(p.numel() for p in moe.parameters()) == expected

@@ -11,12 +11,9 @@ Load balance (Switch Transformer, Fedus et al. 2021, extended to top-k as in Meg
     P_e = mean over tokens of p_e                                   # carries the gradient
     aux = coeff * E * sum_e f_e * P_e                               # = coeff when routing is uniform
 
-This is the reference computation. Routed weights are stacked ``[E, ...]`` tensors so the model builds on the
-meta device and counts parameters without a Python loop, and the forward runs *every* expert on *every* token
-(``einsum`` over the stacked weights) and zeroes the unchosen ones through the sparse gate matrix. Cost: E / k
-times the routed FLOPs (NAM56R: 16 / 4 = 4x) and an intermediate of ``t * E * 2f`` values -- for NAM56R the
-same as one dense SwiGLU of width E * f = 2560, so it stays usable for small runs. In exchange there is no
-data-dependent shape anywhere, hence no host sync; a grouped-GEMM backend replaces it for real training.
+The routed experts' GEMMs come from the ``moe_experts`` backend (``nam56r.backends.MoEExperts``; the reference
+one is nam56r/reference/moe.py); the router, its loss and the shared expert are computed here, in the model's
+dtype, whatever that backend is.
 """
 
 from __future__ import annotations
@@ -24,13 +21,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nam56r.blocks.mlp import SwiGLU, swiglu
+from nam56r.backends import MoEExperts
+from nam56r.blocks.mlp import SwiGLU
 from nam56r.config import NAM56RConfig
 from nam56r.state import ForwardState
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: NAM56RConfig):
+    def __init__(self, cfg: NAM56RConfig, experts: MoEExperts):
         super().__init__()
         if not 1 <= cfg.moe_topk <= cfg.num_experts:
             raise ValueError(
@@ -47,6 +45,8 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * f, d))  # [E, 2f, d]
         self.w_down = nn.Parameter(torch.empty(e, d, f))  # [E, d, f]
         self.shared = SwiGLU(d, cfg.moe_shared_ffn_hidden, init_std=cfg.init_std)
+        self.experts = experts
+        self.expert_state = experts.layer_state(cfg)  # a submodule (e.g. FP8 amax histories) or None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -56,16 +56,15 @@ class MoE(nn.Module):
         self.shared.reset_parameters()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router probabilities, chosen experts and the sparse gate matrix for tokens ``x [t, d]``.
+        """Router probabilities, chosen experts and their gates for tokens ``x [t, d]``.
 
-        Returns ``probs [t, E]`` (softmax in at least fp32), ``chosen [t, k]`` int64, and ``gates [t, E]``
-        in ``x.dtype``: the renormalised top-k probabilities at the chosen experts, 0 elsewhere.
+        Returns ``probs [t, E]`` (softmax in at least fp32), ``chosen [t, k]`` int64, and ``gates [t, k]``
+        in ``x.dtype``: the top-k probabilities renormalised to sum to 1 per token.
         """
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 softmax for bf16 inputs; fp64 stays fp64
         probs = self.router(x).to(acc).softmax(dim=-1)  # [t, E]
         top_p, chosen = probs.topk(self.topk, dim=-1)  # [t, k]
-        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
-        gates = torch.zeros_like(probs).scatter(1, chosen, top_p)  # [t, E]
+        gates = top_p / top_p.sum(dim=-1, keepdim=True)
         return probs, chosen, gates.to(x.dtype)
 
     def load_balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -81,11 +80,7 @@ class MoE(nn.Module):
         b, s, d = x.shape
         x_t = x.reshape(b * s, d)  # [t, d]
         probs, chosen, gates = self.route(x_t)
-        # Dense over experts: one [t, d] x [d, E*2f] matmul, then one [t, E*f] x [E*f, d] matmul; the gate
-        # matrix zeroes the E - k unchosen experts of each token before the down projection.
-        h = torch.einsum("td,efd->tef", x_t, self.w_gate_up)  # [t, E, 2f]
-        a = swiglu(h) * gates.unsqueeze(-1)  # [t, E, f]
-        routed = torch.einsum("tef,edf->td", a, self.w_down)  # [t, d]
+        routed = self.experts(x_t, chosen, gates, self.w_gate_up, self.w_down, self.expert_state)  # [t, d]
         if state is not None:
             state.add_loss("moe_aux", self.load_balance_loss(probs, chosen))
         return (routed + self.shared(x_t)).reshape(b, s, d)

@@ -16,6 +16,7 @@ PLUGIN = PluginInfo(
         "attention_backends": ["reference"],
         "ce_heads": ["reference"],
         "indexers": ["full"],
+        "moe_experts": ["reference"],
     },
 )
 
@@ -70,6 +71,13 @@ def nam_register_ce_heads(register):
 
 
 @hookimpl
+def nam_register_moe_experts(register):
+    from nam56r.reference.moe import ReferenceExperts
+
+    register("reference", ReferenceExperts)
+
+
+@hookimpl
 def nam_register_indexers(register):
     from nam56r.blocks.indexer import FullIndexer
 
@@ -83,6 +91,7 @@ def reference_backends():
     from nam56r.reference.attention import ReferenceAttention
     from nam56r.reference.ce import ReferenceCEHead
     from nam56r.reference.mamba3 import ReferenceSSMScan
+    from nam56r.reference.moe import ReferenceExperts
 
     return Backends(ssm=ReferenceSSMScan(), attention=ReferenceAttention(), ce=ReferenceCEHead(),
-                    indexer=FullIndexer())
+                    indexer=FullIndexer(), moe=ReferenceExperts())

@@ -10,10 +10,10 @@ largest |dL/dhidden| on masked tokens must be exactly 0; any non-finite value fa
 
 from __future__ import annotations
 
-import math
-import os
 
 import torch
+
+from nam_core.testing import max_rel_error, new_seed
 
 TOLERANCE = 2e-2
 """bf16 inputs and a bf16 logits gradient (~2^-8 relative per element) against fp32 math; a wrong row, a
@@ -22,15 +22,6 @@ missing gradient or a NaN is off by order 1 or more."""
 PLACEHOLDER = -100
 
 
-def new_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _rel(a: torch.Tensor, r: torch.Tensor) -> float:
-    a, r = a.double(), r.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - r).abs().max() / r.abs().max().clamp(min=1e-30)).item()
 
 
 def compare(head, *, tokens: int = 300, hidden: int = 256, vocab: int = 1000, calls: int = 3, device="cuda",
@@ -61,8 +52,8 @@ def compare(head, *, tokens: int = 300, hidden: int = 256, vocab: int = 1000, ca
 
     loss, dhs, dw = run(head, dtype)
     ref_loss, ref_dhs, ref_dw = run(ReferenceCEHead(), torch.float32)
-    errors = {"loss": _rel(loss, ref_loss), "dhidden": max(_rel(a, r) for a, r in zip(dhs, ref_dhs)),
-              "dweight": _rel(dw, ref_dw)}
+    errors = {"loss": max_rel_error(loss, ref_loss), "dhidden": max(max_rel_error(a, r) for a, r in zip(dhs, ref_dhs)),
+              "dweight": max_rel_error(dw, ref_dw)}
     masked = max(dh[m == 0].abs().max().item() for dh, (_, _, m) in zip(dhs, inputs))
     return {**errors, "masked_dh": masked, "seed": seed}
 

@@ -11,9 +11,10 @@ over the output and the gradient of every input.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from nam_core.testing import max_rel_error, new_seed
 
 TOLERANCE = 5e-2
 """Max relative-to-max error per tensor in bf16. The kernels keep bf16 operands in their matmuls, store the
@@ -23,9 +24,6 @@ gradient passes through several. Upstream's own MIMO tests accept 0.10."""
 INPUT_NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "d", "z", "mimo_x", "mimo_z",
                "mimo_o")
 
-
-def new_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def random_inputs(b: int, l: int, h: int, g: int, n: int, p: int, r: int, *, device, seed: int,
@@ -55,9 +53,6 @@ def random_inputs(b: int, l: int, h: int, g: int, n: int, p: int, r: int, *, dev
     return {k: None if t is None else t.to(device) for k, t in x.items()}
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
-
 
 def compare(scan, b: int, l: int, h: int, g: int, n: int, p: int, r: int, *, chunk_size: int, device="cuda",
             seed: int | None = None, dtype=torch.bfloat16) -> dict[str, float]:
@@ -80,14 +75,14 @@ def compare(scan, b: int, l: int, h: int, g: int, n: int, p: int, r: int, *, chu
     ref = ReferenceSSMScan()(*(ref_in[k] for k in INPUT_NAMES), chunk_size=chunk_size)
     ref.backward(dout.float())
 
-    errors = {"out": _rel(out, ref)}
+    errors = {"out": max_rel_error(out, ref)}
     for k in INPUT_NAMES:
         if ours[k] is None:
             continue
         if ours[k].grad is None:
             errors[f"d{k}"] = math.inf  # the kernel path dropped a gradient the reference has
             continue
-        errors[f"d{k}"] = _rel(ours[k].grad, ref_in[k].grad)
+        errors[f"d{k}"] = max_rel_error(ours[k].grad, ref_in[k].grad)
     errors["seed"] = seed
     return errors
 

@@ -10,18 +10,16 @@ inputs' rounding. Error per tensor: ``max |kernel - reference| / max |reference|
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from nam_core.testing import max_rel_error, new_seed
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Max relative-to-max error per tensor. The kernel's own arithmetic is ~fp32 (module docstring of kernel.py);
 what remains is the output's and the gradients' final rounding to the input dtype (bf16: 8 mantissa bits,
 ~4e-3 per rounding; fp16: 11 bits, ~5e-4) and fp32 summation order."""
 
-
-def new_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def random_indices(b: int, s: int, topk: int, *, generator: torch.Generator, future_slots: bool = False,
@@ -61,9 +59,6 @@ def random_inputs(b: int, s: int, h: int, dk: int, topk: int, *, dtype, device, 
     return q, kv, indices.to(device)
 
 
-def _rel(a: torch.Tensor, r: torch.Tensor) -> float:
-    return ((a.float() - r.float()).abs().max() / r.float().abs().max().clamp(min=1e-30)).item()
-
 
 def compare(b: int, s: int, h: int, dk: int, dv: int, topk: int, *, dtype=torch.bfloat16, device="cuda",
             seed: int | None = None, block_n: int | None = None, future_slots: bool = False,
@@ -88,7 +83,7 @@ def compare(b: int, s: int, h: int, dk: int, dv: int, topk: int, *, dtype=torch.
     ref = ReferenceAttention().sparse(qr, kvr, indices, scale=scale, d_v=dv)
     ref.backward(do.float())
 
-    errors = {"out": _rel(out, ref), "dq": _rel(qk.grad, qr.grad), "dkv": _rel(kvk.grad, kvr.grad)}
+    errors = {"out": max_rel_error(out, ref), "dq": max_rel_error(qk.grad, qr.grad), "dkv": max_rel_error(kvk.grad, kvr.grad)}
     if empty_rows:
         rows = sorted({(1 + 7 * n) % s for n in range(empty_rows)})
         errors["empty_row_out"] = out[:, rows].float().abs().max().item()
@@ -114,7 +109,7 @@ def compare_dense(b: int, s: int, h: int, dk: int, dv: int, *, dtype=torch.bfloa
     qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
     ref = ReferenceAttention().dense(qr, kvr, scale=scale, d_v=dv)
     ref.backward(do.float())
-    return {"out": _rel(out, ref), "dq": _rel(qk.grad, qr.grad), "dkv": _rel(kvk.grad, kvr.grad), "seed": seed}
+    return {"out": max_rel_error(out, ref), "dq": max_rel_error(qk.grad, qr.grad), "dkv": max_rel_error(kvk.grad, kvr.grad), "seed": seed}
 
 
 def worst(errors: dict[str, float]) -> float:

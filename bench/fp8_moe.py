@@ -9,8 +9,8 @@ per expert; ``--balanced``: exactly 8192), bf16 tokens and weights. Two scopes, 
   ``reference`` (nam's dense experts, 4x the FLOPs). ``err`` is the output's relative L2 error against the
   fp32 reference on the same inputs.
 * ``gemms``: only the four expert GEMMs that fp8-moe runs in FP8 (gate/up and down forward, both input
-  gradients), operands prepared beforehand. Rows: ``fp8 _scaled_mm`` (per expert, per-tensor scales, as the
-  plugin calls it), ``bf16 mm`` (per expert), and ``bf16 _grouped_mm`` (torch's grouped GEMM, one launch per
+  gradients), operands prepared beforehand. Rows: ``fp8 _scaled_mm`` (per expert, per-tensor scales, fast
+  accumulation on the two gradient GEMMs, each GEMM over all experts before the next: as the plugin calls it), ``bf16 mm`` (per expert), and ``bf16 _grouped_mm`` (torch's grouped GEMM, one launch per
   GEMM: the ratios' baseline).
 
 Timing: CUDA events, median of --iters after --warmup (bench/timing.py). Prints one table; --json writes it.
@@ -94,33 +94,30 @@ def gemm_rows(inp, warmup, iters) -> dict:
     wq_gu, s_gu = weight_fp8(w_gu)
     wq_d, s_d = weight_fp8(w_d)
     wq_gu_t, wq_d_t = wq_gu.transpose(1, 2).contiguous(), wq_d.transpose(1, 2).contiguous()
+
     def col_major(w):  # the same [E, K, N] values, each expert's matrix stored column-major
         return w.transpose(1, 2).contiguous().transpose(1, 2)
 
     b_gu_fwd, b_d_fwd, b_d_bwd, b_gu_bwd = w_gu.transpose(1, 2), w_d.transpose(1, 2), col_major(w_d), col_major(w_gu)
+    w_gu_t, w_d_t = w_gu.transpose(1, 2).contiguous(), w_d.transpose(1, 2).contiguous()
     out = {"h": torch.empty(rows_n, two_f, device="cuda", dtype=torch.bfloat16),
            "o": torch.empty(rows_n, d, device="cuda", dtype=torch.bfloat16),
            "da": torch.empty(rows_n, f, device="cuda", dtype=torch.bfloat16),
            "dx": torch.empty(rows_n, d, device="cuda", dtype=torch.bfloat16)}
     spans = list(_spans(counts))
 
+    # Each GEMM over all experts, then the next GEMM: the order the plugin launches them in.
     def fp8():
-        for i, o, n in spans:
-            torch._scaled_mm(q["xs"][o:o + n], wq_gu[i].t(), scale_a=one, scale_b=s_gu[i],
-                             out_dtype=torch.bfloat16, out=out["h"][o:o + n])
-            torch._scaled_mm(q["a"][o:o + n], wq_d[i].t(), scale_a=one, scale_b=s_d[i],
-                             out_dtype=torch.bfloat16, out=out["o"][o:o + n])
-            torch._scaled_mm(q["do"][o:o + n], wq_d_t[i].t(), scale_a=one, scale_b=s_d[i],
-                             out_dtype=torch.bfloat16, out=out["da"][o:o + n], use_fast_accum=True)
-            torch._scaled_mm(q["dh"][o:o + n], wq_gu_t[i].t(), scale_a=one, scale_b=s_gu[i],
-                             out_dtype=torch.bfloat16, out=out["dx"][o:o + n], use_fast_accum=True)
+        for src, w, sw, dst, fast in [("xs", wq_gu, s_gu, "h", False), ("a", wq_d, s_d, "o", False),
+                                      ("do", wq_d_t, s_d, "da", True), ("dh", wq_gu_t, s_gu, "dx", True)]:
+            for i, o, n in spans:
+                torch._scaled_mm(q[src][o:o + n], w[i].t(), scale_a=one, scale_b=sw[i], out_dtype=torch.bfloat16,
+                                 out=out[dst][o:o + n], use_fast_accum=fast)
 
     def bf16_mm():
-        for i, o, n in spans:
-            torch.mm(xs[o:o + n], w_gu[i].t(), out=out["h"][o:o + n])
-            torch.mm(a[o:o + n], w_d[i].t(), out=out["o"][o:o + n])
-            torch.mm(do[o:o + n], w_d[i], out=out["da"][o:o + n])
-            torch.mm(dh[o:o + n], w_gu[i], out=out["dx"][o:o + n])
+        for src, w, dst in [(xs, w_gu, "h"), (a, w_d, "o"), (do, w_d_t, "da"), (dh, w_gu_t, "dx")]:
+            for i, o, n in spans:
+                torch.mm(src[o:o + n], w[i].t(), out=out[dst][o:o + n])
 
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
 

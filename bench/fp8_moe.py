@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
-from timing import time_and_peak
+from timing import median_ms, time_and_peak
 
 
 def expert_inputs(t, d, e, k, f, *, balanced: bool, seed=0):
@@ -131,7 +130,7 @@ def gemm_rows(inp, warmup, iters) -> dict:
     rows = {}
     for name, fn in [("fp8 _scaled_mm", fp8), ("bf16 mm", bf16_mm), ("bf16 _grouped_mm", grouped)]:
         try:
-            ms = _time(fn, warmup, iters)
+            ms = median_ms(fn, warmup=warmup, iters=iters)
         except Exception as err:  # only a baseline row may record an error
             if name == "fp8 _scaled_mm":
                 raise
@@ -139,21 +138,6 @@ def gemm_rows(inp, warmup, iters) -> dict:
             continue
         rows[name] = {"scope": "gemms", "ms": ms, "tflops": flop / ms / 1e9}
     return rows
-
-
-def _time(fn, warmup, iters) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

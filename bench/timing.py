@@ -8,25 +8,31 @@ from typing import Callable
 import torch
 
 
-def time_and_peak(step: Callable[[], None], clear: Callable[[], None], *, warmup: int,
-                  iters: int) -> tuple[float, float]:
-    """Median milliseconds of ``step()`` over ``iters`` runs after ``warmup``, and its peak GiB above what is
-    allocated before it (after ``clear()`` drops the last step's gradients). ``step`` runs forward + backward."""
+def median_ms(fn: Callable[[], object], *, warmup: int, iters: int) -> float:
+    """Median CUDA-event milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` untimed ones."""
     for _ in range(warmup):
-        step()
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_and_peak(step: Callable[[], None], clear: Callable[[], None], *, warmup: int,
+                  iters: int) -> tuple[float, float]:
+    """Median milliseconds of ``step()`` over ``iters`` runs after ``warmup``, and its peak GiB above what is
+    allocated before it (after ``clear()`` drops the last step's gradients). ``step`` runs forward + backward."""
+    ms = median_ms(step, warmup=warmup, iters=iters)
     clear()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30

@@ -10,7 +10,8 @@ per expert; ``--balanced``: exactly 8192), bf16 tokens and weights. Two scopes, 
   fp32 reference on the same inputs.
 * ``gemms``: only the four expert GEMMs that fp8-moe runs in FP8 (gate/up and down forward, both input
   gradients), operands prepared beforehand. Rows: ``fp8 _scaled_mm`` (per expert, per-tensor scales, fast
-  accumulation on the two gradient GEMMs, each GEMM over all experts before the next: as the plugin calls it), ``bf16 mm`` (per expert), and ``bf16 _grouped_mm`` (torch's grouped GEMM, one launch per
+  accumulation on the two gradient GEMMs, each GEMM over all experts before the next: as the plugin calls
+  it), ``bf16 mm`` (per expert), and ``bf16 _grouped_mm`` (torch's grouped GEMM, one launch per
   GEMM: the ratios' baseline).
 
 Timing: CUDA events, median of --iters after --warmup (bench/timing.py). Prints one table; --json writes it.
@@ -47,7 +48,7 @@ def block_rows(inp, warmup, iters) -> dict:
 
     leaves = {n: inp[n].clone().requires_grad_() for n in ("x", "gates", "w_gate_up", "w_down")}
     with torch.no_grad():
-        ref = ReferenceExperts()(*(inp[n].float() for n in ("x",)), inp["chosen"], inp["gates"].float(),
+        ref = ReferenceExperts()(inp["x"].float(), inp["chosen"], inp["gates"].float(),
                                  inp["w_gate_up"].float(), inp["w_down"].float())
     rows = {}
     for name, backend in [("fp8", FP8Experts(cast=triton_cast)), ("bf16 grouped", FP8Experts(precision="bf16")),
@@ -67,7 +68,7 @@ def block_rows(inp, warmup, iters) -> dict:
 
         ms, peak = time_and_peak(step, clear, warmup=warmup, iters=iters)
         with torch.no_grad():
-            y = backend(*(leaves[n] for n in ("x",)), inp["chosen"], leaves["gates"], leaves["w_gate_up"],
+            y = backend(leaves["x"], inp["chosen"], leaves["gates"], leaves["w_gate_up"],
                         leaves["w_down"], state)
         rows[name] = {"scope": "block", "ms": ms, "peak_extra_gib": peak, "err": rel_norm_error(y, ref)}
         clear()

@@ -45,7 +45,7 @@ def test_an_expert_with_no_tokens_gets_zero_weight_gradients():
     assert rel_norm_error(y, ref_y) < selftest.TOLERANCE["bf16"]
     dw_gate_up, dw_down = grads[2], grads[3]
     assert dw_gate_up[[1, 3]].abs().max() == 0 and dw_down[[1, 3]].abs().max() == 0
-    assert dw_gate_up[[0, 2]].abs().min() >= 0 and dw_gate_up[[0, 2]].abs().max() > 0
+    assert dw_gate_up[0].abs().max() > 0 and dw_gate_up[2].abs().max() > 0  # the busy experts do get gradients
 
 
 def test_the_self_test_fails_a_backend_that_drops_an_expert(monkeypatch):

@@ -57,7 +57,8 @@ def torch_cast(x: torch.Tensor, inv_scale: torch.Tensor, amax_out: torch.Tensor,
     return (x.float() * inv_scale).clamp(-limit, limit).to(fmt)
 
 
-def quantize(x: torch.Tensor, hist: AmaxHistory, role: str, slot: int, cast=torch_cast) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, hist: AmaxHistory, role: str, slot: int,
+             cast=torch_cast) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` in FP8 for ``role`` and its dequantisation scale (0-dim fp32); records ``amax(x)`` at ``slot``.
 
     ``cast(x, inv_scale, amax_out, fmt)`` does the elementwise work (``triton_cast`` on a GPU, ``torch_cast``

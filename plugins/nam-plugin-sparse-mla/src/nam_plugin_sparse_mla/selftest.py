@@ -83,7 +83,7 @@ def compare(b: int, s: int, h: int, dk: int, dv: int, topk: int, *, dtype=torch.
     ref = ReferenceAttention().sparse(qr, kvr, indices, scale=scale, d_v=dv)
     ref.backward(do.float())
 
-    errors = {"out": max_rel_error(out, ref), "dq": max_rel_error(qk.grad, qr.grad), "dkv": max_rel_error(kvk.grad, kvr.grad)}
+    errors = _errors(out, ref, (qk, kvk), (qr, kvr))
     if empty_rows:
         rows = sorted({(1 + 7 * n) % s for n in range(empty_rows)})
         errors["empty_row_out"] = out[:, rows].float().abs().max().item()
@@ -109,7 +109,14 @@ def compare_dense(b: int, s: int, h: int, dk: int, dv: int, *, dtype=torch.bfloa
     qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
     ref = ReferenceAttention().dense(qr, kvr, scale=scale, d_v=dv)
     ref.backward(do.float())
-    return {"out": max_rel_error(out, ref), "dq": max_rel_error(qk.grad, qr.grad), "dkv": max_rel_error(kvk.grad, kvr.grad), "seed": seed}
+    return {**_errors(out, ref, (qk, kvk), (qr, kvr)), "seed": seed}
+
+
+def _errors(out, ref, ours: tuple, theirs: tuple) -> dict[str, float]:
+    """``out``, ``dq``, ``dkv`` errors; ``ours`` / ``theirs`` are the (q, kv) leaves of each side."""
+    (q, kv), (q_ref, kv_ref) = ours, theirs
+    return {"out": max_rel_error(out, ref), "dq": max_rel_error(q.grad, q_ref.grad),
+            "dkv": max_rel_error(kv.grad, kv_ref.grad)}
 
 
 def worst(errors: dict[str, float]) -> float:

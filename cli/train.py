@@ -3,6 +3,11 @@
 Order: recipe + overrides -> engine/device -> plugin activation (exit 3 on failure) -> patch lane ->
 dataset (exit 4 on failure) -> run folder identity -> build -> train. ``--dry-run`` stops after building the
 model on the meta device and prints the plan.
+
+``--engine megatron`` runs one process per GPU under torchrun (``--nproc N`` starts torchrun itself): the
+allocator is set before CUDA starts, the runtime (megatron-core >= 0.19, CUDA, torchrun, psutil) and the
+layout (``--tp/--pp/--ep``, the lowering's gaps) are checked on every rank before anything is written, and
+rank 0 alone prepares the data and writes the run folder's files.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,7 +38,14 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Overrides train.
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="KEY=VALUE override: a model field, "
                    "train.<field>, or <plugin>.<option>. Repeatable.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: the recipe's).")]
-EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process).")]
+EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or megatron (Megatron-Core, one "
+                      "process per GPU under torchrun or --nproc).")]
+NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="megatron: start torchrun with this many "
+                     "processes on this host (instead of launching under torchrun yourself).")]
+TpOpt = Annotated[int, typer.Option("--tp", help="megatron: tensor-parallel size.")]
+PpOpt = Annotated[int, typer.Option("--pp", help="megatron: pipeline-parallel size.")]
+EpOpt = Annotated[int, typer.Option("--ep", help="megatron: expert-parallel size (divides the data-parallel size "
+                  "and the expert count).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, build on the meta device, "
                       "print the plan; train nothing, write nothing.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
@@ -42,7 +55,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NAM_CACHE_DIR", Path.home() / ".cache" / "nam"))
 
 
-def _device(name: str):
+def _device(name: str, index: int = 0):
     import torch
 
     from nam_core.device import DeviceInfo
@@ -50,7 +63,7 @@ def _device(name: str):
     if name == "cpu":
         return DeviceInfo(kind="cpu", name="cpu", torch_version=torch.__version__)
     if name == "cuda":
-        info = DeviceInfo.probe()
+        info = DeviceInfo.probe(index)
         if not info.is_cuda:
             raise NamError("--device cuda: no CUDA device is visible to this process",
                            hint="run on a GPU host, or train on the CPU with --device cpu", exit_code=3)
@@ -95,7 +108,7 @@ def _check_run_dir(run_dir: Path, record: dict, resume: str | None) -> None:
     config_path = run_dir / "config.json"
     if run_dir.exists() and any(run_dir.iterdir()) and resume is None:
         raise ConfigError(f"run folder {run_dir} already holds a run",
-                          hint=f"continue it with --resume auto, or choose another --run-dir")
+                          hint="continue it with --resume auto, or choose another --run-dir")
     if resume is not None and config_path.exists():
         previous = json.loads(config_path.read_text())
         changed = _diff(previous, json.loads(json.dumps(record)))
@@ -114,24 +127,19 @@ def _write_json_atomic(path: Path, obj) -> None:
 def train(
     recipe: RecipeOpt = "nam56r-tiny", plugins: PluginsOpt = None, max_steps: MaxStepsOpt = None,
     run_dir: RunDirOpt = None, data: DataOpt = None, resume: ResumeOpt = None, seed: SeedOpt = None,
-    set_: SetOpt = None, device: DeviceOpt = None, engine: EngineOpt = "local", dry_run: DryRunOpt = False,
-    quiet: QuietOpt = False, json_out: JsonOpt = False,
+    set_: SetOpt = None, device: DeviceOpt = None, engine: EngineOpt = "local", nproc: NprocOpt = None,
+    tp: TpOpt = 1, pp: PpOpt = 1, ep: EpOpt = 1, dry_run: DryRunOpt = False, quiet: QuietOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
-    import torch
-
-    from nam56r.flops import flops_per_token
-    from nam56r.model import Backends, build_model
     from nam56r.recipes import apply_overrides, get_recipe
-    from nam56r.state import ForwardState
-    from nam_core.engine import checkpoint
-    from nam_core.engine.local import LocalRun, train as local_train
     from nam_core.host import PluginHost, requested_plugins
-    from nam_core.patches import apply_all
 
-    if engine != "local":
-        raise ConfigError(f"--engine {engine!r} is not available in this version; the local engine is",
-                          hint="use --engine local (the megatron engine arrives with its own release)")
+    if engine not in ("local", "megatron"):
+        raise ConfigError(f"--engine {engine!r}: expected local or megatron", hint="--engine local")
+    if engine == "local" and (nproc is not None or (tp, pp, ep) != (1, 1, 1)):
+        raise ConfigError("--nproc, --tp, --pp and --ep are megatron-engine options; the local engine runs one "
+                          "process on one device", hint="add --engine megatron, or drop them")
     base = get_recipe(recipe)
     names = requested_plugins(base.plugins, plugins)
     host = PluginHost()
@@ -141,69 +149,107 @@ def train(
         rec = dataclasses.replace(rec, train=rec.train.replace(seed=seed))
     if device is not None:
         rec = dataclasses.replace(rec, train=rec.train.replace(device=device))
+    if engine == "megatron":
+        rec = dataclasses.replace(rec, train=rec.train.replace(engine="megatron"))
     steps = max_steps if max_steps is not None else rec.train.total_steps
     if steps < 1:
         raise ConfigError(f"--max-steps must be >= 1, found {steps}", hint="--max-steps 80")
-    dev = _device(rec.train.device)
+
+    mega = None
+    if engine == "megatron":
+        mega = _megatron_start(rec, names, nproc=nproc, tp=tp, pp=pp, ep=ep, dry_run=dry_run)
+    if mega is None:
+        return _train(rec, names, host, steps=steps, mega=mega, layout={"tp": tp, "pp": pp, "ep": ep},
+                      run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
+    from nam_core.engine.megatron import shutdown
+
+    try:
+        return _train(rec, names, host, steps=steps, mega=mega, layout={"tp": tp, "pp": pp, "ep": ep},
+                      run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
+    finally:
+        shutdown()  # every rank, on success and on a refusal after the process group started
+
+
+def _train(rec, names, host, *, steps, mega, layout, run_dir, data, resume, dry_run, quiet, json_out) -> None:
+    """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
+    import torch
+
+    from nam56r.flops import flops_per_token
+    from nam56r.model import Backends, build_model
+    from nam_core.patches import apply_all
+
+    engine = "local" if mega is None else "megatron"
+    dev = _device(rec.train.device, int(os.environ.get("LOCAL_RANK", "0")) if mega else 0)
 
     host.activate(names, dev, rec)  # PluginActivationError (exit 3) lists every failed check
     patch_reports = apply_all(host.registry("patches"))
     backends = Backends.from_registries(host.registries, rec.model, options=rec.train.plugin_options,
                                         device=rec.train.device)
     flops = flops_per_token(rec.model).total
+    provider = None
+    if mega is not None:
+        provider = _megatron_model(rec, backends, names, host, **layout, world_size=mega["world_size"])
 
     if dry_run:
         model = build_model(rec.model, backends, device="meta")
-        plan = {"recipe": rec.name, "plugins": names, "selected_by_plugins": rec.notes, "device": dev.label, "max_steps": steps,
+        plan = {"recipe": rec.name, "engine": engine, "plugins": names, "selected_by_plugins": rec.notes,
+                "device": dev.label, "max_steps": steps,
                 "parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops,
                 "layers": "".join(l.spec.symbol for l in model.layers),
                 "backends": {f.name: type(getattr(backends, f.name)).__name__ for f in dataclasses.fields(backends)},
                 "patches": [r.to_dict() for r in patch_reports]}
+        if provider is not None:
+            plan["megatron"] = {"world_size": mega["world_size"], **provider.parallel,
+                                "hybrid_layer_pattern": provider.lowering.hybrid_layer_pattern}
         print_json(plan) if json_out else out.print(plan)
         return
 
-    data_path, packed = _dataset(data, rec.model.seq_len, rec.model.vocab_size, rec.train.seed, quiet)
+    rank0 = mega is None or mega["rank"] == 0
+    if mega is not None and not rank0:
+        _barrier()  # rank 0 prepares the data first (one writer into the cache)
+    data_path, packed = _dataset(data, rec.model.seq_len, rec.model.vocab_size, rec.train.seed, quiet or not rank0)
+    if mega is not None and rank0:
+        _barrier()
     run_dir = run_dir or Path("runs") / rec.name
     record = _record(rec, names, host, data_path)
     _check_run_dir(run_dir, record, resume)
-    resume_from = checkpoint.resolve_resume(resume, run_dir / "checkpoints") if resume else None
-
-    torch.manual_seed(rec.train.seed)
-    dtype = getattr(torch, rec.train.dtype)
-    model = build_model(rec.model, backends, device=rec.train.device).to(dtype=dtype)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(run_dir / "config.json", record)
-    _write_json_atomic(run_dir / "plugins.json", {
-        "active": {n: {"distribution": host.installed[n].distribution, "version": host.installed[n].version}
-                   for n in names},
-        "backends": {f.name: type(getattr(backends, f.name)).__name__ for f in dataclasses.fields(backends)},
-        "patches": [r.to_dict() for r in patch_reports],
-        "python": platform.python_version(), "torch": torch.__version__, "device": dev.to_dict(),
-    })
+    if mega is not None:
+        _barrier()  # every rank has looked at the run folder before rank 0 writes into it
+    resume_from = _resume_from(resume, run_dir, megatron=mega is not None)
 
     keys = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
-    target = torch.device(rec.train.device)
-
-    def batch_at(step: int, batch_size: int) -> dict:
-        batch = packed.batch_at(step, batch_size)
-        return {k: v.to(target) for k, v in batch.items() if k in keys}
-
     notes = list(rec.notes)
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(run_dir / "config.json", record)
+        _write_json_atomic(run_dir / "plugins.json", {
+            "active": {n: {"distribution": host.installed[n].distribution, "version": host.installed[n].version}
+                       for n in names},
+            "backends": {f.name: type(getattr(backends, f.name)).__name__ for f in dataclasses.fields(backends)},
+            "patches": [r.to_dict() for r in patch_reports],
+            "python": platform.python_version(), "torch": torch.__version__, "device": dev.to_dict(),
+            **({"megatron": {"world_size": mega["world_size"], **provider.parallel}} if mega else {}),
+        })
 
-    def forward(batch: dict, micro_batch: int) -> dict:
-        state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
-        out = model(**batch, state=state)
-        notes.extend(state.log)  # the engine logs each distinct line once
-        return out
+    if mega is not None:
+        from nam_core.engine import megatron as megatron_engine
 
-    run = LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
-                   host=host, max_steps=steps, flops_per_token=flops, record=record,
-                   resume_from=resume_from, quiet=quiet or json_out, notes=notes)
-    summary = local_train(run)
+        schedules = host.registry("schedules")
+        run = megatron_engine.MegatronRun(
+            run_dir=run_dir, train=rec.train, model=provider, host=host, max_steps=steps, flops_per_token=flops,
+            batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
+            schedules={n: schedules.get(n) for n in schedules.names()}, record=record, resume_from=resume_from,
+            quiet=quiet or json_out, notes=notes)
+        summary = megatron_engine.train(run)
+    else:
+        summary = _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
+                               notes, quiet or json_out)
+    if not rank0:
+        return
     from nam_core.engine.metrics import read_metrics
 
     metrics = read_metrics(run_dir)
-    summary.update(run_dir=str(run_dir), recipe=rec.name, plugins=names,
+    summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names,
                    first_loss=metrics[0]["loss"] if metrics else None,
                    last_loss=metrics[-1]["loss"] if metrics else None)
     _write_json_atomic(run_dir / "summary.json", summary)
@@ -212,3 +258,114 @@ def train(
     elif not quiet:
         out.print(f"done: {steps} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
                   f"run folder {run_dir}")
+
+
+def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet) -> dict:
+    import torch
+
+    from nam56r.model import build_model
+    from nam56r.state import ForwardState
+    from nam_core.engine.local import LocalRun, train as local_train
+
+    torch.manual_seed(rec.train.seed)
+    model = build_model(rec.model, backends, device=rec.train.device).to(dtype=getattr(torch, rec.train.dtype))
+    target = torch.device(rec.train.device)
+
+    def batch_at(step: int, batch_size: int) -> dict:
+        batch = packed.batch_at(step, batch_size)
+        return {k: v.to(target) for k, v in batch.items() if k in keys}
+
+    def forward(batch: dict, micro_batch: int) -> dict:
+        state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
+        out = model(**batch, state=state)
+        notes.extend(state.log)  # the engine logs each distinct line once
+        return out
+
+    return local_train(LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
+                                host=host, max_steps=steps, flops_per_token=flops, record=record,
+                                resume_from=resume_from, quiet=quiet, notes=notes))
+
+
+def _resume_from(resume: str | None, run_dir: Path, *, megatron: bool) -> Path | None:
+    if resume is None:
+        return None
+    if megatron:
+        from nam_core.engine.megatron import resolve_resume
+
+        return resolve_resume(resume, run_dir / "checkpoints")
+    from nam_core.engine import checkpoint
+
+    return checkpoint.resolve_resume(resume, run_dir / "checkpoints")
+
+
+def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
+    """This command again under torchrun with ``nproc`` processes, without ``--nproc``."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "nam_cli", *rest]
+
+
+def _megatron_start(rec, names, *, nproc, tp, pp, ep, dry_run) -> dict:
+    """Before anything touches CUDA: the allocator, the runtime, the layout; then the process group.
+
+    Returns ``{"rank", "world_size"}``. With ``--nproc`` and no torchrun around this process, it checks what
+    it can and replaces itself with torchrun running the same command (so this never returns there).
+    """
+    from nam56r.megatron import lower
+    from nam56r.megatron_model import check_lowering
+    from nam_core.engine import megatron as meg
+
+    launched = "WORLD_SIZE" in os.environ
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: expected at least 1 process", hint="--nproc 2")
+    if nproc is not None and launched and int(os.environ["WORLD_SIZE"]) != nproc:
+        raise ConfigError(f"--nproc {nproc} under a torchrun of {os.environ['WORLD_SIZE']} processes",
+                          hint="drop --nproc when launching with torchrun yourself")
+    world = int(os.environ["WORLD_SIZE"]) if launched else (nproc or 1)
+    lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
+                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16")
+    # The schedules registry fills when plugins activate (later): here a plugin schedule is taken on trust,
+    # and _megatron_model checks it against the registry.
+    meg.check_layout(world_size=world, tp=tp, pp=pp, ep=ep, train=rec.train,
+                     registered_schedules={rec.train.schedule: None})
+    check_lowering(lowering, registered_schedules={n: None for n in names})
+    if dry_run:
+        return {"rank": 0, "world_size": world}
+    if not launched and nproc is not None:
+        argv = _torchrun_argv(sys.argv[1:], nproc)
+        os.execv(argv[0], argv)  # noqa: the same command, once per GPU
+    import torch
+
+    meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
+    meg.check_runtime(meg.runtime_facts())
+    meg.init_distributed()
+    return {"rank": torch.distributed.get_rank(), "world_size": world}
+
+
+def _megatron_model(rec, backends, names, host, *, tp, pp, ep, world_size):
+    """NAM56R lowered for this layout, checked against the registered schedules."""
+    from nam56r.megatron import lower
+    from nam56r.megatron_model import NamMegatronModel
+    from nam_core.engine import megatron as meg
+
+    schedules = host.registry("schedules")
+    registered = {n: schedules.get(n) for n in schedules.names()}
+    lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
+                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16")
+    meg.check_layout(world_size=world_size, tp=tp, pp=pp, ep=ep, train=rec.train, registered_schedules=registered)
+    model = NamMegatronModel(rec.model, backends, lowering, seed=rec.train.seed)
+    model.check(registered_schedules=registered)
+    return model
+
+
+def _barrier() -> None:
+    import torch
+
+    torch.distributed.barrier()

@@ -89,7 +89,13 @@ def test_non_finite_loss_stops_with_step_layer_and_checkpoint(tmp_path, corpus, 
         (["--set", "train.lrr=1"], 2, "TrainConfig has no field 'lrr'"),
         (["--plugins", "no-such-plugin"], 3, "no-such-plugin: installed"),
         (["--device", "cuda"], 3, "no CUDA device"),
-        (["--engine", "megatron"], 2, "--engine 'megatron' is not available"),
+        (["--engine", "megatron"], 2, "the megatron engine runs on CUDA devices only"),
+        (["--engine", "megatron", "--device", "cuda", "--nproc", "2", "--ep", "4"], 2,
+         "ep=4 must divide the data-parallel size 2"),
+        (["--engine", "megatron", "--device", "cuda", "--tp", "2", "--nproc", "2"], 2,
+         "cannot close these gaps of the lowering: tensor parallelism"),
+        (["--engine", "deepspeed"], 2, "expected local or megatron"),
+        (["--tp", "2"], 2, "--nproc, --tp, --pp and --ep are megatron-engine options"),
     ],
 )
 def test_bad_input_fails_cleanly_and_writes_nothing(tmp_path, corpus, capsys, args, code, message):
@@ -97,6 +103,29 @@ def test_bad_input_fails_cleanly_and_writes_nothing(tmp_path, corpus, capsys, ar
     assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--quiet", *args]) == code
     assert message in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_megatron_engine_on_this_cpu_machine_lists_what_is_missing(tmp_path, corpus, capsys, monkeypatch):
+    """Past the config checks, a run outside torchrun on a machine without CUDA or megatron-core 0.19 stops
+    with one error naming each missing piece (exit 3), before writing anything."""
+    pytest.importorskip("megatron.core")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    run_dir = tmp_path / "run"
+    assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--quiet", "--engine", "megatron",
+                "--device", "cuda"]) == 3
+    err = capsys.readouterr().err
+    for missing in ("a CUDA device", "a torchrun launch"):
+        assert missing in err
+    assert not run_dir.exists()
+
+
+def test_nproc_relaunches_the_same_command_under_torchrun():
+    from nam_cli.train import _torchrun_argv
+
+    argv = _torchrun_argv(["train", "--engine", "megatron", "--nproc", "4", "--ep", "4", "--nproc=4", "-q"], 4)
+    assert argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "nam_cli",
+                        "train", "--engine", "megatron", "--ep", "4", "-q"]
 
 
 def test_missing_dataset_is_a_data_error(tmp_path, capsys):

@@ -29,7 +29,7 @@ FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
 FORMAT = 1
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -78,11 +78,11 @@ def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict
         for name in (*FILES, "manifest.json"):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving the same step (e.g. end of a resumed run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_root)
+        fsync_dir(ckpt_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -10,10 +10,8 @@ pure function of (seed, step), so step N of a resumed run sees what step N of an
 
 from __future__ import annotations
 
-import json
 import math
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 
 from nam_core.engine import checkpoint
 from nam_core.engine.config import TrainConfig
-from nam_core.engine.metrics import MetricsLog
+from nam_core.engine.metrics import MetricsLog, truncate_metrics
 from nam_core.errors import TrainingGuardError
 
 
@@ -81,21 +79,13 @@ def _memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _first_non_finite(model: torch.nn.Module) -> str:
+def first_non_finite(model: torch.nn.Module) -> str:
     for name, p in model.named_parameters():
         if not torch.isfinite(p).all():
             return f"parameter {name}"
         if p.grad is not None and not torch.isfinite(p.grad).all():
             return f"gradient of {name}"
     return "none (the loss itself is non-finite)"
-
-
-def _truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop metrics lines after the checkpoint a run resumes from (they will be produced again)."""
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= last_step]
-        path.write_text("".join(l + "\n" for l in keep))
 
 
 def _drain_notes(run: LocalRun) -> None:
@@ -118,7 +108,7 @@ def train(run: LocalRun) -> dict:
         manifest = checkpoint.load(run.resume_from, model=run.model, optimizer=run.optimizer,
                                    scheduler=run.scheduler)
         start = manifest["step"]
-        _truncate_metrics(run.run_dir, start)
+        truncate_metrics(run.run_dir, start)
     run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
     if run.resume_from is not None:
         run.log.note(f"resumed from {run.resume_from} at step {start}")
@@ -147,7 +137,7 @@ def train(run: LocalRun) -> dict:
             if not (math.isfinite(totals["loss"]) and math.isfinite(grad_norm)):
                 raise TrainingGuardError(
                     f"non-finite {'loss' if not math.isfinite(totals['loss']) else 'gradient norm'} at step "
-                    f"{step}: first non-finite is {_first_non_finite(run.model)}; "
+                    f"{step}: first non-finite is {first_non_finite(run.model)}; "
                     f"last good checkpoint: {last_good or 'none'}",
                     hint=f"resume from it with a lower lr: nam train --resume {last_good or 'auto'} "
                          f"--run-dir {run.run_dir} --set train.lr=...",

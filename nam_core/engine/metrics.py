@@ -66,3 +66,11 @@ class MetricsLog:
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Drop metrics lines after the checkpoint a run resumes from (they will be produced again)."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= last_step]
+        path.write_text("".join(l + "\n" for l in keep))

@@ -1,0 +1,600 @@
+"""The megatron engine: a model on several GPUs through Megatron-Core >= 0.19, one process per GPU (torchrun).
+
+The model comes as a ``MegatronModel`` (for NAM56R: ``nam56r.megatron_model.NamMegatronModel``, built from
+the lowering in ``nam56r.megatron``); this module runs it, and knows nothing of NAM56R:
+
+1. checks that fail closed before anything starts (megatron-core version, CUDA, torch.distributed, psutil,
+   the parallel layout, the CUDA allocator setting);
+2. process groups (TP, PP, EP, DP) and seeds;
+3. DDP with the distributed optimizer (bf16 models through ``Float16Module``; parameters the model keeps in
+   fp32 stay fp32), Megatron's forward-backward schedules (or a registered ``schedules`` plugin),
+   dist-checkpointing save and resume, and the local engine's metrics.jsonl lines;
+4. the learning rate of the local engine's schedule (``nam_core.engine.local.lr_lambda``), set on the
+   optimizer's parameter groups each step.
+
+Megatron is imported inside functions only, so this module imports, and its checks run, on a CPU machine
+with any megatron-core (CI has 0.16.1 on Python 3.11). The rest runs on GPU hosts: tests/test_megatron_engine_gpu.py
+and bench/megatron.py. Section numbers (§) refer to ``shared/reference/megatron-core.md``.
+
+The schedule hook: ``train.schedule`` names a registered ``schedules`` implementation (a class is
+instantiated with no arguments) or one of Megatron's own: ``single`` (pp = 1) and ``1f1b``. The engine calls
+it exactly as Megatron's forward-backward functions are called::
+
+    losses = schedule(forward_step_func=..., data_iterator=..., model=[ddp_model], num_microbatches=n,
+                      seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+
+and expects back, on the last pipeline stage, one dict of detached losses per micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, MutableMapping, Protocol
+
+import torch
+from torch import nn
+
+from nam_core.engine import checkpoint
+from nam_core.engine.config import TrainConfig
+from nam_core.engine.local import first_non_finite, lr_lambda
+from nam_core.engine.metrics import MetricsLog, truncate_metrics
+from nam_core.errors import ConfigError, NamError, TrainingGuardError
+
+MIN_MEGATRON = (0, 19)
+"""`+` (MLA layer) and the hybrid MTP hand-over this engine builds on arrived in core_v0.19.0 (§1.2)."""
+
+ALLOC_CONF = "expandable_segments:True"
+"""NAM56R runs out of memory from fragmentation before capacity (issue 8): the allocator must grow segments."""
+ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""torch reads both names (the second is the newer, device-neutral one); either may override the other."""
+
+MEGATRON_SCHEDULES = ("single", "1f1b")
+"""Schedule names Megatron's ``get_forward_backward_func`` serves (no pipelining at pp = 1, 1F1B at pp > 1)."""
+
+CHECKPOINT_FORMAT = "megatron-dist-1"
+
+
+# --- checks that fail closed (CPU-testable) ------------------------------------------------------------
+
+
+def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bool) -> str:
+    """Make sure the CUDA caching allocator runs with expandable segments; return the setting in force.
+
+    Sets ``PYTORCH_CUDA_ALLOC_CONF`` when neither allocator variable is set and CUDA has not initialised
+    yet (the allocator reads it once, at initialisation). Raises when the environment sets either variable
+    without ``expandable_segments:True``, or when it is unset and CUDA is already up.
+    """
+    found = {name: environ[name] for name in ALLOC_VARS if name in environ}
+    for name, value in found.items():
+        options = {}
+        for part in value.split(","):
+            key, _, setting = part.partition(":")
+            options[key.strip()] = setting.strip()
+        if options.get("expandable_segments", "").lower() != "true":
+            raise NamError(
+                f"the environment sets {name}={value!r}, which overrides what the megatron engine needs "
+                f"({ALLOC_CONF}: NAM56R runs out of memory from fragmentation before capacity)",
+                hint=f"unset {name}, or add the setting: export {name}={value},{ALLOC_CONF}", exit_code=3)
+    if found:
+        return next(iter(found.values()))
+    if cuda_initialized:
+        raise NamError(
+            f"CUDA was initialised before the megatron engine could set PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF}; "
+            "the allocator reads it only once, at initialisation",
+            hint=f"export PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} before torchrun, or call prepare_allocator "
+                 "before anything touches CUDA", exit_code=3)
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return ALLOC_CONF
+
+
+def megatron_version() -> tuple[int, ...] | None:
+    """The (major, minor, patch) of the megatron-core that ``import megatron.core`` loads; None if absent."""
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return None
+    return tuple(int(v) for v in package_info.VERSION[:3])
+
+
+def runtime_facts() -> dict:
+    """What ``check_runtime`` needs to know about this process (imports megatron-core if installed)."""
+    import importlib.util
+    import sys
+
+    return {
+        "megatron": megatron_version(),
+        "python": sys.version_info[:2],
+        "cuda": torch.cuda.is_available(),
+        "distributed": torch.distributed.is_available(),
+        "world_size": int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None,
+        "psutil": importlib.util.find_spec("psutil") is not None,
+    }
+
+
+def check_runtime(facts: Mapping) -> None:
+    """One NamError (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
+    missing, hints = [], []
+    version = facts["megatron"]
+    if version is None or tuple(version[:2]) < MIN_MEGATRON:
+        found = "not installed" if version is None else ".".join(map(str, version))
+        py = ".".join(map(str, facts["python"]))
+        missing.append(f"megatron-core >= {'.'.join(map(str, MIN_MEGATRON))} (found: {found}, Python {py})")
+        hints.append("pip install 'megatron-core>=0.19' on Python >= 3.12 (its wheels require 3.12)")
+    if not facts["cuda"]:
+        missing.append("a CUDA device (torch.cuda.is_available() is False)")
+        hints.append("run on a GPU host; the local engine trains on the CPU: nam train --engine local")
+    if not facts["distributed"]:
+        missing.append("torch.distributed (this torch build has none)")
+        hints.append("install a torch build with distributed support")
+    elif facts["world_size"] is None:
+        missing.append("a torchrun launch (WORLD_SIZE is not set)")
+        hints.append("torchrun --nproc-per-node N -m nam_cli train --engine megatron ...")
+    if not facts["psutil"]:
+        missing.append("psutil (Megatron's checkpoint writer needs it; without it a save hangs, §9.2)")
+        hints.append("pip install psutil")
+    if missing:
+        raise NamError("the megatron engine cannot run here; missing: " + "; ".join(missing),
+                       hint="; ".join(hints), exit_code=3)
+
+
+def resolve_schedule(name: str, *, pp: int, registered: Mapping[str, Any]) -> Callable | None:
+    """The schedule plugin registered as ``name``, or None for Megatron's own (``single`` at pp = 1, ``1f1b``)."""
+    if name in registered:
+        impl = registered[name]
+        return impl() if isinstance(impl, type) else impl
+    if name == "single" and pp > 1:
+        raise ConfigError(f"train.schedule='single' runs micro-batches one after the other; pp={pp} needs a "
+                          "pipeline schedule", hint="--set train.schedule=1f1b")
+    if name not in MEGATRON_SCHEDULES:
+        known = ", ".join([*MEGATRON_SCHEDULES, *sorted(registered)])
+        raise ConfigError(f"train.schedule={name!r} is neither Megatron's nor a registered schedules plugin "
+                          f"(known here: {known})", hint="--set train.schedule=1f1b, or add the plugin that "
+                                                         "provides it with --plugins")
+    return None
+
+
+def check_layout(*, world_size: int, tp: int, pp: int, ep: int, train: TrainConfig,
+                 registered_schedules: Mapping[str, Any]) -> int:
+    """Refuse a parallel layout or a train config this engine cannot run; return the data-parallel size."""
+    for name, size in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if size < 1:
+            raise ConfigError(f"--{name} {size}: parallel sizes start at 1", hint=f"--{name} 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} GPUs do not split into tp={tp} x pp={pp} groups",
+                          hint=f"launch a multiple of {tp * pp} processes: torchrun --nproc-per-node {tp * pp} ...")
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ConfigError(f"ep={ep} must divide the data-parallel size {dp} (= {world_size} GPUs / (tp={tp} x pp={pp}))",
+                          hint=f"choose --ep among the divisors of {dp}, or launch {ep * tp * pp} GPUs")
+    if train.dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"train.dtype={train.dtype!r}: the megatron engine trains in bfloat16 or float32",
+                          hint="--set train.dtype=bfloat16")
+    if train.device != "cuda":
+        raise ConfigError(f"train.device={train.device!r}: the megatron engine runs on CUDA devices only",
+                          hint="--device cuda, or --engine local on the CPU")
+    resolve_schedule(train.schedule, pp=pp, registered=registered_schedules)
+    return dp
+
+
+class MegatronModel(Protocol):
+    """What the engine needs from a model (NAM56R's: ``nam56r.megatron_model.NamMegatronModel``)."""
+
+    parallel: Mapping[str, int]
+    """``tp``, ``pp``, ``ep``: the layout the model was lowered for."""
+    seq_len: int
+    moe_aux_loss_coeff: float
+
+    def check(self, *, registered_schedules: Mapping[str, Any]) -> None:
+        """Raise ConfigError for anything the model cannot be built with (CPU-checkable)."""
+
+    def transformer_config(self) -> Any:
+        """Megatron's TransformerConfig (``params_dtype`` must be the train dtype)."""
+
+    def build(self, config: Any, pg_collection: Any, device: torch.device) -> nn.Module:
+        """This rank's pipeline stage on ``device``, weights filled (the same on every data-parallel rank)."""
+
+    def forward_step(self, data_iterator, model) -> tuple[Any, Callable]:
+        """Megatron's ``forward_step_func``; the iterator yields ``(micro-batch index, batch dict)``."""
+
+    def end_step(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """This step's extra loss sums (logged, already in the loss) and log lines, from the unwrapped model."""
+
+
+# --- process groups, seeds, optimizer -------------------------------------------------------------------
+
+
+def init_distributed() -> None:
+    """This rank's GPU (from LOCAL_RANK) and the NCCL default group; idempotent. ``nam train`` calls it early
+    (rank 0 prepares data and writes the run folder while the others wait)."""
+    if torch.distributed.is_initialized():
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+
+
+def init_parallel(*, tp: int, pp: int, ep: int, seed: int):
+    """NCCL process groups for tp x pp x ep (the rest is data parallel); Megatron's RNG trackers."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    init_distributed()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _param_groups(opt_config) -> dict:
+    """Megatron's standard groups (no decay on vectors, as the local engine), with the fp32 parameters of a bf16
+    model (Mamba-3's D, dt_bias, B_bias, C_bias) in groups of their own.
+
+    0.19.2's DistributedOptimizer numbers a group's parameters in grad-buffer order
+    (distrib_optimizer.py:328-337) but lists them fp32-first to the inner optimizer (:486-490); in a group
+    that mixes fp32 and bf16 parameters the two orders differ, and checkpoint save and load read the wrong
+    parameter's state (the dp_reshardable save then fails its shape assertion, :1958). ``start_wd`` only
+    tells the groups apart: nothing here reads it (``_set_lr`` sets the decay itself).
+    """
+    from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(opt_config)
+    fp32 = ParamKey(predicate=ParamPredicate(name="fp32_in_bf16", fn=lambda p: p.dtype == torch.float32))
+    overrides[fp32] = {"start_wd": opt_config.weight_decay}
+    return overrides
+
+
+def _set_lr(optimizer, lr: float, weight_decay: float) -> None:
+    """What Megatron's OptimizerParamScheduler writes, with nam's schedule: lr and decay per group."""
+    for group in optimizer.param_groups:
+        group_lr = lr * group.get("lr_mult", 1.0)
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"].fill_(group_lr)
+        else:
+            group["lr"] = group_lr
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+
+def _sharded_state(model, optimizer, *, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.utils import unwrap_model
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model_sd = unwrap_model(model).sharded_state_dict()  # unwrapped: no DDP "module." prefixes (§9.3)
+    # dp_reshardable: each rank writes its own optimizer shards (resume needs the same layout, which
+    # load_checkpoint enforces). 0.19.2's default, fully_sharded_model_space, raises "ShardedTensor.flattened_range
+    # is not supported" (dist_checkpointing/mapping.py:134).
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
+            "rng": ShardedObject("rng", checkpoint.rng_state(), (world,), (rank,), replica_id=0)}
+
+
+def good_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete megatron-engine checkpoints under ``ckpt_root``, oldest first (a manifest is written last)."""
+    if not ckpt_root.is_dir():
+        return []
+    good = []
+    for folder in sorted(p for p in ckpt_root.glob("step-*") if p.is_dir()):
+        manifest = folder / "manifest.json"
+        if manifest.is_file() and json.loads(manifest.read_text()).get("format") == CHECKPOINT_FORMAT:
+            good.append(folder)
+    return good
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, *, manifest: dict, keep: int) -> Path:
+    """Collective: every rank writes its shards into a hidden folder, rank 0 adds the manifest and renames
+    it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact."""
+    from megatron.core import dist_checkpointing
+
+    rank0 = torch.distributed.get_rank() == 0
+    final = ckpt_root / f"step-{step:08d}"
+    tmp = ckpt_root / f".{final.name}.tmp"
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp), verify_integrity=True)
+    torch.distributed.barrier()
+    if rank0:
+        (tmp / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step, **manifest},
+                                                      indent=2))
+        for path in tmp.iterdir():  # on disk before the rename makes the folder count as good
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        checkpoint.fsync_dir(tmp)
+        if final.exists():  # the same step saved again (end of a resumed run)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        checkpoint.fsync_dir(ckpt_root)
+        for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    torch.distributed.barrier()
+    return final
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give torch's AdamW its per-parameter state (with ``step``) before a load describes it.
+
+    Without Apex or Transformer Engine, DistributedOptimizer.state_dict asserts one ``step`` across the inner
+    optimizer's state (distrib_optimizer.py:839), which torch creates on the first step only. One step on
+    zero gradients at lr 0 and no weight decay creates it and moves no weight; the load overwrites it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        saved = [(group["lr"], group["weight_decay"]) for group in inner.param_groups]
+        for group in inner.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        for group, (lr, wd) in zip(inner.param_groups, saved):
+            group["lr"], group["weight_decay"] = lr, wd
+
+
+def _restore_adam_steps(optimizer, step: int) -> None:
+    """Set every parameter's AdamW ``step`` to the checkpoint's step, each its own tensor.
+
+    Without Apex or Transformer Engine, 0.19.2's DistributedOptimizer gets torch AdamW's per-parameter
+    ``step`` wrong on load twice over: load_state_dict hands one shared tensor to every state
+    (distrib_optimizer.py:1025-1032), which AdamW then increments once per parameter, and the dp_reshardable
+    load writes back the step the load template held (a LocalNonpersistentObject, distrib_optimizer.py:1956).
+    Every optimizer step of this engine steps every parameter, so the right value is the checkpoint's step.
+    (A patch-lane candidate: detect = states sharing one ``step`` after a load; retire when upstream fixes it.)
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.full_like(state["step"], float(step))
+
+
+def resolve_resume(spec: str, ckpt_root: Path) -> Path:
+    """``auto`` -> the newest good megatron-engine checkpoint under ``ckpt_root``; a path -> that folder, if
+    it is one (the layout is checked when it loads)."""
+    if spec == "auto":
+        good = good_checkpoints(ckpt_root)
+        if not good:
+            raise NamError(f"--resume auto: no good megatron-engine checkpoint under {ckpt_root}",
+                           hint="start without --resume, or point --resume at a checkpoint folder")
+        return good[-1]
+    folder = Path(spec)
+    if folder.resolve() not in [g.resolve() for g in good_checkpoints(folder.parent)]:
+        raise NamError(f"--resume {spec}: not a complete megatron-engine checkpoint (no {CHECKPOINT_FORMAT} "
+                       "manifest)", hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
+    return folder
+
+
+def load_checkpoint(folder: Path, model, optimizer, *, layout: dict) -> dict:
+    """Restore model, optimizer and per-rank RNG from ``folder``; refuse another parallel layout."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise NamError(f"{folder} is not a complete megatron-engine checkpoint (no {CHECKPOINT_FORMAT} manifest)",
+                       hint="resume from a folder listed by good_checkpoints, or start without --resume")
+    if manifest.get("layout") != layout:
+        raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
+                       hint="resume with the same GPUs, tp, pp and ep")
+    _materialise_optimizer_state(optimizer)
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(folder),
+                                    verify_integrity=True)
+    with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
+        unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(optimizer, manifest["step"])
+    checkpoint.set_rng_state(state["rng"])
+    return manifest
+
+
+# --- the run ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MegatronRun:
+    """Everything one megatron-engine run needs; the counterpart of ``nam_core.engine.local.LocalRun``.
+
+    ``batch_at(index, batch_size)`` returns micro-batch ``index`` (a dict of [b, s] CPU tensors, what
+    ``model.forward_step`` reads) as a pure function of the index. Data-parallel rank ``r`` runs micro-batches
+    ``step * dp * grad_accum + r * grad_accum + j``, so the local engine with ``grad_accum * dp`` micro-batches
+    sees the same rows in the same steps.
+    """
+
+    run_dir: Path
+    train: TrainConfig
+    model: MegatronModel
+    batch_at: Callable[[int, int], dict]
+    host: Any
+    max_steps: int
+    flops_per_token: float
+    schedules: Mapping[str, Any] = field(default_factory=dict)
+    """The ``schedules`` registry (name -> implementation)."""
+    record: dict = field(default_factory=dict)
+    resume_from: Path | None = None
+    quiet: bool = False
+    notes: list[str] = field(default_factory=list)
+    checkpoints: bool = True
+    """False: write none, not even at the end (throughput benchmarks, whose state nobody resumes)."""
+    step: int = 0
+
+
+def _device() -> torch.device:
+    """This rank's GPU (``init_distributed`` selects it from LOCAL_RANK)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _batches(run: MegatronRun, step: int, dp_rank: int, dp: int):
+    n, mbs = run.train.grad_accum, run.train.micro_batch_size
+    device = _device()
+    for j in range(n):
+        index = (step * dp + dp_rank) * n + j
+        yield index, {k: v.to(device, non_blocking=True) for k, v in run.batch_at(index, mbs).items()}
+
+
+def _step_means(losses: list[dict], aux: dict, moe_coeff: float, n_micro: int, dp: int) -> dict[str, float]:
+    """Per-step means over micro-batches and data-parallel replicas, summed over pipeline stages: the same
+    numbers the local engine logs. Collective (every rank)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    sums: dict[str, torch.Tensor] = {}
+    for micro in losses:
+        for key, value in micro.items():
+            sums[key] = sums.get(key, 0) + value.float()
+    sums.update(aux)
+    tracker = get_moe_metrics_tracker()
+    entry = tracker.metrics.get("load_balancing_loss")  # per layer: aux / coeff, summed over micro-batches
+    if entry is not None:
+        sums["moe_aux"] = entry.values.float().sum() * moe_coeff
+    tracker.clear()
+    names: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, sorted(sums))
+    keys = sorted(set().union(*names))
+    device = _device()
+    vector = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float32, device=device).reshape(())
+                          for k in keys])
+    torch.distributed.all_reduce(vector)
+    means = dict(zip(keys, (vector / (n_micro * dp)).tolist()))
+    means["loss"] = sum(means.values())
+    return means
+
+
+def train(run: MegatronRun) -> dict:
+    """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
+    prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
+    check_runtime(runtime_facts())
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+
+
+    provider, tc = run.model, run.train
+    bf16 = tc.dtype == "bfloat16"
+    par = provider.parallel
+    world = int(os.environ["WORLD_SIZE"])
+    dp = check_layout(world_size=world, **par, train=tc, registered_schedules=run.schedules)
+    provider.check(registered_schedules=run.schedules)
+    plugin_schedule = resolve_schedule(tc.schedule, pp=par["pp"], registered=run.schedules)
+    pg = init_parallel(**par, seed=tc.seed)
+    schedule = plugin_schedule or get_forward_backward_func()  # reads the pipeline groups: after init
+    rank0 = torch.distributed.get_rank() == 0
+    layout = {"world_size": world, **par}
+
+    config = provider.transformer_config()
+    if config.params_dtype != getattr(torch, tc.dtype):
+        raise ConfigError(f"the model was lowered for {config.params_dtype}, train.dtype is {tc.dtype}",
+                          hint="lower the model with the run's dtype (nam56r.megatron.lower(..., bf16=...))")
+    module = provider.build(config, pg, _device())
+    if bf16:
+        module = Float16Module(config, module)  # parameters the model keeps fp32 stay fp32 (§8)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    model = DistributedDataParallel(config, ddp_config, module)
+    model.broadcast_params()
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=tc.lr, min_lr=tc.lr * tc.min_lr_ratio, weight_decay=tc.weight_decay,
+        adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, adam_eps=tc.adam_eps, clip_grad=tc.grad_clip,
+        bf16=bf16, params_dtype=config.params_dtype, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(opt_config, [model], config_overrides=_param_groups(opt_config))
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+    ckpt_root = run.run_dir / "checkpoints"
+    start = 0
+    if run.resume_from is not None:
+        start = load_checkpoint(run.resume_from, model, optimizer, layout=layout)["step"]
+        if rank0:
+            truncate_metrics(run.run_dir, start)
+    if rank0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet) if rank0 else None
+    noted: set[str] = set()
+    if log is not None:
+        if run.resume_from is not None:
+            log.note(f"resumed from {run.resume_from} at step {start}")
+        for line in run.notes:
+            log.note(line)
+    lr_at = lr_lambda(tc)
+    dp_rank = pg.dp.rank()
+    good = good_checkpoints(ckpt_root)
+    last_good = good[-1] if good else None
+    tokens_per_step = dp * tc.grad_accum * tc.micro_batch_size * provider.seq_len
+    try:
+        for step in range(start, run.max_steps):
+            run.step = step
+            run.host.before_step(step, run)
+            t0 = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = schedule(forward_step_func=provider.forward_step, data_iterator=_batches(run, step, dp_rank, dp),
+                              model=[model], num_microbatches=tc.grad_accum, seq_length=provider.seq_len,
+                              micro_batch_size=tc.micro_batch_size, forward_only=False)
+            lr = tc.lr * lr_at(step)
+            _set_lr(optimizer, lr, tc.weight_decay)
+            update_ok, grad_norm, _ = optimizer.step()
+            aux, notes = provider.end_step(unwrap(model))
+            means = _step_means(losses, aux, provider.moe_aux_loss_coeff, tc.grad_accum, dp)
+            torch.cuda.synchronize()
+            peaks = torch.tensor([time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30],
+                                 device=_device())
+            torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+            dt, mem = peaks.tolist()
+            grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+            if not (update_ok and math.isfinite(means["loss"]) and math.isfinite(grad_norm)):
+                what = "loss" if not math.isfinite(means["loss"]) else "gradient norm"
+                raise TrainingGuardError(
+                    f"non-finite {what} at step {step} (rank {torch.distributed.get_rank()}: first non-finite is "
+                    f"{first_non_finite(unwrap(model))}); the optimizer already applied this step, so nothing "
+                    f"after the last good checkpoint is kept: {last_good or 'none'}",
+                    hint=f"resume from it with a lower lr: --resume {last_good or 'auto'} --set train.lr=...")
+            tokens_per_s = tokens_per_step / dt / world  # per GPU, as the local engine's is per device
+            metrics = {"step": step + 1, **{k: round(v, 6) for k, v in means.items()}, "lr": lr,
+                       "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                       "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12, "mem_gib": mem,
+                       "step_time_s": dt}
+            run.host.after_step(step, run, metrics)
+            if log is not None:
+                for line in dict.fromkeys(notes):
+                    if line not in noted:  # each distinct block message once per run, as the local engine
+                        noted.add(line)
+                        log.note(line)
+                if (step + 1) % tc.log_every == 0 or step + 1 == run.max_steps:
+                    log.log(metrics)
+                log.advance()
+            if run.checkpoints and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == run.max_steps):
+                last_good = save_checkpoint(ckpt_root, step + 1, model, optimizer, keep=tc.keep_checkpoints,
+                                            manifest={"record": run.record, "layout": layout})
+    finally:
+        if log is not None:
+            log.close()
+    return {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
+            "tokens_per_step": tokens_per_step, "layout": layout}
+
+
+def shutdown() -> None:
+    """Tear the process groups down at the end of a run (NCCL warns at exit otherwise)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def unwrap(model):
+    """The NamHybridModel inside DDP and Float16Module."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)

@@ -1,0 +1,203 @@
+"""The megatron engine's CPU-checkable half (nam_core/engine/megatron.py): fail-closed checks, the allocator
+setting, the layout and schedule checks, checkpoint discovery, optimizer groups. The engine itself runs in
+tests/test_megatron_engine_gpu.py and bench/megatron.py; NAM56R's Megatron modules are tested in
+tests/test_megatron_model.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nam_core.engine import megatron as engine
+from nam_core.engine.config import TrainConfig
+from nam_core.errors import ConfigError, NamError
+
+GPU_TRAIN = TrainConfig(device="cuda", dtype="bfloat16")
+
+
+# --- import ----------------------------------------------------------------------------------------------
+
+
+def test_module_imports_without_megatron():
+    """CI has megatron-core 0.16.1: neither the engine nor NAM56R's Megatron modules import megatron at import
+    time; and the engine imports nothing of NAM56R (nam_core knows nothing of the model)."""
+    code = ("import sys, nam_core.engine.megatron; print(sorted(m for m in sys.modules if m.startswith('nam56r'))); "
+            "import nam56r.megatron_model; print(sorted(m for m in sys.modules if m.startswith('megatron')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "[]"]
+
+
+# --- allocator -------------------------------------------------------------------------------------------
+
+
+def test_allocator_is_set_when_unset():
+    env = {}
+    assert engine.prepare_allocator(env, cuda_initialized=False) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def test_allocator_keeps_a_setting_that_includes_expandable_segments():
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:256, expandable_segments:True"}
+    assert engine.prepare_allocator(env, cuda_initialized=True) == env["PYTORCH_ALLOC_CONF"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+@pytest.mark.parametrize("name, value", [("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128"),
+                                         ("PYTORCH_ALLOC_CONF", "expandable_segments:False"),
+                                         ("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")])
+def test_allocator_override_stops_the_run(name, value):
+    env = {name: value}
+    with pytest.raises(NamError, match=f"the environment sets {name}={value!r}") as e:
+        engine.prepare_allocator(env, cuda_initialized=False)
+    assert e.value.exit_code == 3 and f"export {name}={value},expandable_segments:True" in e.value.hint
+    assert env == {name: value}  # nothing changed
+
+
+def test_allocator_too_late_after_cuda_initialised():
+    env = {}
+    with pytest.raises(NamError, match="CUDA was initialised before") as e:
+        engine.prepare_allocator(env, cuda_initialized=True)
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in e.value.hint
+    assert env == {}
+
+
+# --- runtime ---------------------------------------------------------------------------------------------
+
+READY = {"megatron": (0, 19, 2), "python": (3, 12), "cuda": True, "distributed": True, "world_size": 2,
+         "psutil": True}
+
+
+def test_runtime_ready_passes():
+    engine.check_runtime(READY)
+
+
+def test_runtime_lists_everything_missing_in_one_error():
+    facts = {**READY, "megatron": (0, 16, 1), "python": (3, 11), "cuda": False, "world_size": None,
+             "psutil": False}
+    with pytest.raises(NamError) as e:
+        engine.check_runtime(facts)
+    msg = str(e.value)
+    assert e.value.exit_code == 3
+    for part in ("megatron-core >= 0.19 (found: 0.16.1, Python 3.11)", "a CUDA device", "WORLD_SIZE is not set",
+                 "psutil"):
+        assert part in msg
+    assert "torchrun --nproc-per-node N -m nam_cli train --engine megatron" in e.value.hint
+    assert "pip install psutil" in e.value.hint
+
+
+def test_runtime_missing_megatron_is_named():
+    with pytest.raises(NamError, match=r"found: not installed"):
+        engine.check_runtime({**READY, "megatron": None})
+
+
+def test_this_cpu_machine_is_refused():
+    """The real facts of a CPU machine (whatever megatron it has) fail closed, naming the CUDA device."""
+    facts = engine.runtime_facts()
+    assert facts["cuda"] is torch.cuda.is_available()
+    if facts["cuda"]:
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(NamError, match="a CUDA device"):
+        engine.check_runtime(facts)
+
+
+# --- layout, schedule ---------------------------------------------------------------------------------
+
+
+def _layout(world_size, tp=1, pp=1, ep=1, train=GPU_TRAIN, schedules=None):
+    return engine.check_layout(world_size=world_size, tp=tp, pp=pp, ep=ep, train=train,
+                               registered_schedules=schedules or {})
+
+
+def test_layout_gives_the_data_parallel_size():
+    assert _layout(2, ep=2) == 2
+    assert _layout(8, ep=4) == 8
+    assert _layout(4, pp=2, ep=2, train=GPU_TRAIN.replace(schedule="1f1b")) == 2
+
+
+def test_layout_refuses_gpus_that_do_not_split():
+    with pytest.raises(ConfigError, match=r"3 GPUs do not split into tp=1 x pp=2"):
+        _layout(3, pp=2, train=GPU_TRAIN.replace(schedule="1f1b"))
+
+
+def test_layout_refuses_ep_larger_than_data_parallel():
+    with pytest.raises(ConfigError, match=r"ep=4 must divide the data-parallel size 2"):
+        _layout(2, ep=4)
+
+
+def test_layout_refuses_sizes_below_one():
+    with pytest.raises(ConfigError, match=r"--ep 0: parallel sizes start at 1"):
+        _layout(2, ep=0)
+
+
+def test_a_registered_schedule_is_instantiated():
+    class DualPipeV:
+        def __call__(self, **kwargs):
+            return []
+
+    train = GPU_TRAIN.replace(schedule="dualpipev")
+    assert _layout(2, pp=2, train=train, schedules={"dualpipev": DualPipeV}) == 1
+    assert isinstance(engine.resolve_schedule("dualpipev", pp=2, registered={"dualpipev": DualPipeV}), DualPipeV)
+
+
+def test_schedule_single_needs_pp1_and_unknown_names_fail():
+    assert engine.resolve_schedule("single", pp=1, registered={}) is None
+    assert engine.resolve_schedule("1f1b", pp=4, registered={}) is None
+    with pytest.raises(ConfigError, match=r"pp=2 needs a pipeline schedule") as e:
+        engine.resolve_schedule("single", pp=2, registered={})
+    assert e.value.hint == "--set train.schedule=1f1b"
+    with pytest.raises(ConfigError, match=r"'zb-v' is neither .* \(known here: single, 1f1b, gpipe\)"):
+        engine.resolve_schedule("zb-v", pp=2, registered={"gpipe": object()})
+
+
+@pytest.mark.parametrize("change, match", [({"dtype": "float16"}, "bfloat16 or float32"),
+                                           ({"device": "cpu"}, "CUDA devices only")])
+def test_layout_refuses_dtype_and_device(change, match):
+    with pytest.raises(ConfigError, match=match):
+        _layout(1, train=GPU_TRAIN.replace(**change))
+
+
+# --- checkpoints and optimizer groups ---------------------------------------------------------------------
+
+
+def test_good_checkpoints_need_a_manifest_of_this_format(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, manifest in [("step-00000002", {"format": engine.CHECKPOINT_FORMAT, "step": 2}),
+                           ("step-00000004", {"format": 1, "step": 4}),  # a local-engine checkpoint
+                           ("step-00000006", None), (".step-00000008.tmp", {"format": engine.CHECKPOINT_FORMAT})]:
+        (root / name).mkdir(parents=True)
+        if manifest is not None:
+            (root / name / "manifest.json").write_text(json.dumps(manifest))
+    assert engine.good_checkpoints(root) == [root / "step-00000002"]
+    assert engine.good_checkpoints(tmp_path / "none") == []
+
+
+def test_set_lr_applies_group_multipliers():
+    class Opt:
+        param_groups = [{"lr": 0.0, "wd_mult": 0.0}, {"lr": torch.tensor(0.0), "lr_mult": 0.5, "wd_mult": 1.0}]
+
+    engine._set_lr(Opt, 2e-3, 0.1)
+    assert Opt.param_groups[0]["lr"] == 2e-3 and Opt.param_groups[0]["weight_decay"] == 0.0
+    assert Opt.param_groups[1]["lr"].item() == pytest.approx(1e-3) and Opt.param_groups[1]["weight_decay"] == 0.1
+
+
+# --- with megatron-core >= 0.19 importable (e.g. PYTHONPATH=/tmp/site): config and spec, no GPU -------------
+
+
+needs_019 = pytest.mark.skipif((engine.megatron_version() or (0,)) < engine.MIN_MEGATRON,
+                               reason="needs megatron-core >= 0.19 importable (CI has 0.16.1)")
+
+
+@needs_019
+def test_fp32_parameters_get_optimizer_groups_of_their_own():
+    """0.19.2's DistributedOptimizer mis-numbers groups that mix fp32 and bf16 parameters (see _param_groups):
+    Mamba-3's fp32 parameters must land in groups no bf16 parameter shares."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    overrides = engine._param_groups(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, bf16=True))
+    fp32, bf16 = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    matched = {name: [o for key, o in overrides.items() if key.matches(p, name)]
+               for name, p in (("mixer.block.D", fp32), ("norm.weight", bf16))}
+    assert {"start_wd": 0.1} in matched["mixer.block.D"] and {"start_wd": 0.1} not in matched["norm.weight"]
+    assert {"wd_mult": 0.0} in matched["mixer.block.D"] and {"wd_mult": 0.0} in matched["norm.weight"]

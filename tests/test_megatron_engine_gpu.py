@@ -1,0 +1,103 @@
+"""The megatron engine on GPUs: train, checkpoint, resume, and match the local engine (bench/megatron.py check).
+
+Marked ``gpu``: skipped with a reason on CPU machines (root conftest). On the GPU host, with megatron-core
+0.19.2 importable::
+
+    PYTHONPATH=/tmp/site python -m pytest tests/test_megatron_engine_gpu.py -m gpu -v
+
+The engine test runs ``bench/megatron.py check`` in a subprocess (it starts torchrun itself), reads its JSON
+and asserts on the numbers; the tolerances live in bench/megatron.py beside the measurements they came from.
+``NAM_GPU_RESULTS=DIR`` keeps that JSON in DIR. The CLI test runs ``nam train --engine megatron --nproc 2``
+the way a user does, then resumes it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nam_core.engine import megatron as engine
+from nam_core.errors import NamError
+
+pytestmark = pytest.mark.gpu
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "megatron.py"
+
+
+def _needs(gpus: int):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA devices, found {torch.cuda.device_count()}")
+    if (engine.megatron_version() or (0,)) < engine.MIN_MEGATRON:
+        pytest.skip("needs megatron-core >= 0.19 importable (e.g. PYTHONPATH=/tmp/site)")
+
+
+def _check(tmp_path: Path, gpus: int, steps: int) -> dict:
+    out = Path(os.environ.get("NAM_GPU_RESULTS", tmp_path)) / f"megatron_check_{gpus}gpu.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "check", "--gpus", str(gpus), "--steps", str(steps),
+                           "--json", str(out), "--work", str(tmp_path)], capture_output=True, text=True)
+    print(proc.stdout[-6000:], proc.stderr[-6000:])
+    assert out.is_file(), f"bench/megatron.py check wrote no result (exit {proc.returncode})"
+    return json.loads(out.read_text())
+
+
+def _gpus() -> int:
+    """2 GPUs (EP 2: the all-to-all dispatcher, expert-parallel weights and checkpoints) where the host has
+    them, else 1 (EP 1). The result JSON records which."""
+    _needs(1)
+    return min(2, torch.cuda.device_count())
+
+
+def test_megatron_engine_trains_resumes_and_matches_local(tmp_path):
+    """20 steps of the tiny model: resumed == uninterrupted, megatron ~ local within the measured floor,
+    step 1 equal up to summation order, the loss falls; fp32 and bf16."""
+    gpus = _gpus()
+    result = _check(tmp_path, gpus, steps=20)
+    assert result["meta"]["gpus"] == gpus
+    assert result["failures"] == []
+    for dtype in ("float32", "bfloat16"):
+        r = result["results"][dtype]
+        assert len(r["rows"]) == 20 and r["loss_falls"]
+        assert r["rows"][0]["engine_rel"] <= result["meta"]["step1_rtol"][dtype]
+        assert all(row["resumed"] is not None for row in r["rows"][10:])
+
+
+def test_nam_train_megatron_checkpoints_and_resumes(tmp_path):
+    """The CLI path: `nam train --engine megatron --nproc N --ep N` trains 4 steps with checkpoints at 2 and
+    4 (rank 0 writes the run folder); resumed from step 2 it logs the same steps 3 and 4."""
+    gpus = _gpus()
+    from nam_core.engine.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nam_cli", "train", "--engine", "megatron", "--nproc", str(gpus), "--ep", str(gpus),
+           "--device", "cuda", "--run-dir", str(run_dir), "--max-steps", "4", "--set", "train.checkpoint_every=2",
+           "--set", "attention_backend=reference", "--quiet"]  # the reference DSA on CUDA is refused unless named
+    subprocess.run(cmd, check=True)
+    first = read_metrics(run_dir)
+    assert [m["step"] for m in first] == [1, 2, 3, 4]
+    assert {"config.json", "plugins.json", "summary.json", "metrics.jsonl"} <= {p.name for p in run_dir.iterdir()}
+    assert json.loads((run_dir / "summary.json").read_text())["engine"] == "megatron"
+    subprocess.run(cmd + ["--resume", str(run_dir / "checkpoints" / "step-00000002")], check=True)
+    again = read_metrics(run_dir)
+    assert [m["step"] for m in again] == [1, 2, 3, 4]
+    for a, b in zip(first[2:], again[2:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+
+
+def test_allocator_is_set_before_cuda_and_refused_after(monkeypatch):
+    """A fresh process that set nothing gets expandable segments, then allocates under them; a process whose
+    CUDA is already up and has nothing set is refused."""
+    _needs(1)
+    code = ("import os, torch; from nam_core.engine.megatron import prepare_allocator; "
+            "conf = prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized()); "
+            "x = torch.ones(1 << 20, device='cuda'); print(conf, os.environ['PYTORCH_CUDA_ALLOC_CONF'], x.sum().item())")
+    env = {k: v for k, v in os.environ.items() if k not in engine.ALLOC_VARS}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == [engine.ALLOC_CONF, engine.ALLOC_CONF, str(float(1 << 20))]
+    torch.zeros(1, device="cuda")
+    for name in engine.ALLOC_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(NamError, match="CUDA was initialised before"):
+        engine.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())

@@ -1,0 +1,198 @@
+"""NAM56R as Megatron-Core modules (nam56r/megatron_model.py), the CPU-checkable half: which lowering gaps it
+closes, the nam -> Megatron weight map, the slot adapters, and (with megatron-core >= 0.19 importable) the
+config and spec it builds. Training through them runs on the GPU hosts (tests/test_megatron_engine_gpu.py)."""
+
+import pytest
+import torch
+
+from nam56r import megatron_model as mm
+from nam56r.megatron import lower
+from nam56r.model import Backends, build_model
+from nam56r.recipes import get_recipe
+from nam_core.engine import megatron as engine
+from nam_core.errors import ConfigError, NamError
+
+needs_019 = pytest.mark.skipif((engine.megatron_version() or (0,)) < engine.MIN_MEGATRON,
+                               reason="needs megatron-core >= 0.19 importable (CI has 0.16.1)")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return get_recipe("nam56r").model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return get_recipe("nam56r-tiny").model
+
+
+@pytest.fixture(scope="module")
+def tiny_state(tiny):
+    torch.manual_seed(0)
+    return build_model(tiny).state_dict()
+
+
+def _kinds(lowering):
+    return tuple(mm.KIND[layer["nam"]] for layer in lowering.layers)
+
+
+# --- gaps ------------------------------------------------------------------------------------------------
+
+
+def test_open_gap_tensor_parallel_is_refused(cfg):
+    with pytest.raises(ConfigError, match=r"cannot close these gaps of the lowering: tensor parallelism"):
+        mm.check_lowering(lower(cfg, tp=2), registered_schedules={})
+
+
+def test_covered_gaps_are_gaps_the_lowering_names(cfg):
+    """A gap renamed in the lowering must not silently stop being covered."""
+    named = {g.what for g in lower(cfg).gaps}
+    assert set(mm.COVERED_GAPS) <= named
+    assert {g.what for g in lower(cfg).open_gaps} <= set(mm.COVERED_GAPS)
+    mm.check_lowering(lower(cfg, ep=4), registered_schedules={})
+
+
+def test_dualpipev_gap_needs_the_registered_schedule(cfg):
+    lowering = lower(cfg, pp=2, plugins={"dualpipev": None})
+    with pytest.raises(ConfigError, match="DualPipeV schedule"):
+        mm.check_lowering(lowering, registered_schedules={})
+    mm.check_lowering(lowering, registered_schedules={"dualpipev": object})
+
+
+def test_provider_reports_the_lowered_layout(cfg):
+    model = mm.NamMegatronModel(cfg, Backends.reference(), lower(cfg, pp=2, ep=4), seed=0)
+    assert model.parallel == {"tp": 1, "pp": 2, "ep": 4}
+    assert (model.seq_len, model.moe_aux_loss_coeff) == (cfg.seq_len, cfg.moe_aux_loss_coeff)
+
+
+# --- weights ---------------------------------------------------------------------------------------------
+
+
+def test_weight_map_keeps_every_value_once(tiny, tiny_state):
+    lowering = lower(tiny)
+    out = mm.nam_state_to_megatron(tiny_state, _kinds(lowering))
+    assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in tiny_state.values())
+    moe = [l["index"] for l in lowering.layers if l["nam"] == "E"]
+    # 16 experts split into fc1/fc2 keys: 2 * 16 - 2 keys more per MoE layer than nam's stacked tensors.
+    assert len(out) == len(tiny_state) + len(moe) * (2 * tiny.num_experts - 2)
+    i = moe[0]
+    assert torch.equal(out[f"decoder.layers.{i}.mlp.experts.local_experts.3.linear_fc1.weight"],
+                       tiny_state[f"layers.{i}.mixer.w_gate_up"][3])
+    assert torch.equal(out[f"decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight"],
+                       tiny_state[f"layers.{i}.mixer.shared.w_down.weight"])
+    assert torch.equal(out["output_layer.weight"], tiny_state["head"])
+    mamba = next(l["index"] for l in lowering.layers if l["nam"] == "M")
+    assert torch.equal(out[f"decoder.layers.{mamba}.mixer.block.D"], tiny_state[f"layers.{mamba}.mixer.D"])
+    assert torch.equal(out[f"decoder.layers.{mamba}.norm.weight"], tiny_state[f"layers.{mamba}.norm.weight"])
+
+
+def test_weight_map_swaps_the_mtp_projection_halves(tiny, tiny_state):
+    """nam projects cat(norm_h(h), norm_e(e)), Megatron cat(enorm(e), hnorm(h)): same product, halves swapped."""
+    out = mm.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)))
+    w_nam, w_meg = tiny_state["mtp.1.eh_proj.weight"], out["mtp.layers.1.eh_proj.weight"]
+    h, e = torch.randn(3, tiny.hidden), torch.randn(3, tiny.hidden)
+    torch.testing.assert_close(torch.cat([e, h], -1) @ w_meg.T, torch.cat([h, e], -1) @ w_nam.T)
+    assert not torch.equal(w_meg, w_nam)
+    assert torch.equal(out["mtp.layers.0.mtp_model_layer.layers.1.mlp.linear_fc1.weight"],
+                       tiny_state["mtp.0.mlp.w_gate_up.weight"])
+    assert torch.equal(out["mtp_norms.1.weight"], tiny_state["mtp.1.final_norm.weight"])
+
+
+def test_weight_map_splits_experts_over_ep_ranks(tiny, tiny_state):
+    kinds = _kinds(lower(tiny))
+    i = kinds.index("moe")
+    seen = []
+    for rank in range(4):
+        out = mm.nam_state_to_megatron(tiny_state, kinds, ep_rank=rank, ep_size=4)
+        local = {k: v for k, v in out.items() if k.startswith(f"decoder.layers.{i}.mlp.experts.")}
+        assert len(local) == 2 * tiny.num_experts // 4
+        for j in range(tiny.num_experts // 4):
+            w = local[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight"]
+            assert torch.equal(w, tiny_state[f"layers.{i}.mixer.w_down"][rank * 4 + j])
+            seen.append(rank * 4 + j)
+    assert sorted(seen) == list(range(tiny.num_experts))
+
+
+def test_weight_map_splits_pipeline_stages(tiny, tiny_state):
+    kinds = _kinds(lower(tiny))
+    first = mm.nam_state_to_megatron(tiny_state, kinds, first=0, stop=26, post_process=False,
+                                         mtp_process=False)
+    last = mm.nam_state_to_megatron(tiny_state, kinds, first=26, stop=52, pre_process=False)
+    assert "embedding.word_embeddings.weight" in first and "embedding.word_embeddings.weight" in last  # MTP's copy
+    assert not any(k.startswith(("ngram.", "structure.")) for k in last)
+    assert not any(k.startswith(("mtp", "final_norm", "output_layer")) for k in first)
+    assert torch.equal(last["decoder.layers.0.norm.weight" if kinds[26] == "mamba" else
+                            "decoder.layers.0.input_layernorm.weight" if kinds[26] in ("mla", "dsa") else
+                            "decoder.layers.0.pre_mlp_layernorm.weight"], tiny_state["layers.26.norm.weight"])
+    layer_keys = [k for k in tiny_state if k.startswith("layers.")]
+    mapped = [k for k in first if k.startswith("decoder.")] + [k for k in last if k.startswith("decoder.")]
+    moe_layers = kinds.count("moe")
+    assert len(mapped) == len(layer_keys) + moe_layers * (2 * tiny.num_experts - 2)
+
+
+def test_weight_map_refuses_unknown_keys(tiny, tiny_state):
+    with pytest.raises(NamError, match=r"nam parameter 'lora.A' has no place"):
+        mm.nam_state_to_megatron({"lora.A": torch.zeros(1)}, _kinds(lower(tiny)))
+    with pytest.raises(NamError, match=r"MoE parameter 'mixer.bias'"):
+        mm.nam_state_to_megatron({"layers.2.mixer.bias": torch.zeros(1)}, ("mamba", "mla", "moe"))
+    with pytest.raises(ConfigError, match=r"MTP depth pattern '\+\*'"):
+        mm.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)), mtp_pattern="+*")
+
+
+# --- adapters (no megatron needed for the Mamba slot) -----------------------------------------------------
+
+
+def test_mamba_slot_is_the_mixer_in_megatron_layout(tiny):
+    backends = Backends.reference()
+    slots = mm.Slots(tiny, backends, {})
+    torch.manual_seed(0)
+    slot = mm.MambaSlot(None, d_model=tiny.hidden, layer_number=3, pg_collection=None, nam=slots)
+    x = torch.randn(tiny.seq_len, 2, tiny.hidden)  # [s, b, h]
+    out, bias = slot(x)
+    assert bias is None and out.shape == x.shape
+    torch.testing.assert_close(out, slot.block(x.transpose(0, 1)).transpose(0, 1), rtol=0, atol=0)
+    with pytest.raises(NamError, match="no packed"):
+        slot(x, packed_seq_params=object())
+
+
+def test_attention_slot_attaches_the_indexer_loss(tiny):
+    """The indexer learns only from its KL (DSA detaches its inputs); the adapter must carry that loss to
+    backward and log it, or DSA's indexer never trains under Megatron."""
+    dsa = pytest.importorskip("megatron.core.transformer.experimental_attention_variant.dsa")
+    from nam56r.state import ForwardState
+
+    dsa.DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    slots = mm.Slots(tiny, Backends.reference(), {5: 0})
+    torch.manual_seed(0)
+    slot = mm.AttentionSlot(None, layer_number=5, nam=slots, sparse=True)
+    slots.start(ForwardState(seq_layout=(2, tiny.seq_len)))
+    x = torch.randn(tiny.seq_len, 2, tiny.hidden, requires_grad=True)
+    out, bias = slot(x, attention_mask=None, rotary_pos_emb=None)
+    assert bias is None and out.shape == x.shape
+    out.float().square().mean().backward()
+    assert slot.block.indexer.wk.weight.grad.abs().sum() > 0
+    aux, notes = slots.end_step()
+    assert set(aux) == {"indexer_kl"} and aux["indexer_kl"] > 0 and notes == []
+    with pytest.raises(NamError, match="no D layer"):
+        mm.AttentionSlot(None, layer_number=4, nam=slots, sparse=True)
+
+
+
+# --- with megatron-core >= 0.19 importable
+
+@needs_019
+def test_config_and_spec_build_from_the_lowering(cfg):
+    lowering = lower(cfg, ep=2)
+    config = mm.transformer_config(lowering)
+    assert (config.hidden_dropout, config.attention_dropout, config.moe_grouped_gemm) == (0.0, 0.0, False)
+    assert config.params_dtype is torch.bfloat16 and config.pipeline_dtype is torch.bfloat16
+    assert config.experimental_attention_variant == "dsa"  # the schedules then scale DSAIndexerLossAutoScaler
+    spec = mm.hybrid_stack_spec(lowering, mm.Slots(cfg, None, {}))
+    assert spec.params == {"post_layer_norm": False}
+    sub = spec.submodules
+    assert sub.mamba_layer.submodules.mixer.module is mm.MambaSlot
+    assert sub.dsa_layer.submodules.self_attention.params["sparse"] is True
+    assert sub.mla_layer.submodules.self_attention.params["sparse"] is False
+    assert sub.moe_layer.submodules.mlp.func.__name__ == "MoELayer"
+
+

@@ -138,8 +138,8 @@ def run_worker(spec: dict) -> None:
         from nam56r.megatron_model import NamMegatronModel
         from nam_core.engine import megatron
 
-        lowering = lower(cfg, ep=spec["ep"], micro_batch_size=train.micro_batch_size,
-                         bf16=train.dtype == "bfloat16")
+        train = train.replace(engine="megatron", ep=spec["ep"])
+        lowering = lower(cfg, ep=train.ep, micro_batch_size=train.micro_batch_size, bf16=train.dtype == "bfloat16")
         run = megatron.MegatronRun(
             run_dir=run_dir, train=train, model=NamMegatronModel(cfg, backends, lowering, seed=train.seed,
                                                                  init_from=init),

@@ -42,10 +42,10 @@ EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or
                       "process per GPU under torchrun or --nproc).")]
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="megatron: start torchrun with this many "
                      "processes on this host (instead of launching under torchrun yourself).")]
-TpOpt = Annotated[int, typer.Option("--tp", help="megatron: tensor-parallel size.")]
-PpOpt = Annotated[int, typer.Option("--pp", help="megatron: pipeline-parallel size.")]
-EpOpt = Annotated[int, typer.Option("--ep", help="megatron: expert-parallel size (divides the data-parallel size "
-                  "and the expert count).")]
+TpOpt = Annotated[Optional[int], typer.Option("--tp", help="megatron: tensor-parallel size (= --set train.tp=N).")]
+PpOpt = Annotated[Optional[int], typer.Option("--pp", help="megatron: pipeline-parallel size (= --set train.pp=N).")]
+EpOpt = Annotated[Optional[int], typer.Option("--ep", help="megatron: expert-parallel size, dividing the "
+                  "data-parallel size and the expert count (= --set train.ep=N).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, build on the meta device, "
                       "print the plan; train nothing, write nothing.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
@@ -128,7 +128,7 @@ def train(
     recipe: RecipeOpt = "nam56r-tiny", plugins: PluginsOpt = None, max_steps: MaxStepsOpt = None,
     run_dir: RunDirOpt = None, data: DataOpt = None, resume: ResumeOpt = None, seed: SeedOpt = None,
     set_: SetOpt = None, device: DeviceOpt = None, engine: EngineOpt = "local", nproc: NprocOpt = None,
-    tp: TpOpt = 1, pp: PpOpt = 1, ep: EpOpt = 1, dry_run: DryRunOpt = False, quiet: QuietOpt = False,
+    tp: TpOpt = None, pp: PpOpt = None, ep: EpOpt = None, dry_run: DryRunOpt = False, quiet: QuietOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
@@ -137,9 +137,6 @@ def train(
 
     if engine not in ("local", "megatron"):
         raise ConfigError(f"--engine {engine!r}: expected local or megatron", hint="--engine local")
-    if engine == "local" and (nproc is not None or (tp, pp, ep) != (1, 1, 1)):
-        raise ConfigError("--nproc, --tp, --pp and --ep are megatron-engine options; the local engine runs one "
-                          "process on one device", hint="add --engine megatron, or drop them")
     base = get_recipe(recipe)
     names = requested_plugins(base.plugins, plugins)
     host = PluginHost()
@@ -149,22 +146,27 @@ def train(
         rec = dataclasses.replace(rec, train=rec.train.replace(seed=seed))
     if device is not None:
         rec = dataclasses.replace(rec, train=rec.train.replace(device=device))
-    if engine == "megatron":
-        rec = dataclasses.replace(rec, train=rec.train.replace(engine="megatron"))
+    layout = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v is not None}
+    rec = dataclasses.replace(rec, train=rec.train.replace(engine=engine, **layout))
+    layout = {"tp": rec.train.tp, "pp": rec.train.pp, "ep": rec.train.ep}
+    if engine == "local" and (nproc is not None or set(layout.values()) != {1}):
+        raise ConfigError("--nproc and a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine "
+                          f"options; the local engine runs one process on one device (found nproc={nproc}, "
+                          f"{layout})", hint="add --engine megatron, or drop them")
     steps = max_steps if max_steps is not None else rec.train.total_steps
     if steps < 1:
         raise ConfigError(f"--max-steps must be >= 1, found {steps}", hint="--max-steps 80")
 
     mega = None
     if engine == "megatron":
-        mega = _megatron_start(rec, names, nproc=nproc, tp=tp, pp=pp, ep=ep, dry_run=dry_run)
+        mega = _megatron_start(rec, names, nproc=nproc, dry_run=dry_run)
     if mega is None:
-        return _train(rec, names, host, steps=steps, mega=mega, layout={"tp": tp, "pp": pp, "ep": ep},
+        return _train(rec, names, host, steps=steps, mega=mega, layout=layout,
                       run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
     from nam_core.engine.megatron import shutdown
 
     try:
-        return _train(rec, names, host, steps=steps, mega=mega, layout={"tp": tp, "pp": pp, "ep": ep},
+        return _train(rec, names, host, steps=steps, mega=mega, layout=layout,
                       run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
     finally:
         shutdown()  # every rank, on success and on a refusal after the process group started
@@ -312,7 +314,7 @@ def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
             "-m", "nam_cli", *rest]
 
 
-def _megatron_start(rec, names, *, nproc, tp, pp, ep, dry_run) -> dict:
+def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
     """Before anything touches CUDA: the allocator, the runtime, the layout; then the process group.
 
     Returns ``{"rank", "world_size"}``. With ``--nproc`` and no torchrun around this process, it checks what
@@ -329,6 +331,7 @@ def _megatron_start(rec, names, *, nproc, tp, pp, ep, dry_run) -> dict:
         raise ConfigError(f"--nproc {nproc} under a torchrun of {os.environ['WORLD_SIZE']} processes",
                           hint="drop --nproc when launching with torchrun yourself")
     world = int(os.environ["WORLD_SIZE"]) if launched else (nproc or 1)
+    tp, pp, ep = rec.train.tp, rec.train.pp, rec.train.ep
     lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
                      plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16")
     # The schedules registry fills when plugins activate (later): here a plugin schedule is taken on trust,

@@ -95,7 +95,8 @@ def test_non_finite_loss_stops_with_step_layer_and_checkpoint(tmp_path, corpus, 
         (["--engine", "megatron", "--device", "cuda", "--tp", "2", "--nproc", "2"], 2,
          "cannot close these gaps of the lowering: tensor parallelism"),
         (["--engine", "deepspeed"], 2, "expected local or megatron"),
-        (["--tp", "2"], 2, "--nproc, --tp, --pp and --ep are megatron-engine options"),
+        (["--tp", "2"], 2, "a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine options"),
+        (["--set", "train.ep=2"], 2, "the local engine runs one process on one device (found nproc=None"),
     ],
 )
 def test_bad_input_fails_cleanly_and_writes_nothing(tmp_path, corpus, capsys, args, code, message):

@@ -16,6 +16,12 @@ class TrainConfig:
     """Parameter/activation dtype: ``float32`` (CPU) or ``bfloat16`` (GPU; D and dt_bias stay fp32)."""
     schedule: str = "single"
     """Registry ``schedules``: how micro-batches run (``single`` = forward/backward each in turn)."""
+    tp: int = 1
+    """Tensor-parallel size (megatron engine; the local engine needs 1)."""
+    pp: int = 1
+    """Pipeline-parallel size (megatron engine; the local engine needs 1)."""
+    ep: int = 1
+    """Expert-parallel size (megatron engine; divides the data-parallel size and the expert count)."""
     seed: int = 1234
     """Seeds parameters, data order and dropout."""
 

@@ -484,7 +484,10 @@ def train(run: MegatronRun) -> dict:
 
     provider, tc = run.model, run.train
     bf16 = tc.dtype == "bfloat16"
-    par = provider.parallel
+    par = dict(provider.parallel)
+    if par != {"tp": tc.tp, "pp": tc.pp, "ep": tc.ep}:
+        raise ConfigError(f"the model was lowered for {par}, the train config says tp={tc.tp} pp={tc.pp} ep={tc.ep}",
+                          hint="lower the model with the run's train.tp/pp/ep")
     world = int(os.environ["WORLD_SIZE"])
     dp = check_layout(world_size=world, **par, train=tc, registered_schedules=run.schedules)
     provider.check(registered_schedules=run.schedules)

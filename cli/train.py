@@ -333,7 +333,8 @@ def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
     world = int(os.environ["WORLD_SIZE"]) if launched else (nproc or 1)
     tp, pp, ep = rec.train.tp, rec.train.pp, rec.train.ep
     lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
-                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16")
+                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16",
+                     dispatcher=rec.train.moe_dispatcher)
     # The schedules registry fills when plugins activate (later): here a plugin schedule is taken on trust,
     # and _megatron_model checks it against the registry.
     meg.check_layout(world_size=world, tp=tp, pp=pp, ep=ep, train=rec.train,
@@ -347,7 +348,7 @@ def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
     import torch
 
     meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    meg.check_runtime(meg.runtime_facts())
+    meg.check_runtime(meg.runtime_facts(), dispatcher=rec.train.moe_dispatcher)
     meg.init_distributed()
     return {"rank": torch.distributed.get_rank(), "world_size": world}
 
@@ -361,7 +362,8 @@ def _megatron_model(rec, backends, names, host, *, tp, pp, ep, world_size):
     schedules = host.registry("schedules")
     registered = {n: schedules.get(n) for n in schedules.names()}
     lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
-                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16")
+                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16",
+                     dispatcher=rec.train.moe_dispatcher)
     meg.check_layout(world_size=world_size, tp=tp, pp=pp, ep=ep, train=rec.train, registered_schedules=registered)
     model = NamMegatronModel(rec.model, backends, lowering, seed=rec.train.seed)
     model.check(registered_schedules=registered)

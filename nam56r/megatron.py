@@ -31,8 +31,10 @@ MTP_SEPARATOR = "/"  # one `/`-part per MTP depth, all identical (§1.3 parse_hy
 PIPE = "|"  # pipeline-segment separator, main pattern only (§1.3 select_pipeline_segment)
 MTP_DEPTH = "+-"  # nam's MTPDepth: one full-MLA layer, then one dense SwiGLU (nam56r/model.py)
 
-DISPATCHER = "alltoall"
-"""MoE token dispatcher (§5). Preflight switches it to "flex" (DeepEP) only when DeepEP is installed."""
+DISPATCHERS = ("alltoall", "flex")
+"""MoE token dispatchers (§5): Megatron's all-to-all, or its flex dispatcher on DeepEP's kernels. The run's
+``train.moe_dispatcher`` chooses (default all-to-all); the megatron engine refuses ``flex`` without DeepEP and
+``nam preflight --engine megatron`` says whether DeepEP is installed."""
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,9 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
                      "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff, "moe_token_dispatcher_type": dispatcher},
              notes=("softmax over the top-k logits = nam's renormalised top-k gates; aux_loss is the Switch loss "
                     "nam56r.blocks.moe.MoE computes",
-                    f"dispatcher {dispatcher!r}: preflight switches it to 'flex' only if DeepEP is installed (§5)",
-                    "experts: TEGroupedMLP on GPU (moe_grouped_gemm)")),
+                    f"dispatcher {dispatcher!r} (train.moe_dispatcher; 'flex' runs on DeepEP's kernels, §5)",
+                    "experts: SequentialMLP, one GEMM pair per local expert (Megatron's local spec; TEGroupedMLP "
+                    "needs Transformer Engine, absent on our GPU hosts)")),
         Slot("D", "dsa_layer", "megatron.core.transformer.transformer_layer.TransformerLayer", "megatron",
              notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
         Slot("D", "dsa_layer.submodules.self_attention", "nam56r.blocks.dsa.DSA", "nam",
@@ -262,7 +265,9 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
 # --- arguments ----------------------------------------------------------------------------------------------
 
 
-def _config_args(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, bf16: bool, num_layers: int) -> dict:
+def _config_args(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, bf16: bool, num_layers: int,
+                 dispatcher: str) -> dict:
+    flex = {"moe_flex_dispatcher_backend": "deepep"} if dispatcher == "flex" else {}
     return {
         # Library users set num_layers (main-pattern length) and mtp_num_layers themselves (§1.3).
         "num_layers": num_layers,
@@ -304,8 +309,9 @@ def _config_args(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, bf16: bool, nu
         "moe_router_score_function": "softmax",
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
-        "moe_token_dispatcher_type": DISPATCHER,
-        "moe_grouped_gemm": True,
+        "moe_token_dispatcher_type": dispatcher,
+        **flex,
+        "moe_grouped_gemm": False,  # no Transformer Engine: SequentialMLP
         # MTP (§6).
         "mtp_num_layers": cfg.mtp_depths,
         "mtp_loss_scaling_factor": cfg.mtp_loss_scale,
@@ -393,6 +399,7 @@ def lower(
     micro_batch_size: int = 1,
     plugins: Mapping | None = None,
     bf16: bool = True,
+    dispatcher: str = "alltoall",
 ) -> Lowering:
     """Lower ``cfg`` for Megatron-Core >= 0.19 at the given tensor/pipeline/expert parallel sizes.
 
@@ -400,6 +407,9 @@ def lower(
     Raises ConfigError for a parallel layout the model or the lowering cannot take.
     """
     plugins = plugins or {}
+    if dispatcher not in DISPATCHERS:
+        raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(DISPATCHERS)}",
+                          hint="--set train.moe_dispatcher=alltoall")
     if micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be >= 1, found {micro_batch_size}", hint="e.g. 1")
     _check_parallel(cfg, tp=tp, pp=pp, ep=ep, plugins=plugins)
@@ -431,12 +441,12 @@ def lower(
         mtp_pattern=MTP_DEPTH if cfg.mtp_depths else "",
         mtp_depths=cfg.mtp_depths,
         layers=layers,
-        slots=_slots(cfg, DISPATCHER),
-        config_args=_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main)),
+        slots=_slots(cfg, dispatcher),
+        config_args=_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main), dispatcher=dispatcher),
         model_args=_model_args(cfg, pattern),
         micro_batch_size=micro_batch_size,
         schedule=schedule,
-        moe_dispatcher=DISPATCHER,
+        moe_dispatcher=dispatcher,
         cuda_graphs=False,
         gaps=_gaps(cfg, tp=tp, schedule=schedule),
         notes=tuple(notes),

@@ -281,7 +281,6 @@ def transformer_config(lowering) -> Any:
         pipeline_dtype=args["params_dtype"],  # the dtype of activations sent between stages
         hidden_dropout=0.0, attention_dropout=0.0,  # nam56r has no dropout (Megatron defaults to 0.1)
         perform_initialization=False,  # weights come from nam's initialisation (nam_state_to_megatron)
-        moe_grouped_gemm=False,  # no Transformer Engine: LocalSpecProvider's SequentialMLP runs the experts
     )
     return MLATransformerConfig(**args)
 

@@ -97,3 +97,20 @@ def test_preflight_counts_every_failure():
     proc = nam("preflight", "--plugins", "no-such-plugin,other-missing")
     assert proc.returncode == 3
     assert "cannot run here: 2 checks failed" in proc.stdout
+
+
+def test_preflight_engine_megatron_lists_what_this_process_lacks(capsys):
+    """On a CPU machine (CI: megatron-core 0.16.1, no CUDA) the megatron engine rows fail, with hints, and the
+    exit code says so; the DeepEP row is informational unless the recipe asks for the flex dispatcher."""
+    from nam_core.engine.megatron import runtime_facts
+
+    if runtime_facts()["cuda"]:
+        pytest.skip("a CUDA device is visible")
+    assert run(["preflight", "--engine", "megatron", "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    rows = {c["check"]: c for c in report["engine_checks"]}
+    assert report["ok"] is False and report["engine"] == "megatron"
+    assert rows["CUDA"]["status"] == "fail" and "nam train --engine local" in rows["CUDA"]["hint"]
+    assert rows["DeepEP (flex dispatcher)"]["status"] in ("skip", "pass")
+    assert "torchrun launch" not in rows  # preflight itself runs outside torchrun
+    assert run(["preflight", "--engine", "deepspeed"]) == 2

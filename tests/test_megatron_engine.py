@@ -66,7 +66,7 @@ def test_allocator_too_late_after_cuda_initialised():
 # --- runtime ---------------------------------------------------------------------------------------------
 
 READY = {"megatron": (0, 19, 2), "python": (3, 12), "cuda": True, "distributed": True, "world_size": 2,
-         "psutil": True}
+         "psutil": True, "deep_ep": False}
 
 
 def test_runtime_ready_passes():
@@ -80,16 +80,28 @@ def test_runtime_lists_everything_missing_in_one_error():
         engine.check_runtime(facts)
     msg = str(e.value)
     assert e.value.exit_code == 3
-    for part in ("megatron-core >= 0.19 (found: 0.16.1, Python 3.11)", "a CUDA device", "WORLD_SIZE is not set",
-                 "psutil"):
+    for part in ("megatron-core: needs >= 0.19, found 0.16.1 (Python 3.11)", "a CUDA device",
+                 "WORLD_SIZE set by torchrun, found not set", "psutil"):
         assert part in msg
     assert "torchrun --nproc-per-node N -m nam_cli train --engine megatron" in e.value.hint
     assert "pip install psutil" in e.value.hint
 
 
 def test_runtime_missing_megatron_is_named():
-    with pytest.raises(NamError, match=r"found: not installed"):
+    with pytest.raises(NamError, match=r"found not installed"):
         engine.check_runtime({**READY, "megatron": None})
+
+
+def test_flex_dispatcher_needs_deepep_and_is_never_picked_for_being_installed():
+    with pytest.raises(NamError, match=r"DeepEP \(flex dispatcher\): needs installed for train.moe_dispatcher=flex"):
+        engine.check_runtime(READY, dispatcher="flex")
+    engine.check_runtime({**READY, "deep_ep": True}, dispatcher="flex")
+    rows = {c.name: c for c in engine.runtime_checks({**READY, "deep_ep": True})}
+    assert rows["DeepEP (flex dispatcher)"].ok  # reported as present; the dispatcher stays what the config says
+    rows = {c.name: c for c in engine.runtime_checks(READY, launched=False)}
+    assert rows["DeepEP (flex dispatcher)"].status == "skip" and "torchrun launch" not in rows
+    with pytest.raises(NamError, match="MoE dispatcher: needs alltoall or flex, found deepep"):
+        engine.check_runtime(READY, dispatcher="deepep")
 
 
 def test_this_cpu_machine_is_refused():

@@ -142,3 +142,14 @@ def test_cli_prints_the_lowering_as_json(capsys):
 def test_cli_refuses_ep3_with_exit_2(capsys):
     assert run(["recipe", "show", "nam56r", "--megatron-args", "--ep", "3"]) == 2
     assert "ep=3 must divide num_experts" in capsys.readouterr().err
+
+
+def test_dispatcher_is_the_run_s_choice_and_flex_names_deepep():
+    cfg = get_recipe("nam56r").model
+    assert lower(cfg).config_args["moe_token_dispatcher_type"] == "alltoall"
+    assert "moe_flex_dispatcher_backend" not in lower(cfg).config_args
+    flex = lower(cfg, ep=4, dispatcher="flex")
+    assert (flex.moe_dispatcher, flex.config_args["moe_token_dispatcher_type"],
+            flex.config_args["moe_flex_dispatcher_backend"]) == ("flex", "flex", "deepep")
+    with pytest.raises(ConfigError, match="MoE dispatcher 'deepep': expected one of alltoall, flex"):
+        lower(cfg, dispatcher="deepep")

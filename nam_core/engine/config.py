@@ -22,6 +22,9 @@ class TrainConfig:
     """Pipeline-parallel size (megatron engine; the local engine needs 1)."""
     ep: int = 1
     """Expert-parallel size (megatron engine; divides the data-parallel size and the expert count)."""
+    moe_dispatcher: str = "alltoall"
+    """Megatron engine, MoE layers: ``alltoall`` (Megatron's all-to-all dispatcher) or ``flex`` (its flex
+    dispatcher on DeepEP's kernels; DeepEP must be installed, never chosen because it happens to be)."""
     seed: int = 1234
     """Seeds parameters, data order and dropout."""
 

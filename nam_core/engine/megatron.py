@@ -103,7 +103,7 @@ def megatron_version() -> tuple[int, ...] | None:
 
 
 def runtime_facts() -> dict:
-    """What ``check_runtime`` needs to know about this process (imports megatron-core if installed)."""
+    """What ``runtime_checks`` needs to know about this process (imports megatron-core if installed)."""
     import importlib.util
     import sys
 
@@ -114,33 +114,60 @@ def runtime_facts() -> dict:
         "distributed": torch.distributed.is_available(),
         "world_size": int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None,
         "psutil": importlib.util.find_spec("psutil") is not None,
+        "deep_ep": importlib.util.find_spec("deep_ep") is not None,
     }
 
 
-def check_runtime(facts: Mapping) -> None:
-    """One NamError (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
-    missing, hints = [], []
+DISPATCHERS = ("alltoall", "flex")
+"""``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
+
+
+def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True) -> list:
+    """One ``Check`` row per thing the megatron engine needs from this process (``nam preflight --engine
+    megatron`` prints them; ``check_runtime`` raises on the failed ones). ``launched=False`` skips the
+    torchrun row (preflight runs outside torchrun)."""
+    from nam_core.requirements import FAIL, PASS, SKIP, Check
+
+    def row(name, ok, needed, found, hint):
+        return Check("megatron engine", name, PASS if ok else FAIL, needed, found, None if ok else hint)
+
     version = facts["megatron"]
-    if version is None or tuple(version[:2]) < MIN_MEGATRON:
-        found = "not installed" if version is None else ".".join(map(str, version))
-        py = ".".join(map(str, facts["python"]))
-        missing.append(f"megatron-core >= {'.'.join(map(str, MIN_MEGATRON))} (found: {found}, Python {py})")
-        hints.append("pip install 'megatron-core>=0.19' on Python >= 3.12 (its wheels require 3.12)")
-    if not facts["cuda"]:
-        missing.append("a CUDA device (torch.cuda.is_available() is False)")
-        hints.append("run on a GPU host; the local engine trains on the CPU: nam train --engine local")
-    if not facts["distributed"]:
-        missing.append("torch.distributed (this torch build has none)")
-        hints.append("install a torch build with distributed support")
-    elif facts["world_size"] is None:
-        missing.append("a torchrun launch (WORLD_SIZE is not set)")
-        hints.append("torchrun --nproc-per-node N -m nam_cli train --engine megatron ...")
-    if not facts["psutil"]:
-        missing.append("psutil (Megatron's checkpoint writer needs it; without it a save hangs, §9.2)")
-        hints.append("pip install psutil")
-    if missing:
-        raise NamError("the megatron engine cannot run here; missing: " + "; ".join(missing),
-                       hint="; ".join(hints), exit_code=3)
+    found = "not installed" if version is None else ".".join(map(str, version))
+    want = ".".join(map(str, MIN_MEGATRON))
+    py = ".".join(map(str, facts["python"]))
+    rows = [
+        row("megatron-core", version is not None and tuple(version[:2]) >= MIN_MEGATRON, f">= {want}",
+            f"{found} (Python {py})", "pip install 'megatron-core>=0.19' on Python >= 3.12 (its wheels require 3.12)"),
+        row("CUDA", facts["cuda"], "a CUDA device", "available" if facts["cuda"] else "torch.cuda.is_available() is False",
+            "run on a GPU host; the local engine trains on the CPU: nam train --engine local"),
+        row("torch.distributed", facts["distributed"], "available", "yes" if facts["distributed"] else "no",
+            "install a torch build with distributed support"),
+        row("psutil", facts["psutil"], "installed (Megatron's checkpoint writer needs it; without it a save hangs, §9.2)",
+            "yes" if facts["psutil"] else "no", "pip install psutil"),
+    ]
+    if launched:
+        rows.append(row("torchrun launch", facts["world_size"] is not None, "WORLD_SIZE set by torchrun",
+                        "not set" if facts["world_size"] is None else f"WORLD_SIZE={facts['world_size']}",
+                        "torchrun --nproc-per-node N -m nam_cli train --engine megatron ..., or nam train --nproc N"))
+    if dispatcher not in DISPATCHERS:
+        rows.append(row("MoE dispatcher", False, " or ".join(DISPATCHERS), dispatcher, "--set train.moe_dispatcher=alltoall"))
+    elif dispatcher == "flex" or facts["deep_ep"]:
+        rows.append(row("DeepEP (flex dispatcher)", facts["deep_ep"], f"installed for train.moe_dispatcher={dispatcher}"
+                        if dispatcher == "flex" else "installed", "yes" if facts["deep_ep"] else "not installed",
+                        "install DeepEP, or --set train.moe_dispatcher=alltoall"))
+    else:
+        rows.append(Check("megatron engine", "DeepEP (flex dispatcher)", SKIP, "only for train.moe_dispatcher=flex",
+                          "not installed: MoE tokens move through Megatron's all-to-all dispatcher"))
+    return rows
+
+
+def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall") -> None:
+    """One NamError (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
+    failed = [c for c in runtime_checks(facts, dispatcher=dispatcher) if not c.ok]
+    if failed:
+        raise NamError("the megatron engine cannot run here; missing: "
+                       + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in failed),
+                       hint="; ".join(dict.fromkeys(c.hint for c in failed if c.hint)), exit_code=3)
 
 
 def resolve_schedule(name: str, *, pp: int, registered: Mapping[str, Any]) -> Callable | None:
@@ -471,7 +498,7 @@ def _step_means(losses: list[dict], aux: dict, moe_coeff: float, n_micro: int, d
 def train(run: MegatronRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    check_runtime(runtime_facts())
+    check_runtime(runtime_facts(), dispatcher=run.train.moe_dispatcher)
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,

@@ -116,7 +116,7 @@ def test_megatron_engine_on_this_cpu_machine_lists_what_is_missing(tmp_path, cor
     assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--quiet", "--engine", "megatron",
                 "--device", "cuda"]) == 3
     err = capsys.readouterr().err
-    for missing in ("a CUDA device", "a torchrun launch"):
+    for missing in ("CUDA: needs a CUDA device", "torchrun launch: needs WORLD_SIZE set by torchrun"):
         assert missing in err
     assert not run_dir.exists()
 

@@ -147,10 +147,8 @@ def run_worker(spec: dict) -> None:
             batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
             resume_from=Path(spec["resume"]) if spec.get("resume") else None, quiet=True,
             checkpoints=spec.get("checkpoints", True))
-        try:
-            megatron.train(run)
-        finally:
-            megatron.shutdown()
+        megatron.train(run)
+        megatron.shutdown()  # after success only: on an error the other ranks may sit in a collective
         return
     from nam56r.model import build_model
     from nam56r.state import ForwardState

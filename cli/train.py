@@ -165,11 +165,10 @@ def train(
                       run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
     from nam_core.engine.megatron import shutdown
 
-    try:
-        return _train(rec, names, host, steps=steps, mega=mega, layout=layout,
-                      run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
-    finally:
-        shutdown()  # every rank, on success and on a refusal after the process group started
+    _train(rec, names, host, steps=steps, mega=mega, layout=layout,
+           run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
+    shutdown()  # on success only: after an error on one rank, the others may sit in a collective (torchrun
+    # then stops them), and a barrier here would wait for them forever
 
 
 def _train(rec, names, host, *, steps, mega, layout, run_dir, data, resume, dry_run, quiet, json_out) -> None:

@@ -617,7 +617,8 @@ def train(run: MegatronRun) -> dict:
 
 
 def shutdown() -> None:
-    """Tear the process groups down at the end of a run (NCCL warns at exit otherwise)."""
+    """Tear the process groups down at the end of a successful run (NCCL warns at exit otherwise). Never on
+    an error path: its barrier would wait for ranks that are stuck in a collective."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -1,0 +1,130 @@
+"""``DualPipeV``: the schedule the megatron engine calls when ``train.schedule=dualpipev``.
+
+The engine calls a schedule as it calls Megatron's forward-backward functions (nam_core/engine/megatron.py,
+module docstring)::
+
+    losses = schedule(forward_step_func=..., data_iterator=..., model=[ddp_model], num_microbatches=n,
+                      seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+
+DualPipeV needs *two* chunks per pipeline rank, ``model = [stage r, stage 2P-1-r]``; the engine builds one,
+so this class refuses (NamError, exit 3) until the engine builds V-shaped chunk pairs: no fallback to
+another schedule.
+
+Given two chunks it drives the executor with Megatron's contract, kept to what nam's forward step uses:
+
+* ``forward_step_func(data_iterator, chunk) -> (output, loss_func)``: it is called once per chunk and
+  micro-batch with an iterator over that one micro-batch (each rank draws the step's ``num_microbatches``
+  batches from ``data_iterator`` once, because rank 0 needs micro-batch i twice: tokens on chunk 0, labels on
+  chunk 1). Before the call the chunk's ``set_input_tensor`` receives the previous stage's output, ``[s, b, h]``
+  (None on the first stage), as Megatron's schedules do.
+* ``loss_func(output) -> (loss, logs)`` on the last stage (rank 0's chunk 1). The backward starts from
+  ``loss / num_microbatches`` through ``config.grad_scale_func`` when the config has one; ``logs`` (a dict of
+  detached tensors) is returned per micro-batch on pipeline rank 0, ``[]`` on the others.
+* After the last backward ``config.finalize_model_grads_func(model)`` runs when set (data-parallel gradient
+  reduction).
+
+Refused rather than half-done: ``loss_func`` returning ``(loss, num_tokens, logs)`` (per-token
+normalisation), and configs with MoE or MTP layers, whose auxiliary-loss scales Megatron's own schedules set
+(``MoEAuxLossAutoScaler``, ``MTPLossAutoScaler``) and this adapter does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from nam_core.errors import NamError
+
+NOT_BUILT = ("the megatron engine builds one model chunk per pipeline rank; dualpipev needs two (the V: "
+             "stage r and stage 2P-1-r), and the engine does not build V-shaped chunk pairs yet")
+NOT_BUILT_HINT = ("train with Megatron's 1F1B meanwhile: --set train.schedule=1f1b (and drop --plugins "
+                  "dualpipev); plugins/nam-plugin-dualpipev/README.md, 'Not done'")
+
+
+def _unwrapped(chunk: Any, attribute: str) -> Any:
+    """``attribute`` of the module inside DDP / Float16Module wrappers (each keeps it in ``.module``)."""
+    while not hasattr(chunk, attribute) and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return getattr(chunk, attribute, None)
+
+
+class DualPipeV:
+    """Registered as ``schedules: dualpipev``; the engine instantiates it with no arguments.
+
+    ``group``: the pipeline process group (default: Megatron's, from ``parallel_state``). ``hidden_size`` /
+    ``dtype``: of the ``[s, b, h]`` tensors the stages hand on (default: the chunk's Megatron config,
+    ``hidden_size`` and ``pipeline_dtype``). Tests pass all three to run without Megatron.
+    """
+
+    def __init__(self, *, group=None, hidden_size: int | None = None, dtype: torch.dtype | None = None):
+        self.group, self.hidden_size, self.dtype = group, hidden_size, dtype
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Iterator | None, model: Sequence,
+                 num_microbatches: int, seq_length: int, micro_batch_size: int,
+                 forward_only: bool = False) -> list[dict]:
+        from nam_plugin_dualpipev.executor import PipelineRank, device_of, plan_for
+
+        if len(model) != 2:
+            raise NamError(f"{NOT_BUILT}; found {len(model)} chunk(s) on this rank", hint=NOT_BUILT_HINT,
+                           exit_code=3)
+        config = _unwrapped(model[0], "config")
+        self._refuse_unwired(config)
+        setters = [_unwrapped(chunk, "set_input_tensor") for chunk in model]
+        if None in setters:
+            raise NamError(f"model chunk {setters.index(None)} has no set_input_tensor: dualpipev hands each chunk "
+                           "the previous stage's output through it, as Megatron's schedules do",
+                           hint="pass Megatron model chunks (or modules with set_input_tensor)", exit_code=3)
+        group = self.group if self.group is not None else self._pipeline_group()
+        pp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        hidden = self.hidden_size or getattr(config, "hidden_size", None)
+        dtype = self.dtype or getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
+        if hidden is None or dtype is None:
+            raise NamError("dualpipev needs the hidden size and dtype of the [s, b, h] tensors between stages; the "
+                           f"chunk has no Megatron config that gives them (found {type(config).__name__})",
+                           hint="DualPipeV(hidden_size=..., dtype=...)", exit_code=3)
+        batches = [next(data_iterator) for _ in range(num_microbatches)] if data_iterator is not None else None
+        loss_funcs: dict[int, Callable] = {}
+        logs: dict[int, dict] = {}
+
+        def forward(chunk: int, microbatch: int, x: torch.Tensor | None) -> torch.Tensor:
+            setters[chunk](x)
+            one = iter([batches[microbatch]]) if batches is not None else None
+            output, loss_func = forward_step_func(one, model[chunk])
+            if rank == 0 and chunk == 1:  # the last stage
+                loss_funcs[microbatch] = loss_func
+            return output
+
+        def loss(microbatch: int, output: torch.Tensor) -> torch.Tensor:
+            result = loss_funcs.pop(microbatch)(output)
+            if len(result) != 2:
+                raise NamError(f"loss_func returned {len(result)} values; dualpipev takes (loss, logs) and does not "
+                               "wire Megatron's per-token form (loss, num_tokens, logs)",
+                               hint="return (loss, logs) from loss_func", exit_code=3)
+            value, logs[microbatch] = result
+            value = value / num_microbatches
+            scale = getattr(config, "grad_scale_func", None)
+            return scale(value) if scale is not None and not forward_only else value
+
+        device = device_of(model[0])
+        runner = PipelineRank(pp=pp, rank=rank, forward=forward, loss=loss, dtype=dtype, device=device,
+                              shape=(seq_length, micro_batch_size, hidden), group=group)
+        runner.run(plan_for(pp, num_microbatches, not forward_only)[rank], train=not forward_only)
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is not None and not forward_only:
+            finalize(list(model))
+        return [logs[i] for i in range(num_microbatches)] if rank == 0 else []
+
+    @staticmethod
+    def _refuse_unwired(config: Any) -> None:
+        unwired = [name for name in ("num_moe_experts", "mtp_num_layers") if getattr(config, name, None)]
+        if unwired:
+            raise NamError(f"the model config sets {', '.join(unwired)}: Megatron's schedules scale those auxiliary "
+                           "losses per micro-batch (MoEAuxLossAutoScaler / MTPLossAutoScaler) and dualpipev does not "
+                           "wire that yet", hint=NOT_BUILT_HINT, exit_code=3)
+
+    @staticmethod
+    def _pipeline_group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_group()

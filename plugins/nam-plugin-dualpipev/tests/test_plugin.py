@@ -1,0 +1,120 @@
+"""The plugin's face: activation, the config checks with their messages, the schedule selection, and the
+engine adapter's refusals (one chunk per rank, unwired auxiliary losses)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch import nn
+
+import nam_plugin_dualpipev.plugin as plugin
+from nam56r.recipes import apply_overrides, get_recipe
+from nam_cli.main import run
+from nam_core.device import DeviceInfo
+from nam_core.errors import NamError, PluginActivationError
+from nam_core.host import PluginHost
+from nam_core.requirements import FAIL, PASS, SKIP
+from nam_plugin_dualpipev.engine import DualPipeV
+
+CPU = DeviceInfo.profile("cpu")
+H100 = DeviceInfo.profile("h100")
+
+
+def recipe(**train):
+    """nam56r-tiny with the plugin requested and a megatron layout DualPipeV accepts, changed by ``train``."""
+    rec = get_recipe("nam56r-tiny")
+    fields = dict(engine="megatron", device="cuda", dtype="bfloat16", pp=2, grad_accum=4, schedule="dualpipev")
+    return dataclasses.replace(rec, train=rec.train.replace(**{**fields, **train}))
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_activates_without_a_config_and_registers_the_schedule():
+    host = PluginHost()
+    host.activate(["dualpipev"], CPU)
+    assert host.registry("schedules").get("dualpipev") is DualPipeV
+    assert plugin.PLUGIN.provides == {"schedules": ["dualpipev"]}
+    assert plugin.nam_check_config(config=None, device=CPU) == []
+
+
+def test_a_layout_it_accepts_passes_every_check_but_the_missing_chunk_pair():
+    checks = by_name(plugin.nam_check_config(config=recipe(), device=H100))
+    assert {n for n, c in checks.items() if c.status == PASS} == {"engine", "pipeline size", "expert parallelism",
+                                                                    "micro-batches"}
+    v = checks["V-shaped chunks"]
+    assert v.status == FAIL and "does not build V-shaped chunk pairs yet" in v.found
+    assert "--set train.schedule=1f1b" in v.hint
+
+
+@pytest.mark.parametrize("train, name, found, needed, hint", [
+    ({"ep": 2}, "expert parallelism", "ep=2", "expert all-to-all desynchronises across the V-shape's rank pairs",
+     "--ep 1"),
+    ({"pp": 1}, "pipeline size", "pp=1: nothing to pipeline", "pp >= 2", "--pp 2 or more, or drop --plugins dualpipev"),
+    ({"engine": "local", "device": "cpu", "dtype": "float32"}, "engine", "engine=local", "the megatron engine",
+     "nam train --engine megatron --nproc N --pp N --plugins dualpipev"),
+    ({"pp": 4, "grad_accum": 6}, "micro-batches", "grad_accum=6", "train.grad_accum >= 2 x pp = 8",
+     "--set train.grad_accum=8"),
+])
+def test_config_refusals_say_what_was_needed_found_and_what_to_do(train, name, found, needed, hint):
+    check = by_name(plugin.nam_check_config(config=recipe(**train), device=H100))[name]
+    assert check.status == FAIL
+    assert check.found == found and needed in check.needed and hint in check.hint
+    with pytest.raises(PluginActivationError, match=f"dualpipev: {name}: needs .*, found {found}") as e:
+        PluginHost().activate(["dualpipev"], H100, recipe(**train))
+    assert e.value.exit_code == 3
+
+
+def test_requesting_the_plugin_does_not_select_the_schedule_the_user_sets_it():
+    """PluginInfo.selects sets model-config fields only, so the schedule stays the user's --set."""
+    assert plugin.PLUGIN.selects == {}
+    infos = {"dualpipev": PluginHost().info("dualpipev")}
+    rec = apply_overrides(get_recipe("nam56r-tiny"), [], plugin_names=["dualpipev"], plugin_infos=infos)
+    assert rec.train.schedule == "single"
+    checks = by_name(plugin.nam_check_config(config=recipe(schedule="1f1b"), device=H100))
+    assert checks["selected"].status == SKIP and checks["selected"].hint == "--set train.schedule=dualpipev"
+    assert "V-shaped chunks" not in checks and all(c.status != FAIL for c in checks.values())
+    rec = apply_overrides(get_recipe("nam56r-tiny"), ["train.schedule=dualpipev"], plugin_names=["dualpipev"],
+                          plugin_infos=infos)
+    assert rec.train.schedule == "dualpipev"
+
+
+def test_preflight_on_the_cpu_recipe_exits_3_naming_the_checks(capsys):
+    assert run(["preflight", "--plugins", "dualpipev", "--recipe", "nam56r-tiny", "--json"]) == 3
+    out = capsys.readouterr().out
+    assert '"check": "engine"' in out and '"found": "pp=1: nothing to pipeline"' in out
+
+
+def call(model, **kwargs):
+    schedule = DualPipeV(hidden_size=8)
+    return schedule(forward_step_func=None, data_iterator=None, model=model, num_microbatches=4, seq_length=3,
+                    micro_batch_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_engine_adapter_refuses_anything_but_a_chunk_pair(chunks):
+    with pytest.raises(NamError, match=rf"does not build V-shaped chunk pairs yet; found {chunks} chunk") as e:
+        call([nn.Linear(8, 8) for _ in range(chunks)])
+    assert e.value.exit_code == 3 and "--set train.schedule=1f1b" in e.value.hint
+
+
+class Chunk(nn.Linear):
+    def set_input_tensor(self, x):
+        self.input_tensor = x
+
+
+@pytest.mark.parametrize("field", ["num_moe_experts", "mtp_num_layers"])
+def test_the_engine_adapter_refuses_auxiliary_losses_it_does_not_scale(field):
+    model = [Chunk(8, 8), Chunk(8, 8)]
+    model[0].config = type("Config", (), {field: 4})()
+    with pytest.raises(NamError, match=rf"sets {field}: Megatron's schedules scale those auxiliary losses") as e:
+        call(model)
+    assert e.value.exit_code == 3
+
+
+def test_the_engine_adapter_refuses_chunks_it_cannot_hand_inputs_to():
+    with pytest.raises(NamError, match=r"model chunk 1 has no set_input_tensor") as e:
+        call([Chunk(8, 8), nn.Linear(8, 8)])
+    assert e.value.exit_code == 3

@@ -1,0 +1,118 @@
+"""One run for tests/test_megatron_engine_gloo.py: the megatron engine on gloo (under torchrun, with the CUDA
+test double) or the local engine, both on nam56r-tiny in fp32 with the reference backends, on fixed random
+rows (micro-batch ``i`` is a pure function of ``i``).
+
+    torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
+    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6]
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+MICRO_BATCH = 2
+PER_RANK_ACCUM = 2
+
+
+def batch_at(index: int, size: int, cfg) -> dict:
+    g = torch.Generator().manual_seed(1000 + index)
+    t = torch.randint(0, cfg.vocab_size, (size, cfg.seq_len + 1), generator=g)
+    segments = torch.zeros(size, cfg.seq_len, dtype=torch.long)
+    segments[:, cfg.seq_len // 3:] = 1  # two documents per row: MTP targets masked at the boundary
+    return {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(size, cfg.seq_len),
+            "segment_ids": segments, "structure": torch.randint(0, 16, (size, cfg.seq_len), generator=g)}
+
+
+class NoHooks:
+    def before_step(self, step, run):
+        pass
+
+    def after_step(self, step, run, metrics):
+        pass
+
+
+def megatron_run(args, recipe) -> None:
+    import cuda_double  # this folder is on sys.path: the script runs from it
+
+    cuda_double.install()
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from nam56r.flops import flops_per_token
+    from nam56r.megatron import lower
+    from nam56r.megatron_model import NamMegatronModel
+    from nam56r.model import Backends
+    from nam_core.engine import megatron as engine
+
+    def init_parallel(*, tp, pp, ep, seed):  # gloo instead of NCCL; no CUDA RNG tracker (nam56r has no dropout)
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
+        return ProcessGroupCollection.use_mpu_process_groups()
+
+    engine.init_parallel = init_parallel
+    engine._device = lambda: torch.device("cpu")
+    engine.runtime_facts = lambda: {"megatron": engine.megatron_version(), "python": (3, 12), "cuda": True,
+                                    "distributed": True, "world_size": int(os.environ["WORLD_SIZE"]),
+                                    "psutil": True, "deep_ep": False}
+    cfg = recipe.model
+    train = recipe.train.replace(
+        engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=PER_RANK_ACCUM,
+        checkpoint_every=2, keep_checkpoints=10, total_steps=20, pp=args.pp, ep=args.ep,
+        schedule="1f1b" if args.pp > 1 else "single")
+    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=False)
+    run = engine.MegatronRun(
+        run_dir=args.run_dir, train=train, model=NamMegatronModel(cfg, Backends.reference(), lowering, seed=train.seed),
+        batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps,
+        flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume)
+    engine.train(run)
+    engine.shutdown()  # after success only: on an error the other ranks may sit in a collective
+
+
+def local_run(args, recipe) -> None:
+    from nam56r.flops import flops_per_token
+    from nam56r.model import Backends, build_model
+    from nam56r.state import ForwardState
+    from nam_core.engine.local import LocalRun, train
+
+    cfg = recipe.model
+    tc = recipe.train.replace(dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
+                              checkpoint_every=100, total_steps=20)
+    torch.manual_seed(tc.seed)
+    model = build_model(cfg, Backends.reference(), device="cpu")
+    if args.perturb:  # the floor: the same run from weights moved at rounding level
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + args.perturb * (2 * torch.rand(p.shape, generator=g) - 1))
+
+    def forward(batch, micro):
+        return model(**batch, state=ForwardState(micro_batch=micro, seq_layout=tuple(batch["tokens"].shape)))
+
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    train(LocalRun(run_dir=args.run_dir, train=tc, model=model, forward=forward,
+                   batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps,
+                   flops_per_token=flops_per_token(cfg).total, quiet=True))
+
+
+def main() -> None:
+    from nam56r.recipes import get_recipe
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("engine", choices=["megatron", "local"])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--resume", type=Path, default=None)
+    ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
+    ap.add_argument("--perturb", type=float, default=0.0)
+    args = ap.parse_args()
+    (megatron_run if args.engine == "megatron" else local_run)(args, get_recipe("nam56r-tiny"))
+
+
+if __name__ == "__main__":
+    main()

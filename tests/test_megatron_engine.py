@@ -185,6 +185,19 @@ def test_good_checkpoints_need_a_manifest_of_this_format(tmp_path):
     assert engine.good_checkpoints(tmp_path / "none") == []
 
 
+def test_resume_takes_megatron_checkpoints_only(tmp_path):
+    root = tmp_path / "checkpoints"
+    with pytest.raises(NamError, match="no good megatron-engine checkpoint under"):
+        engine.resolve_resume("auto", root)
+    for name, fmt in (("step-00000002", engine.CHECKPOINT_FORMAT), ("step-00000004", 1)):
+        (root / name).mkdir(parents=True)
+        (root / name / "manifest.json").write_text(json.dumps({"format": fmt, "step": int(name[-1])}))
+    assert engine.resolve_resume("auto", root) == root / "step-00000002"
+    assert engine.resolve_resume(str(root / "step-00000002"), root) == root / "step-00000002"
+    with pytest.raises(NamError, match=r"not a complete megatron-engine checkpoint \(no megatron-dist-1 manifest\)"):
+        engine.resolve_resume(str(root / "step-00000004"), root)  # a local-engine checkpoint
+
+
 def test_set_lr_applies_group_multipliers():
     class Opt:
         param_groups = [{"lr": 0.0, "wd_mult": 0.0}, {"lr": torch.tensor(0.0), "lr_mult": 0.5, "wd_mult": 1.0}]

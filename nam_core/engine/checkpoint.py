@@ -18,6 +18,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -115,17 +116,21 @@ def good_checkpoints(ckpt_root: Path) -> list[Path]:
     return [p for p in folders if verify(p) is not None]
 
 
-def resolve_resume(spec: str, ckpt_root: Path) -> Path:
-    """``auto`` -> newest good checkpoint under ``ckpt_root``; a path -> that checkpoint, verified."""
+def resolve_resume(spec: str, ckpt_root: Path, *, good: Callable[[Path], list[Path]] = good_checkpoints,
+                   is_good: Callable[[Path], bool] = lambda folder: verify(folder) is not None,
+                   what: str = "checkpoint", why_not: str = "missing files or sha256 mismatch") -> Path:
+    """``auto`` -> newest good checkpoint under ``ckpt_root``; a path -> that checkpoint, verified.
+
+    ``good``/``is_good``/``what``/``why_not``: another engine's checkpoint format (the megatron engine's)."""
     if spec == "auto":
-        good = good_checkpoints(ckpt_root)
-        if not good:
-            raise NamError(f"--resume auto: no good checkpoint under {ckpt_root}",
+        found = good(ckpt_root)
+        if not found:
+            raise NamError(f"--resume auto: no good {what} under {ckpt_root}",
                            hint="start without --resume, or point --resume at a checkpoint folder")
-        return good[-1]
+        return found[-1]
     folder = Path(spec)
-    if verify(folder) is None:
-        raise NamError(f"--resume {spec}: not a complete checkpoint (missing files or sha256 mismatch)",
+    if not is_good(folder):
+        raise NamError(f"--resume {spec}: not a complete {what} ({why_not})",
                        hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
     return folder
 

@@ -387,17 +387,10 @@ def _restore_adam_steps(optimizer, step: int) -> None:
 def resolve_resume(spec: str, ckpt_root: Path) -> Path:
     """``auto`` -> the newest good megatron-engine checkpoint under ``ckpt_root``; a path -> that folder, if
     it is one (the layout is checked when it loads)."""
-    if spec == "auto":
-        good = good_checkpoints(ckpt_root)
-        if not good:
-            raise NamError(f"--resume auto: no good megatron-engine checkpoint under {ckpt_root}",
-                           hint="start without --resume, or point --resume at a checkpoint folder")
-        return good[-1]
-    folder = Path(spec)
-    if folder.resolve() not in [g.resolve() for g in good_checkpoints(folder.parent)]:
-        raise NamError(f"--resume {spec}: not a complete megatron-engine checkpoint (no {CHECKPOINT_FORMAT} "
-                       "manifest)", hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
-    return folder
+    return checkpoint.resolve_resume(
+        spec, ckpt_root, good=good_checkpoints, what="megatron-engine checkpoint",
+        is_good=lambda folder: folder.resolve() in [g.resolve() for g in good_checkpoints(folder.parent)],
+        why_not=f"no {CHECKPOINT_FORMAT} manifest")
 
 
 def load_checkpoint(folder: Path, model, optimizer, *, layout: dict) -> dict:

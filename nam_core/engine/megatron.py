@@ -446,6 +446,9 @@ class MegatronRun:
     checkpoints: bool = True
     """False: write none, not even at the end (throughput benchmarks, whose state nobody resumes)."""
     step: int = 0
+    log: MetricsLog | None = None
+    """Rank 0's metrics log while training (None on the other ranks): plugins' step hooks write notes to it,
+    as with ``LocalRun.log``."""
 
 
 def _device() -> torch.device:
@@ -546,6 +549,7 @@ def train(run: MegatronRun) -> dict:
     if rank0:
         run.run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet) if rank0 else None
+    run.log = log
     noted: set[str] = set()
     if log is not None:
         if run.resume_from is not None:

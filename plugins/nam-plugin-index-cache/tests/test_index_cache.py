@@ -7,6 +7,7 @@ model cases run nam56r-tiny at ``seq_len`` 32, where top-k 16 keeps half the key
 import dataclasses
 import json
 import statistics
+import types
 
 import pytest
 import torch
@@ -237,6 +238,27 @@ def test_config_check_refuses_a_bad_pattern(pattern, found):
     assert bad.name == "pattern" and found in bad.found and "index-cache.pattern=FSSFSSFSS" in bad.hint
     with pytest.raises(PluginActivationError, match="index-cache: pattern"):
         PluginHost().activate(PLUGINS, CPU, recipe_with(f"index-cache.pattern={pattern}"))
+
+
+def test_step_hooks_read_the_model_description_either_engine_hands_over():
+    """The megatron engine hands hooks NamMegatronModel (cfg and backends, no nam layers) and a log on rank 0
+    only: the hook counts DSA layers from the config, and stays silent where there is no log."""
+    class Log:
+        def __init__(self):
+            self.notes = []
+
+        def note(self, line):
+            self.notes.append(line)
+
+    cfg = get_recipe("nam56r").model
+    described = types.SimpleNamespace(cfg=cfg, backends=dataclasses.replace(Backends.reference(),
+                                                                            indexer=IndexCache()))
+    rank0, rank1 = types.SimpleNamespace(model=described, log=Log()), types.SimpleNamespace(model=described, log=None)
+    plugin.nam_before_step(step=0, run=rank1)
+    plugin.nam_after_step(step=0, run=rank1, metrics={})
+    plugin.nam_before_step(step=0, run=rank0)
+    assert rank0.log.notes == ["index-cache: FSSFSSFSS: 6 of 9 DSA layers reuse a Full layer's top-k; indexer work "
+                               "saved 67%"]
 
 
 def test_config_check_passes_the_default_reports_the_saving_and_accepts_no_config():

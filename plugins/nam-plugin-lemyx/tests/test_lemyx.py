@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -266,6 +267,22 @@ def test_freeze_main_trains_only_the_indexers_until_the_hand_over():
     assert all(p.requires_grad for p in model.parameters())
     assert len(fake.notes) == 2 and "main model frozen" in fake.notes[0]
     assert fake.notes[1].startswith("lemyx: step 2: indexer warm-up over after 2 steps")
+
+
+def test_on_the_megatron_engine_freezing_is_refused_and_the_hand_over_touches_no_parameter():
+    """The megatron engine's run hands hooks a model description (cfg, backends), not an nn.Module, and its
+    distributed optimizer would keep moving frozen parameters: freeze_main is refused there, and without it
+    the step hook only writes its notes."""
+    rec = recipe("lemyx.freeze_main=true", device="cuda")
+    rec = dataclasses.replace(rec, train=rec.train.replace(engine="megatron"))
+    check = by_name(plugin.nam_check_config(config=rec, device=H100))["freeze_main"]
+    assert check.status == FAIL and check.hint == "--set lemyx.freeze_main=false"
+    lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1))
+    described = types.SimpleNamespace(cfg=TINY, backends=dataclasses.replace(Backends.reference(), indexer=lemyx))
+    fake = _Run(described)
+    plugin.nam_before_step(step=0, run=fake)
+    plugin.nam_before_step(step=1, run=fake)
+    assert fake.notes[1].startswith("lemyx: step 1: indexer warm-up over after 1 steps")
 
 
 # --- the CLI ----------------------------------------------------------------------------------------

@@ -91,7 +91,11 @@ def nam_before_step(step, run):
     if strategy is None or strategy.announced or run.log is None:
         return
     strategy.announced = True
-    n_dsa = sum(1 for layer in run.model.layers if layer.spec.kind == "dsa")
+    from nam56r.pattern import resolve
+
+    cfg = run.model.cfg  # the nam model (local engine) or NamMegatronModel (megatron engine): both carry it
+    n_dsa = sum(1 for layer in resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks).layers
+                if layer.symbol == "D")
     run.log.note(f"{NAME}: {describe(strategy.pattern_for(n_dsa))}")
 
 

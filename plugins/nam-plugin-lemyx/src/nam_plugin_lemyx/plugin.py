@@ -79,6 +79,11 @@ def nam_check_config(config, device):
         checks.append(Check(NAME, "target", FAIL, "index heads == attention heads for the per-head target",
                             f"{model.index_heads} index heads, {model.attn_heads} attention heads",
                             hint=f"--set {NAME}.target=head-sum"))
+    if opts.freeze_main and config.train.engine == "megatron":
+        checks.append(Check(NAME, "freeze_main", FAIL,
+                            "freeze_main=false on the megatron engine (its DDP buffers and distributed optimizer "
+                            "keep updating parameters whose requires_grad is turned off)",
+                            "freeze_main=true, engine=megatron", hint=f"--set {NAME}.freeze_main=false"))
     if model.dsa_dense_warmup:
         checks.append(Check(NAME, "dense warm-up", FAIL, "dsa_dense_warmup=false (lemyx runs the dense stage)",
                             "dsa_dense_warmup=true", hint="--set dsa_dense_warmup=false"))
@@ -145,6 +150,8 @@ def _freeze(model, strategy) -> None:
 
 
 def _unfreeze(model, strategy) -> None:
+    if not getattr(strategy, "frozen", None):  # nothing frozen (always so on the megatron engine)
+        return
     params = dict(model.named_parameters())
     for n in getattr(strategy, "frozen", None) or []:
         params[n].requires_grad_(True)

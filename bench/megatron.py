@@ -25,7 +25,8 @@ does not fall.
 GPU count with EP = GPUs, and the local engine on one GPU as the baseline row: tokens/s per GPU, model
 TFLOP/s per GPU by nam56r/flops.py and at the published record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250
 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step time is the median after ``--warmup`` steps of the
-engines' own ``step_time_s`` (the slowest rank's, for megatron).
+engines' own ``step_time_s`` (the slowest rank's, for megatron). ``--profile DIR`` adds one profiled step
+per run, outside the medians, and writes rank 0's operator table to ``DIR/<engine>-<N>gpu.txt``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,42 @@ class NoHooks:
         pass
 
 
+class ProfileStep(NoHooks):
+    """Profiles one training step (0-based ``step``) with torch.profiler and writes the operators by their own
+    device time (CPU time on a machine without CUDA) to ``out``: on rank 0 only, for both engines."""
+
+    def __init__(self, step: int, out: Path):
+        self.step, self.out, self.prof = step, out, None
+
+    def before_step(self, step, run):
+        import torch
+
+        if step == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
+
+    def after_step(self, step, run, metrics):
+        import torch
+
+        if self.prof is None or step != self.step:
+            return
+        self.prof.__exit__(None, None, None)
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if rank0:
+            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            self.out.write_text(self.prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+        self.prof = None
+
+
+def hooks_for(spec: dict):
+    if spec.get("profile_step") is None:
+        return NoHooks()
+    return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
+
+
 def run_worker(spec: dict) -> None:
     """One engine run described by ``spec`` (written by ``launch``); metrics land in ``spec['run_dir']``."""
     import torch
@@ -143,7 +180,7 @@ def run_worker(spec: dict) -> None:
         run = megatron.MegatronRun(
             run_dir=run_dir, train=train, model=NamMegatronModel(cfg, backends, lowering, seed=train.seed,
                                                                  init_from=init),
-            host=NoHooks(), max_steps=spec["steps"], flops_per_token=flops,
+            host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops,
             batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
             resume_from=Path(spec["resume"]) if spec.get("resume") else None, quiet=True,
             checkpoints=spec.get("checkpoints", True))
@@ -168,7 +205,7 @@ def run_worker(spec: dict) -> None:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     local_train(LocalRun(run_dir=run_dir, train=train, model=model, forward=forward, batch_at=batch_at,
-                         host=NoHooks(), max_steps=spec["steps"], flops_per_token=flops, quiet=True))
+                         host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops, quiet=True))
 
 
 def launch(spec: dict, work: Path, gpus: int) -> list[dict]:
@@ -300,7 +337,7 @@ def throughput(args) -> int:
     packed_rows(cfg.seq_len, recipe.train.seed)
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-bench-", dir=args.work))
     flops = flops_per_token(cfg).total
-    steps = args.warmup + args.iters
+    steps = args.warmup + args.iters + (1 if args.profile else 0)  # a profiled step runs last, outside the medians
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
                                                     warmup_steps=1, checkpoint_every=steps + 1, schedule="single"))
     rows = []
@@ -309,7 +346,10 @@ def throughput(args) -> int:
         name = f"{engine}-{n}gpu"
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "engine": engine,
                 "run_dir": str(work / name), "steps": steps, "ep": n, "train": train, "checkpoints": False}
-        metrics = launch(spec, work, n)[args.warmup:]
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            spec.update(profile_step=steps - 1, profile_out=str(args.profile / f"{name}.txt"))
+        metrics = launch(spec, work, n)[args.warmup:args.warmup + args.iters]
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
         rows.append({"engine": engine, "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
@@ -373,6 +413,8 @@ def main() -> int:
     t.add_argument("--mbs", type=int, default=1)
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--iters", type=int, default=4)
+    t.add_argument("--profile", type=Path, default=None,
+                   help="folder: profile one extra step per engine run (torch.profiler, operators by device time)")
     for p in (c, t):
         p.add_argument("--json", type=Path, default=None)
         p.add_argument("--work", type=Path, default=None, help="where run folders go (default: the temp dir)")

@@ -2,8 +2,14 @@
 against the local engine, and resume, with Megatron-Core 0.19's CUDA calls replaced by a test double
 (tests/megatron_gloo/cuda_double.py says what, and why the compared numbers do not depend on it).
 
-Runs where megatron-core >= 0.19 and psutil import (the GPU host, or a machine with 0.19's sources on the
-path, e.g. PYTHONPATH=/tmp/mcore); CI has 0.16.1 and skips with the reason. About four minutes on 2 cores.
+Runs where megatron-core >= 0.19 and psutil import: the GPU host, or this project's Python 3.11 machines with
+0.19's sources on the path (its only compiled part, the dataset helpers, is not used here)::
+
+    mkdir -p /tmp/mcore && tar xJf .device-wheels/site.tar.xz -C /tmp/mcore ./megatron ./megatron_core-0.19.2.dist-info
+    pip install --target /tmp/pylibs psutil
+    PYTHONPATH=/tmp/mcore:/tmp/pylibs python -m pytest tests/test_megatron_engine_gloo.py
+
+CI has 0.16.1 and skips with the reason. About four minutes on 2 cores.
 
 What equal means here: two runs of the same math in different summation orders part slowly under Adam.
 Each comparison is bounded by the floor, the local engine against itself started from weights perturbed

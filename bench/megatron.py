@@ -1,10 +1,11 @@
 """Check and benchmark the megatron engine (nam_core/engine/megatron.py) against the local engine on one GPU.
 
-Two commands for the GPU host (megatron-core 0.19.2 importable, e.g. ``PYTHONPATH=/tmp/site``); each starts
+Three commands for the GPU host (megatron-core 0.19.2 importable, e.g. ``PYTHONPATH=/tmp/site``); each starts
 ``torchrun`` itself for the megatron runs:
 
     python bench/megatron.py check --gpus 2 --steps 20 --json bench/results/megatron_check.json
     python bench/megatron.py throughput --gpus 1,2,4 --json bench/results/megatron.json
+    python bench/megatron.py grads --gpus 2 --json bench/results/megatron_grads_2gpu.json
 
 ``check``: NAM56R's 52-layer pattern at nam56r-tiny widths on CUDA with the reference backends, one initial
 state (nam's initialisation at the recipe's seed, saved once and loaded by every run) and one data order
@@ -20,6 +21,11 @@ It prints one table of per-step losses and relative differences, and exits 1 whe
 the uninterrupted one by more than RESUME_RTOL, the engines' step-1 loss or gradient norm differ by more than
 STEP1_RTOL, their losses differ on any step by more than max(ENGINE_RTOL, FLOOR_FACTOR x floor), or the loss
 does not fall.
+
+``grads``: one forward-backward of step 1 (no optimizer step) through the megatron engine's model and
+through the local model, from the same weights and rows: the relative difference of every parameter's
+gradient on every rank, worst first. Where ``check``'s step-1 gradient norm disagrees, this says which
+parameters do.
 
 ``throughput``: the full-width NAM56R (fast plugins mamba-ssm, sparse-mla, liger; bf16, sequence 4096), per
 GPU count with EP = GPUs, and the local engine on one GPU as the baseline row: tokens/s per GPU, model
@@ -170,6 +176,15 @@ def run_worker(spec: dict) -> None:
     run_dir = Path(spec["run_dir"])
     init = Path(spec["init"]) if spec.get("init") else None
     flops = flops_per_token(cfg).total
+    if spec["engine"] == "grads":
+        from nam_core.engine import megatron
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        train = train.replace(engine="megatron", ep=spec["ep"])
+        step1_gradients(cfg, train, backends, lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
+                        run_dir)
+        megatron.shutdown()
+        return
     if spec["engine"] == "megatron":
         from nam56r.megatron import lower
         from nam56r.megatron_model import NamMegatronModel
@@ -206,6 +221,65 @@ def run_worker(spec: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     local_train(LocalRun(run_dir=run_dir, train=train, model=model, forward=forward, batch_at=batch_at,
                          host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops, quiet=True))
+
+
+def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]:
+    """Under torchrun (PP 1): step 1's forward-backward through the megatron engine's model, no optimizer step,
+    against the local model's gradients on the same rows, for every Megatron parameter on this rank. Writes
+    ``out_dir/grads_rank<R>.json`` (this rank's rows, worst first) and returns the rows.
+
+    Both start from nam's initialisation at ``train.seed``; the local model runs all ``dp x grad_accum``
+    micro-batches on each rank, and its gradients are renamed and sliced for this rank (``for_this_rank``).
+    DDP runs without the distributed optimizer here, so every gradient is whole after the all-reduce.
+    """
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from nam56r.megatron import lower
+    from nam56r.megatron_model import NamMegatronModel, for_this_rank
+    from nam56r.model import build_model
+    from nam56r.state import ForwardState
+    from nam_core.engine import megatron as engine
+
+    lowering = lower(cfg, ep=train.ep, micro_batch_size=train.micro_batch_size, bf16=train.dtype == "bfloat16")
+    provider = NamMegatronModel(cfg, backends, lowering, seed=train.seed)
+    pg = engine.init_parallel(**provider.parallel, seed=train.seed)
+    device = engine._device()
+    config = provider.transformer_config()
+    module = provider.build(config, pg, device)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    ddp.zero_grad_buffer()
+    dp, dp_rank, n, mbs = pg.dp.size(), pg.dp.rank(), train.grad_accum, train.micro_batch_size
+
+    def rows_of(i):
+        return {k: v.to(device) for k, v in batch_at(i, mbs).items()}
+
+    get_forward_backward_func()(
+        forward_step_func=provider.forward_step, data_iterator=((dp_rank * n + j, rows_of(dp_rank * n + j))
+                                                                for j in range(n)),
+        model=[ddp], num_microbatches=n, seq_length=cfg.seq_len, micro_batch_size=mbs, forward_only=False)
+    got = {name: p.main_grad.detach().float() for name, p in module.named_parameters()}
+
+    torch.manual_seed(train.seed)
+    local = build_model(cfg, backends, device=device).to(getattr(torch, train.dtype))
+    for i in range(dp * n):
+        batch = rows_of(i)
+        out_i = local(**batch, state=ForwardState(micro_batch=i, seq_layout=tuple(batch["tokens"].shape)))
+        (out_i["loss"] / (dp * n)).backward()
+    want = for_this_rank(module, {k: p.grad.float() for k, p in local.named_parameters() if p.grad is not None},
+                         lowering, pg)
+    rows = []
+    for name, g in got.items():
+        w = want.get(name)
+        norm = None if w is None else w.norm().item()
+        rel = None if w is None else (g - w).norm().item() / max(norm, 1e-30)
+        rows.append({"param": name, "local_norm": norm, "megatron_norm": g.norm().item(), "rel": rel})
+    rows.sort(key=lambda r: -1.0 if r["rel"] is None else r["rel"], reverse=True)
+    rank = torch.distributed.get_rank()
+    (out_dir / f"grads_rank{rank}.json").write_text(json.dumps({"rank": rank, "rows": rows}, indent=1) + "\n")
+    return rows
 
 
 def launch(spec: dict, work: Path, gpus: int) -> list[dict]:
@@ -324,6 +398,36 @@ def print_check(dtype: str, rows: list[dict], gpus: int) -> None:
               f"| {r['floor_rel']:.1e} | {resume_rel} |")
 
 
+def grads(args) -> int:
+    """Step 1's gradients, megatron engine vs local model, per parameter (``step1_gradients``)."""
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe("nam56r-tiny")
+    work = Path(tempfile.mkdtemp(prefix="nam-megatron-grads-", dir=args.work))
+    packed_rows(recipe.model.seq_len, recipe.train.seed)
+    train = dataclasses.asdict(recipe.train.replace(device="cuda", dtype=args.dtype, grad_accum=args.micro_batches,
+                                                    schedule="single"))
+    spec = {"recipe": recipe.name, "backends": "reference", "engine": "grads", "run_dir": str(work / "grads"),
+            "steps": 1, "ep": args.gpus, "train": train}
+    launch(spec, work, args.gpus)
+    rows = [dict(r, rank=int(f.stem.split("rank")[1])) for f in sorted((work / "grads").glob("grads_rank*.json"))
+            for r in json.loads(f.read_text())["rows"]]
+    rows.sort(key=lambda r: -1.0 if r["rel"] is None else r["rel"], reverse=True)
+    print(f"\nstep-1 gradients, megatron engine on {args.gpus} GPU(s) (EP {args.gpus}) vs the local model, "
+          f"{args.dtype}; worst {args.top} of {len(rows)} (rank, parameter)\n")
+    print("| rank | parameter | local norm | megatron norm | relative difference |")
+    print("|---|---|---|---|---|")
+    for r in rows[:args.top]:
+        rel = "no local gradient" if r["rel"] is None else f"{r['rel']:.1e}"
+        local = "-" if r["local_norm"] is None else f"{r['local_norm']:.4e}"
+        print(f"| {r['rank']} | {r['param']} | {local} | {r['megatron_norm']:.4e} | {rel} |")
+    if args.json:
+        write_json(args.json, {"meta": meta(gpus=args.gpus, dtype=args.dtype, micro_batches=args.micro_batches),
+                               "rows": rows})
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 # --- throughput -------------------------------------------------------------------------------------------
 
 
@@ -407,6 +511,11 @@ def main() -> int:
     c.add_argument("--keep", action="store_true", help="keep the run folders (printed at the start)")
     c.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"],
                    help="comma-separated: float32, bfloat16 (default both)")
+    g = sub.add_parser("grads", help="tiny model: step-1 gradients per parameter, megatron engine vs local model")
+    g.add_argument("--gpus", type=int, default=2)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank")
+    g.add_argument("--top", type=int, default=15)
     t = sub.add_parser("throughput", help="full NAM56R: tokens/s, TFLOP/s and peak memory per GPU")
     t.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     t.add_argument("--layers", type=int, default=52)
@@ -415,7 +524,7 @@ def main() -> int:
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
                    help="folder: profile one extra step per engine run (torch.profiler, operators by device time)")
-    for p in (c, t):
+    for p in (c, g, t):
         p.add_argument("--json", type=Path, default=None)
         p.add_argument("--work", type=Path, default=None, help="where run folders go (default: the temp dir)")
     w = sub.add_parser("_worker", help=argparse.SUPPRESS)
@@ -427,7 +536,7 @@ def main() -> int:
     if args.command == "check" and args.steps % 2:
         ap.error("--steps must be even")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every engine run, same allocator
-    return check(args) if args.command == "check" else throughput(args)
+    return {"check": check, "grads": grads, "throughput": throughput}[args.command](args)
 
 
 if __name__ == "__main__":

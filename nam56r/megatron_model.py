@@ -428,16 +428,22 @@ def nam_hybrid_model_class():
     return NamHybridModel
 
 
-def load_nam_weights(model, nam_state: Mapping[str, torch.Tensor], lowering, pg_collection) -> None:
-    """Copy a nam56r state dict into one rank's (unwrapped) NamHybridModel; every parameter and persistent
-    buffer must be written exactly once, or nothing trains."""
+def for_this_rank(model, nam_tensors: Mapping[str, torch.Tensor], lowering, pg_collection) -> dict:
+    """``nam_tensors`` (keyed by nam56r parameter names: weights, or their gradients) renamed and sliced for
+    one rank's (unwrapped) NamHybridModel: its pipeline stage, its experts."""
     numbers = [layer.layer_number for layer in model.decoder.layers]  # 1-based, global
     kinds = tuple(KIND[layer["nam"]] for layer in lowering.layers)
-    mapped = nam_state_to_megatron(
-        nam_state, kinds, mtp_pattern=lowering.mtp_pattern or "+-", ep_rank=pg_collection.ep.rank(),
+    return nam_state_to_megatron(
+        nam_tensors, kinds, mtp_pattern=lowering.mtp_pattern or "+-", ep_rank=pg_collection.ep.rank(),
         ep_size=pg_collection.ep.size(), first=numbers[0] - 1 if numbers else 0,
         stop=numbers[-1] if numbers else 0, pre_process=model.pre_process, post_process=model.post_process,
         mtp_process=model.mtp_process)
+
+
+def load_nam_weights(model, nam_state: Mapping[str, torch.Tensor], lowering, pg_collection) -> None:
+    """Copy a nam56r state dict into one rank's (unwrapped) NamHybridModel; every parameter and persistent
+    buffer must be written exactly once, or nothing trains."""
+    mapped = for_this_rank(model, nam_state, lowering, pg_collection)
     missing, unexpected = model.load_state_dict(mapped, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]  # Megatron linears' (empty) extra state
     if missing or unexpected:

@@ -16,6 +16,7 @@ Each comparison is bounded by the floor, the local engine against itself started
 by 1e-6 (tests/megatron_gloo/worker.py), and step 1, before any update, must agree to summation order.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -93,3 +94,18 @@ def test_production_layout_eight_ranks_ep8(tmp_path):
     full = _run(tmp_path, "ep8", "megatron", "--ep", "8", nproc=8, steps=steps)
     _assert_close(full, *local)
     assert (tmp_path / "ep8" / "checkpoints" / "step-00000002" / "manifest.json").is_file()
+
+
+def test_step1_gradients_per_parameter_at_ep2(tmp_path):
+    """bench/megatron.py's per-parameter comparison (the tool for a step-1 gradient-norm gap): at EP 2 every
+    Megatron parameter on both ranks has a local counterpart, and each gradient agrees to summation order."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*launcher, str(WORKER), "grads", str(tmp_path), "1", "--ep", "2"], capture_output=True,
+                          text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        rows = json.loads((tmp_path / f"grads_rank{rank}.json").read_text())["rows"]
+        assert len(rows) > 800 and all(r["rel"] is not None for r in rows)
+        assert max(r["rel"] for r in rows) <= 1e-4, rows[0]
+        assert any(".mlp.experts.local_experts." in r["param"] for r in rows)

@@ -33,17 +33,14 @@ class NoHooks:
         pass
 
 
-def megatron_run(args, recipe) -> None:
+def _install_double():
+    """The CUDA double, and the engine's NCCL/CUDA entry points pointed at gloo and the CPU."""
     import cuda_double  # this folder is on sys.path: the script runs from it
 
     cuda_double.install()
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from nam56r.flops import flops_per_token
-    from nam56r.megatron import lower
-    from nam56r.megatron_model import NamMegatronModel
-    from nam56r.model import Backends
     from nam_core.engine import megatron as engine
 
     def init_parallel(*, tp, pp, ep, seed):  # gloo instead of NCCL; no CUDA RNG tracker (nam56r has no dropout)
@@ -58,6 +55,16 @@ def megatron_run(args, recipe) -> None:
     engine.runtime_facts = lambda: {"megatron": engine.megatron_version(), "python": (3, 12), "cuda": True,
                                     "distributed": True, "world_size": int(os.environ["WORLD_SIZE"]),
                                     "psutil": True, "deep_ep": False}
+    return engine
+
+
+def megatron_run(args, recipe) -> None:
+    engine = _install_double()
+    from nam56r.flops import flops_per_token
+    from nam56r.megatron import lower
+    from nam56r.megatron_model import NamMegatronModel
+    from nam56r.model import Backends
+
     cfg = recipe.model
     train = recipe.train.replace(
         engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=PER_RANK_ACCUM,
@@ -70,6 +77,23 @@ def megatron_run(args, recipe) -> None:
         flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume)
     engine.train(run)
     engine.shutdown()  # after success only: on an error the other ranks may sit in a collective
+
+
+def grads_run(args, recipe) -> None:
+    """bench/megatron.py's step-1 gradient comparison, on gloo with the CUDA double."""
+    import importlib.util
+
+    _install_double()
+    from nam56r.model import Backends
+
+    spec = importlib.util.spec_from_file_location("bench_megatron", Path(__file__).parents[2] / "bench" / "megatron.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = recipe.model
+    train = recipe.train.replace(engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH,
+                                 grad_accum=PER_RANK_ACCUM, ep=args.ep)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    bench.step1_gradients(cfg, train, Backends.reference(), lambda i, b: batch_at(i, b, cfg), args.run_dir)
 
 
 def local_run(args, recipe) -> None:
@@ -102,7 +126,7 @@ def main() -> None:
     from nam56r.recipes import get_recipe
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("engine", choices=["megatron", "local"])
+    ap.add_argument("engine", choices=["megatron", "local", "grads"])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("steps", type=int)
     ap.add_argument("--pp", type=int, default=1)
@@ -111,7 +135,8 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
     args = ap.parse_args()
-    (megatron_run if args.engine == "megatron" else local_run)(args, get_recipe("nam56r-tiny"))
+    run = {"megatron": megatron_run, "local": local_run, "grads": grads_run}[args.engine]
+    run(args, get_recipe("nam56r-tiny"))
 
 
 if __name__ == "__main__":

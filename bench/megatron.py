@@ -248,7 +248,12 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     device = engine._device()
     config = provider.transformer_config()
     module = provider.build(config, pg, device)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    wrapped = module
+    if train.dtype == "bfloat16":  # as the engine runs it; the parameters the model keeps fp32 stay fp32
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = Float16Module(config, module)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     ddp.zero_grad_buffer()
     dp, dp_rank, n, mbs = pg.dp.size(), pg.dp.rank(), train.grad_accum, train.micro_batch_size

@@ -504,7 +504,6 @@ def train(run: MegatronRun) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-
     provider, tc = run.model, run.train
     bf16 = tc.dtype == "bfloat16"
     par = dict(provider.parallel)

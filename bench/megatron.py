@@ -233,7 +233,7 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     DDP runs without the distributed optimizer here, so every gradient is whole after the all-reduce.
     """
     import torch
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from nam56r.megatron import lower
@@ -246,14 +246,8 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     provider = NamMegatronModel(cfg, backends, lowering, seed=train.seed)
     pg = engine.init_parallel(**provider.parallel, seed=train.seed)
     device = engine._device()
-    config = provider.transformer_config()
-    module = provider.build(config, pg, device)
-    wrapped = module
-    if train.dtype == "bfloat16":  # as the engine runs it; the parameters the model keeps fp32 stay fp32
-        from megatron.core.transformer.module import Float16Module
-
-        wrapped = Float16Module(config, module)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
+    config, ddp = engine.build_ddp(provider, train, pg, distributed_optimizer=False)  # whole gradients
+    module = engine.unwrap(ddp)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     ddp.zero_grad_buffer()
     dp, dp_rank, n, mbs = pg.dp.size(), pg.dp.rank(), train.grad_accum, train.micro_batch_size

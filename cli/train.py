@@ -146,8 +146,8 @@ def train(
         rec = dataclasses.replace(rec, train=rec.train.replace(seed=seed))
     if device is not None:
         rec = dataclasses.replace(rec, train=rec.train.replace(device=device))
-    layout = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v is not None}
-    rec = dataclasses.replace(rec, train=rec.train.replace(engine=engine, **layout))
+    flags = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v is not None}  # they beat --set train.*
+    rec = dataclasses.replace(rec, train=rec.train.replace(engine=engine, **flags))
     layout = {"tp": rec.train.tp, "pp": rec.train.pp, "ep": rec.train.ep}
     if engine == "local" and (nproc is not None or set(layout.values()) != {1}):
         raise ConfigError("--nproc and a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine "
@@ -161,17 +161,17 @@ def train(
     if engine == "megatron":
         mega = _megatron_start(rec, names, nproc=nproc, dry_run=dry_run)
     if mega is None:
-        return _train(rec, names, host, steps=steps, mega=mega, layout=layout,
+        return _train(rec, names, host, steps=steps, mega=mega,
                       run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
     from nam_core.engine.megatron import shutdown
 
-    _train(rec, names, host, steps=steps, mega=mega, layout=layout,
+    _train(rec, names, host, steps=steps, mega=mega,
            run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
     shutdown()  # on success only: after an error on one rank, the others may sit in a collective (torchrun
     # then stops them), and a barrier here would wait for them forever
 
 
-def _train(rec, names, host, *, steps, mega, layout, run_dir, data, resume, dry_run, quiet, json_out) -> None:
+def _train(rec, names, host, *, steps, mega, run_dir, data, resume, dry_run, quiet, json_out) -> None:
     """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
     import torch
 
@@ -189,7 +189,7 @@ def _train(rec, names, host, *, steps, mega, layout, run_dir, data, resume, dry_
     flops = flops_per_token(rec.model).total
     provider = None
     if mega is not None:
-        provider = _megatron_model(rec, backends, names, host, **layout, world_size=mega["world_size"])
+        provider = _megatron_model(rec, backends, host, mega)
 
     if dry_run:
         model = build_model(rec.model, backends, device="meta")
@@ -316,7 +316,7 @@ def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
 def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
     """Before anything touches CUDA: the allocator, the runtime, the layout; then the process group.
 
-    Returns ``{"rank", "world_size"}``. With ``--nproc`` and no torchrun around this process, it checks what
+    Returns ``{"rank", "world_size", "lowering"}``. With ``--nproc`` and no torchrun around this process, it checks what
     it can and replaces itself with torchrun running the same command (so this never returns there).
     """
     from nam56r.megatron import lower
@@ -340,7 +340,7 @@ def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
                      registered_schedules={rec.train.schedule: None})
     check_lowering(lowering, registered_schedules={n: None for n in names})
     if dry_run:
-        return {"rank": 0, "world_size": world}
+        return {"rank": 0, "world_size": world, "lowering": lowering}
     if not launched and nproc is not None:
         argv = _torchrun_argv(sys.argv[1:], nproc)
         os.execv(argv[0], argv)  # noqa: the same command, once per GPU
@@ -349,22 +349,20 @@ def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
     meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
     meg.check_runtime(meg.runtime_facts(), dispatcher=rec.train.moe_dispatcher)
     meg.init_distributed()
-    return {"rank": torch.distributed.get_rank(), "world_size": world}
+    return {"rank": torch.distributed.get_rank(), "world_size": world, "lowering": lowering}
 
 
-def _megatron_model(rec, backends, names, host, *, tp, pp, ep, world_size):
-    """NAM56R lowered for this layout, checked against the registered schedules."""
-    from nam56r.megatron import lower
+def _megatron_model(rec, backends, host, mega: dict):
+    """NAM56R for the megatron engine from ``_megatron_start``'s lowering, checked against the schedules the
+    activated plugins registered (before anything is written)."""
     from nam56r.megatron_model import NamMegatronModel
     from nam_core.engine import megatron as meg
 
     schedules = host.registry("schedules")
     registered = {n: schedules.get(n) for n in schedules.names()}
-    lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
-                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16",
-                     dispatcher=rec.train.moe_dispatcher)
-    meg.check_layout(world_size=world_size, tp=tp, pp=pp, ep=ep, train=rec.train, registered_schedules=registered)
-    model = NamMegatronModel(rec.model, backends, lowering, seed=rec.train.seed)
+    meg.check_layout(world_size=mega["world_size"], tp=rec.train.tp, pp=rec.train.pp, ep=rec.train.ep,
+                     train=rec.train, registered_schedules=registered)
+    model = NamMegatronModel(rec.model, backends, mega["lowering"], seed=rec.train.seed)
     model.check(registered_schedules=registered)
     return model
 

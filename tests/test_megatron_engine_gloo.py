@@ -35,15 +35,19 @@ pytestmark = pytest.mark.skipif(
     reason="needs megatron-core >= 0.19 and psutil importable (CI has megatron-core 0.16.1)")
 
 
-def _run(tmp_path: Path, name: str, engine_name: str, *args: str, nproc: int = 1, steps: int = STEPS) -> list[dict]:
-    run_dir = tmp_path / name
+def _worker(engine_name: str, run_dir: Path, steps: int, *args: str, nproc: int = 1) -> None:
+    """tests/megatron_gloo/worker.py in its own processes (under torchrun for the megatron engine)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                if engine_name == "megatron" else [sys.executable])
+                if engine_name != "local" else [sys.executable])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, str(WORKER), engine_name, str(run_dir), str(steps), *args],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_metrics(run_dir)
+
+
+def _run(tmp_path: Path, name: str, engine_name: str, *args: str, nproc: int = 1, steps: int = STEPS) -> list[dict]:
+    _worker(engine_name, tmp_path / name, steps, *args, nproc=nproc)
+    return read_metrics(tmp_path / name)
 
 
 def _rel(a: float, b: float) -> float:
@@ -99,11 +103,7 @@ def test_production_layout_eight_ranks_ep8(tmp_path):
 def test_step1_gradients_per_parameter_at_ep2(tmp_path):
     """bench/megatron.py's per-parameter comparison (the tool for a step-1 gradient-norm gap): at EP 2 every
     Megatron parameter on both ranks has a local counterpart, and each gradient agrees to summation order."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([*launcher, str(WORKER), "grads", str(tmp_path), "1", "--ep", "2"], capture_output=True,
-                          text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _worker("grads", tmp_path, 1, "--ep", "2", nproc=2)
     for rank in (0, 1):
         rows = json.loads((tmp_path / f"grads_rank{rank}.json").read_text())["rows"]
         assert len(rows) > 800 and all(r["rel"] is not None for r in rows)

@@ -491,18 +491,31 @@ def _step_means(losses: list[dict], aux: dict, moe_coeff: float, n_micro: int, d
     return means
 
 
+def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, distributed_optimizer: bool):
+    """This rank's model in Megatron's DDP (bf16 through Float16Module; parameters the model keeps fp32 stay
+    fp32, §8), gradients reduced in fp32; returns ``(transformer config, DDP model)``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = provider.transformer_config()
+    if config.params_dtype != getattr(torch, train.dtype):
+        raise ConfigError(f"the model was lowered for {config.params_dtype}, train.dtype is {train.dtype}",
+                          hint="lower the model with the run's dtype (nam56r.megatron.lower(..., bf16=...))")
+    module = provider.build(config, pg_collection, _device())
+    if train.dtype == "bfloat16":
+        module = Float16Module(config, module)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=distributed_optimizer)
+    return config, DistributedDataParallel(config, ddp_config, module)
+
+
 def train(run: MegatronRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
     check_runtime(runtime_facts(), dispatcher=run.train.moe_dispatcher)
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
 
     provider, tc = run.model, run.train
     bf16 = tc.dtype == "bfloat16"
@@ -519,16 +532,7 @@ def train(run: MegatronRun) -> dict:
     rank0 = torch.distributed.get_rank() == 0
     layout = {"world_size": world, **par}
 
-    config = provider.transformer_config()
-    if config.params_dtype != getattr(torch, tc.dtype):
-        raise ConfigError(f"the model was lowered for {config.params_dtype}, train.dtype is {tc.dtype}",
-                          hint="lower the model with the run's dtype (nam56r.megatron.lower(..., bf16=...))")
-    module = provider.build(config, pg, _device())
-    if bf16:
-        module = Float16Module(config, module)  # parameters the model keeps fp32 stay fp32 (§8)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=True)
-    model = DistributedDataParallel(config, ddp_config, module)
+    config, model = build_ddp(provider, tc, pg, distributed_optimizer=True)
     model.broadcast_params()
     opt_config = OptimizerConfig(
         optimizer="adam", lr=tc.lr, min_lr=tc.lr * tc.min_lr_ratio, weight_decay=tc.weight_decay,

@@ -288,7 +288,7 @@ def launch(spec: dict, work: Path, gpus: int) -> list[dict]:
     path = work / f"{Path(spec['run_dir']).name}.json"
     path.write_text(json.dumps(spec))
     me = str(Path(__file__).resolve())
-    if spec["engine"] == "megatron":
+    if spec["engine"] in ("megatron", "grads"):  # both run Megatron's process groups: one process per GPU
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", me,
                "_worker", str(path)]
     else:

@@ -246,7 +246,7 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     provider = NamMegatronModel(cfg, backends, lowering, seed=train.seed)
     pg = engine.init_parallel(**provider.parallel, seed=train.seed)
     device = engine._device()
-    config, ddp = engine.build_ddp(provider, train, pg, distributed_optimizer=False)  # whole gradients
+    config, (ddp,) = engine.build_ddp(provider, train, pg, distributed_optimizer=False)  # whole gradients; pp 1
     module = engine.unwrap(ddp)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     ddp.zero_grad_buffer()

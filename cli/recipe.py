@@ -74,7 +74,7 @@ def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
 
     recipe = get_recipe(name)
     lowering = lower(recipe.model, tp=tp, pp=pp, ep=ep, micro_batch_size=recipe.train.micro_batch_size,
-                     plugins=dict.fromkeys(recipe.plugins), bf16=recipe.train.dtype == "bfloat16")
+                     schedule=recipe.train.schedule, bf16=recipe.train.dtype == "bfloat16")
     return {"recipe": recipe.name, **lowering.to_dict(), "flags": megatron_args(lowering)}
 
 

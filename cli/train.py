@@ -332,7 +332,7 @@ def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
     world = int(os.environ["WORLD_SIZE"]) if launched else (nproc or 1)
     tp, pp, ep = rec.train.tp, rec.train.pp, rec.train.ep
     lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
-                     plugins={n: None for n in names}, bf16=rec.train.dtype == "bfloat16",
+                     schedule=rec.train.schedule, bf16=rec.train.dtype == "bfloat16",
                      dispatcher=rec.train.moe_dispatcher)
     # The schedules registry fills when plugins activate (later): here a plugin schedule is taken on trust,
     # and _megatron_model checks it against the registry.

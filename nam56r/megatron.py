@@ -30,6 +30,8 @@ MLP = "-"  # dense MLP layer (`mlp_layer`): only inside NAM56R's MTP depths
 MTP_SEPARATOR = "/"  # one `/`-part per MTP depth, all identical (§1.3 parse_hybrid_pattern)
 PIPE = "|"  # pipeline-segment separator, main pattern only (§1.3 select_pipeline_segment)
 MTP_DEPTH = "+-"  # nam's MTPDepth: one full-MLA layer, then one dense SwiGLU (nam56r/model.py)
+V_SCHEDULE = "dualpipev"
+"""The ``train.schedule`` that folds ``2 pp`` stages into a V over ``pp`` ranks (nam-plugin-dualpipev)."""
 
 DISPATCHERS = ("alltoall", "flex")
 """MoE token dispatchers (§5): Megatron's all-to-all, or its flex dispatcher on DeepEP's kernels. The run's
@@ -93,6 +95,10 @@ class Lowering:
     micro_batch_size: int
     schedule: str
     """``megatron`` (its own pp schedules, §7) or a nam schedule plugin such as ``dualpipev``."""
+    chunks: int
+    """Model chunks per pipeline rank: 1, or 2 for DualPipeV's V (``stage_of`` maps rank and chunk to a stage).
+    The pattern's `|` segments are the stages in stage order; for the V that is not Megatron's interleaved
+    order (segment ``vp * pp + rank``), so the model builder picks each chunk's segment itself."""
     moe_dispatcher: str
     cuda_graphs: bool
     gaps: tuple[Gap, ...]
@@ -128,7 +134,7 @@ def _divides(what: str, value: int, by: int, option: str, hint: str) -> None:
                           hint=hint)
 
 
-def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, plugins: Mapping) -> None:
+def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, schedule: str) -> None:
     # Stock MambaMixer asserts nheads % tp == 0 and ngroups % tp == 0 (§2); MLA splits heads over tp (§3).
     tp_hint = "choose --tp among the common divisors of attn_heads, mamba heads and mamba_ngroups"
     _divides("attn_heads", cfg.attn_heads, tp, "tp", tp_hint)
@@ -143,17 +149,32 @@ def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, plugins: Ma
                           f"found moe_backend={cfg.moe_backend!r}",
                           hint="--set moe_backend=reference for the megatron engine (the local engine takes fp8)")
     # pp > 1: one `|` segment per stage, segment count divisible by pp (§1.3); uneven splits are not lowered.
-    _divides("num_layers", cfg.num_layers, pp, "pp",
-             f"choose --pp among the divisors of num_layers={cfg.num_layers}; an uneven stage split "
+    stages = pp * chunks_per_rank(schedule)
+    _divides("num_layers", cfg.num_layers, stages, "pipeline stages" if stages != pp else "pp",
+             f"choose --pp so that {stages // pp} x pp divides num_layers={cfg.num_layers}; an uneven stage split "
              "(num_layers_in_first/last_pipeline_stage) is not supported by the lowering yet")
-    if "dualpipev" in plugins:
+    if schedule == V_SCHEDULE:
         # DualPipeV is not in Megatron-Core (PR #5254 only, §7); nam's plugin refuses EP>1 (ARCHITECTURE.md §3).
         if ep != 1:
-            raise ConfigError(f"plugin dualpipev runs only with expert parallelism 1, found ep={ep}",
-                              hint="drop --plugins dualpipev, or use --ep 1")
+            raise ConfigError(f"schedule dualpipev runs only with expert parallelism 1, found ep={ep}",
+                              hint="use --ep 1, or --set train.schedule=1f1b")
         if pp < 2:
-            raise ConfigError(f"plugin dualpipev needs pipeline parallelism > 1, found pp={pp}",
-                              hint="use --pp 2 (or more), or drop --plugins dualpipev")
+            raise ConfigError(f"schedule dualpipev needs pipeline parallelism > 1, found pp={pp}",
+                              hint="use --pp 2 (or more), or --set train.schedule=single")
+
+
+def chunks_per_rank(schedule: str) -> int:
+    """Model chunks each pipeline rank holds under ``train.schedule``: two for DualPipeV's V, else one."""
+    return 2 if schedule == V_SCHEDULE else 1
+
+
+def stage_of(rank: int, chunk: int, *, pp: int, chunks: int) -> int:
+    """The pipeline stage (0 = embeddings, last = output layer and MTP) of pipeline rank ``rank``'s chunk
+    ``chunk``. One chunk per rank: stage ``rank``. The V (two chunks): chunk 0 is stage ``rank`` on the way
+    down, chunk 1 stage ``2 pp - 1 - rank`` on the way back, so rank 0 holds the first and the last stage."""
+    if not (0 <= rank < pp and 0 <= chunk < chunks) or chunks not in (1, 2):
+        raise ValueError(f"no stage for rank {rank}, chunk {chunk} of pp={pp} x {chunks} chunk(s)")
+    return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
 # --- pattern ------------------------------------------------------------------------------------------------
@@ -170,8 +191,8 @@ def _main_symbols(plan: LayerPlan, pattern: str) -> str:
     return "".join(out)
 
 
-def _hybrid_pattern(main: str, pp: int, mtp_depths: int) -> str:
-    stage = len(main) // pp
+def _hybrid_pattern(main: str, stages: int, mtp_depths: int) -> str:
+    stage = len(main) // stages
     staged = PIPE.join(main[i : i + stage] for i in range(0, len(main), stage))
     return MTP_SEPARATOR.join([staged] + [MTP_DEPTH] * mtp_depths)
 
@@ -381,9 +402,10 @@ def _gaps(cfg: NAM56RConfig, *, tp: int, schedule: str) -> tuple[Gap, ...]:
         gaps.append(Gap("tensor parallelism in nam slots",
                         "Megatron's own layers shard over tp; plugin modules must shard themselves (§2)",
                         f"nam's Mamba3Mixer, MLA and DSA have no tp sharding yet: tp={tp} needs them", "open"))
-    if schedule == "dualpipev":
+    if schedule == V_SCHEDULE:
         gaps.append(Gap("DualPipeV schedule", "not in any release, main or dev; only community PR #5254 (§7)",
-                        "nam's dualpipev schedule plugin drives the pipeline", "open"))
+                        "nam's dualpipev schedule plugin drives the pipeline; NamMegatronModel builds each rank's "
+                        "two V chunks (stage r and stage 2 pp - 1 - r)", "covered"))
     return tuple(gaps)
 
 
@@ -397,32 +419,35 @@ def lower(
     pp: int = 1,
     ep: int = 1,
     micro_batch_size: int = 1,
-    plugins: Mapping | None = None,
+    schedule: str = "1f1b",
     bf16: bool = True,
     dispatcher: str = "alltoall",
 ) -> Lowering:
     """Lower ``cfg`` for Megatron-Core >= 0.19 at the given tensor/pipeline/expert parallel sizes.
 
-    ``plugins``: the active plugins by name (values unused); ``dualpipev`` among them selects that schedule.
-    Raises ConfigError for a parallel layout the model or the lowering cannot take.
+    ``schedule``: the run's ``train.schedule``; ``dualpipev`` lowers ``2 pp`` stages folded into a V (two model
+    chunks per pipeline rank), anything else ``pp`` stages for Megatron's own schedules (the engine checks the
+    name). Raises ConfigError for a parallel layout the model or the lowering cannot take.
     """
-    plugins = plugins or {}
     if dispatcher not in DISPATCHERS:
         raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(DISPATCHERS)}",
                           hint="--set train.moe_dispatcher=alltoall")
     if micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be >= 1, found {micro_batch_size}", hint="e.g. 1")
-    _check_parallel(cfg, tp=tp, pp=pp, ep=ep, plugins=plugins)
+    _check_parallel(cfg, tp=tp, pp=pp, ep=ep, schedule=schedule)
+    chunks = chunks_per_rank(schedule)
     plan = resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks)
     main = _main_symbols(plan, cfg.pattern)
-    pattern = _hybrid_pattern(main, pp, cfg.mtp_depths)
-    stage = len(main) // pp
+    pattern = _hybrid_pattern(main, pp * chunks, cfg.mtp_depths)
+    stage = len(main) // (pp * chunks)
+    where = {stage_of(r, c, pp=pp, chunks=chunks): (r, c) for r in range(pp) for c in range(chunks)}
     layers = tuple(
         {"index": l.index, "nam": l.symbol, "megatron": main[l.index], "dsa_rank": l.dsa_rank,
-         "pp_stage": l.index // stage, "layer_number": l.index + 1}  # Megatron's layer_number is 1-based, global
+         "pp_stage": l.index // stage, "pp_rank": where[l.index // stage][0], "chunk": where[l.index // stage][1],
+         "layer_number": l.index + 1}  # Megatron's layer_number is 1-based, global
         for l in plan.layers
     )
-    schedule = "dualpipev" if "dualpipev" in plugins else "megatron"
+    schedule = V_SCHEDULE if schedule == V_SCHEDULE else "megatron"
     notes = [
         "D + '+' + M + E in one pattern is allowed; '*' may not appear with D or '+' (§1.3)",
         "EP all-to-all overlap (combined_1f1b) stays off: it needs GPTModel.build_schedule_plan and "
@@ -430,6 +455,9 @@ def lower(
     ]
     if pp == 1:
         notes.append("CUDA graphs off: nam's config check refuses CUDA graphs at pp == 1")
+    elif chunks == 2:
+        notes.append(f"{2 * pp} even stages of {stage} layers folded into a V: rank r holds stages r and "
+                     f"{2 * pp - 1} - r, so rank 0 holds the embeddings and the MTP depths and output layer")
     else:
         notes.append(f"{pp} even stages of {stage} layers; the first also holds the embeddings, the last the MTP "
                      "depths and the output layer (§1.3: MTP is forced onto the last stage)")
@@ -446,6 +474,7 @@ def lower(
         model_args=_model_args(cfg, pattern),
         micro_batch_size=micro_batch_size,
         schedule=schedule,
+        chunks=chunks,
         moe_dispatcher=dispatcher,
         cuda_graphs=False,
         gaps=_gaps(cfg, tp=tp, schedule=schedule),

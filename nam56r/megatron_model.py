@@ -27,6 +27,7 @@ Where the built model departs from stock Megatron, on purpose, so both engines t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,12 @@ open gap refuses the run (e.g. tensor parallelism in nam slots)."""
 
 def check_lowering(lowering: Lowering, *, registered_schedules: Mapping[str, Any]) -> None:
     """Refuse a lowering this module cannot build: an open gap it does not close, or CUDA graphs."""
-    uncovered = [g for g in lowering.open_gaps
-                 if g.what not in COVERED_GAPS and not (g.what == "DualPipeV schedule"
-                                                        and "dualpipev" in registered_schedules)]
+    uncovered = [g for g in lowering.open_gaps if g.what not in COVERED_GAPS]
+    if lowering.chunks > 1 and lowering.schedule not in registered_schedules:
+        raise ConfigError(f"the model was lowered for {lowering.schedule}'s V ({lowering.chunks} chunks per pipeline "
+                          f"rank) and no registered schedule of that name drives it (registered: "
+                          f"{', '.join(sorted(registered_schedules)) or 'none'})",
+                          hint=f"--plugins {lowering.schedule}, or --set train.schedule=1f1b")
     if uncovered:
         raise ConfigError("the megatron engine cannot close these gaps of the lowering: "
                           + "; ".join(f"{g.what} ({g.nam})" for g in uncovered),
@@ -282,6 +286,12 @@ def transformer_config(lowering) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0,  # nam56r has no dropout (Megatron defaults to 0.1)
         perform_initialization=False,  # weights come from nam's initialisation (nam_state_to_megatron)
     )
+    if lowering.chunks > 1:
+        # Each chunk is built with its vp_stage (0 down the V, 1 back up); LanguageModule's embedding setup
+        # asserts that an MTP stage without embeddings is not the first virtual stage of pipeline rank 0,
+        # which only holds when it knows the virtual size. Megatron's interleaved schedule never runs here
+        # (the schedule is the registered dualpipev), and parallel_state gets no virtual size.
+        args["virtual_pipeline_model_parallel_size"] = lowering.chunks
     return MLATransformerConfig(**args)
 
 
@@ -349,6 +359,29 @@ def hybrid_stack_spec(lowering, slots: Slots):
                                       submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer])),
         ),
     )
+
+
+@contextlib.contextmanager
+def _v_stage(layer_types: list[str], offset: int, *, mtp: bool):
+    """While HybridModel builds one V chunk: Megatron's segment choice gives it ``layer_types`` at global
+    ``offset``, and MTP exactly when ``mtp``.
+
+    Megatron picks a chunk's `|` segment as ``vp_stage * pp + pp_rank`` (interleaved) and puts MTP on the last
+    pipeline rank; DualPipeV's V needs stage ``2 pp - 1 - rank`` on vp_stage 1 and MTP on rank 0 (§1.3, §7).
+    HybridModel.__init__ imports ``select_pipeline_segment`` from its module at call time and
+    ``mtp_on_this_rank`` at module import, so both names are swapped for the duration of the build and put
+    back after, whatever happens.
+    """
+    from megatron.core.models.hybrid import hybrid_layer_allocation as allocation
+    from megatron.core.models.hybrid import hybrid_model
+
+    saved = allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank
+    allocation.select_pipeline_segment = lambda *args, **kwargs: (list(layer_types), offset)
+    hybrid_model.mtp_on_this_rank = lambda *args, **kwargs: mtp
+    try:
+        yield
+    finally:
+        allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank = saved
 
 
 def _masked_ce(ce, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, mask: torch.Tensor):
@@ -472,6 +505,11 @@ class NamMegatronModel:
                 "ep": args["expert_model_parallel_size"]}
 
     @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (2 for DualPipeV's V): ``build`` is called once per chunk."""
+        return self.lowering.chunks
+
+    @property
     def seq_len(self) -> int:
         return self.cfg.seq_len
 
@@ -485,10 +523,12 @@ class NamMegatronModel:
     def transformer_config(self):
         return transformer_config(self.lowering)
 
-    def build(self, config, pg_collection, device: torch.device) -> nn.Module:
-        """This rank's pipeline stage on ``device``, every weight filled from nam's state."""
+    def build(self, config, pg_collection, device: torch.device, chunk: int = 0) -> nn.Module:
+        """This rank's model chunk ``chunk`` (its pipeline stage, ``nam56r.megatron.stage_of``) on ``device``,
+        every weight filled from nam's state."""
         from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
+        from nam56r.megatron import stage_of
         from nam56r.model import build_model as build_nam_model
 
         lowering = self.lowering
@@ -496,9 +536,18 @@ class NamMegatronModel:
         slots = Slots(self.cfg, self.backends, dsa_ranks, device=device)  # nam blocks are built on the GPU directly
         spec = hybrid_stack_spec(lowering, slots)
         norm = spec.submodules.mamba_layer.submodules.norm
-        model = nam_hybrid_model_class()(
-            config, spec, slots=slots, norm=norm, **lowering.model_args, pg_collection=pg_collection,
-            pre_process=is_pp_first_stage(pg_collection.pp), post_process=is_pp_last_stage(pg_collection.pp))
+        build = functools.partial(nam_hybrid_model_class(), config, spec, slots=slots, norm=norm,
+                                  **lowering.model_args, pg_collection=pg_collection)
+        if lowering.chunks == 1:
+            model = build(pre_process=is_pp_first_stage(pg_collection.pp),
+                          post_process=is_pp_last_stage(pg_collection.pp))
+        else:  # a V chunk: its stage's layers, embeddings on stage 0, output layer and MTP on the last
+            pp = pg_collection.pp.size()
+            stage = stage_of(pg_collection.pp.rank(), chunk, pp=pp, chunks=lowering.chunks)
+            mine = [layer for layer in lowering.layers if layer["pp_stage"] == stage]
+            last = stage == pp * lowering.chunks - 1
+            with _v_stage([layer["megatron"] for layer in mine], mine[0]["index"], mtp=last and lowering.mtp_depths > 0):
+                model = build(pre_process=stage == 0, post_process=last, vp_stage=chunk)
         model = model.to(device)  # Megatron's parallel layers are there already; its torch norms are not
         if self.init_from is not None:
             state = torch.load(self.init_from, map_location=device, weights_only=True)

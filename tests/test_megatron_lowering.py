@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from nam56r.megatron import SYMBOL, lower, megatron_args
+from nam56r.megatron import stage_of, SYMBOL, lower, megatron_args
 from nam56r.pattern import resolve
 from nam56r.recipes import get_recipe
 from nam_cli.main import run
@@ -93,8 +93,28 @@ def test_pp_splits_evenly_or_is_refused(cfg):
 
 def test_dualpipev_refuses_expert_parallelism(cfg):
     with pytest.raises(ConfigError, match=r"dualpipev runs only with expert parallelism 1, found ep=4"):
-        lower(cfg, ep=4, pp=2, plugins={"dualpipev": None})
-    assert lower(cfg, pp=2, plugins={"dualpipev": None}).schedule == "dualpipev"
+        lower(cfg, ep=4, pp=2, schedule="dualpipev")
+    assert lower(cfg, pp=2, schedule="dualpipev").schedule == "dualpipev"
+    assert lower(cfg, pp=2, schedule="1f1b").schedule == "megatron"
+
+
+def test_dualpipev_folds_twice_as_many_stages_into_a_v(cfg):
+    """pp=2 under dualpipev: 4 stages of 13 layers; rank 0 holds stages 0 and 3 (embeddings, and the output
+    layer with MTP), rank 1 stages 1 and 2, in chunk order (down, then back up)."""
+    lowering = lower(cfg, pp=2, schedule="dualpipev")
+    main = lowering.hybrid_layer_pattern.split("/")[0]
+    assert [len(seg) for seg in main.split("|")] == [13, 13, 13, 13]
+    assert main.replace("|", "") == lower(cfg).main_pattern  # the stages in stage order
+    assert lowering.chunks == 2 and lower(cfg, pp=2).chunks == 1
+    by_stage = {(l["pp_stage"], l["pp_rank"], l["chunk"]) for l in lowering.layers}
+    assert by_stage == {(0, 0, 0), (1, 1, 0), (2, 1, 1), (3, 0, 1)}
+    assert [stage_of(r, c, pp=4, chunks=2) for r in range(4) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert [stage_of(r, 0, pp=4, chunks=1) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="no stage for rank 0, chunk 1"):
+        stage_of(0, 1, pp=4, chunks=1)
+    with pytest.raises(ConfigError, match=r"pipeline stages=8 must divide num_layers, found num_layers=52"):
+        lower(cfg, pp=4, schedule="dualpipev")  # 1F1B takes pp=4 (13 a stage); the V needs 8 stages
+    assert lower(cfg, pp=4).chunks == 1
 
 
 def test_a_moe_experts_backend_has_no_megatron_slot(cfg):

@@ -52,9 +52,10 @@ def test_covered_gaps_are_gaps_the_lowering_names(cfg):
     mm.check_lowering(lower(cfg, ep=4), registered_schedules={})
 
 
-def test_dualpipev_gap_needs_the_registered_schedule(cfg):
-    lowering = lower(cfg, pp=2, plugins={"dualpipev": None})
-    with pytest.raises(ConfigError, match="DualPipeV schedule"):
+def test_dualpipev_lowering_needs_the_registered_schedule(cfg):
+    lowering = lower(cfg, pp=2, schedule="dualpipev")
+    assert "DualPipeV schedule" not in {g.what for g in lowering.open_gaps}
+    with pytest.raises(ConfigError, match="lowered for dualpipev's V"):
         mm.check_lowering(lowering, registered_schedules={})
     mm.check_lowering(lowering, registered_schedules={"dualpipev": object})
 

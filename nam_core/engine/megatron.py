@@ -20,10 +20,13 @@ The schedule hook: ``train.schedule`` names a registered ``schedules`` implement
 instantiated with no arguments) or one of Megatron's own: ``single`` (pp = 1) and ``1f1b``. The engine calls
 it exactly as Megatron's forward-backward functions are called::
 
-    losses = schedule(forward_step_func=..., data_iterator=..., model=[ddp_model], num_microbatches=n,
+    losses = schedule(forward_step_func=..., data_iterator=..., model=[ddp_chunk, ...], num_microbatches=n,
                       seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
 
-and expects back, on the last pipeline stage, one dict of detached losses per micro-batch.
+and expects back, on the rank that computes the loss, one dict of detached losses per micro-batch. A
+schedule that needs more than one model chunk per pipeline rank says so in ``chunks_per_rank`` (DualPipeV's V:
+2); the model must have been lowered for the same number (``MegatronModel.chunks``), and the engine builds,
+wraps, optimises and checkpoints every chunk.
 """
 
 from __future__ import annotations
@@ -214,6 +217,8 @@ class MegatronModel(Protocol):
 
     parallel: Mapping[str, int]
     """``tp``, ``pp``, ``ep``: the layout the model was lowered for."""
+    chunks: int
+    """Model chunks per pipeline rank the model was lowered for (1; 2 for a V-shaped schedule)."""
     seq_len: int
     moe_aux_loss_coeff: float
 
@@ -223,8 +228,8 @@ class MegatronModel(Protocol):
     def transformer_config(self) -> Any:
         """Megatron's TransformerConfig (``params_dtype`` must be the train dtype)."""
 
-    def build(self, config: Any, pg_collection: Any, device: torch.device) -> nn.Module:
-        """This rank's pipeline stage on ``device``, weights filled (the same on every data-parallel rank)."""
+    def build(self, config: Any, pg_collection: Any, device: torch.device, chunk: int = 0) -> nn.Module:
+        """This rank's model chunk ``chunk`` on ``device``, weights filled (the same on every data-parallel rank)."""
 
     def forward_step(self, data_iterator, model) -> tuple[Any, Callable]:
         """Megatron's ``forward_step_func``; the iterator yields ``(micro-batch index, batch dict)``."""
@@ -246,14 +251,22 @@ def init_distributed() -> None:
     torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
 
 
-def init_parallel(*, tp: int, pp: int, ep: int, seed: int):
+def embedding_ranks(chunks: int) -> Callable[[list], list] | None:
+    """Megatron's ``get_embedding_ranks`` for ``chunks`` model chunks per pipeline rank: None (its default, the
+    first and last pipeline rank, which hold the token embedding and its copy for MTP) for one chunk; for a V,
+    the first pipeline rank alone, which holds both (its chunk 0 and its chunk 1): ``finalize`` sums those
+    two copies' gradients on the rank instead."""
+    return None if chunks == 1 else (lambda ranks, *_: list(ranks[:1]))
+
+
+def init_parallel(*, tp: int, pp: int, ep: int, seed: int, chunks: int = 1):
     """NCCL process groups for tp x pp x ep (the rest is data parallel); Megatron's RNG trackers."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     init_distributed()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, get_embedding_ranks=embedding_ranks(chunks))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ProcessGroupCollection.use_mpu_process_groups()
 
@@ -290,12 +303,18 @@ def _set_lr(optimizer, lr: float, weight_decay: float) -> None:
 # --- checkpoints -----------------------------------------------------------------------------------------
 
 
-def _sharded_state(model, optimizer, *, is_loading: bool) -> dict:
+def _model_state(models: list) -> dict:
+    """The chunks' sharded state dicts: one chunk's as is, several under ``model0``, ``model1``, ... as
+    Megatron's own checkpoints keep virtual-pipeline chunks. Unwrapped: no DDP "module." prefixes (§9.3)."""
+    states = [unwrap(m).sharded_state_dict() for m in models]
+    return states[0] if len(states) == 1 else {f"model{i}": state for i, state in enumerate(states)}
+
+
+def _sharded_state(models: list, optimizer, *, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.utils import unwrap_model
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model_sd = unwrap_model(model).sharded_state_dict()  # unwrapped: no DDP "module." prefixes (§9.3)
+    model_sd = _model_state(models)
     # dp_reshardable: each rank writes its own optimizer shards (resume needs the same layout, which
     # load_checkpoint enforces). 0.19.2's default, fully_sharded_model_space, raises "ShardedTensor.flattened_range
     # is not supported" (dist_checkpointing/mapping.py:134).
@@ -317,7 +336,7 @@ def good_checkpoints(ckpt_root: Path) -> list[Path]:
     return good
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, *, manifest: dict, keep: int) -> Path:
+def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, manifest: dict, keep: int) -> Path:
     """Collective: every rank writes its shards into a hidden folder, rank 0 adds the manifest and renames
     it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact."""
     from megatron.core import dist_checkpointing
@@ -329,7 +348,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, *, manifest: d
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp), verify_integrity=True)
+    dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp), verify_integrity=True)
     torch.distributed.barrier()
     if rank0:
         (tmp / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step, **manifest},
@@ -393,10 +412,9 @@ def resolve_resume(spec: str, ckpt_root: Path) -> Path:
         why_not=f"no {CHECKPOINT_FORMAT} manifest")
 
 
-def load_checkpoint(folder: Path, model, optimizer, *, layout: dict) -> dict:
-    """Restore model, optimizer and per-rank RNG from ``folder``; refuse another parallel layout."""
+def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> dict:
+    """Restore the model chunks, optimizer and per-rank RNG from ``folder``; refuse another parallel layout."""
     from megatron.core import dist_checkpointing
-    from megatron.core.utils import unwrap_model
 
     manifest_path = folder / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
@@ -407,10 +425,11 @@ def load_checkpoint(folder: Path, model, optimizer, *, layout: dict) -> dict:
         raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
                        hint="resume with the same GPUs, tp, pp and ep")
     _materialise_optimizer_state(optimizer)
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(folder),
+    state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder),
                                     verify_integrity=True)
     with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
-        unwrap_model(model).load_state_dict(state["model"])
+        for i, model in enumerate(models):
+            unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer, manifest["step"])
     checkpoint.set_rng_state(state["rng"])
@@ -492,8 +511,8 @@ def _step_means(losses: list[dict], aux: dict, moe_coeff: float, n_micro: int, d
 
 
 def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, distributed_optimizer: bool):
-    """This rank's model in Megatron's DDP (bf16 through Float16Module; parameters the model keeps fp32 stay
-    fp32, §8), gradients reduced in fp32; returns ``(transformer config, DDP model)``."""
+    """This rank's model chunks, each in Megatron's DDP (bf16 through Float16Module; parameters the model keeps
+    fp32 stay fp32, §8), gradients reduced in fp32; returns ``(transformer config, [DDP chunk, ...])``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -501,19 +520,47 @@ def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, dis
     if config.params_dtype != getattr(torch, train.dtype):
         raise ConfigError(f"the model was lowered for {config.params_dtype}, train.dtype is {train.dtype}",
                           hint="lower the model with the run's dtype (nam56r.megatron.lower(..., bf16=...))")
-    module = provider.build(config, pg_collection, _device())
-    if train.dtype == "bfloat16":
-        module = Float16Module(config, module)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=distributed_optimizer)
-    return config, DistributedDataParallel(config, ddp_config, module)
+    chunks = []
+    for chunk in range(provider.chunks):
+        module = provider.build(config, pg_collection, _device(), chunk=chunk)
+        if train.dtype == "bfloat16":
+            module = Float16Module(config, module)
+        chunks.append(DistributedDataParallel(config, ddp_config, module))
+    return config, chunks
+
+
+def sum_chunk_copies(models: list) -> None:
+    """Give every copy of one weight that this rank holds in several chunks the sum of their gradients.
+
+    Megatron flags the token embedding of the first stage and its copy on the MTP stage ``shared_embedding``
+    and all-reduces their gradients over the embedding group (first and last pipeline rank). In a V both
+    stages are chunks of pipeline rank 0, whose embedding group is itself alone (``embedding_ranks``): the sum
+    is taken here, before the data-parallel reduction, so both copies take the same update.
+    """
+    copies = [p for m in models for p in m.parameters() if getattr(p, "shared_embedding", False)]
+    if len(copies) < 2:
+        return
+    total = torch.stack([p.main_grad for p in copies]).sum(0)
+    for p in copies:
+        p.main_grad.copy_(total)
+
+
+def finalize_grads(models: list, *args, **kwargs) -> None:
+    """``config.finalize_model_grads_func``: copies summed (``sum_chunk_copies``), then Megatron's
+    ``finalize_model_grads`` with what the schedule passed (data-parallel reduction, embedding group, MoE
+    router state)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    sum_chunk_copies(models)
+    finalize_model_grads(models, *args, **kwargs)
 
 
 def train(run: MegatronRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
     check_runtime(runtime_facts(), dispatcher=run.train.moe_dispatcher)
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -527,26 +574,31 @@ def train(run: MegatronRun) -> dict:
     dp = check_layout(world_size=world, **par, train=tc, registered_schedules=run.schedules)
     provider.check(registered_schedules=run.schedules)
     plugin_schedule = resolve_schedule(tc.schedule, pp=par["pp"], registered=run.schedules)
-    pg = init_parallel(**par, seed=tc.seed)
+    chunks = getattr(plugin_schedule, "chunks_per_rank", 1)
+    if chunks != provider.chunks:
+        raise ConfigError(f"train.schedule={tc.schedule!r} runs {chunks} model chunk(s) per pipeline rank, the model "
+                          f"was lowered for {provider.chunks}", hint=f"lower the model with schedule={tc.schedule!r}")
+    pg = init_parallel(**par, seed=tc.seed, chunks=chunks)
     schedule = plugin_schedule or get_forward_backward_func()  # reads the pipeline groups: after init
     rank0 = torch.distributed.get_rank() == 0
-    layout = {"world_size": world, **par}
+    layout = {"world_size": world, **par, **({"chunks": chunks} if chunks > 1 else {})}
 
-    config, model = build_ddp(provider, tc, pg, distributed_optimizer=True)
-    model.broadcast_params()
+    config, models = build_ddp(provider, tc, pg, distributed_optimizer=True)
+    for model in models:
+        model.broadcast_params()
     opt_config = OptimizerConfig(
         optimizer="adam", lr=tc.lr, min_lr=tc.lr * tc.min_lr_ratio, weight_decay=tc.weight_decay,
         adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, adam_eps=tc.adam_eps, clip_grad=tc.grad_clip,
         bf16=bf16, params_dtype=config.params_dtype, use_distributed_optimizer=True)
-    optimizer = get_megatron_optimizer(opt_config, [model], config_overrides=_param_groups(opt_config))
+    optimizer = get_megatron_optimizer(opt_config, models, config_overrides=_param_groups(opt_config))
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = models[0].no_sync if len(models) == 1 else [m.no_sync for m in models]
+    config.finalize_model_grads_func = finalize_grads
 
     ckpt_root = run.run_dir / "checkpoints"
     start = 0
     if run.resume_from is not None:
-        start = load_checkpoint(run.resume_from, model, optimizer, layout=layout)["step"]
+        start = load_checkpoint(run.resume_from, models, optimizer, layout=layout)["step"]
         if rank0:
             truncate_metrics(run.run_dir, start)
     if rank0:
@@ -569,15 +621,21 @@ def train(run: MegatronRun) -> dict:
             run.step = step
             run.host.before_step(step, run)
             t0 = time.perf_counter()
-            model.zero_grad_buffer()
+            for model in models:
+                model.zero_grad_buffer()
             optimizer.zero_grad()
             losses = schedule(forward_step_func=provider.forward_step, data_iterator=_batches(run, step, dp_rank, dp),
-                              model=[model], num_microbatches=tc.grad_accum, seq_length=provider.seq_len,
+                              model=models, num_microbatches=tc.grad_accum, seq_length=provider.seq_len,
                               micro_batch_size=tc.micro_batch_size, forward_only=False)
             lr = tc.lr * lr_at(step)
             _set_lr(optimizer, lr, tc.weight_decay)
             update_ok, grad_norm, _ = optimizer.step()
-            aux, notes = provider.end_step(unwrap(model))
+            aux, notes = {}, []
+            for model in models:
+                chunk_aux, chunk_notes = provider.end_step(unwrap(model))
+                notes += chunk_notes
+                for name, value in chunk_aux.items():
+                    aux[name] = aux.get(name, 0) + value
             means = _step_means(losses, aux, provider.moe_aux_loss_coeff, tc.grad_accum, dp)
             torch.cuda.synchronize()
             peaks = torch.tensor([time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30],
@@ -589,7 +647,7 @@ def train(run: MegatronRun) -> dict:
                 what = "loss" if not math.isfinite(means["loss"]) else "gradient norm"
                 raise TrainingGuardError(
                     f"non-finite {what} at step {step} (rank {torch.distributed.get_rank()}: first non-finite is "
-                    f"{first_non_finite(unwrap(model))}); the optimizer already applied this step, so nothing "
+                    f"{_first_non_finite(models)}); the optimizer already applied this step, so nothing "
                     f"after the last good checkpoint is kept: {last_good or 'none'}",
                     hint=f"resume from it with a lower lr: --resume {last_good or 'auto'} --set train.lr=...")
             tokens_per_s = tokens_per_step / dt / world  # per GPU, as the local engine's is per device
@@ -607,13 +665,21 @@ def train(run: MegatronRun) -> dict:
                     log.log(metrics)
                 log.advance()
             if run.checkpoints and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == run.max_steps):
-                last_good = save_checkpoint(ckpt_root, step + 1, model, optimizer, keep=tc.keep_checkpoints,
+                last_good = save_checkpoint(ckpt_root, step + 1, models, optimizer, keep=tc.keep_checkpoints,
                                             manifest={"record": run.record, "layout": layout})
     finally:
         if log is not None:
             log.close()
     return {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
             "tokens_per_step": tokens_per_step, "layout": layout}
+
+
+def _first_non_finite(models: list) -> str:
+    for i, model in enumerate(models):
+        found = first_non_finite(unwrap(model))
+        if not found.startswith("none"):
+            return found if len(models) == 1 else f"{found} in model chunk {i}"
+    return first_non_finite(unwrap(models[0]))
 
 
 def shutdown() -> None:

@@ -3,6 +3,7 @@ test double) or the local engine, both on nam56r-tiny in fp32 with the reference
 rows (micro-batch ``i`` is a pure function of ``i``).
 
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
+    torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
     python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6]
 """
 
@@ -43,11 +44,12 @@ def _install_double():
 
     from nam_core.engine import megatron as engine
 
-    def init_parallel(*, tp, pp, ep, seed):  # gloo instead of NCCL; no CUDA RNG tracker (nam56r has no dropout)
+    def init_parallel(*, tp, pp, ep, seed, chunks=1):  # gloo, not NCCL; no CUDA RNG tracker (nam56r has no dropout)
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group("gloo")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
+                                                 expert_model_parallel_size=ep,
+                                                 get_embedding_ranks=engine.embedding_ranks(chunks))
         return ProcessGroupCollection.use_mpu_process_groups()
 
     engine.init_parallel = init_parallel
@@ -66,14 +68,19 @@ def megatron_run(args, recipe) -> None:
     from nam56r.model import Backends
 
     cfg = recipe.model
+    schedule = args.schedule or ("1f1b" if args.pp > 1 else "single")
     train = recipe.train.replace(
-        engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=PER_RANK_ACCUM,
-        checkpoint_every=2, keep_checkpoints=10, total_steps=20, pp=args.pp, ep=args.ep,
-        schedule="1f1b" if args.pp > 1 else "single")
-    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=False)
+        engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
+        checkpoint_every=2, keep_checkpoints=10, total_steps=20, pp=args.pp, ep=args.ep, schedule=schedule)
+    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=False, schedule=schedule)
+    schedules = {}
+    if schedule == "dualpipev":
+        from nam_plugin_dualpipev.engine import DualPipeV
+
+        schedules["dualpipev"] = DualPipeV
     run = engine.MegatronRun(
         run_dir=args.run_dir, train=train, model=NamMegatronModel(cfg, Backends.reference(), lowering, seed=train.seed),
-        batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps,
+        batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps, schedules=schedules,
         flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume)
     engine.train(run)
     engine.shutdown()  # after success only: on an error the other ranks may sit in a collective
@@ -132,6 +139,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--resume", type=Path, default=None)
+    ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
     args = ap.parse_args()

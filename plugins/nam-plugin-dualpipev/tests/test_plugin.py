@@ -1,11 +1,12 @@
 """The plugin's face: activation, the config checks with their messages, the schedule selection, and the
-engine adapter's refusals (one chunk per rank, unwired auxiliary losses)."""
+engine adapter's refusals (one chunk per rank, per-token loss) and the auxiliary-loss scales it sets."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 from torch import nn
 
 import nam_plugin_dualpipev.plugin as plugin
@@ -40,13 +41,11 @@ def test_activates_without_a_config_and_registers_the_schedule():
     assert plugin.nam_check_config(config=None, device=CPU) == []
 
 
-def test_a_layout_it_accepts_passes_every_check_but_the_missing_chunk_pair():
+def test_a_layout_it_accepts_passes_every_check():
     checks = by_name(plugin.nam_check_config(config=recipe(), device=H100))
     assert {n for n, c in checks.items() if c.status == PASS} == {"engine", "pipeline size", "expert parallelism",
-                                                                    "micro-batches"}
-    v = checks["V-shaped chunks"]
-    assert v.status == FAIL and "does not build V-shaped chunk pairs yet" in v.found
-    assert "--set train.schedule=1f1b" in v.hint
+                                                                    "micro-batches", "V stages"}
+    assert set(checks) == {n for n, c in checks.items() if c.status == PASS}
 
 
 @pytest.mark.parametrize("train, name, found, needed, hint", [
@@ -57,6 +56,8 @@ def test_a_layout_it_accepts_passes_every_check_but_the_missing_chunk_pair():
      "nam train --engine megatron --nproc N --pp N --plugins dualpipev"),
     ({"pp": 4, "grad_accum": 6}, "micro-batches", "grad_accum=6", "train.grad_accum >= 2 x pp = 8",
      "--set train.grad_accum=8"),
+    ({"pp": 4, "grad_accum": 8}, "V stages", "num_layers=52", "2 x pp = 8 equal stages",
+     "choose --pp so that 2 x pp divides 52"),
 ])
 def test_config_refusals_say_what_was_needed_found_and_what_to_do(train, name, found, needed, hint):
     check = by_name(plugin.nam_check_config(config=recipe(**train), device=H100))[name]
@@ -75,7 +76,7 @@ def test_requesting_the_plugin_does_not_select_the_schedule_the_user_sets_it():
     assert rec.train.schedule == "single"
     checks = by_name(plugin.nam_check_config(config=recipe(schedule="1f1b"), device=H100))
     assert checks["selected"].status == SKIP and checks["selected"].hint == "--set train.schedule=dualpipev"
-    assert "V-shaped chunks" not in checks and all(c.status != FAIL for c in checks.values())
+    assert all(c.status != FAIL for c in checks.values())
     rec = apply_overrides(get_recipe("nam56r-tiny"), ["train.schedule=dualpipev"], plugin_names=["dualpipev"],
                           plugin_infos=infos)
     assert rec.train.schedule == "dualpipev"
@@ -95,7 +96,8 @@ def call(model, **kwargs):
 
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_the_engine_adapter_refuses_anything_but_a_chunk_pair(chunks):
-    with pytest.raises(NamError, match=rf"does not build V-shaped chunk pairs yet; found {chunks} chunk") as e:
+    assert DualPipeV.chunks_per_rank == 2  # what the engine reads to build the pair
+    with pytest.raises(NamError, match=rf"runs two model chunks per pipeline rank .*; found {chunks} chunk") as e:
         call([nn.Linear(8, 8) for _ in range(chunks)])
     assert e.value.exit_code == 3 and "--set train.schedule=1f1b" in e.value.hint
 
@@ -105,13 +107,30 @@ class Chunk(nn.Linear):
         self.input_tensor = x
 
 
-@pytest.mark.parametrize("field", ["num_moe_experts", "mtp_num_layers"])
-def test_the_engine_adapter_refuses_auxiliary_losses_it_does_not_scale(field):
+@pytest.mark.parametrize("fields, found", [({"calculate_per_token_loss": True}, "calculate_per_token_loss"),
+                                            ({"context_parallel_size": 2}, "context_parallel_size=2")])
+def test_the_engine_adapter_refuses_loss_forms_it_does_not_wire(fields, found):
     model = [Chunk(8, 8), Chunk(8, 8)]
-    model[0].config = type("Config", (), {field: 4})()
-    with pytest.raises(NamError, match=rf"sets {field}: Megatron's schedules scale those auxiliary losses") as e:
+    model[0].config = type("Config", (), fields)()
+    with pytest.raises(NamError, match=rf"sets {found}, which dualpipev does not wire") as e:
         call(model)
     assert e.value.exit_code == 3
+
+
+def test_the_engine_adapter_sets_megatrons_auxiliary_loss_scales():
+    """loss_scale / num_microbatches for the MoE, MTP and DSA auto-scalers, as Megatron's forward step sets them
+    (needs megatron-core on the path; the scalers are process-wide class state)."""
+    router = pytest.importorskip("megatron.core.transformer.moe.router")
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    config = type("Config", (), {"num_moe_experts": 4, "mtp_num_layers": 2, "experimental_attention_variant": None,
+                                 "grad_scale_func": staticmethod(lambda x: x * 6.0)})()
+    DualPipeV._set_aux_loss_scales(config, torch.device("cpu"), num_microbatches=4)
+    assert router.MoEAuxLossAutoScaler.main_loss_backward_scale.item() == 1.5
+    assert MTPLossAutoScaler.main_loss_backward_scale.item() == 1.5
+    config.grad_scale_func = None
+    DualPipeV._set_aux_loss_scales(config, torch.device("cpu"), num_microbatches=8)
+    assert router.MoEAuxLossAutoScaler.main_loss_backward_scale.item() == 0.125
 
 
 def test_the_engine_adapter_refuses_chunks_it_cannot_hand_inputs_to():

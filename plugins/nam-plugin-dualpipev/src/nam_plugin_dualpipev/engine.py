@@ -3,12 +3,12 @@
 The engine calls a schedule as it calls Megatron's forward-backward functions (nam_core/engine/megatron.py,
 module docstring)::
 
-    losses = schedule(forward_step_func=..., data_iterator=..., model=[ddp_model], num_microbatches=n,
+    losses = schedule(forward_step_func=..., data_iterator=..., model=[chunk 0, chunk 1], num_microbatches=n,
                       seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
 
-DualPipeV needs *two* chunks per pipeline rank, ``model = [stage r, stage 2P-1-r]``; the engine builds one,
-so this class refuses (NamError, exit 3) until the engine builds V-shaped chunk pairs: no fallback to
-another schedule.
+DualPipeV needs *two* chunks per pipeline rank, ``model = [stage r, stage 2P-1-r]``. ``chunks_per_rank = 2``
+tells the engine so; it then builds both (the model must be lowered with ``schedule="dualpipev"``), and this
+class refuses (NamError, exit 3) anything but a pair: no fallback to another schedule.
 
 Given two chunks it drives the executor with Megatron's contract, kept to what nam's forward step uses:
 
@@ -23,9 +23,16 @@ Given two chunks it drives the executor with Megatron's contract, kept to what n
 * After the last backward ``config.finalize_model_grads_func(model)`` runs when set (data-parallel gradient
   reduction).
 
-Refused rather than half-done: ``loss_func`` returning ``(loss, num_tokens, logs)`` (per-token
-normalisation), and configs with MoE or MTP layers, whose auxiliary-loss scales Megatron's own schedules set
-(``MoEAuxLossAutoScaler``, ``MTPLossAutoScaler``) and this adapter does not.
+* Auxiliary losses that Megatron layers attach to activations (MoE load balancing, MTP, the DSA indexer's)
+  are scaled in backward by a process-wide factor that Megatron's schedules set on every forward step; this
+  adapter sets the same factors once per step, before the first forward: ``loss_scale / num_microbatches``
+  with ``loss_scale = config.grad_scale_func(1)`` (1 without it), for ``MoEAuxLossAutoScaler`` when the
+  config has ``num_moe_experts``, ``MTPLossAutoScaler`` when it has ``mtp_num_layers``, and
+  ``DSAIndexerLossAutoScaler`` when ``experimental_attention_variant == "dsa"``. The factor is the same for
+  every micro-batch of a step, so setting it once equals setting it per forward.
+
+Refused rather than half-done: ``loss_func`` returning ``(loss, num_tokens, logs)`` and configs with
+``calculate_per_token_loss`` (per-token normalisation), and context parallelism.
 """
 
 from __future__ import annotations
@@ -36,10 +43,10 @@ import torch
 
 from nam_core.errors import NamError
 
-NOT_BUILT = ("the megatron engine builds one model chunk per pipeline rank; dualpipev needs two (the V: "
-             "stage r and stage 2P-1-r), and the engine does not build V-shaped chunk pairs yet")
-NOT_BUILT_HINT = ("train with Megatron's 1F1B meanwhile: --set train.schedule=1f1b (and drop --plugins "
-                  "dualpipev); plugins/nam-plugin-dualpipev/README.md, 'Not done'")
+NOT_BUILT = ("dualpipev runs two model chunks per pipeline rank (the V: stage r and stage 2P-1-r); the engine "
+             "builds them when the model is lowered with schedule='dualpipev' (nam56r.megatron.lower)")
+NOT_BUILT_HINT = ("run through `nam train --engine megatron --set train.schedule=dualpipev`, which lowers the model "
+                  "for the V, or train with Megatron's 1F1B: --set train.schedule=1f1b")
 
 
 def _unwrapped(chunk: Any, attribute: str) -> Any:
@@ -56,6 +63,9 @@ class DualPipeV:
     ``dtype``: of the ``[s, b, h]`` tensors the stages hand on (default: the chunk's Megatron config,
     ``hidden_size`` and ``pipeline_dtype``). Tests pass all three to run without Megatron.
     """
+
+    chunks_per_rank = 2
+    """Model chunks the engine must build on each pipeline rank (read by nam_core.engine.megatron.train)."""
 
     def __init__(self, *, group=None, hidden_size: int | None = None, dtype: torch.dtype | None = None):
         self.group, self.hidden_size, self.dtype = group, hidden_size, dtype
@@ -83,6 +93,8 @@ class DualPipeV:
             raise NamError("dualpipev needs the hidden size and dtype of the [s, b, h] tensors between stages; the "
                            f"chunk has no Megatron config that gives them (found {type(config).__name__})",
                            hint="DualPipeV(hidden_size=..., dtype=...)", exit_code=3)
+        device = device_of(model[0])
+        self._set_aux_loss_scales(config, device, num_microbatches)
         batches = [next(data_iterator) for _ in range(num_microbatches)] if data_iterator is not None else None
         loss_funcs: dict[int, Callable] = {}
         logs: dict[int, dict] = {}
@@ -106,7 +118,6 @@ class DualPipeV:
             scale = getattr(config, "grad_scale_func", None)
             return scale(value) if scale is not None and not forward_only else value
 
-        device = device_of(model[0])
         runner = PipelineRank(pp=pp, rank=rank, forward=forward, loss=loss, dtype=dtype, device=device,
                               shape=(seq_length, micro_batch_size, hidden), group=group)
         runner.run(plan_for(pp, num_microbatches, not forward_only)[rank], train=not forward_only)
@@ -117,11 +128,32 @@ class DualPipeV:
 
     @staticmethod
     def _refuse_unwired(config: Any) -> None:
-        unwired = [name for name in ("num_moe_experts", "mtp_num_layers") if getattr(config, name, None)]
+        unwired = [name for name in ("calculate_per_token_loss",) if getattr(config, name, False)]
+        if (getattr(config, "context_parallel_size", 1) or 1) > 1:
+            unwired.append(f"context_parallel_size={config.context_parallel_size}")
         if unwired:
-            raise NamError(f"the model config sets {', '.join(unwired)}: Megatron's schedules scale those auxiliary "
-                           "losses per micro-batch (MoEAuxLossAutoScaler / MTPLossAutoScaler) and dualpipev does not "
-                           "wire that yet", hint=NOT_BUILT_HINT, exit_code=3)
+            raise NamError(f"the model config sets {', '.join(unwired)}, which dualpipev does not wire (per-token loss "
+                           "normalisation and context parallelism change how Megatron's schedules scale the loss)",
+                           hint=NOT_BUILT_HINT, exit_code=3)
+
+    @staticmethod
+    def _set_aux_loss_scales(config: Any, device: torch.device, num_microbatches: int) -> None:
+        """What Megatron's ``forward_step_calc_loss`` sets per forward (module docstring)."""
+        scale_func = getattr(config, "grad_scale_func", None)
+        one = torch.ones(1, device=device)
+        scale = (scale_func(one) if scale_func is not None else one) / num_microbatches
+        if getattr(config, "num_moe_experts", None) is not None:
+            from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(scale)
+        if getattr(config, "mtp_num_layers", None) is not None:
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+            MTPLossAutoScaler.set_loss_scale(scale)
+        if getattr(config, "experimental_attention_variant", None) == "dsa":
+            from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+            DSAIndexerLossAutoScaler.set_loss_scale(scale)
 
     @staticmethod
     def _pipeline_group():

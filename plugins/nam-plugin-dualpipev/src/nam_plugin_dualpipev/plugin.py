@@ -31,7 +31,6 @@ def _row(name: str, ok: bool, needed: str, found: str, hint: str) -> Check:
 
 @hookimpl
 def nam_check_config(config, device):
-    from nam_plugin_dualpipev.engine import NOT_BUILT, NOT_BUILT_HINT
     from nam_plugin_dualpipev.schedule import min_microbatches
 
     if config is None:
@@ -53,11 +52,12 @@ def nam_check_config(config, device):
                            f"train.grad_accum >= 2 x pp = {need} (rank 0 starts {need - 1} forwards before its "
                            "first loss returns round the V)", f"grad_accum={train.grad_accum}",
                            f"--set train.grad_accum={need}"))
+        layers = config.model.num_layers
+        checks.append(_row("V stages", layers % (2 * train.pp) == 0,
+                           f"2 x pp = {2 * train.pp} equal stages (two chunks per pipeline rank) dividing num_layers",
+                           f"num_layers={layers}", f"choose --pp so that 2 x pp divides {layers}"))
     if train.schedule != NAME:
         checks.append(unused(NAME, "train.schedule", train.schedule))
-    elif train.engine == "megatron":
-        checks.append(_row("V-shaped chunks", False, "two model chunks per pipeline rank", NOT_BUILT,
-                           NOT_BUILT_HINT))
     return checks
 
 

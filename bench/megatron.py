@@ -6,6 +6,7 @@ Three commands for the GPU host (megatron-core 0.19.2 importable, e.g. ``PYTHONP
     python bench/megatron.py check --gpus 2 --steps 20 --json bench/results/megatron_check.json
     python bench/megatron.py throughput --gpus 1,2,4 --json bench/results/megatron.json
     python bench/megatron.py grads --gpus 2 --json bench/results/megatron_grads_2gpu.json
+    python bench/megatron.py pipeline --gpus 2 --json bench/results/megatron_pipeline_2gpu.json
 
 ``check``: NAM56R's 52-layer pattern at nam56r-tiny widths on CUDA with the reference backends, one initial
 state (nam's initialisation at the recipe's seed, saved once and loaded by every run) and one data order
@@ -26,6 +27,10 @@ does not fall.
 through the local model, from the same weights and rows: the relative difference of every parameter's
 gradient on every rank, worst first. Where ``check``'s step-1 gradient norm disagrees, this says which
 parameters do.
+
+``pipeline``: DualPipeV (nam-plugin-dualpipev, ``2 x pp`` stages folded into a V, two chunks per rank) against
+Megatron's 1F1B (``pp`` stages) at pp = gpus and EP 1, from one initial state on the same rows: per-step loss
+and gradient norm, the floor (1F1B from the perturbed state), and DualPipeV resumed from ``steps / 2``.
 
 ``throughput``: the full-width NAM56R (fast plugins mamba-ssm, sparse-mla, liger; bf16, sequence 4096), per
 GPU count with EP = GPUs, and the local engine on one GPU as the baseline row: tokens/s per GPU, model
@@ -190,15 +195,21 @@ def run_worker(spec: dict) -> None:
         from nam56r.megatron_model import NamMegatronModel
         from nam_core.engine import megatron
 
-        train = train.replace(engine="megatron", ep=spec["ep"])
-        lowering = lower(cfg, ep=train.ep, micro_batch_size=train.micro_batch_size, bf16=train.dtype == "bfloat16")
+        train = train.replace(engine="megatron", ep=spec["ep"], pp=spec.get("pp", 1))
+        lowering = lower(cfg, ep=train.ep, pp=train.pp, micro_batch_size=train.micro_batch_size,
+                         bf16=train.dtype == "bfloat16", schedule=train.schedule)
+        schedules = {}
+        if train.schedule == "dualpipev":  # what `--plugins dualpipev` registers
+            from nam_plugin_dualpipev.engine import DualPipeV
+
+            schedules["dualpipev"] = DualPipeV
         run = megatron.MegatronRun(
             run_dir=run_dir, train=train, model=NamMegatronModel(cfg, backends, lowering, seed=train.seed,
                                                                  init_from=init),
             host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops,
             batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
             resume_from=Path(spec["resume"]) if spec.get("resume") else None, quiet=True,
-            checkpoints=spec.get("checkpoints", True))
+            checkpoints=spec.get("checkpoints", True), schedules=schedules)
         megatron.train(run)
         megatron.shutdown()  # after success only: on an error the other ranks may sit in a collective
         return
@@ -397,6 +408,100 @@ def print_check(dtype: str, rows: list[dict], gpus: int) -> None:
               f"| {r['floor_rel']:.1e} | {resume_rel} |")
 
 
+# --- pipeline: DualPipeV against Megatron's 1F1B ---------------------------------------------------------
+
+
+def pipeline(args) -> int:
+    """DualPipeV (the plugin's schedule, 2 x pp stages folded into a V) against Megatron's 1F1B (pp stages),
+    both on ``gpus`` GPUs at pp = gpus, EP 1, from one initial state and on the same rows; the floor is 1F1B
+    from the perturbed initial state. Exits 1 when a step's loss differs by more than max(ENGINE_RTOL,
+    FLOOR_FACTOR x floor), step 1's loss by more than STEP1_RTOL, step 1's gradient norm by more than
+    max(STEP1_RTOL, FLOOR_FACTOR x its floor), or the resumed DualPipeV run leaves the uninterrupted one by
+    more than RESUME_RTOL."""
+    import torch
+
+    from nam56r.model import build_model
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe("nam56r-tiny")
+    work = Path(tempfile.mkdtemp(prefix="nam-megatron-pipeline-", dir=args.work))
+    init, perturbed = work / "init.pt", work / "init-perturbed.pt"
+    torch.manual_seed(recipe.train.seed)
+    state = build_model(recipe.model, device="cpu").state_dict()
+    torch.save(state, init)
+    noise = torch.Generator().manual_seed(7)
+    torch.save({k: v * (1 + PERTURB * (2 * torch.rand(v.shape, generator=noise) - 1)) if v.is_floating_point() else v
+                for k, v in state.items()}, perturbed)
+    packed_rows(recipe.model.seq_len, recipe.train.seed)
+    half = args.steps // 2
+    results, failures = {}, []
+    for dtype in args.dtypes:
+        def spec(name, schedule, **extra):
+            train = dataclasses.asdict(recipe.train.replace(
+                device="cuda", dtype=dtype, total_steps=args.steps, checkpoint_every=half, keep_checkpoints=10,
+                grad_accum=args.micro_batches, schedule=schedule))
+            return {"recipe": recipe.name, "backends": "reference", "engine": "megatron", "run_dir": str(work / name),
+                    "steps": args.steps, "init": str(init), "ep": 1, "pp": args.gpus, "train": train, **extra}
+
+        ref = launch(spec(f"1f1b-{dtype}", "1f1b"), work, args.gpus)
+        floor_run = launch(spec(f"floor-{dtype}", "1f1b", init=str(perturbed)), work, args.gpus)
+        v = launch(spec(f"dualpipev-{dtype}", "dualpipev"), work, args.gpus)
+        resumed = launch(spec(f"resumed-{dtype}", "dualpipev",
+                              resume=str(work / f"dualpipev-{dtype}" / "checkpoints" / f"step-{half:08d}")),
+                         work, args.gpus)
+        by_step = {m["step"]: m for m in resumed}
+        rows = []
+        for a, b, f in zip(v, ref, floor_run, strict=True):
+            r = by_step.get(a["step"])
+            rows.append({"step": a["step"], "1f1b": b["loss"], "dualpipev": a["loss"], "floor": f["loss"],
+                         "grad_norm": {"1f1b": b["grad_norm"], "dualpipev": a["grad_norm"], "floor": f["grad_norm"]},
+                         "loss_rel": abs(a["loss"] - b["loss"]) / abs(b["loss"]),
+                         "grad_norm_rel": abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]),
+                         "floor_rel": abs(f["loss"] - b["loss"]) / abs(b["loss"]),
+                         "floor_grad_norm_rel": abs(f["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]),
+                         "resume_rel": None if r is None else abs(r["loss"] - a["loss"]) / abs(a["loss"])})
+        # Losses on every step; the gradient norm at step 1 only, before Adam: later norms swing with any
+        # rounding (fp32 on H200: 1F1B vs its own floor run 1.5e-3 on one step, 1.0e-2 on the next).
+        allowed = max(ENGINE_RTOL[dtype], FLOOR_FACTOR * max(r["floor_rel"] for r in rows))
+        worst = max(r["loss_rel"] for r in rows)
+        step1_allowed = max(STEP1_RTOL[dtype], FLOOR_FACTOR * rows[0]["floor_grad_norm_rel"])
+        worst_resume = max(r["resume_rel"] for r in rows if r["resume_rel"] is not None)
+        results[dtype] = {"rows": rows, "allowed": allowed, "worst": worst, "worst_resume_rel": worst_resume,
+                          "step1_grad_norm_allowed": step1_allowed}
+        print(f"\nnam56r-tiny widths, 52 layers, {dtype}, pp {args.gpus}, {args.micro_batches} micro-batches a step: "
+              f"DualPipeV ({2 * args.gpus} stages in a V) vs Megatron's 1F1B ({args.gpus} stages), same initial "
+              "state and rows; floor = 1F1B from perturbed initial weights\n")
+        print("| step | 1F1B loss | DualPipeV loss | loss rel | grad norm rel | floor loss rel | floor grad norm rel "
+              "| resumed vs DualPipeV |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            resume_rel = "-" if r["resume_rel"] is None else f"{r['resume_rel']:.1e}"
+            print(f"| {r['step']} | {r['1f1b']:.6f} | {r['dualpipev']:.6f} | {r['loss_rel']:.1e} "
+                  f"| {r['grad_norm_rel']:.1e} | {r['floor_rel']:.1e} | {r['floor_grad_norm_rel']:.1e} | {resume_rel} |")
+        g1 = rows[0]["grad_norm"]
+        print(f"\nworst DualPipeV vs 1F1B loss {worst:.1e}, allowed {allowed:.1e}; step-1 grad norm 1F1B "
+              f"{g1['1f1b']:.9g}, DualPipeV {g1['dualpipev']:.9g}, floor {g1['floor']:.9g}: DualPipeV vs 1F1B "
+              f"{rows[0]['grad_norm_rel']:.1e}, allowed {step1_allowed:.1e}; resume {worst_resume:.1e}")
+        if worst > allowed:
+            failures.append(f"{dtype}: DualPipeV vs 1F1B loss differs by {worst:.1e} > {allowed:.1e}")
+        if rows[0]["loss_rel"] > STEP1_RTOL[dtype]:
+            failures.append(f"{dtype}: step-1 loss differs by {rows[0]['loss_rel']:.1e} > {STEP1_RTOL[dtype]:.0e}")
+        if rows[0]["grad_norm_rel"] > step1_allowed:
+            failures.append(f"{dtype}: step-1 gradient norm differs by {rows[0]['grad_norm_rel']:.1e} > "
+                            f"{step1_allowed:.1e}")
+        if worst_resume > RESUME_RTOL[dtype]:
+            failures.append(f"{dtype}: resumed DualPipeV differs by {worst_resume:.1e} > {RESUME_RTOL[dtype]:.0e}")
+    print("\nverdict: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))
+    if args.json:
+        write_json(args.json, {"meta": meta(gpus=args.gpus, steps=args.steps, micro_batches=args.micro_batches,
+                                            engine_rtol=ENGINE_RTOL, floor_factor=FLOOR_FACTOR, perturb=PERTURB,
+                                            step1_rtol=STEP1_RTOL, resume_rtol=RESUME_RTOL),
+                               "results": results, "failures": failures})
+    if not args.keep:
+        shutil.rmtree(work)
+    return 1 if failures else 0
+
+
 def grads(args) -> int:
     """Step 1's gradients, megatron engine vs local model, per parameter (``step1_gradients``)."""
     from nam56r.recipes import get_recipe
@@ -510,6 +615,12 @@ def main() -> int:
     c.add_argument("--keep", action="store_true", help="keep the run folders (printed at the start)")
     c.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"],
                    help="comma-separated: float32, bfloat16 (default both)")
+    pl = sub.add_parser("pipeline", help="tiny model: DualPipeV vs Megatron's 1F1B at pp = GPUs, and DualPipeV resume")
+    pl.add_argument("--gpus", type=int, default=2)
+    pl.add_argument("--steps", type=int, default=10, help="even; the checkpoint to resume from is at steps / 2")
+    pl.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (>= 2 x pp)")
+    pl.add_argument("--keep", action="store_true")
+    pl.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     g = sub.add_parser("grads", help="tiny model: step-1 gradients per parameter, megatron engine vs local model")
     g.add_argument("--gpus", type=int, default=2)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -523,7 +634,7 @@ def main() -> int:
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
                    help="folder: profile one extra step per engine run (torch.profiler, operators by device time)")
-    for p in (c, g, t):
+    for p in (c, pl, g, t):
         p.add_argument("--json", type=Path, default=None)
         p.add_argument("--work", type=Path, default=None, help="where run folders go (default: the temp dir)")
     w = sub.add_parser("_worker", help=argparse.SUPPRESS)
@@ -532,10 +643,10 @@ def main() -> int:
     if args.command == "_worker":
         run_worker(json.loads(args.spec.read_text()))
         return 0
-    if args.command == "check" and args.steps % 2:
+    if args.command in ("check", "pipeline") and args.steps % 2:
         ap.error("--steps must be even")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every engine run, same allocator
-    return {"check": check, "grads": grads, "throughput": throughput}[args.command](args)
+    return {"check": check, "pipeline": pipeline, "grads": grads, "throughput": throughput}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -232,7 +232,9 @@ class MegatronModel(Protocol):
         """This rank's model chunk ``chunk`` on ``device``, weights filled (the same on every data-parallel rank)."""
 
     def forward_step(self, data_iterator, model) -> tuple[Any, Callable]:
-        """Megatron's ``forward_step_func``; the iterator yields ``(micro-batch index, batch dict)``."""
+        """Megatron's ``forward_step_func``; the iterator yields ``(micro-batch index, batch dict)``. The last
+        stage's output reaches ``loss_func`` as the model returns it (under a V, not upcast by Float16Module):
+        a bf16 model returns its losses in fp32."""
 
     def end_step(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         """This step's extra loss sums (logged, already in the loss) and log lines, from the unwrapped model."""
@@ -526,9 +528,26 @@ def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, dis
     for chunk in range(provider.chunks):
         module = provider.build(config, pg_collection, _device(), chunk=chunk)
         if train.dtype == "bfloat16":
-            module = Float16Module(config, module)
+            module = Float16Module(config, module) if provider.chunks == 1 else _v_chunk_float16(config, module)
         chunks.append(DistributedDataParallel(config, ddp_config, module))
     return config, chunks
+
+
+def _v_chunk_float16(config, module):
+    """Float16Module for one chunk of a V, whose outputs stay as the chunk returns them.
+
+    Float16Module upcasts the outputs of the last virtual stage of the last pipeline rank to fp32: the last
+    stage in Megatron's interleaved order. In a V that chunk (vp 1 on rank pp - 1) is a middle stage, whose
+    bf16 activations the schedule sends on, and the last stage (vp 1 on rank 0) returns the model's losses,
+    which a bf16 model computes in fp32 itself (``MegatronModel.forward_step``). The inputs' downcast on
+    stage 0 (vp 0 on rank 0) is the same in both orders and stays."""
+    from megatron.core.transformer.module import Float16Module
+
+    class VChunkFloat16Module(Float16Module):
+        def forward(self, *inputs, fp32_output=True, **kwargs):
+            return super().forward(*inputs, fp32_output=False, **kwargs)
+
+    return VChunkFloat16Module(config, module)
 
 
 def sum_chunk_copies(models: list) -> None:

@@ -70,9 +70,10 @@ def megatron_run(args, recipe) -> None:
     cfg = recipe.model
     schedule = args.schedule or ("1f1b" if args.pp > 1 else "single")
     train = recipe.train.replace(
-        engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
+        engine="megatron", device="cuda", dtype=args.dtype, micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
         checkpoint_every=2, keep_checkpoints=10, total_steps=20, pp=args.pp, ep=args.ep, schedule=schedule)
-    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=False, schedule=schedule)
+    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=args.dtype == "bfloat16",
+                     schedule=schedule)
     schedules = {}
     if schedule == "dualpipev":
         from nam_plugin_dualpipev.engine import DualPipeV
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--resume", type=Path, default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="megatron runs only")
     ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)

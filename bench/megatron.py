@@ -78,8 +78,11 @@ STEP1_RTOL = {"float32": 1e-5, "bfloat16": 1e-2}
 engines' losses and gradient norms there. The gradient norm matters on its own: Adam's update is nearly
 invariant to the scale of a parameter's gradient, so a mis-scaled gradient (e.g. of the experts under EP)
 barely moves the loss curve but shows in the norm. Measured (fp32): 1 GPU, H100: loss 0, grad norm 1.2e-7
-(floor 3.5e-7); CPU gloo, EP 2: grad norm 4.6e-8; 2 GPUs, H200, EP 2: loss 1.6e-7 but grad norm 6.2e-5, which
-this bound fails on purpose until it is explained (the bench README)."""
+(floor 3.5e-7); CPU gloo, EP 2: grad norm 4.6e-8; 2 GPUs, H200, EP 2: loss 1.6e-7, grad norm 6.2e-5. That gap
+is GPU run-to-run variation, not a mis-scaled gradient: ``grads`` at EP 2 on 2 H200s finds every parameter's
+step-1 gradient within 6.6e-6 of the local model's, and two identical 1F1B runs at pp 2 (``pipeline``) gave
+step-1 grad norms 6.4e-5 and 2.8e-7 away from DualPipeV's, while the floor run's sat 6.2e-5 away. The
+gradient norm is therefore allowed ``max(STEP1_RTOL, FLOOR_FACTOR x its step-1 floor)``; the loss STEP1_RTOL."""
 PUBLISHED_FLOP_PER_TOKEN = 31.2e9
 """NAM56R's record: 289 TFLOP/s per GPU at ~9,250 tokens/s per GPU (issue 8)."""
 KEYS = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
@@ -367,9 +370,10 @@ def check(args) -> int:
             failures.append(f"{dtype}: megatron vs local differs by {worst_engine:.1e} > {allowed:.1e}")
         if rows[0]["engine_rel"] > STEP1_RTOL[dtype]:
             failures.append(f"{dtype}: step 1 differs by {rows[0]['engine_rel']:.1e} > {STEP1_RTOL[dtype]:.0e}")
-        if grad_norm_step1["engine_rel"] > STEP1_RTOL[dtype]:
+        grad_norm_allowed = max(STEP1_RTOL[dtype], FLOOR_FACTOR * grad_norm_step1["floor_rel"])
+        if grad_norm_step1["engine_rel"] > grad_norm_allowed:
             failures.append(f"{dtype}: step-1 gradient norm differs by {grad_norm_step1['engine_rel']:.1e} > "
-                            f"{STEP1_RTOL[dtype]:.0e}")
+                            f"{grad_norm_allowed:.1e}")
         if not falls:
             failures.append(f"{dtype}: loss did not fall ({full[0]['loss']:.4f} -> {full[-1]['loss']:.4f})")
     print("\nverdict: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))

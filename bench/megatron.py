@@ -481,7 +481,8 @@ def pipeline(args) -> int:
         for r in rows:
             resume_rel = "-" if r["resume_rel"] is None else f"{r['resume_rel']:.1e}"
             print(f"| {r['step']} | {r['1f1b']:.6f} | {r['dualpipev']:.6f} | {r['loss_rel']:.1e} "
-                  f"| {r['grad_norm_rel']:.1e} | {r['floor_rel']:.1e} | {r['floor_grad_norm_rel']:.1e} | {resume_rel} |")
+                  f"| {r['grad_norm_rel']:.1e} | {r['floor_rel']:.1e} | {r['floor_grad_norm_rel']:.1e} "
+                  f"| {resume_rel} |")
         g1 = rows[0]["grad_norm"]
         print(f"\nworst DualPipeV vs 1F1B loss {worst:.1e}, allowed {allowed:.1e}; step-1 grad norm 1F1B "
               f"{g1['1f1b']:.9g}, DualPipeV {g1['dualpipev']:.9g}, floor {g1['floor']:.9g}: DualPipeV vs 1F1B "

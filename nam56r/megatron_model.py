@@ -546,7 +546,8 @@ class NamMegatronModel:
             stage = stage_of(pg_collection.pp.rank(), chunk, pp=pp, chunks=lowering.chunks)
             mine = [layer for layer in lowering.layers if layer["pp_stage"] == stage]
             last = stage == pp * lowering.chunks - 1
-            with _v_stage([layer["megatron"] for layer in mine], mine[0]["index"], mtp=last and lowering.mtp_depths > 0):
+            mtp = last and lowering.mtp_depths > 0
+            with _v_stage([layer["megatron"] for layer in mine], mine[0]["index"], mtp=mtp):
                 model = build(pre_process=stage == 0, post_process=last, vp_stage=chunk)
         model = model.to(device)  # Megatron's parallel layers are there already; its torch norms are not
         if self.init_from is not None:

@@ -93,12 +93,29 @@ class AttentionCore(Protocol):
         kv       [b, s, dk]
         indices  [b, s, topk] int64, key positions per query; -1 = empty slot (sparse only)
         returns  [b, s, h, d_v]    d_v = kv_lora_rank (NAM56R: 64)
+
+    A DSA layer also hands its core the two hot loops of its lightning indexer (nam56r/blocks/indexer.py,
+    whose pure-PyTorch functions are the reference implementations)::
+
+        index_scores(q, k, w)        q [b, s, H, d], k [b, s, d] (model dtype), w [b, s, H] fp32
+                                     -> [b, s, s] fp32, I[t, u] = sum_j w[t, j] relu(q[t, j] . k[u]) for
+                                     u <= t, -inf above the diagonal; differentiable in q, k and w
+        sparse_teacher(q, kv, indices, *, scale)
+                                     MLA's q [b, s, h, dk] and kv [b, s, dk] (read detached), indices
+                                     [b, s, topk] -> [b, s, topk] fp32: the head-summed per-head softmax over
+                                     the live slots, L1-normalised, dead slots 0; no gradient
     """
 
     def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor: ...
 
     def sparse(
         self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, d_v: int
+    ) -> torch.Tensor: ...
+
+    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+    def sparse_teacher(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float
     ) -> torch.Tensor: ...
 
 

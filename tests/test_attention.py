@@ -17,8 +17,10 @@ from nam56r.blocks.indexer import (
     FullIndexer,
     _IndexScores,
     causal_topk,
+    index_scores,
     indexer_kl_dense,
     indexer_kl_sparse,
+    teacher_sparse,
 )
 from nam56r.blocks.mla import MLA
 from nam56r.blocks.rope import apply_rope_halves, apply_rope_interleaved
@@ -336,3 +338,46 @@ def test_builds_and_runs_on_meta_device():
     # NAM56R MLA widths (config.py): 4096*64 + 64 + 64*32*128 + 4096*128 + 64 + 64*32*192 + 32*128*4096.
     mla = sum(p.numel() for n, p in dsa.named_parameters() if not n.startswith("indexer."))
     assert mla == 4096 * 64 + 64 + 64 * 32 * 128 + 4096 * 128 + 64 + 64 * 32 * 192 + 32 * 128 * 4096
+
+
+# --- the indexer's hot loops go through the attention core ----------------------------------------
+class _Spy(ReferenceAttention):
+    """The reference core, counting the indexer calls a DSA layer hands it."""
+
+    def __init__(self):
+        self.calls = {"index_scores": 0, "sparse_teacher": 0}
+
+    def index_scores(self, q, k, w):
+        self.calls["index_scores"] += 1
+        return super().index_scores(q, k, w)
+
+    def sparse_teacher(self, q, kv, indices, *, scale):
+        self.calls["sparse_teacher"] += 1
+        return super().sparse_teacher(q, kv, indices, scale=scale)
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_dsa_runs_its_index_scores_and_sparse_teacher_on_its_core(warmup):
+    """The layer asks its core (so a kernel backend takes over), and the reference core's answers are the
+    module-level reference functions, bit for bit (the path before the hook existed)."""
+    cfg = CFG.replace(dsa_dense_warmup=warmup)
+    spy = _Spy()
+    torch.manual_seed(0)
+    dsa = DSA(cfg, spy, FullIndexer(), dsa_rank=0).to(torch.float32)
+    x = make_x(torch.float32)
+    state = ForwardState()
+    dsa(x, state)
+    assert spy.calls == {"index_scores": 1, "sparse_teacher": 0 if warmup else 1}
+
+    qr, q, kv = (t.detach() for t in dsa.project(x))
+    scores = dsa.indexer(x, qr)
+    assert torch.equal(scores, index_scores(*dsa.indexer.inputs(x, qr)))
+    indices = causal_topk(scores, cfg.index_topk)
+    if warmup:
+        want = indexer_kl_dense(scores, q, kv, dsa.softmax_scale)
+    else:
+        assert torch.equal(spy.sparse_teacher(q, kv, indices, scale=dsa.softmax_scale),
+                           teacher_sparse(q, kv, indices, dsa.softmax_scale))
+        want = indexer_kl_sparse(scores, indices, q, kv, dsa.softmax_scale)  # teacher=None: the reference
+    assert torch.equal(state.aux_losses["indexer_kl"][0], want * cfg.indexer_loss_coeff)
+    assert want > 0  # a zero loss would make the equality above trivial

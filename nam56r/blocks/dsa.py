@@ -10,7 +10,9 @@ indexer. Per forward:
    dense warm-up (``cfg.dsa_dense_warmup``).
 4. The indexer KL loss, times ``cfg.indexer_loss_coeff``, goes to ``state`` as ``indexer_kl``: the dense
    form in warm-up, the top-k-restricted form after (kernels-and-math.md section 2.4). Its teacher is built
-   from detached queries/keys, so it trains the indexer only.
+   from detached queries/keys, so it trains the indexer only. The index scores and the sparse teacher run on
+   the layer's attention core (``AttentionCore.index_scores`` / ``sparse_teacher``), so a kernel backend
+   speeds up the indexer too.
 
 A ``WarmupStrategy`` that is warming up (lemyx) replaces steps 2-4 with its own dense attention + KL.
 
@@ -45,7 +47,7 @@ class DSA(MLA):
         is_mtp: bool = False,
     ):
         super().__init__(cfg, attention, absorbed=True)
-        self.indexer = LightningIndexer(cfg)
+        self.indexer = LightningIndexer(cfg, attention)  # its scores run on the same core
         self.indexer_strategy = indexer_strategy
         self.dsa_rank = dsa_rank
         self.is_mtp = is_mtp
@@ -69,6 +71,7 @@ class DSA(MLA):
             if self.cfg.dsa_dense_warmup:
                 kl = indexer_kl_dense(index_scores, q, kv, self.softmax_scale)
             else:
-                kl = indexer_kl_sparse(index_scores, indices, q, kv, self.softmax_scale)
+                teacher = self.attention.sparse_teacher(q, kv, indices, scale=self.softmax_scale)  # [b, s, k]
+                kl = indexer_kl_sparse(index_scores, indices, q, kv, self.softmax_scale, teacher=teacher)
             state.add_loss("indexer_kl", kl * self.cfg.indexer_loss_coeff)
         return self.output(o_latent)

@@ -17,6 +17,10 @@ Memory: an index score for every (query, head, key) would be ``[b, H, s, s]`` fp
 = 2 GiB per sequence and layer). Scores and the attention teacher are therefore summed head by head into
 ``[b, s, s]``, and the score backward recomputes each head instead of saving it (``_IndexScores``).
 
+The functions here are the reference. A DSA layer runs its scores and its sparse teacher through its attention
+core (``AttentionCore.index_scores`` / ``sparse_teacher``): the ``reference`` core calls ``index_scores`` and
+``teacher_sparse`` below, a kernel core (sparse-mla) fuses the head loops.
+
 The FP8 path's Hadamard rotation of q and k is left out: an orthonormal rotation applied to both sides leaves
 every dot product unchanged, and it exists only to spread outliers before FP8 quantisation (section 2.5).
 
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from nam56r.backends import IndexerStrategy
+from nam56r.backends import AttentionCore, IndexerStrategy
 from nam56r.blocks.rope import apply_rope_halves
 from nam56r.config import NAM56RConfig
 from nam56r.state import ForwardState
@@ -47,6 +51,7 @@ __all__ = [
     "indexer_kl_dense_rows",
     "indexer_kl_sparse",
     "live_slots",
+    "teacher_sparse",
 ]
 
 # Probabilities below this are clamped inside log(p); Megatron's DSA loss uses the same 1e-10 floor.
@@ -97,11 +102,16 @@ class _IndexScores(torch.autograd.Function):
 
 
 class LightningIndexer(nn.Module):
-    """Index scores ``[b, s, s]`` from the block input ``x`` and MLA's query latent ``qr`` (both detached)."""
+    """Index scores ``[b, s, s]`` from the block input ``x`` and MLA's query latent ``qr`` (both detached).
 
-    def __init__(self, cfg: NAM56RConfig):
+    The module owns the projections; ``core.index_scores`` (its DSA layer's attention backend) owns the
+    score math, so a kernel backend takes over both the scores and the KL teacher of the layer.
+    """
+
+    def __init__(self, cfg: NAM56RConfig, core: AttentionCore):
         super().__init__()
         self.cfg = cfg
+        self.core = core
         self.heads, self.head_dim = cfg.index_heads, cfg.index_head_dim
         # The leading rope_dim channels rotate, the rest do not (DeepSeek-V3.2 puts the rope part first).
         # NAM56R: min(64, 64) = 64, so its indexer heads are rotary end to end.
@@ -137,11 +147,14 @@ class LightningIndexer(nn.Module):
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         """``x [b, s, hidden]``, ``qr [b, s, q_lora]`` -> fp32 scores ``[b, s, s]``, ``-inf`` on future keys."""
-        return index_scores(*self.inputs(x, qr))
+        return self.core.index_scores(*self.inputs(x, qr))
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Causal-masked scores ``[b, s, s]`` in ``w``'s dtype from ``q [b, s, H, d]``, ``k [b, s, d]``, ``w [b, s, H]``."""
+    """Causal-masked scores ``[b, s, s]`` in ``w``'s dtype from ``q [b, s, H, d]``, ``k [b, s, d]``, ``w [b, s, H]``.
+
+    The reference ``AttentionCore.index_scores``.
+    """
     acc = w.dtype
     scores = _IndexScores.apply(q.to(acc), k.to(acc), w)  # [b, s, s]
     return scores.masked_fill(_future(q.shape[1], q.device), float("-inf"))
@@ -207,8 +220,12 @@ def _teacher_dense(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Ten
 
 
 @torch.no_grad()
-def _teacher_sparse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
-    """As ``_teacher_dense`` but each head's softmax runs over the top-k set only: ``[b, s, k]``."""
+def teacher_sparse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """As ``_teacher_dense`` but each head's softmax runs over the top-k set only: ``[b, s, k]``, dead slots 0.
+
+    ``indices [b, s, k]`` as ``causal_topk`` returns them. The reference ``AttentionCore.sparse_teacher``;
+    a kernel backend replaces it (``indexer_kl_sparse(..., teacher=...)``).
+    """
     acc = _acc_dtype(q)
     q = q.detach().to(acc)
     picked = gather_keys(kv.detach().to(acc), indices)  # [b, s, k, dk]
@@ -247,9 +264,14 @@ def indexer_kl_dense(index_scores: torch.Tensor, q: torch.Tensor, kv: torch.Tens
 
 
 def indexer_kl_sparse(
-    index_scores: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, scale: float
+    index_scores: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, scale: float,
+    *, teacher: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sparse-stage loss (paper eq. 4): as ``indexer_kl_dense`` with both sides restricted to ``indices``."""
-    p = _teacher_sparse(q, kv, indices, scale)  # [b, s, k]
+    """Sparse-stage loss (paper eq. 4): as ``indexer_kl_dense`` with both sides restricted to ``indices``.
+
+    ``teacher [b, s, k]``: the teacher distribution when the caller already has it (DSA passes its attention
+    core's ``sparse_teacher``); None computes it here with the reference ``teacher_sparse``.
+    """
+    p = teacher_sparse(q, kv, indices, scale) if teacher is None else teacher  # [b, s, k]
     student = index_scores.gather(-1, indices.clamp(min=0))  # [b, s, k]
     return _kl_rows(p.to(index_scores.dtype), student, live_slots(indices)).mean()

@@ -6,6 +6,8 @@ the GPU kernels implement (tilelang ``sparse_mla_fwd``, FlashMLA), so this file 
 
 * ``dense``: ordinary causal softmax attention. It holds the ``[b, h, s, s]`` score matrix, which is fine for
   an oracle on CPU-sized inputs; kernels never form it.
+* ``index_scores`` and ``sparse_teacher``: the DSA indexer's scores and its sparse KL teacher, the
+  head-by-head pure-PyTorch functions of ``nam56r.blocks.indexer``, unchanged.
 * ``sparse``: each query ``t`` attends only to the keys listed in ``indices[b, t, :]``. The keys are gathered
   into ``[b, s, topk, dk]`` (never a ``[b, s, s]`` anything), so cost and memory scale with top-k.
   A slot is live iff ``0 <= index <= t``: ``-1`` marks an empty slot (a row with fewer than top-k past keys),
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from nam56r.blocks.indexer import gather_keys, live_slots
+from nam56r.blocks.indexer import gather_keys, index_scores, live_slots, teacher_sparse
 
 
 def _accumulate_dtype(q: torch.Tensor) -> torch.dtype:
@@ -56,3 +58,12 @@ class ReferenceAttention:
         out = torch.einsum("bthk,btkd->bthd", probs, picked[..., :d_v])  # [b, s, h, d_v]
         return out.to(q.dtype)
 
+    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``nam56r.blocks.indexer.index_scores``: ``[b, s, s]`` in ``w``'s dtype, -inf above the diagonal."""
+        return index_scores(q, k, w)
+
+    def sparse_teacher(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """``nam56r.blocks.indexer.teacher_sparse``: ``[b, s, topk]``, no gradient."""
+        return teacher_sparse(q, kv, indices, scale)

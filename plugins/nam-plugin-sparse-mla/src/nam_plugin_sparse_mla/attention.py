@@ -3,6 +3,8 @@
 * ``sparse``: the Triton kernels of ``kernel.py`` (DSA layers after the indexer warm-up).
 * ``dense``: torch's fused attention, ``scaled_dot_product_attention`` (MLA layers, and DSA layers during the
   dense warm-up), as one MQA call: every query head against the single shared KV row (``enable_gqa``).
+* ``index_scores`` and ``sparse_teacher``: the DSA lightning indexer's scores (with backward) and its sparse
+  KL teacher, the Triton kernels of ``indexer.py``.
 
 Why ``dense`` passes the *full* key row as the value and keeps the first ``d_v`` output channels, instead of
 passing ``kv[..., :d_v]``: torch's flash kernel (the one that takes ``enable_gqa`` on every sm80+ build)
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nam_plugin_sparse_mla import indexer
 from nam_plugin_sparse_mla.kernel import BLOCK_N, sparse_mla
 
 FUSED_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -37,7 +40,8 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int
 
 
 class SparseMLA:
-    """``AttentionCore`` whose sparse path is the sparse-mla Triton kernel and dense path torch's fused SDPA."""
+    """``AttentionCore`` whose sparse path and indexer loops are the sparse-mla Triton kernels and whose dense
+    path is torch's fused SDPA."""
 
     def __init__(self, block_n: int = BLOCK_N):
         self.block_n = block_n
@@ -49,3 +53,10 @@ class SparseMLA:
                d_v: int) -> torch.Tensor:
         o, _lse = sparse_mla(q, kv, indices, scale=scale, d_v=d_v, block_n=self.block_n)
         return o
+
+    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return indexer.index_scores(q, k, w)
+
+    def sparse_teacher(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                       scale: float) -> torch.Tensor:
+        return indexer.sparse_teacher(q, kv, indices, scale=scale)

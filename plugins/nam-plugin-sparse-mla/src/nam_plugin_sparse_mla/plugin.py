@@ -2,10 +2,11 @@
 
 Requesting the plugin selects ``attention_backend=sparse-mla`` (an explicit ``--set attention_backend=...``
 wins): DSA layers then run their top-k attention on the plugin's Triton kernels and MLA layers (and DSA's
-dense warm-up) on torch's fused SDPA. The kernels need a Hopper-or-newer GPU and Triton; activation checks
-both, the model's head widths (``nam_check_config``) and, on a real GPU, one tiny compile-and-launch parity
-run against the reference (``nam_preflight``). There is no CPU fallback: on a CPU the ``reference`` backend
-is the implementation, by name.
+dense warm-up) on torch's fused SDPA; every DSA layer's lightning-indexer scores (with backward) and sparse KL
+teacher run on the plugin's indexer kernels too. The kernels need a Hopper-or-newer GPU and Triton;
+activation checks both, the model's head and index-head widths (``nam_check_config``) and, on a real GPU,
+one tiny compile-and-launch parity run of every kernel against the reference (``nam_preflight``). There is
+no CPU fallback: on a CPU the ``reference`` backend is the implementation, by name.
 
 This module stays light (no torch, no triton at import) so ``nam plugins list`` can read ``PLUGIN``.
 """
@@ -19,8 +20,8 @@ NAME = "sparse-mla"
 GPU_HINT = "pip install 'nam-plugin-sparse-mla[gpu]'"
 
 PLUGIN = PluginInfo(
-    summary="sparse-mla: DSA top-k attention in MLA's absorbed form as Triton kernels (fp32 softmax and "
-            "gradients), dense MLA on torch's fused SDPA",
+    summary="sparse-mla: DSA top-k attention in MLA's absorbed form, the indexer's scores and its sparse KL "
+            "teacher as Triton kernels (fp32 softmax and gradients), dense MLA on torch's fused SDPA",
     provides={"attention_backends": [NAME]},
     requires=(
         Requirement.cuda_capability((9, 0), reason="the kernels are built and tuned for Hopper (sm_90) and newer"),
@@ -29,17 +30,19 @@ PLUGIN = PluginInfo(
     selects={"attention_backend": NAME},
 )
 
-NAM56R_WIDTHS = {"h": 32, "dk": 128, "dv": 64}
-"""Preflight's shape without a config: 32 heads over a 64 + 64 latent key, value 64 (nam56r.config)."""
+NAM56R_WIDTHS = {"h": 32, "dk": 128, "dv": 64, "index_heads": 32, "index_dim": 64}
+"""Preflight's shape without a config: 32 heads over a 64 + 64 latent key, value 64; 32 index heads of 64
+(nam56r.config)."""
 
 
 def _widths(model) -> dict[str, int]:
-    return {"h": model.attn_heads, "dk": model.kv_lora_rank + model.qk_rope_dim, "dv": model.kv_lora_rank}
+    return {"h": model.attn_heads, "dk": model.kv_lora_rank + model.qk_rope_dim, "dv": model.kv_lora_rank,
+            "index_heads": model.index_heads, "index_dim": model.index_head_dim}
 
 
 @hookimpl
 def nam_check_config(config, device):
-    from nam_plugin_sparse_mla.shape import shape_problem
+    from nam_plugin_sparse_mla.shape import index_shape_problem, shape_problem
 
     if config is None:
         return []
@@ -54,6 +57,14 @@ def nam_check_config(config, device):
                     hint=None if problem is None else
                     "--set kv_lora_rank=64 --set qk_rope_dim=64 (NAM56R's widths), or run the pure-PyTorch "
                     "core: --set attention_backend=reference --plugins reference")]
+    index_problem = index_shape_problem(model.index_head_dim)
+    index_found = f"index_head_dim {model.index_head_dim}, {model.index_heads} index heads"
+    checks.append(Check(NAME, "indexer kernel shapes", FAIL if index_problem else PASS,
+                        "index_head_dim a power of two in [16, 256] (any number of index heads)",
+                        f"{index_found}: {index_problem}" if index_problem else index_found,
+                        hint=None if index_problem is None else
+                        "--set index_head_dim=64 (NAM56R's), or run the pure-PyTorch core: "
+                        "--set attention_backend=reference --plugins reference"))
     if model.attention_backend != NAME:
         checks.append(unused(NAME, "attention_backend", model.attention_backend))
     return checks
@@ -62,25 +73,27 @@ def nam_check_config(config, device):
 @hookimpl
 def nam_preflight(device, config):
     """On a real CUDA device: compile and launch the kernels once, forward and backward, against the reference."""
-    from nam_plugin_sparse_mla.shape import shape_problem
+    from nam_plugin_sparse_mla.shape import index_shape_problem, shape_problem
 
     w = _widths(config.model) if config is not None else dict(NAM56R_WIDTHS)
-    if shape_problem(w["dk"], w["dv"], w["h"]) is not None:
+    if shape_problem(w["dk"], w["dv"], w["h"]) is not None or index_shape_problem(w["index_dim"]) is not None:
         return []  # already a failed config check
     from nam_plugin_sparse_mla.selftest import parity
 
-    needed = "kernel == reference within {tol:g} (out, dq, dkv; sparse and dense)"
+    needed = ("kernel == reference within {tol:g} (out, dq, dkv; sparse and dense; index-score dq, dk; "
+              "fp32 index scores, dw and sparse teacher within 1e-4)")
     try:
-        err, tol, details = parity(h=w["h"], dk=w["dk"], dv=w["dv"], device="cuda")
+        err, tol, details = parity(h=w["h"], dk=w["dk"], dv=w["dv"], index_heads=w["index_heads"],
+                                   index_dim=w["index_dim"], device="cuda")
     except Exception as e:  # a compile or launch failure is this check's failure, with what happened
         return [Check(NAME, "kernel launch", FAIL, needed.format(tol=2e-2), f"{type(e).__name__}: {e}",
                       hint=f"report it with `nam preflight --plugins {NAME} --json`; meanwhile "
                            "--set attention_backend=reference --plugins reference")]
     ok = err <= tol
-    seeds = f"seeds {details['sparse']['seed']}, {details['dense']['seed']}"
+    seeds = "seeds " + ", ".join(str(details[k]["seed"]) for k in ("sparse", "dense", "index_scores", "teacher"))
     return [Check(NAME, "kernel launch", PASS if ok else FAIL, needed.format(tol=tol),
                   f"worst relative error {err:.2e} (b=2 s=160 h={w['h']} dk={w['dk']} dv={w['dv']} top-k 96, "
-                  f"bf16; {seeds})",
+                  f"{w['index_heads']} index heads of {w['index_dim']}, bf16; {seeds})",
                   hint=None if ok else "report it with the seeds; meanwhile "
                                        "--set attention_backend=reference --plugins reference")]
 

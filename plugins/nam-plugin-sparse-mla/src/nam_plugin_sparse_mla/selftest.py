@@ -112,6 +112,64 @@ def compare_dense(b: int, s: int, h: int, dk: int, dv: int, *, dtype=torch.bfloa
     return {**_errors(out, ref, (qk, kvk), (qr, kvr)), "seed": seed}
 
 
+FP32_OUTPUT_TOLERANCE = 1e-4
+"""Max relative-to-max error of the fp32 outputs of the indexer kernels (index scores, dw, the teacher): their
+logits are exact products of the low-precision inputs summed in fp32, so only the summation order (and exp's
+rounding) differs from the fp32 reference, ~1e-6; 1e-4 leaves room for long rows."""
+
+
+def compare_index_scores(b: int, s: int, heads: int, d: int, *, dtype=torch.bfloat16, device="cuda",
+                         seed: int | None = None, block: int | None = None) -> dict[str, float]:
+    """Relative errors of ``scores``, ``dq``, ``dk``, ``dw`` of ``indexer.index_scores`` vs the reference
+    ``nam56r.blocks.indexer.index_scores`` on the same values upcast to fp32, plus ``seed``. ``block``: one
+    square tile for every kernel; None: the tuned ``SCORE_TILES``.
+
+    q, k ~ N(0, 1) in ``dtype``; w ~ N(0, 1) * H^-0.5 d^-0.5 in fp32 (LightningIndexer's scale, both signs);
+    the incoming gradient is N(0, 1) everywhere, above the diagonal too, where both sides must ignore it.
+    ``scores`` is inf unless both put -inf exactly above the diagonal and nowhere else.
+    """
+    from nam56r.blocks.indexer import index_scores as reference
+    from nam_plugin_sparse_mla.indexer import index_scores
+
+    seed = new_seed() if seed is None else seed
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, s, heads, d, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(b, s, d, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(b, s, heads, generator=g) * (heads**-0.5 * d**-0.5)).to(device)
+    grad = torch.randn(b, s, s, generator=g).to(device)
+
+    qk, kk, wk = q.clone().requires_grad_(), k.clone().requires_grad_(), w.clone().requires_grad_()
+    out = index_scores(qk, kk, wk, block=block)
+    out.backward(grad)
+    qr, kr, wr = q.float().requires_grad_(), k.float().requires_grad_(), w.clone().requires_grad_()
+    ref = reference(qr, kr, wr)
+    ref.backward(grad)
+
+    future = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+    masked_right = bool(torch.isneginf(out[:, future]).all()) and bool(torch.isfinite(out[:, ~future]).all())
+    scores = max_rel_error(out.masked_fill(future, 0.0), ref.masked_fill(future, 0.0))
+    return {"scores": scores if masked_right else math.inf, "dq": max_rel_error(qk.grad, qr.grad),
+            "dk": max_rel_error(kk.grad, kr.grad), "dw": max_rel_error(wk.grad, wr.grad), "seed": seed}
+
+
+def compare_teacher(b: int, s: int, h: int, dk: int, topk: int, *, dtype=torch.bfloat16, device="cuda",
+                    seed: int | None = None, block_n: int | None = None, future_slots: bool = False,
+                    empty_rows: int = 0) -> dict[str, float]:
+    """Relative error ``teacher`` of ``indexer.sparse_teacher`` vs the reference ``teacher_sparse`` (on the same
+    values upcast to fp32), ``dead``: the largest value on a dead slot (must be 0), and ``seed``."""
+    from nam56r.blocks.indexer import live_slots, teacher_sparse
+    from nam_plugin_sparse_mla.indexer import TEACHER_BLOCK_N, sparse_teacher
+
+    seed = new_seed() if seed is None else seed
+    q, kv, indices = random_inputs(b, s, h, dk, topk, dtype=dtype, device=device, seed=seed,
+                                   future_slots=future_slots, empty_rows=empty_rows)
+    scale = dk**-0.5
+    ours = sparse_teacher(q, kv, indices, scale=scale, block_n=block_n or TEACHER_BLOCK_N)
+    ref = teacher_sparse(q.float(), kv.float(), indices, scale)
+    dead = ours.masked_fill(live_slots(indices), 0.0).abs().max().item()
+    return {"teacher": max_rel_error(ours, ref), "dead": dead, "seed": seed}
+
+
 def _errors(out, ref, ours: tuple, theirs: tuple) -> dict[str, float]:
     """``out``, ``dq``, ``dkv`` errors; ``ours`` / ``theirs`` are the (q, kv) leaves of each side."""
     (q, kv), (q_ref, kv_ref) = ours, theirs
@@ -124,14 +182,26 @@ def worst(errors: dict[str, float]) -> float:
     return max((v if not math.isnan(v) else math.inf) for k, v in errors.items() if k != "seed")
 
 
-def parity(*, h: int = 32, dk: int = 128, dv: int = 64, device="cuda",
-           dtype=torch.bfloat16) -> tuple[float, float, dict]:
-    """Preflight's launch: ``(worst error, tolerance, details)`` over the sparse kernel and the dense path.
+def parity(*, h: int = 32, dk: int = 128, dv: int = 64, index_heads: int = 32, index_dim: int = 64,
+           device="cuda", dtype=torch.bfloat16) -> tuple[float, float, dict]:
+    """Preflight's launch: ``(worst error, tolerance, details)`` over the sparse kernel, the dense path and
+    the two indexer kernels (index scores, sparse teacher).
 
-    b=2, s=160, topk=96: two top-k blocks (64 + a ragged 32), rows 0..94 with empty slots, one row with none.
+    b=2, s=160, topk=96: two top-k blocks (64 + a ragged 32), rows 0..94 with empty slots, one row with none;
+    the index scores take 3 ragged 64-row blocks. The fp32 outputs of the indexer kernels are held to
+    ``FP32_OUTPUT_TOLERANCE``; reported errors are scaled to the common tolerance (error * tol / own tol).
     """
+    tol = TOLERANCE[dtype]
     sparse = compare(2, 160, h, dk, dv, 96, dtype=dtype, device=device, empty_rows=1)
     empty_out = sparse.pop("empty_row_out")
     dense = compare_dense(2, 160, h, dk, dv, dtype=dtype, device=device)
-    details = {"sparse": sparse, "dense": dense, "empty_row_out": empty_out}
-    return max(worst(sparse), worst(dense), math.inf if empty_out != 0 else 0.0), TOLERANCE[dtype], details
+    scores = compare_index_scores(2, 160, index_heads, index_dim, dtype=dtype, device=device)
+    teacher = compare_teacher(2, 160, h, dk, 96, dtype=dtype, device=device, empty_rows=1)
+    fp32_scale = tol / FP32_OUTPUT_TOLERANCE
+    indexer_worst = max(scores["dq"], scores["dk"],
+                        fp32_scale * max(scores["scores"], scores["dw"], teacher["teacher"]),
+                        math.inf if teacher["dead"] != 0 else 0.0)
+    details = {"sparse": sparse, "dense": dense, "empty_row_out": empty_out, "index_scores": scores,
+               "teacher": teacher}
+    worst_all = max(worst(sparse), worst(dense), math.inf if empty_out != 0 else 0.0, indexer_worst)
+    return worst_all, tol, details

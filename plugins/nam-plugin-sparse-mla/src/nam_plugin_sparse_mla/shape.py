@@ -24,16 +24,33 @@ def _pow2(d: int) -> bool:
     return d > 0 and d & (d - 1) == 0
 
 
+def _width_problem(name: str, d: int) -> str | None:
+    if not (MIN_WIDTH <= d <= MAX_WIDTH and _pow2(d)):
+        return f"{name} is {d}; the kernels take powers of two from {MIN_WIDTH} to {MAX_WIDTH}"
+    return None
+
+
 def shape_problem(dk: int, dv: int, h: int) -> str | None:
-    """Why the kernels cannot take these widths, or None.
+    """Why the attention kernels (and the sparse teacher, which takes the same q and kv) cannot take these
+    widths, or None.
 
     ``dk`` key width (kv_lora_rank + qk_rope_dim), ``dv`` value width (kv_lora_rank), ``h`` query heads.
     """
     for name, d in (("key width dk = kv_lora_rank + qk_rope_dim", dk), ("value width dv = kv_lora_rank", dv)):
-        if not (MIN_WIDTH <= d <= MAX_WIDTH and _pow2(d)):
-            return f"{name} is {d}; the kernels take powers of two from {MIN_WIDTH} to {MAX_WIDTH}"
+        problem = _width_problem(name, d)
+        if problem is not None:
+            return problem
     if dv > dk:
         return f"value width {dv} is wider than key width {dk} (the value is the key row's first dv channels)"
     if not 1 <= h <= MAX_HEADS:
         return f"{h} attention heads; the kernels take 1 to {MAX_HEADS}"
     return None
+
+
+def index_shape_problem(d: int) -> str | None:
+    """Why the index-score kernels cannot take index heads of width ``d`` (index_head_dim), or None.
+
+    The index heads are looped over inside a program, so their count is free; ``d`` is the K side of the
+    per-head dot. NAM56R: 64; the tiny recipe: 16.
+    """
+    return _width_problem("index head width index_head_dim", d)

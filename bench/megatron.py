@@ -315,22 +315,31 @@ def launch(spec: dict, work: Path, gpus: int) -> list[dict]:
 # --- check ------------------------------------------------------------------------------------------------
 
 
-def check(args) -> int:
+def initial_states(recipe, work: Path) -> tuple[Path, Path]:
+    """One initial state for every run of a comparison (nam's initialisation at the recipe's seed) and the
+    floor's copy with every weight moved by up to PERTURB; also builds the corpus once, before the workers
+    race for it."""
     import torch
 
     from nam56r.model import build_model
+
+    init, perturbed = work / "init.pt", work / "init-perturbed.pt"
+    torch.manual_seed(recipe.train.seed)
+    state = build_model(recipe.model, device="cpu").state_dict()
+    torch.save(state, init)
+    noise = torch.Generator().manual_seed(7)
+    torch.save({k: v * (1 + PERTURB * (2 * torch.rand(v.shape, generator=noise) - 1)) if v.is_floating_point() else v
+                for k, v in state.items()}, perturbed)
+    packed_rows(recipe.model.seq_len, recipe.train.seed)
+    return init, perturbed
+
+
+def check(args) -> int:
     from nam56r.recipes import get_recipe
 
     recipe = get_recipe("nam56r-tiny")
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-check-", dir=args.work))
-    init, perturbed = work / "init.pt", work / "init-perturbed.pt"
-    torch.manual_seed(recipe.train.seed)
-    state = build_model(recipe.model, device="cpu").state_dict()
-    torch.save(state, init)  # one initial state for every run
-    noise = torch.Generator().manual_seed(7)
-    torch.save({k: v * (1 + PERTURB * (2 * torch.rand(v.shape, generator=noise) - 1)) if v.is_floating_point() else v
-                for k, v in state.items()}, perturbed)
-    packed_rows(recipe.model.seq_len, recipe.train.seed)  # build the corpus once, before the workers race for it
+    init, perturbed = initial_states(recipe, work)
     half, per_rank = args.steps // 2, args.micro_batches
     results, failures = {}, []
     for dtype in args.dtypes:
@@ -422,21 +431,11 @@ def pipeline(args) -> int:
     FLOOR_FACTOR x floor), step 1's loss by more than STEP1_RTOL, step 1's gradient norm by more than
     max(STEP1_RTOL, FLOOR_FACTOR x its floor), or the resumed DualPipeV run leaves the uninterrupted one by
     more than RESUME_RTOL."""
-    import torch
-
-    from nam56r.model import build_model
     from nam56r.recipes import get_recipe
 
     recipe = get_recipe("nam56r-tiny")
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-pipeline-", dir=args.work))
-    init, perturbed = work / "init.pt", work / "init-perturbed.pt"
-    torch.manual_seed(recipe.train.seed)
-    state = build_model(recipe.model, device="cpu").state_dict()
-    torch.save(state, init)
-    noise = torch.Generator().manual_seed(7)
-    torch.save({k: v * (1 + PERTURB * (2 * torch.rand(v.shape, generator=noise) - 1)) if v.is_floating_point() else v
-                for k, v in state.items()}, perturbed)
-    packed_rows(recipe.model.seq_len, recipe.train.seed)
+    init, perturbed = initial_states(recipe, work)
     half = args.steps // 2
     results, failures = {}, []
     for dtype in args.dtypes:

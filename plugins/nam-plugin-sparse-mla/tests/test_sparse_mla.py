@@ -54,13 +54,8 @@ print(json.dumps(cases))
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip("triton", reason="the test extra installs Triton: "
-                                         "pip install -e './plugins/nam-plugin-sparse-mla[test]'")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def interpreted(run_interpreted):
+    return run_interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("case", ["s40_topk16", "s20_topk48", "h20_dk32_dv32"])

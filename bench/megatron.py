@@ -38,6 +38,8 @@ TFLOP/s per GPU by nam56r/flops.py and at the published record's 31.2 GFLOP/toke
 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step time is the median after ``--warmup`` steps of the
 engines' own ``step_time_s`` (the slowest rank's, for megatron). ``--profile DIR`` adds one profiled step
 per run, outside the medians, and writes rank 0's operator table to ``DIR/<engine>-<N>gpu.txt``.
+``--engines local`` runs the baseline row alone. Each row is printed, and the JSON rewritten (``complete``
+false until the last), as its run ends, so a run cut short by a time limit keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -553,7 +555,13 @@ def throughput(args) -> int:
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
                                                     warmup_steps=1, checkpoint_every=steps + 1, schedule="single"))
     rows = []
-    runs = [("local", 1)] + [("megatron", n) for n in args.gpus]
+    runs = ([("local", 1)] if "local" in args.engines else []) + \
+        ([("megatron", n) for n in args.gpus] if "megatron" in args.engines else [])
+    print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, mamba-ssm + sparse-mla + "
+          f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
+    print("| engine | GPUs | topology | MBS | tokens/s per GPU | TFLOP/s per GPU | TFLOP/s per GPU at 31.2 GF/token "
+          "| peak GiB | vs local |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for engine, n in runs:
         name = f"{engine}-{n}gpu"
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "engine": engine,
@@ -570,19 +578,17 @@ def throughput(args) -> int:
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics)})
         shutil.rmtree(work / name, ignore_errors=True)  # the local engine saves at its end; nothing to keep
-    base = rows[0]["tokens_per_s_per_gpu"]
-    print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, mamba-ssm + sparse-mla + "
-          f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py)\n")
-    print("| engine | GPUs | topology | MBS | tokens/s per GPU | TFLOP/s per GPU | TFLOP/s per GPU at 31.2 GF/token "
-          "| peak GiB | vs local |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+        r = rows[-1]
+        vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x" if runs[0][0] == "local" else "-"
         print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['mbs']} | {r['tokens_per_s_per_gpu']:,.0f} "
-              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} "
-              f"| {r['tokens_per_s_per_gpu'] / base:.2f}x |")
+              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} |",
+              flush=True)
+        if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
+            write_json(args.json, {"meta": meta(layers=args.layers, mbs=args.mbs, warmup=args.warmup,
+                                                iters=args.iters, flops_per_token=flops),
+                                   "complete": len(rows) == len(runs), "rows": rows}, announce=False)
     if args.json:
-        write_json(args.json, {"meta": meta(layers=args.layers, mbs=args.mbs, warmup=args.warmup, iters=args.iters,
-                                            flops_per_token=flops), "rows": rows})
+        print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
@@ -603,10 +609,11 @@ def meta(**fields) -> dict:
             "nam_train": md.version("nam-train"), **fields}
 
 
-def write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict, *, announce: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1) + "\n")
-    print(f"\nwrote {path}")
+    if announce:
+        print(f"\nwrote {path}")
 
 
 def main() -> int:
@@ -632,6 +639,8 @@ def main() -> int:
     g.add_argument("--top", type=int, default=15)
     t = sub.add_parser("throughput", help="full NAM56R: tokens/s, TFLOP/s and peak memory per GPU")
     t.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    t.add_argument("--engines", type=lambda s: s.split(","), default=["local", "megatron"],
+                   help="comma-separated: local (the baseline row, 1 GPU), megatron (one row per --gpus entry)")
     t.add_argument("--layers", type=int, default=52)
     t.add_argument("--mbs", type=int, default=1)
     t.add_argument("--warmup", type=int, default=2)
@@ -647,6 +656,8 @@ def main() -> int:
     if args.command == "_worker":
         run_worker(json.loads(args.spec.read_text()))
         return 0
+    if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
+        ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
     if args.command in ("check", "pipeline") and args.steps % 2:
         ap.error("--steps must be even")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every engine run, same allocator

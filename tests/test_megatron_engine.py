@@ -226,3 +226,25 @@ def test_fp32_parameters_get_optimizer_groups_of_their_own():
                for name, p in (("mixer.block.D", fp32), ("norm.weight", bf16))}
     assert {"start_wd": 0.1} in matched["mixer.block.D"] and {"start_wd": 0.1} not in matched["norm.weight"]
     assert {"wd_mult": 0.0} in matched["mixer.block.D"] and {"wd_mult": 0.0} in matched["norm.weight"]
+
+
+def test_v_chunks_sum_their_embedding_copies_and_keep_the_embedding_group_to_the_first_rank():
+    """A V holds the token embedding (stage 0) and its MTP copy (last stage) on pipeline rank 0: Megatron's
+    embedding group shrinks to that rank, and the two copies' gradients are summed there, nothing else."""
+    assert engine.embedding_ranks(1) is None  # Megatron's default: first and last pipeline rank
+    assert engine.embedding_ranks(2)([4, 5, 6, 7]) == [4]
+    chunks = [torch.nn.Linear(3, 2, bias=False), torch.nn.Linear(3, 2, bias=False)]
+    other = torch.nn.Linear(3, 3, bias=False)
+    chunks[1].add_module("other", other)
+    grads = [torch.randn(2, 3), torch.randn(2, 3)]
+    for chunk, grad in zip(chunks, grads):
+        chunk.weight.shared_embedding = True
+        chunk.weight.main_grad = grad.clone()
+    other.weight.main_grad = torch.randn(3, 3)
+    untouched = other.weight.main_grad.clone()
+    engine.sum_chunk_copies(chunks)
+    for chunk in chunks:
+        torch.testing.assert_close(chunk.weight.main_grad, grads[0] + grads[1], rtol=0, atol=0)
+    assert torch.equal(other.weight.main_grad, untouched)
+    engine.sum_chunk_copies(chunks[:1])  # one chunk: Megatron's embedding all-reduce, not this, keeps copies equal
+    torch.testing.assert_close(chunks[0].weight.main_grad, grads[0] + grads[1], rtol=0, atol=0)

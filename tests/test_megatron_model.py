@@ -197,3 +197,23 @@ def test_config_and_spec_build_from_the_lowering(cfg):
     assert sub.moe_layer.submodules.mlp.func.__name__ == "MoELayer"
 
 
+
+
+@needs_019
+def test_v_stage_gives_megatron_the_chunk_and_puts_its_choices_back(cfg):
+    """While a V chunk builds, Megatron's segment choice returns that chunk's layers at their global offset and
+    its MTP placement the chunk's; both names are restored afterwards, also when the build raises."""
+    from megatron.core.models.hybrid import hybrid_layer_allocation as allocation
+    from megatron.core.models.hybrid import hybrid_model
+
+    saved = allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank
+    with mm._v_stage(["M", "E"], 26, mtp=True):
+        assert allocation.select_pipeline_segment("M|E", None, 1) == (["M", "E"], 26)
+        assert hybrid_model.mtp_on_this_rank(layout=None, mtp_num_layers=2) is True
+    assert (allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank) == saved
+    with pytest.raises(RuntimeError, match="build failed"), mm._v_stage(["M"], 0, mtp=False):
+        raise RuntimeError("build failed")
+    assert (allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank) == saved
+    config = mm.transformer_config(lower(cfg, pp=2, schedule="dualpipev"))
+    assert config.virtual_pipeline_model_parallel_size == 2  # LanguageModule's embedding setup reads it
+    assert mm.transformer_config(lower(cfg, pp=2)).virtual_pipeline_model_parallel_size is None

@@ -558,6 +558,8 @@ def sum_chunk_copies(models: list) -> None:
     stages are chunks of pipeline rank 0, whose embedding group is itself alone (``embedding_ranks``): the sum
     is taken here, before the data-parallel reduction, so both copies take the same update.
     """
+    if len(models) < 2:  # one chunk holds at most one copy; Megatron's embedding group does the rest
+        return
     copies = [p for m in models for p in m.parameters() if getattr(p, "shared_embedding", False)]
     if len(copies) < 2:
         return

@@ -104,6 +104,16 @@ def test_flex_dispatcher_needs_deepep_and_is_never_picked_for_being_installed():
         engine.check_runtime(READY, dispatcher="deepep")
 
 
+def test_the_optimizer_megatron_falls_back_to_is_reported_not_hidden():
+    """Without Transformer Engine or Apex, Megatron-Core switches to torch's AdamW with only a warning; the
+    preflight row says which Adam runs (a skip row: our GPU hosts have neither, so it cannot refuse)."""
+    rows = {c.name: c for c in engine.runtime_checks(READY)}
+    assert rows["optimizer"].status == "skip" and "torch.optim.AdamW" in rows["optimizer"].found
+    rows = {c.name: c for c in engine.runtime_checks({**READY, "fused_adam": "apex"})}
+    assert rows["optimizer"].ok and rows["optimizer"].found == "apex's fused Adam"
+    engine.check_runtime(READY)  # not a failure
+
+
 def test_this_cpu_machine_is_refused():
     """The real facts of a CPU machine (whatever megatron it has) fail closed, naming the CUDA device."""
     facts = engine.runtime_facts()

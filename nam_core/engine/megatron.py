@@ -118,6 +118,8 @@ def runtime_facts() -> dict:
         "world_size": int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None,
         "psutil": importlib.util.find_spec("psutil") is not None,
         "deep_ep": importlib.util.find_spec("deep_ep") is not None,
+        "fused_adam": next((name for name in ("transformer_engine", "apex")
+                            if importlib.util.find_spec(name) is not None), None),
     }
 
 
@@ -161,6 +163,12 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
     else:
         rows.append(Check("megatron engine", "DeepEP (flex dispatcher)", SKIP, "only for train.moe_dispatcher=flex",
                           "not installed: MoE tokens move through Megatron's all-to-all dispatcher"))
+    fused = facts.get("fused_adam")
+    rows.append(Check("megatron engine", "optimizer", PASS if fused else SKIP,
+                      "Transformer Engine's or Apex's fused Adam, which Megatron uses when importable",
+                      f"{fused}'s fused Adam" if fused else
+                      "neither installed: Megatron runs torch.optim.AdamW, and its own per-tensor Python loops for "
+                      "the gradient norm and scaling (slower; bench/README.md, the megatron engine's profile)"))
     return rows
 
 

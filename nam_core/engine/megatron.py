@@ -708,7 +708,7 @@ def _first_non_finite(models: list) -> str:
         found = first_non_finite(unwrap(model))
         if not found.startswith("none"):
             return found if len(models) == 1 else f"{found} in model chunk {i}"
-    return first_non_finite(unwrap(models[0]))
+    return found  # every chunk finite: the "none (the loss itself is non-finite)" answer, without a rescan
 
 
 def shutdown() -> None:

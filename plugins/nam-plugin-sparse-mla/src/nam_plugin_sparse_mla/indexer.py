@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nam_plugin_sparse_mla.kernel import PRECISION
-from nam_plugin_sparse_mla.shape import head_block, index_shape_problem, shape_problem
+from nam_plugin_sparse_mla.kernel import PRECISION, check_inputs
+from nam_plugin_sparse_mla.shape import head_block, index_shape_problem
 
 SCORE_TILES = {"fwd": (64, 64, 4), "dq": (128, 64, 8), "dk": (64, 64, 4)}
 """(query rows, key rows, warps) per index-score kernel. Picked from a small sweep on one H200 at NAM56R's
@@ -264,24 +264,10 @@ def _teacher_fwd(Q, KV, IDX, P, s, h, topk, scale, DK: tl.constexpr, HP: tl.cons
 
 
 def check_teacher_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, block_n: int) -> None:
-    """Shapes and dtypes ``sparse_teacher`` takes; raises ValueError/TypeError naming what was found."""
-    if q.dim() != 4 or kv.dim() != 3 or indices.dim() != 3:
-        raise ValueError(f"sparse-mla teacher: expected q [b, s, h, dk], kv [b, s, dk], indices [b, s, topk]; "
-                         f"found q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
-    b, s, h, dk = q.shape
-    if tuple(kv.shape) != (b, s, dk) or tuple(indices.shape[:2]) != (b, s):
-        raise ValueError(f"sparse-mla teacher: q {tuple(q.shape)}, kv {tuple(kv.shape)} and indices "
-                         f"{tuple(indices.shape)} disagree on [b, s] or dk")
-    problem = shape_problem(dk, dk, h)  # no value here: dv = dk passes whenever dk does
-    if problem is not None:
-        raise ValueError(f"sparse-mla teacher: unsupported shape: {problem}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"sparse-mla teacher: block_n {block_n}; expected a power of two >= 16")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise TypeError(f"sparse-mla teacher: q and kv must be both bf16 or both fp16; found {q.dtype}, "
-                        f"{kv.dtype}")
-    if indices.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"sparse-mla teacher: indices must be int64 (or int32); found {indices.dtype}")
+    """Shapes and dtypes ``sparse_teacher`` takes: the sparse kernel's, with no value (dv = dk passes whenever
+    dk does); raises ValueError/TypeError naming what was found."""
+    dk = q.shape[-1] if q.dim() == 4 else 0  # a wrong rank is refused by check_inputs' first test
+    check_inputs(q, kv, indices, dk, block_n, what="sparse-mla teacher")
 
 
 @torch.no_grad()

@@ -175,24 +175,26 @@ class SparseMLAFunction(torch.autograd.Function):
         return dq, dkv32.view(b, s, dk).to(kv.dtype), None, None, None, None
 
 
-def check_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, block_n: int) -> None:
-    """Shapes and dtypes the kernels take; raises ValueError/TypeError naming what was found."""
+def check_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, block_n: int, *,
+                 what: str = "sparse-mla") -> None:
+    """Shapes and dtypes the kernels take; raises ValueError/TypeError naming ``what`` and what was found
+    (``indexer.sparse_teacher`` checks its inputs here too)."""
     if q.dim() != 4 or kv.dim() != 3 or indices.dim() != 3:
-        raise ValueError(f"sparse-mla: expected q [b, s, h, dk], kv [b, s, dk], indices [b, s, topk]; found "
+        raise ValueError(f"{what}: expected q [b, s, h, dk], kv [b, s, dk], indices [b, s, topk]; found "
                          f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
     b, s, h, dk = q.shape
     if tuple(kv.shape) != (b, s, dk) or tuple(indices.shape[:2]) != (b, s):
-        raise ValueError(f"sparse-mla: q {tuple(q.shape)}, kv {tuple(kv.shape)} and indices "
+        raise ValueError(f"{what}: q {tuple(q.shape)}, kv {tuple(kv.shape)} and indices "
                          f"{tuple(indices.shape)} disagree on [b, s] or dk")
     problem = shape_problem(dk, d_v, h)
     if problem is not None:
-        raise ValueError(f"sparse-mla: unsupported shape: {problem}")
+        raise ValueError(f"{what}: unsupported shape: {problem}")
     if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"sparse-mla: block_n {block_n}; expected a power of two >= 16")
+        raise ValueError(f"{what}: block_n {block_n}; expected a power of two >= 16")
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise TypeError(f"sparse-mla: q and kv must be both bf16 or both fp16; found {q.dtype}, {kv.dtype}")
+        raise TypeError(f"{what}: q and kv must be both bf16 or both fp16; found {q.dtype}, {kv.dtype}")
     if indices.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"sparse-mla: indices must be int64 (or int32); found {indices.dtype}")
+        raise TypeError(f"{what}: indices must be int64 (or int32); found {indices.dtype}")
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, d_v: int,

@@ -3,12 +3,12 @@
 Marked ``gpu``: skipped with a reason on CPU machines (root conftest). On the GPU host, with megatron-core
 0.19.2 importable::
 
-    PYTHONPATH=/tmp/site python -m pytest tests/test_megatron_engine_gpu.py -m gpu -v
+    PYTHONPATH=/tmp/site python -m pytest tests/test_megatron_engine_gpu.py -m gpu -v -k 4gpu
 
 The engine test runs ``bench/megatron.py check`` in a subprocess (it starts torchrun itself), reads its JSON
 and asserts on the numbers; the tolerances live in bench/megatron.py beside the measurements they came from.
-``NAM_GPU_RESULTS=DIR`` keeps that JSON in DIR. The CLI test runs ``nam train --engine megatron --nproc 2``
-the way a user does, then resumes it.
+``NAM_GPU_RESULTS=DIR`` keeps that JSON in DIR. The CLI test runs ``nam train --engine megatron --nproc N``
+the way a user does, then resumes it. Both run at 1, 2 and 4 GPUs (EP = GPUs), each where the host has them.
 """
 
 import json
@@ -43,17 +43,16 @@ def _check(tmp_path: Path, gpus: int, steps: int) -> dict:
     return json.loads(out.read_text())
 
 
-def _gpus() -> int:
-    """2 GPUs (EP 2: the all-to-all dispatcher, expert-parallel weights and checkpoints) where the host has
-    them, else 1 (EP 1). The result JSON records which."""
-    _needs(1)
-    return min(2, torch.cuda.device_count())
+GPUS = [pytest.param(n, id=f"{n}gpu") for n in (1, 2, 4)]
+"""EP = GPUs: 1 (no all-to-all), 2 and 4 (the all-to-all dispatcher, expert-parallel weights and checkpoints).
+Each count skips where the host has fewer devices; on a multi-GPU host pick one with ``-k 4gpu``."""
 
 
-def test_megatron_engine_trains_resumes_and_matches_local(tmp_path):
+@pytest.mark.parametrize("gpus", GPUS)
+def test_megatron_engine_trains_resumes_and_matches_local(tmp_path, gpus):
     """20 steps of the tiny model: resumed == uninterrupted, megatron ~ local within the measured floor,
     step 1 equal up to summation order, the loss falls; fp32 and bf16."""
-    gpus = _gpus()
+    _needs(gpus)
     result = _check(tmp_path, gpus, steps=20)
     assert result["meta"]["gpus"] == gpus
     assert result["failures"] == []
@@ -64,10 +63,11 @@ def test_megatron_engine_trains_resumes_and_matches_local(tmp_path):
         assert all(row["resumed"] is not None for row in r["rows"][10:])
 
 
-def test_nam_train_megatron_checkpoints_and_resumes(tmp_path):
+@pytest.mark.parametrize("gpus", GPUS)
+def test_nam_train_megatron_checkpoints_and_resumes(tmp_path, gpus):
     """The CLI path: `nam train --engine megatron --nproc N --ep N` trains 4 steps with checkpoints at 2 and
     4 (rank 0 writes the run folder); resumed from step 2 it logs the same steps 3 and 4."""
-    gpus = _gpus()
+    _needs(gpus)
     from nam_core.engine.metrics import read_metrics
 
     run_dir = tmp_path / "run"

@@ -4,8 +4,8 @@
     python bench/production.py run --gpus 8 --ep 8 [--mbs N] [--steps 100] [--warmup-steps 20] --json PATH
 
 ``plan``: for PP 1 at EP 4 (4 GPUs) and EP 8 (8 GPUs), the per-GPU memory of the megatron engine by
-nam56r/memory.py (static part counted, the rest measured at MBS 1) and the largest micro-batch that fits an
-H200 by that plan.
+nam56r/memory.py (static part counted, the rest fitted to 4x H200 runs at EP 4, MBS 1-3) and the largest
+micro-batch that fits an H200 by that plan.
 
 ``run`` (the GPU host, megatron-core 0.19 importable): ``nam preflight --engine megatron`` with the production
 plugins, then ``nam train --recipe nam56r --engine megatron --nproc G --ep E`` with mamba-ssm, sparse-mla,
@@ -34,7 +34,8 @@ PUBLISHED = {"tflops_per_gpu": 289.0, "tokens_per_s_per_gpu": 9250.0, "flop_per_
 
 
 def plan(args) -> int:
-    from nam56r.memory import H200_GIB, OTHER_GIB_PER_SEQUENCE, largest_mbs, megatron_plan, parameter_split
+    from nam56r.memory import (H200_GIB, OTHER_GIB_FIXED, OTHER_GIB_PER_SEQUENCE, OUTSIDE_ALLOCATOR_GIB,
+                                largest_mbs, megatron_plan, parameter_split)
     from nam56r.recipes import get_recipe
 
     dense, routed = parameter_split(get_recipe("nam56r").model)
@@ -43,10 +44,11 @@ def plan(args) -> int:
         fit = largest_mbs(dense, routed, world=gpus, ep=ep)
         for mbs in sorted({1, 2, 4, 8, fit} - {0}):
             p = megatron_plan(dense, routed, world=gpus, ep=ep, mbs=mbs)
-            rows.append({**p.to_dict(), "fits_h200": p.total_gib <= H200_GIB, "largest_mbs": fit})
+            rows.append({**p.to_dict(), "fits_h200": p.fits(), "largest_mbs": fit})
     print(f"\nNAM56R megatron-engine memory per GPU, PP 1, sequence 4096 ({dense / 1e9:.2f}B dense + "
-          f"{routed / 1e9:.2f}B routed-expert parameters); 'other' = {OTHER_GIB_PER_SEQUENCE} GiB per sequence, "
-          f"measured at MBS 1 on 1 GPU and assumed linear in MBS; H200 = {H200_GIB} GiB\n")
+          f"{routed / 1e9:.2f}B routed-expert parameters); 'other' = {OTHER_GIB_FIXED} + {OTHER_GIB_PER_SEQUENCE} GiB "
+          f"per sequence (fitted at EP 4, MBS 1-3, 4x H200); fits = total + {OUTSIDE_ALLOCATOR_GIB} GiB outside the "
+          f"allocator <= H200's {H200_GIB} GiB\n")
     print("| GPUs | EP | MBS | bf16 weights GiB | fp32 grads GiB | optimizer shard GiB | other GiB | total GiB | fits |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -55,7 +57,9 @@ def plan(args) -> int:
               f"| {'yes' if r['fits_h200'] else 'no'} |")
     if args.json:
         _write(args.json, {"meta": {"date": datetime.date.today().isoformat(), "h200_gib": H200_GIB,
-                                    "other_gib_per_sequence": OTHER_GIB_PER_SEQUENCE}, "rows": rows})
+                                    "other_gib_per_sequence": OTHER_GIB_PER_SEQUENCE,
+                                    "other_gib_fixed": OTHER_GIB_FIXED,
+                                    "outside_allocator_gib": OUTSIDE_ALLOCATOR_GIB}, "rows": rows})
     return 0
 
 

@@ -10,9 +10,10 @@ parameters and two Adam moments. With pipeline size 1 and ``world`` ranks at exp
   ranks that hold the same experts.
 
 Everything else (activations, the optimizer step's temporaries, the allocator's slack) is not modelled. It is
-measured: ``OTHER_GIB_PER_SEQUENCE`` is the peak of a real run minus its static part, per sequence of the
-micro-batch. Scaling it with the micro-batch size is an assumption (an upper bound if part of it is fixed);
-only MBS 1 has been measured.
+measured, as a fixed part plus a part per sequence of the micro-batch (``OTHER_GIB_FIXED``,
+``OTHER_GIB_PER_SEQUENCE``), fitted to real runs' peaks (``torch.cuda.max_memory_allocated``) minus their
+static part. ``total_gib`` is that peak. A GPU must also hold what the process keeps outside PyTorch's
+allocator (``OUTSIDE_ALLOCATOR_GIB``), which the peak does not see; ``fits`` and ``largest_mbs`` count it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,21 @@ GIB = 2**30
 BF16_WEIGHT, FP32_GRAD, FP32_OPTIMIZER = 2, 4, 12
 """Bytes per parameter: bf16 weights; fp32 gradient buffers; fp32 main weights plus Adam's two moments."""
 
-OTHER_GIB_PER_SEQUENCE = 25.4
-"""Measured, 2026-11-22, 1x H200, NAM56R at sequence 4096, MBS 1, megatron engine with EP 1
-(bench/results/megatron_throughput_x2.json): peak 104.6 GiB, static part 79.3 GiB. The same run's 2-GPU row
-(EP 2, peak 76.6 GiB) is predicted to within 0.5 GiB by this constant (tests/test_memory.py)."""
+OTHER_GIB_PER_SEQUENCE = 22.95
+OTHER_GIB_FIXED = 2.8
+"""Measured 2026-11-22 on 4x H200, NAM56R at sequence 4096, megatron engine, PP 1, EP 4
+(bench/results/megatron_throughput_x4.json and megatron_throughput_x4_mbs.json): peaks 62.5, 85.3 and
+108.4 GiB at MBS 1, 2 and 3 over a static part of 36.7 GiB, so 22.95 GiB per sequence and 2.8 GiB fixed.
+Fitted at EP 4 only; the 1-GPU (EP 1) and 2-GPU (EP 2, MBS 1 and 2) peaks of the same session are
+predictions it meets within 1 GiB (tests/test_memory.py)."""
 
-H200_GIB = 139.0
-"""The GPU hosts' H200 memory as the device tool states it ("about 139 GiB"); not read from a device here."""
+OUTSIDE_ALLOCATOR_GIB = 9.5
+"""Memory a rank holds outside PyTorch's caching allocator: the CUDA context, NCCL's buffers, library
+workspaces. Measured at the one out-of-memory seen, 4x H200, EP 4, MBS 4: the process held 139.40 GiB, of
+which PyTorch had allocated 129.80 GiB and reserved 0.08 GiB more."""
+
+H200_GIB = 139.8
+"""An H200's memory as CUDA reports it (``total capacity of 139.80 GiB`` in that out-of-memory error)."""
 
 
 def parameter_split(cfg) -> tuple[int, int]:
@@ -63,7 +72,12 @@ class MemoryPlan:
 
     @property
     def total_gib(self) -> float:
+        """The planned peak of PyTorch's allocator (what the engines log as ``mem_gib``)."""
         return self.static_gib + self.other_gib
+
+    def fits(self, capacity_gib: float = H200_GIB) -> bool:
+        """Whether the peak and the memory outside the allocator fit a GPU of ``capacity_gib``."""
+        return self.total_gib + OUTSIDE_ALLOCATOR_GIB <= capacity_gib
 
     def to_dict(self) -> dict:
         return {"world": self.world, "ep": self.ep, "mbs": self.mbs, "local_params": self.local_params,
@@ -72,7 +86,8 @@ class MemoryPlan:
 
 
 def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int,
-                  other_gib_per_sequence: float = OTHER_GIB_PER_SEQUENCE) -> MemoryPlan:
+                  other_gib_per_sequence: float = OTHER_GIB_PER_SEQUENCE,
+                  other_gib_fixed: float = OTHER_GIB_FIXED) -> MemoryPlan:
     """Peak memory per GPU at pipeline size 1 (see the module docstring for what is counted and what measured)."""
     if world < 1 or ep < 1 or world % ep or mbs < 1:
         raise ValueError(f"world={world}, ep={ep}, mbs={mbs}: need world, ep, mbs >= 1 and ep dividing world")
@@ -80,11 +95,10 @@ def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int,
     sharded = dense / world + routed / world  # experts: routed/ep over world/ep ranks
     return MemoryPlan(world=world, ep=ep, mbs=mbs, local_params=local, weights_gib=BF16_WEIGHT * local / GIB,
                       grads_gib=FP32_GRAD * local / GIB, optimizer_gib=FP32_OPTIMIZER * sharded / GIB,
-                      other_gib=other_gib_per_sequence * mbs)
+                      other_gib=other_gib_fixed + other_gib_per_sequence * mbs)
 
 
-def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB,
-                other_gib_per_sequence: float = OTHER_GIB_PER_SEQUENCE) -> int:
-    """The largest micro-batch whose planned peak stays within ``capacity_gib`` (0 if not even MBS 1 fits)."""
-    static = megatron_plan(dense, routed, world=world, ep=ep, mbs=1, other_gib_per_sequence=0).static_gib
-    return max(0, math.floor((capacity_gib - static) / other_gib_per_sequence))
+def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB) -> int:
+    """The largest micro-batch whose plan ``fits`` a GPU of ``capacity_gib`` (0 if not even MBS 1 fits)."""
+    base = megatron_plan(dense, routed, world=world, ep=ep, mbs=1, other_gib_per_sequence=0).total_gib
+    return max(0, math.floor((capacity_gib - OUTSIDE_ALLOCATOR_GIB - base) / OTHER_GIB_PER_SEQUENCE))

@@ -3,6 +3,8 @@
     python bench/production.py plan [--json PATH]                       # any machine: memory per GPU, MBS that fits
     python bench/production.py run --gpus 8 --ep 8 [--mbs N] [--steps 100] [--warmup-steps 20] --json PATH
 
+``--mbs`` defaults to the largest micro-batch that fits an H200 by the plan (4 at EP 8, 3 at EP 4 on 4 GPUs).
+
 ``plan``: for PP 1 at EP 4 (4 GPUs) and EP 8 (8 GPUs), the per-GPU memory of the megatron engine by
 nam56r/memory.py (static part counted, the rest fitted to 4x H200 runs at EP 4, MBS 1-3) and the largest
 micro-batch that fits an H200 by that plan.
@@ -68,6 +70,15 @@ def run(args) -> int:
     from nam56r.recipes import get_recipe
     from nam_core.engine.metrics import read_metrics
 
+    if args.mbs is None:
+        from nam56r.memory import largest_mbs, parameter_split
+
+        args.mbs = largest_mbs(*parameter_split(get_recipe("nam56r").model), world=args.gpus, ep=args.ep)
+        if args.mbs < 1:
+            print(f"error: by nam56r/memory.py not even MBS 1 fits an H200 at {args.gpus} GPUs, EP {args.ep}",
+                  file=sys.stderr)
+            return 2
+        print(f"MBS {args.mbs}: the largest that fits an H200 by nam56r/memory.py (--mbs to choose)", flush=True)
     nam = [sys.executable, "-m", "nam_cli"]
     subprocess.run([*nam, "preflight", "--engine", "megatron", "--plugins", PLUGINS, "--recipe", "nam56r"],
                    check=True)
@@ -125,7 +136,7 @@ def main() -> int:
     r = sub.add_parser("run", help="the production run on this GPU host, phase by phase")
     r.add_argument("--gpus", type=int, default=8)
     r.add_argument("--ep", type=int, default=8)
-    r.add_argument("--mbs", type=int, default=1)
+    r.add_argument("--mbs", type=int, default=None, help="default: the largest that fits by the memory plan")
     r.add_argument("--steps", type=int, default=100)
     r.add_argument("--warmup-steps", type=int, default=20, help="lemyx.warmup_steps: dense steps before sparse")
     r.add_argument("--skip", type=int, default=3, help="steps left out at the start of each phase")

@@ -100,6 +100,24 @@ def test_production_layout_eight_ranks_ep8(tmp_path):
     assert (tmp_path / "ep8" / "checkpoints" / "step-00000002" / "manifest.json").is_file()
 
 
+def test_nam_train_megatron_with_index_cache_and_lemyx_hands_over(tmp_path):
+    """Issue 9's plugin set on the megatron engine through `nam train` itself (activation on an H100 profile,
+    the corpus, the run folder, the plugins' step hooks), EP 2: lemyx's dense warm-up trains the indexer KL
+    for 2 steps, hands over to IndexCache's sparse top-k before step 3, and the loss falls."""
+    run_dir = tmp_path / "cli"
+    _worker("cli", run_dir, 4, "--", "train", "--engine", "megatron", "--ep", "2", "--device", "cuda",
+            "--plugins", "index-cache,lemyx", "--set", "lemyx.backend=reference", "--set", "lemyx.warmup_steps=2",
+            "--set", "attention_backend=reference", nproc=2)
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[-1]["loss"] < metrics[0]["loss"]
+    assert all(m["indexer_kl"] > 0 for m in metrics[:2])  # the dense warm-up's KL reaches the metrics
+    log = (run_dir / "run.log").read_text()
+    assert "[step 2] lemyx: step 2: indexer warm-up over after 2 steps" in log and "index-cache: FSSFSSFSS" in log
+    plugins = json.loads((run_dir / "plugins.json").read_text())
+    assert {"index-cache", "lemyx"} <= set(plugins["active"]) and plugins["backends"]["indexer"] == "Lemyx"
+    assert plugins["megatron"]["ep"] == 2
+
+
 def test_step1_gradients_per_parameter_at_ep2(tmp_path):
     """bench/megatron.py's per-parameter comparison (the tool for a step-1 gradient-norm gap): at EP 2 every
     Megatron parameter on both ranks has a local counterpart, and each gradient agrees to summation order."""

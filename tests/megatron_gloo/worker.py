@@ -5,6 +5,11 @@ rows (micro-batch ``i`` is a pure function of ``i``).
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
     python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6]
+    torchrun --nproc-per-node 2 worker.py cli RUN_DIR STEPS -- train --engine megatron --ep 2 --plugins ...
+
+``cli`` runs ``nam train`` itself in each rank (the CLI's whole path: plugin activation on an H100 profile,
+patches, the packed corpus, the run folder, plugin step hooks) on the double; the arguments after ``--``
+are the command's, to which the worker adds ``--run-dir`` and ``--max-steps``.
 """
 
 import argparse
@@ -130,11 +135,24 @@ def local_run(args, recipe) -> None:
                    flops_per_token=flops_per_token(cfg).total, quiet=True))
 
 
+def cli_run(args, recipe) -> None:
+    engine = _install_double()
+    from nam_cli import main as cli_main
+    from nam_cli import train as cli_train
+    from nam_core.device import DeviceInfo
+
+    engine.init_distributed = lambda: torch.distributed.is_initialized() or torch.distributed.init_process_group("gloo")
+    cli_train._device = lambda name, index=0: DeviceInfo.profile("h100")  # what the plugins' checks see
+    code = cli_main.run([*args.command, "--run-dir", str(args.run_dir), "--max-steps", str(args.steps)])
+    if code:
+        raise SystemExit(code)
+
+
 def main() -> None:
     from nam56r.recipes import get_recipe
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("engine", choices=["megatron", "local", "grads"])
+    ap.add_argument("engine", choices=["megatron", "local", "grads", "cli"])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("steps", type=int)
     ap.add_argument("--pp", type=int, default=1)
@@ -144,8 +162,9 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
+    ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
-    run = {"megatron": megatron_run, "local": local_run, "grads": grads_run}[args.engine]
+    run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]
     run(args, get_recipe("nam56r-tiny"))
 
 

@@ -1,0 +1,52 @@
+"""bench/megatron.py's comparison arithmetic on CPU: the floor is the largest of several perturbed runs, and
+each perturbed initial state moves every weight by at most PERTURB, each with its own noise."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "megatron.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_megatron", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _losses(*values):
+    return [{"step": i + 1, "loss": v, "grad_norm": 1.0} for i, v in enumerate(values)]
+
+
+def test_compare_takes_the_largest_floor_and_leaves_unresumed_steps_empty(bench):
+    local = _losses(4.0, 3.0, 2.0)
+    megatron = _losses(4.0, 3.03, 2.0)
+    resumed = [{"step": 3, "loss": 2.002}]
+    floors = [_losses(4.0, 3.0, 2.04), _losses(4.0, 2.94, 2.0)]
+    rows = bench.compare(local, megatron, resumed, floors)
+    assert [r["floor_rel"] for r in rows] == pytest.approx([0.0, 0.02, 0.02])
+    assert [r["engine_rel"] for r in rows] == pytest.approx([0.0, 0.01, 0.0])
+    assert [r["resume_rel"] for r in rows[:2]] == [None, None] and rows[2]["resume_rel"] == pytest.approx(1e-3)
+    assert rows[1]["floors"] == [3.0, 2.94]
+    with pytest.raises(ValueError):  # a floor run that stopped early is an error, not a shorter table
+        bench.compare(local, megatron, resumed, [_losses(4.0, 3.0)])
+
+
+def test_initial_states_perturb_each_floor_within_perturb_and_differently(bench, tmp_path, monkeypatch):
+    from nam56r.recipes import get_recipe
+
+    monkeypatch.setattr(bench, "packed_rows", lambda *a: None)  # the corpus is not what this test is about
+    init, perturbed = bench.initial_states(get_recipe("nam56r-tiny"), tmp_path, floors=2)
+    base, first, second = (torch.load(p) for p in (init, *perturbed))
+    moved = [k for k, v in base.items() if v.is_floating_point() and v.abs().max() > 0]
+    assert moved and len(perturbed) == 2
+    for state in (first, second):
+        for k in moved:
+            rel = ((state[k] - base[k]).abs() / base[k].abs().clamp_min(1e-30))[base[k] != 0]
+            assert rel.max() <= bench.PERTURB + 2 * torch.finfo(torch.float32).eps, k  # (1 + u) rounds in fp32
+    assert any(not torch.equal(first[k], second[k]) for k in moved)
+    assert any(not torch.equal(first[k], base[k]) for k in moved)

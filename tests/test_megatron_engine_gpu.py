@@ -86,6 +86,27 @@ def test_nam_train_megatron_checkpoints_and_resumes(tmp_path, gpus):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
 
 
+def test_nam_train_megatron_with_the_production_attention_plugins(tmp_path):
+    """Issue 9's DSA plugins on the megatron engine, on GPUs, the way production.py launches them: sparse-mla's
+    kernels, lemyx's Triton warm-up for 2 steps, then IndexCache's top-k; bf16, EP 2, tiny widths. The
+    hand-over is logged, the warm-up's indexer KL reaches the metrics, and the loss falls. (The same path on
+    CPU ranks with the reference backends: tests/test_megatron_engine_gloo.py.)"""
+    _needs(2)
+    from nam_core.engine.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "nam_cli", "train", "--engine", "megatron", "--nproc", "2", "--ep", "2",
+                    "--device", "cuda", "--run-dir", str(run_dir), "--max-steps", "6",
+                    "--plugins", "sparse-mla,index-cache,lemyx", "--set", "lemyx.warmup_steps=2",
+                    "--set", "train.dtype=bfloat16", "--set", "train.checkpoint_every=100", "--quiet"], check=True)
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6] and metrics[-1]["loss"] < metrics[0]["loss"]
+    assert all(m["indexer_kl"] > 0 for m in metrics[:2])
+    plugins = json.loads((run_dir / "plugins.json").read_text())
+    assert plugins["backends"]["indexer"] == "Lemyx" and plugins["backends"]["attention"] != "ReferenceAttention"
+    assert "lemyx: step 2: indexer warm-up over after 2 steps" in (run_dir / "run.log").read_text()
+
+
 def test_allocator_is_set_before_cuda_and_refused_after(monkeypatch):
     """A fresh process that set nothing gets expandable segments, then allocates under them; a process whose
     CUDA is already up and has nothing set is refused."""

@@ -45,7 +45,10 @@ def nam56r() -> Recipe:
         ),
         train=TrainConfig(device="cuda", dtype="bfloat16", micro_batch_size=1, lr=3e-4, warmup_steps=2000,
                           total_steps=100_000, checkpoint_every=1000),
-        plugins=["mamba-ssm", "sparse-mla", "liger"],
+        # reference: the DSA indexer `full` (lemyx and index-cache wrap or replace it when requested) and the
+        # routed experts. The local engine runs the experts densely (nam56r/reference/moe.py: E / k = 4x their
+        # FLOPs, no host sync); the megatron engine runs Megatron's MoELayer for them instead.
+        plugins=["mamba-ssm", "sparse-mla", "liger", "reference"],
     )
 
 

@@ -1,6 +1,9 @@
-"""The built-in reference plugin's config rule: no unfused DSA on a GPU unless chosen by name."""
+"""The built-in reference plugin's config rule (no unfused DSA on a GPU unless chosen by name), and every recipe
+naming a provider of each backend it selects (the reference plugin, where that is the reference)."""
 
 import dataclasses
+
+import pytest
 
 from nam56r.recipes import apply_overrides, get_recipe
 from nam_core.device import DeviceInfo
@@ -40,3 +43,30 @@ def test_no_rule_on_cpu_or_without_dsa_layers():
                                                                 mla_attention_ranks=(0, 1)))
     ev, rows = dsa_rows(no_dsa)
     assert ev.ok and rows == []  # both attention slots are full MLA: nothing to refuse
+
+
+BACKEND_FIELDS = {"ssm_backend": "ssm_mixers", "attention_backend": "attention_backends", "ce_backend": "ce_heads",
+                  "indexer": "indexers", "moe_backend": "moe_experts"}
+PRODUCTION = ["index-cache", "lemyx"]
+"""What bench/production.py adds to the nam56r recipe's plugins (issue 9's run)."""
+
+
+@pytest.mark.parametrize("name,extra", [(n, []) for n in ("nam56r", "nam56r-small", "nam56r-tiny")]
+                         + [("nam56r", PRODUCTION)])
+def test_a_recipe_names_a_plugin_for_every_backend_it_selects(name, extra):
+    """`nam train --recipe NAME` builds every backend the config names from the active plugins' registries,
+    and refuses to start when none provides one (UnknownBackendError, after activation). A recipe must
+    therefore request, by itself, a provider for each: the nam56r recipe once named no provider of its
+    routed experts (moe_backend=reference), so every nam56r run, and issue 9's launch, stopped there."""
+    from nam_core.host import requested_plugins
+
+    host = PluginHost()
+    base = get_recipe(name)
+    names = requested_plugins(base.plugins, extra, env=False)
+    infos = {n: host.info(n) for n in names}
+    assert None not in infos.values(), infos
+    rec = apply_overrides(base, [], plugin_names=names, plugin_infos=infos)
+    for field, kind in BACKEND_FIELDS.items():
+        value = getattr(rec.model, field)
+        providers = [n for n, info in infos.items() if value in info.provides.get(kind, ())]
+        assert providers, f"{name} + {extra}: {field}={value} ({kind}) is provided by none of {names}"

@@ -97,6 +97,7 @@ def test_non_finite_loss_stops_with_step_layer_and_checkpoint(tmp_path, corpus, 
         (["--engine", "deepspeed"], 2, "expected local or megatron"),
         (["--tp", "2"], 2, "a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine options"),
         (["--set", "train.ep=2"], 2, "the local engine runs one process on one device (found nproc=None"),
+        (["--set", "train.checkpoint_every=-1"], 2, "train.checkpoint_every must be >= 0 (0: no checkpoints)"),
     ],
 )
 def test_bad_input_fails_cleanly_and_writes_nothing(tmp_path, corpus, capsys, args, code, message):
@@ -104,6 +105,13 @@ def test_bad_input_fails_cleanly_and_writes_nothing(tmp_path, corpus, capsys, ar
     assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--quiet", *args]) == code
     assert message in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_checkpoint_every_zero_trains_and_writes_no_checkpoint(tmp_path, corpus):
+    """A benchmark's run: metrics for every step, no checkpoint, not even at the end."""
+    assert train(tmp_path / "run", corpus, "--max-steps", "3", "--set", "train.checkpoint_every=0") == 0
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
 def test_megatron_engine_on_this_cpu_machine_lists_what_is_missing(tmp_path, corpus, capsys, monkeypatch):

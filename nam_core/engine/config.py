@@ -52,12 +52,24 @@ class TrainConfig:
     log_every: int = 1
     """Write a metrics.jsonl line every N steps."""
     checkpoint_every: int = 50
-    """Save a checkpoint every N steps (and always at the end)."""
+    """Save a checkpoint every N steps and at the end; 0: never (benchmarks, whose state nobody resumes)."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept; older ones are deleted after a successful save."""
 
     plugin_options: dict = field(default_factory=dict)
     """Options read by plugins, ``{"lemyx.warmup_steps": 1000, ...}`` (set with --set lemyx.warmup_steps=...)."""
 
+    def __post_init__(self):
+        if self.checkpoint_every < 0:
+            from nam_core.errors import ConfigError
+
+            raise ConfigError(f"train.checkpoint_every must be >= 0 (0: no checkpoints), found {self.checkpoint_every}",
+                              hint="--set train.checkpoint_every=50")
+
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+    def saves_after(self, step: int, last: int) -> bool:
+        """Whether a checkpoint is written after optimizer step ``step`` (counted from 1) of a run that ends
+        after step ``last``."""
+        return self.checkpoint_every > 0 and (step % self.checkpoint_every == 0 or step == last)

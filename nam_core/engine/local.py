@@ -2,7 +2,7 @@
 
 Per optimizer step: ``nam_before_step``; ``grad_accum`` micro-batches of forward + backward; the global
 grad norm (clipped); the NaN/Inf guard; the optimizer and LR-schedule step; one metrics line;
-``nam_after_step``; a checkpoint every ``checkpoint_every`` steps and at the end.
+``nam_after_step``; a checkpoint every ``checkpoint_every`` steps and at the end (none at 0).
 
 Resume is bit-exact: model, optimizer, LR schedule and RNG come from the checkpoint, and the data order is a
 pure function of (seed, step), so step N of a resumed run sees what step N of an uninterrupted run saw.
@@ -159,7 +159,7 @@ def train(run: LocalRun) -> dict:
             if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps:
                 run.log.log(metrics)
             run.log.advance()
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == run.max_steps:
+            if cfg.saves_after(step + 1, run.max_steps):
                 last_good = checkpoint.save(
                     ckpt_root, step + 1, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                     extra={"record": run.record}, keep=cfg.keep_checkpoints,

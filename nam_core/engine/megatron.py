@@ -693,7 +693,7 @@ def train(run: MegatronRun) -> dict:
                 if (step + 1) % tc.log_every == 0 or step + 1 == run.max_steps:
                     log.log(metrics)
                 log.advance()
-            if run.checkpoints and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == run.max_steps):
+            if run.checkpoints and tc.saves_after(step + 1, run.max_steps):
                 last_good = save_checkpoint(ckpt_root, step + 1, models, optimizer, keep=tc.keep_checkpoints,
                                             manifest={"record": run.record, "layout": layout})
     finally:

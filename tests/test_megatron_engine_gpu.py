@@ -9,7 +9,8 @@ The engine test runs ``bench/megatron.py check`` in a subprocess (it starts torc
 and asserts on the numbers; the tolerances live in bench/megatron.py beside the measurements they came from.
 ``NAM_GPU_RESULTS=DIR`` keeps that JSON in DIR (one per GPU count and dtype; at 4 GPUs one check takes
 about 270 s, so run one per call on a time-limited host). The CLI test runs
-``nam train --engine megatron --nproc N`` the way a user does, then resumes it. Both run at 1, 2 and 4 GPUs (EP = GPUs), each where the host has them.
+``nam train --engine megatron --nproc N`` the way a user does, then resumes it. Both run at 1, 2 and 4 GPUs
+(EP = GPUs), each where the host has them.
 """
 
 import json

@@ -337,7 +337,7 @@ def initial_states(recipe, work: Path, floors: int = 1) -> tuple[Path, list[Path
     perturbed = []
     for k in range(floors):
         noise = torch.Generator().manual_seed(7 + k)
-        perturbed.append(work / ("init-perturbed.pt" if k == 0 else f"init-perturbed{k}.pt"))
+        perturbed.append(work / f"init-perturbed{k}.pt")
         torch.save({name: v * (1 + PERTURB * (2 * torch.rand(v.shape, generator=noise) - 1))
                     if v.is_floating_point() else v for name, v in state.items()}, perturbed[-1])
     packed_rows(recipe.model.seq_len, recipe.train.seed)

@@ -388,7 +388,8 @@ def test_forward_driver_calls_the_kernel_with_its_declared_signature(signature_k
                                        x["z"], x["D"], x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"],
                                        x["trap"], x["segsum"], chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF)
     assert (tuple(out.shape), out.dtype, state, final_k) == ((B, S, H, P), BF, None, None)
-    assert kernels.fwd.calls == 1 and keys == [(N, P, R, True, True, True, CH, DIV, "bfloat16", False)]
+    assert kernels.fwd.calls == 1 and keys == [(N, P, R, True, True, True, CH, DIV, "bfloat16", False,
+                                                    mimo.Stages(0, 0, 0))]
 
 
 def test_backward_driver_signatures_and_grouped_reduction(signature_kernels):
@@ -411,6 +412,25 @@ def test_backward_driver_signatures_and_grouped_reduction(signature_kernels):
     dk_heads = (torch.arange(B * S * R * H * N) % 7).view(B, S, R, H, N).to(BF)
     assert torch.equal(dk, dk_heads.view(B, S, R, G, heads_per_group, N).float().sum(4).to(BF))
     assert torch.equal(d_adt, torch.ones(B, H, S))  # the Triton post-pass is added to the kernel's dA
+
+
+def test_both_drivers_build_at_the_modules_pipelining_depths(signature_kernels, monkeypatch):
+    """``mimo.STAGES`` is read at call time and is part of the build key, so a depth set by bench/mimo_stages.py
+    (or a future default) reaches the forward and the backward kernels alike, never a kernel of another depth."""
+    _kernels, keys = signature_kernels
+    monkeypatch.setattr(mimo, "STAGES", mimo.Stages(fwd=2, bwd_fwd=1, bwd_bwd=0))
+    x = driver_inputs()
+    mimo.forward(x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["mimo_o"], x["z"], x["D"],
+                 x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"], x["segsum"], chunk_size=CH,
+                 rotary_dim_divisor=DIV, dtype=BF)
+    mimo.backward(torch.randn(B, S, H, P).to(BF), x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"],
+                  x["mimo_o"], x["z"], x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"],
+                  x["D"], x["segsum"], CH, DIV, BF)
+    assert [key[-1] for key in keys] == [mimo.Stages(2, 1, 0)] * 2
+    with pytest.raises(ValueError, match="num_stages=1"):  # a caller's own request is refused, not obeyed
+        mimo.forward(x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["mimo_o"], x["z"], x["D"],
+                     x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"], x["segsum"],
+                     chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF, num_stages=1)
 
 
 # --- the scan's argument mapping against upstream's entry points ----------------------------------------

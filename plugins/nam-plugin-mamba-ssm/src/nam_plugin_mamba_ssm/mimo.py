@@ -30,7 +30,20 @@ import torch
 from nam_plugin_mamba_ssm import upstream
 
 FWD_THREADS, BWD_FWD_THREADS, BWD_BWD_THREADS = 128, 128, 256
-"""Thread counts upstream's drivers launch with (its defaults); no pipelining stages (``num_stages=0``)."""
+"""Thread counts upstream's drivers launch with (its defaults)."""
+
+
+class Stages(NamedTuple):
+    """TileLang's software-pipelining depth (``num_stages``) of each kernel's loop over chunks."""
+
+    fwd: int = 0
+    bwd_fwd: int = 0
+    bwd_bwd: int = 0
+
+
+STAGES = Stages()
+"""The depths the drivers build with: upstream's drivers launch every kernel at 0. ``bench/mimo_stages.py``
+times the other depths at NAM56R's shape and checks them against these."""
 
 
 class Kernels(NamedTuple):
@@ -45,9 +58,9 @@ def dtype_name(dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def compiled(n: int, p: int, r: int, has_z: bool, has_d: bool, reduce_o: bool, chunk_size: int,
-             rotary_dim_divisor: int, dtype: str, return_state: bool = False) -> Kernels:
-    """The three TileLang kernels for one static configuration, compiled (or read from TileLang's disk cache)
-    on the first call and kept for the life of the process."""
+             rotary_dim_divisor: int, dtype: str, return_state: bool = False, stages: Stages = Stages()) -> Kernels:
+    """The three TileLang kernels for one static configuration and pipelining depth, compiled (or read from
+    TileLang's disk cache) on the first call and kept for the life of the process."""
     language = upstream.load("tilelang.language")
     fwd_mod, bwd_mod = upstream.load(upstream.MIMO_FWD_MODULE), upstream.load(upstream.MIMO_BWD_MODULE)
 
@@ -57,11 +70,11 @@ def compiled(n: int, p: int, r: int, has_z: bool, has_d: bool, reduce_o: bool, c
     static = (n, p, r, has_z, has_d, reduce_o)
     fwd = fwd_mod.mamba_mimo_fwd(*dynamic(), *static, return_final_state=return_state, chunk_size=chunk_size,
                                  rotary_dim_divisor=rotary_dim_divisor, dtype=dtype, threads=FWD_THREADS,
-                                 num_stages=0)
+                                 num_stages=stages.fwd)
     bwd_fwd = bwd_mod.mamba_mimo_bwd_fwd(*dynamic(), *static, chunk_size, rotary_dim_divisor, dtype,
-                                         BWD_FWD_THREADS, 0)
+                                         BWD_FWD_THREADS, stages.bwd_fwd)
     bwd_bwd = bwd_mod.mamba_mimo_bwd_bwd(*dynamic(), *static, chunk_size, rotary_dim_divisor, dtype,
-                                         BWD_BWD_THREADS, 0)
+                                         BWD_BWD_THREADS, stages.bwd_bwd)
     return Kernels(fwd, bwd_fwd, bwd_bwd)
 
 
@@ -85,17 +98,18 @@ def reduce_groups(d_per_head: torch.Tensor, groups: int) -> tuple[torch.Tensor, 
 
 def forward(q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, D, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, segsum,
             chunk_size, rotary_dim_divisor, dtype, return_state=False, threads=FWD_THREADS, num_stages=0):
-    """Upstream's ``mamba_mimo_forward`` contract: ``(out, final_state or None, final_k or None)``."""
+    """Upstream's ``mamba_mimo_forward`` contract: ``(out, final_state or None, final_k or None)``. The launch
+    settings are this module's (``FWD_THREADS``, ``STAGES``); a caller asking for others is refused."""
     if (threads, num_stages) != (FWD_THREADS, 0):
-        raise ValueError(f"the cached MIMO forward is built with threads={FWD_THREADS}, num_stages=0; "
-                         f"got threads={threads}, num_stages={num_stages}")
+        raise ValueError(f"the MIMO forward launches with threads={FWD_THREADS} and nam's STAGES; "
+                         f"got a request for threads={threads}, num_stages={num_stages}")
     b, s, r, _g, n = q.shape
     h, p = v.shape[-2:]
     reduce_o = mimo_o is not None
     name = dtype_name(dtype)
     out_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, name)
     kernels = compiled(n, p, r, z is not None, D is not None, reduce_o, chunk_size, rotary_dim_divisor, name,
-                       return_state)
+                       return_state, STAGES)
     dev = q.device
     out = torch.empty((b, s, h, p) if reduce_o else (b, s, r, h, p), device=dev, dtype=out_dtype)
     # The kernel declares every tensor; absent optional inputs get unread placeholders, as upstream passes.
@@ -116,12 +130,14 @@ def backward(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, d
     """Upstream's ``mamba_mimo_bwd_combined`` contract, for any ``h % g == 0``. Returns
     ``(dq, dk, dv, d_adt, d_dt, d_trap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, d_angles, dD, dz)``."""
     if (bf_threads, bf_num_stages, bb_threads, bb_num_stages) != (BWD_FWD_THREADS, 0, BWD_BWD_THREADS, 0):
-        raise ValueError("the cached MIMO backward is built with upstream's default threads and num_stages=0")
+        raise ValueError("the MIMO backward launches with upstream's default threads and nam's STAGES; got a "
+                         "request for others")
     utils = upstream.load("mamba_ssm.ops.triton.mamba3.mamba3_mimo_utils")
     b, s, r, g, n = q.shape
     h, p = v.shape[-2:]
     reduce_o, has_z, has_d = mimo_o is not None, z is not None, D is not None
-    kernels = compiled(n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor, dtype_name(dtype))
+    kernels = compiled(n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor, dtype_name(dtype),
+                       False, STAGES)
     chunks = math.ceil(s / chunk_size)
     f32, dev = torch.float32, q.device
 

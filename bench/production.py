@@ -15,7 +15,9 @@ liger, index-cache and lemyx (``lemyx.warmup_steps`` short, so both phases are s
 It reports the lemyx warm-up phase and the sparse phase separately: median tokens/s per GPU over each phase
 (the first ``--skip`` steps of each phase left out: compilation, the hand-over), model TFLOP/s per GPU by
 nam56r/flops.py and at 31.2 GFLOP/token, the peak memory, and the loss over the run, against the published
-record (289 TFLOP/s, ~9,250 tokens/s per GPU at EP 4, MBS 8).
+record (289 TFLOP/s, ~9,250 tokens/s per GPU at EP 4, MBS 8). ``nam train`` shows its progress bar unless
+``--quiet``. If preflight or training exits non-zero, ``run`` prints one error (the exit code, the layout, the
+run's log) with the next thing to try, and exits with that code; no report is written.
 """
 
 from __future__ import annotations
@@ -65,11 +67,44 @@ def plan(args) -> int:
     return 0
 
 
+def phases(metrics: list[dict], *, warmup_steps: int, skip: int, flops_per_token: float) -> list[dict]:
+    """The report's rows: lemyx's warm-up (steps 1..warmup_steps) and the sparse phase after it, each without
+    its first ``skip`` steps; median tokens/s per GPU, TFLOP/s both ways, the phase's peak memory. A phase
+    with no step left is absent."""
+    split = {"warm-up (lemyx dense + indexer KL)": [m for m in metrics if m["step"] <= warmup_steps][skip:],
+             "sparse (top-k)": [m for m in metrics if m["step"] > warmup_steps][skip:]}
+    rows = []
+    for name, ms in split.items():
+        if not ms:
+            continue
+        tokens = statistics.median(m["tokens_per_s"] for m in ms)
+        rows.append({"phase": name, "steps": len(ms), "first_step": ms[0]["step"], "last_step": ms[-1]["step"],
+                     "tokens_per_s_per_gpu": tokens, "tflops_per_gpu": tokens * flops_per_token / 1e12,
+                     "tflops_per_gpu_at_31.2": tokens * PUBLISHED["flop_per_token"] / 1e12,
+                     "peak_gib": max(m["mem_gib"] for m in ms),
+                     "vs_published_tokens": tokens / PUBLISHED["tokens_per_s_per_gpu"]})
+    return rows
+
+
+def _failed(what: str, code: int, args, run_dir: Path | None) -> int:
+    """One error for a step of ``run`` that exited non-zero, with where to look and what to try next."""
+    where = f"; its log: {run_dir / 'run.log'}" if run_dir is not None else ""
+    nxt = (f"rerun at a smaller micro-batch if it ran out of memory: --mbs {args.mbs - 1}" if args.mbs > 1 else
+           "rerun with the output shown (without --quiet) to see the failing rank")
+    print(f"error: {what} exited with {code} ({args.gpus} GPUs, EP {args.ep}, MBS {args.mbs}){where}\n"
+          f"next: {nxt}", file=sys.stderr)
+    return code
+
+
 def run(args) -> int:
     from nam56r.flops import flops_per_token
     from nam56r.recipes import get_recipe
     from nam_core.engine.metrics import read_metrics
 
+    if args.warmup_steps >= args.steps:
+        print(f"error: --warmup-steps {args.warmup_steps} leaves no sparse step in --steps {args.steps}",
+              file=sys.stderr)
+        return 2
     if args.mbs is None:
         from nam56r.memory import largest_mbs, parameter_split
 
@@ -80,36 +115,31 @@ def run(args) -> int:
             return 2
         print(f"MBS {args.mbs}: the largest that fits an H200 by nam56r/memory.py (--mbs to choose)", flush=True)
     nam = [sys.executable, "-m", "nam_cli"]
-    subprocess.run([*nam, "preflight", "--engine", "megatron", "--plugins", PLUGINS, "--recipe", "nam56r"],
-                   check=True)
+    code = subprocess.run([*nam, "preflight", "--engine", "megatron", "--plugins", PLUGINS, "--recipe", "nam56r"]
+                          ).returncode
+    if code:
+        return _failed("nam preflight", code, args, None)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="nam-production-")) / "run"
     cmd = [*nam, "train", "--recipe", "nam56r", "--engine", "megatron", "--nproc", str(args.gpus),
            "--ep", str(args.ep), "--plugins", PLUGINS, "--max-steps", str(args.steps), "--run-dir", str(run_dir),
            "--set", f"train.micro_batch_size={args.mbs}", "--set", f"lemyx.warmup_steps={args.warmup_steps}",
-           "--set", "train.checkpoint_every=0", "--quiet"]  # nothing to resume: no ~66 GB save at the end
+           "--set", "train.checkpoint_every=0",  # nothing to resume: no ~66 GB save at the end
+           *(["--quiet"] if args.quiet else [])]
     print(" ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code:
+        return _failed("nam train", code, args, run_dir)
     metrics = read_metrics(run_dir)
     flops = flops_per_token(get_recipe("nam56r").model).total
-    phases = {"warm-up (lemyx dense + indexer KL)": [m for m in metrics if m["step"] <= args.warmup_steps][args.skip:],
-              "sparse (top-k)": [m for m in metrics if m["step"] > args.warmup_steps][args.skip:]}
-    rows = []
-    for name, ms in phases.items():
-        if not ms:
-            continue
-        tokens = statistics.median(m["tokens_per_s"] for m in ms)
-        rows.append({"phase": name, "steps": len(ms), "tokens_per_s_per_gpu": tokens,
-                     "tflops_per_gpu": tokens * flops / 1e12,
-                     "tflops_per_gpu_at_31.2": tokens * PUBLISHED["flop_per_token"] / 1e12,
-                     "peak_gib": max(m["mem_gib"] for m in ms),
-                     "vs_published_tokens": tokens / PUBLISHED["tokens_per_s_per_gpu"]})
+    rows = phases(metrics, warmup_steps=args.warmup_steps, skip=args.skip, flops_per_token=flops)
     print(f"\nNAM56R, {args.gpus}x GPU, PP 1, EP {args.ep}, MBS {args.mbs}, bf16, plugins {PLUGINS}; "
           f"{flops / 1e9:.1f} GFLOP/token by nam56r/flops.py\n")
-    print("| phase | steps | tokens/s per GPU | TFLOP/s per GPU | at 31.2 GF/token | peak GiB | vs 9,250 tokens/s |")
+    print("| phase | steps timed | tokens/s per GPU | TFLOP/s per GPU | at 31.2 GF/token | peak GiB | vs 9,250 tokens/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['phase']} | {r['steps']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} "
-              f"| {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {r['vs_published_tokens']:.2f}x |")
+        print(f"| {r['phase']} | {r['first_step']}-{r['last_step']} | {r['tokens_per_s_per_gpu']:,.0f} "
+              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} "
+              f"| {r['vs_published_tokens']:.2f}x |")
     losses = [(m["step"], m["loss"]) for m in metrics]
     print(f"\nloss: step {losses[0][0]} {losses[0][1]:.4f} -> step {losses[-1][0]} {losses[-1][1]:.4f}")
     if args.json:
@@ -141,6 +171,7 @@ def main() -> int:
     r.add_argument("--warmup-steps", type=int, default=20, help="lemyx.warmup_steps: dense steps before sparse")
     r.add_argument("--skip", type=int, default=3, help="steps left out at the start of each phase")
     r.add_argument("--run-dir", type=Path, default=None)
+    r.add_argument("--quiet", action="store_true", help="no progress bar from nam train (for logs)")
     for q in (p, r):
         q.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

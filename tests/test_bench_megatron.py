@@ -1,21 +1,13 @@
 """bench/megatron.py's comparison arithmetic on CPU: the floor is the largest of several perturbed runs, and
 each perturbed initial state moves every weight by at most PERTURB, each with its own noise."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "megatron.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_megatron", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("megatron")
 
 
 def _losses(*values):

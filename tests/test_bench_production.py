@@ -1,21 +1,14 @@
 """bench/production.py on CPU: the phase split of the report, the launch it makes, and how it fails."""
 
 import argparse
-import importlib.util
 import subprocess
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "production.py"
-
 
 @pytest.fixture(scope="module")
-def production():
-    spec = importlib.util.spec_from_file_location("bench_production", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def production(load_bench):
+    return load_bench("production")
 
 
 def _metrics(tokens, mem):

@@ -6,6 +6,7 @@ tests/test_megatron_model.py."""
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -112,6 +113,62 @@ def test_the_optimizer_megatron_falls_back_to_is_reported_not_hidden():
     rows = {c.name: c for c in engine.runtime_checks({**READY, "fused_adam": "apex"})}
     assert rows["optimizer"].ok and rows["optimizer"].found == "apex's fused Adam"
     engine.check_runtime(READY)  # not a failure
+
+
+def _chained(*optimizers):
+    """The shape of Megatron's optimizer that the engine reads: ``chained_optimizers``, each with ``.optimizer``."""
+    return types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=o) for o in optimizers])
+
+
+def test_torch_adamw_runs_fused_and_computes_the_same_update():
+    """Megatron's torch AdamW (no Transformer Engine or Apex) is switched to torch's fused implementation on
+    every group; from the same weights and gradients both implementations take the same steps (fp32, to
+    rounding), and an optimizer that is not torch's Adam is left alone."""
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(64, 32, generator=gen), torch.randn(32, generator=gen)]
+    grads = [[torch.randn(w.shape, generator=gen) for w in weights] for _ in range(3)]
+
+    def trained(fuse: bool):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2,
+                                weight_decay=0.1)
+        other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        notes = engine.use_fused_adamw(_chained(opt, other)) if fuse else []
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt, other, notes
+
+    fused, opt, other, notes = trained(True)
+    plain, *_ = trained(False)
+    assert notes == ["optimizer 0: torch.optim.AdamW(fused=True)"]
+    assert all(g["fused"] is True and g["foreach"] is False for g in opt.param_groups)
+    assert "fused" not in other.param_groups[0] or not other.param_groups[0]["fused"]
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(a, torch.zeros_like(a))
+
+
+def test_restored_adam_steps_are_one_tensor_each_where_the_group_keeps_them():
+    """After a load, every parameter's ``step`` is its own tensor holding the checkpoint's step (Megatron hands
+    one shared tensor to all); a fused group's steps are fp32 on the parameter's device, as torch's fused
+    AdamW reads them."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    shared = torch.tensor(1.0)
+    for p in params:
+        opt.state[p]["step"] = shared
+    engine.use_fused_adamw(_chained(opt))
+    engine._restore_adam_steps(_chained(opt), 7)
+    steps = [opt.state[p]["step"] for p in params]
+    assert [s.item() for s in steps] == [7.0, 7.0] and steps[0] is not steps[1]
+    assert all(s.dtype == torch.float32 and s.device == p.device for s, p in zip(steps, params))
+    opt.step()  # the fused path accepts them
+    assert [opt.state[p]["step"].item() for p in params] == [8.0, 8.0]
 
 
 def test_this_cpu_machine_is_refused():

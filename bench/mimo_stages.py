@@ -136,28 +136,29 @@ def variant(args) -> int:
 
 def main_run(args) -> int:
     variants = [BASELINE] + [v for v in args.variants if v != BASELINE]
-    work = Path(tempfile.mkdtemp(prefix="nam-mimo-stages-"))
     results = []
-    for stages in variants:
-        out = work / ("stages-" + "-".join(map(str, stages)) + ".json")
-        cmd = [sys.executable, __file__, "_variant", "--stages", ",".join(map(str, stages)), "--batch",
-               ",".join(map(str, args.batch)), "--ref", str(work), "--out", str(out), "--warmup", str(args.warmup),
-               "--iters", str(args.iters)]
-        print(f"[{','.join(map(str, stages))}] building and timing ...", flush=True)
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
-            error = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["exit"])[-1][:300]
-        except subprocess.TimeoutExpired:
-            error = f"no result within {args.timeout} s (build or kernel hang)"
-        if error is None:
-            results.append({**json.loads(out.read_text()), "wall_s": time.perf_counter() - t0})
-        else:
-            if stages == BASELINE:
-                print(f"error: the baseline variant failed: {error}", file=sys.stderr)
-                return 1
-            results.append({"stages": list(stages), "error": error, "wall_s": time.perf_counter() - t0})
-        print(f"  {error or 'ok'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="nam-mimo-stages-") as tmp:  # the baseline's tensors: ~0.5 GB
+        work = Path(tmp)
+        for stages in variants:
+            out = work / ("stages-" + "-".join(map(str, stages)) + ".json")
+            cmd = [sys.executable, __file__, "_variant", "--stages", ",".join(map(str, stages)), "--batch",
+                   ",".join(map(str, args.batch)), "--ref", str(work), "--out", str(out), "--warmup",
+                   str(args.warmup), "--iters", str(args.iters)]
+            print(f"[{','.join(map(str, stages))}] building and timing ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
+                error = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["exit"])[-1][:300]
+            except subprocess.TimeoutExpired:
+                error = f"no result within {args.timeout} s (build or kernel hang)"
+            if error is None:
+                results.append({**json.loads(out.read_text()), "wall_s": time.perf_counter() - t0})
+            else:
+                if stages == BASELINE:
+                    print(f"error: the baseline variant failed: {error}", file=sys.stderr)
+                    return 1
+                results.append({"stages": list(stages), "error": error, "wall_s": time.perf_counter() - t0})
+            print(f"  {error or 'ok'} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     import torch
 
@@ -190,22 +191,20 @@ def main_run(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common = argparse.ArgumentParser(add_help=False)  # what the run hands to each variant's process
+    common.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    common.add_argument("--warmup", type=int, default=3)
+    common.add_argument("--iters", type=int, default=10)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[common])
     sub = ap.add_subparsers(dest="command")
     ap.add_argument("--variants", nargs="+", type=_stages, default=[(0, 0, 0), (1, 0, 0), (2, 0, 0), (0, 1, 0),
                                                                      (0, 0, 1)], help="fwd,bwd_fwd,bwd_bwd depths")
-    ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per variant, build included")
     ap.add_argument("--json", type=Path, default=None)
-    v = sub.add_parser("_variant", help=argparse.SUPPRESS)
+    v = sub.add_parser("_variant", help=argparse.SUPPRESS, parents=[common])
     v.add_argument("--stages", type=_stages, required=True)
-    v.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], required=True)
     v.add_argument("--ref", type=Path, required=True)
     v.add_argument("--out", type=Path, required=True)
-    v.add_argument("--warmup", type=int, default=3)
-    v.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     return variant(args) if args.command == "_variant" else main_run(args)
 

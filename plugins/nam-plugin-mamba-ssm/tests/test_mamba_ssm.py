@@ -58,6 +58,8 @@ def releases(monkeypatch):
 
 DRIVERS = """
 def mamba_mimo_forward(*args, **kwargs):
+    if kwargs.get("build"):  # the source line detection reads; never run here
+        kernel = mamba_mimo_fwd(T.dynamic("B"), T.dynamic("S"), T.dynamic("H"), T.dynamic("G"))
     return "upstream forward"
 
 def mamba_mimo_bwd_combined(*args, **kwargs):
@@ -68,8 +70,10 @@ def mamba_mimo_bwd_combined(*args, **kwargs):
 @pytest.fixture
 def fake_tree(tmp_path, monkeypatch):
     """``fake_tree(fixed=False)`` writes a mamba_ssm package shaped like 2.3.2.post1 (``fixed``: like main after
-    PRs #967 and #977), puts it first on sys.path, and removes every module it imported afterwards."""
+    PRs #967, #968 and #977), puts it first on sys.path, and removes every module it imported afterwards (and
+    restores the drivers' build mode, which the lane sets)."""
     before = set(sys.modules)
+    monkeypatch.setattr(mimo, "STATIC", mimo.STATIC)
 
     def make(fixed: bool = False):
         root = tmp_path / ("fixed" if fixed else "release")
@@ -83,7 +87,7 @@ def fake_tree(tmp_path, monkeypatch):
             "ops/triton/__init__.py": "", "ops/triton/mamba3/__init__.py": "",
             "ops/triton/mamba3/mamba3_siso_combined.py": "def mamba3_siso_combined(*a, **k):\n    return 'siso'\n",
             "ops/tilelang/__init__.py": "", "ops/tilelang/mamba3/__init__.py": "",
-            "ops/tilelang/mamba3/mamba3_mimo_fwd.py": DRIVERS,
+            "ops/tilelang/mamba3/mamba3_mimo_fwd.py": DRIVERS.replace('T.dynamic("B"), ', "B, ") if fixed else DRIVERS,
             "ops/tilelang/mamba3/mamba3_mimo_bwd.py": DRIVERS,
             "ops/tilelang/mamba3/mamba3_mimo.py": (
                 "from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_fwd import mamba_mimo_forward\n"
@@ -109,12 +113,6 @@ def test_declaration_entry_point_and_gpu_extra():
     info = plugin.PLUGIN
     assert info.provides == {"ssm_mixers": ["mamba-ssm"], "patches": list(patches.NAMES)}
     assert info.selects == {"ssm_backend": "mamba-ssm"}
-    assert [(r.title, r.needed) for r in info.requires] == [
-        ("CUDA capability", ">= sm_90"),
-        ("shared memory per block", f">= {plugin.MIMO_SMEM_BYTES:,} B ({plugin.MIMO_SMEM_BYTES / 1024:.0f} KiB)"),
-        ("package mamba-ssm", "mamba-ssm>=2.3.2"), ("package tilelang", "tilelang>=0.1.8"),
-        ("package triton", "triton>=3.5"),
-    ]
     assert all(r.install_hint == HINT for r in info.requires if r.kind == "package")
     [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "mamba-ssm"]
     assert ep.value == "nam_plugin_mamba_ssm.plugin"
@@ -179,6 +177,15 @@ def test_activation_without_a_kernel_package_names_the_gpu_extra(releases, missi
     assert bad[f"package {missing}"].found == "not installed" and bad[f"package {missing}"].hint == HINT
 
 
+def test_activation_refuses_tilelang_0_1_15_which_cannot_build_the_mimo_forward(releases):
+    releases(tilelang="0.1.15")
+    bad = failures(H100)
+    assert set(bad) == {"package tilelang"}
+    assert bad["package tilelang"].found.startswith("0.1.15 (known bad: cannot build mamba-ssm 2.3.2.post1's MIMO")
+    releases(tilelang="0.1.14")  # only the measured release is refused
+    assert failures(H100) == {}
+
+
 def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
     assert recipe(base="nam56r-tiny").model.ssm_backend == "mamba-ssm"
     rec = recipe("ssm_backend=reference")
@@ -231,7 +238,7 @@ def test_on_a_release_tree_every_patch_is_needed_and_mamba3_does_not_import(rele
     with pytest.raises(NamError, match="import shim is not applied") as e:
         upstream.load(upstream.SISO_MODULE)
     assert "apply_needed()" in e.value.hint
-    with pytest.raises(NamError, match="mamba3-mimo-grouped-bwd, mamba3-mimo-host-overhead"):
+    with pytest.raises(NamError, match="mamba3-mimo-grouped-bwd, mamba3-mimo-host-overhead, mamba3-mimo-static"):
         patches.require_mimo_fixes()
 
 
@@ -247,6 +254,7 @@ def test_the_lane_applies_in_order_and_binds_nam_drivers(releases, fake_tree):
     assert sys.modules[upstream.MIMO_BWD_MODULE].mamba_mimo_bwd_combined is mimo.backward
     assert sys.modules[upstream.MIMO_FWD_MODULE].mamba_mimo_forward is mimo.forward
     assert upstream.load(upstream.SISO_MODULE).mamba3_siso_combined() == "siso"
+    assert mimo.STATIC  # the static-shapes entry: nam's drivers build for exact sizes
     patches.require_mimo_fixes()  # no longer raises
     assert patches.apply_needed() == []  # idempotent: nothing left to do
 
@@ -260,9 +268,10 @@ def test_the_stand_in_extension_refuses_mamba1_use_by_name(releases, fake_tree):
     assert not hasattr(stub, "__path__")  # import machinery sees a plain module
 
 
-def test_on_a_fixed_tree_the_shim_and_grouped_patches_retire(releases, fake_tree):
+def test_on_a_fixed_tree_the_shim_grouped_and_static_patches_retire(releases, fake_tree):
     fake_tree(fixed=True)
-    assert states() == {patches.SHIM: RETIRED, patches.GROUPED: RETIRED, patches.HOST: NEEDED}
+    assert states() == {patches.SHIM: RETIRED, patches.GROUPED: RETIRED, patches.HOST: NEEDED,
+                        patches.STATIC: RETIRED}
 
 
 def test_the_shim_reproducer_tells_the_bug_from_the_fix(releases, fake_tree):
@@ -280,7 +289,7 @@ def test_the_shim_reproducer_passes_a_fixed_tree(releases, fake_tree):
 def test_patches_declare_reproducers_and_retirement():
     for p in patches.make_patches().values():
         assert p.reproduce is not None and p.retire_when and p.target == "mamba-ssm"
-    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, True, True]
+    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, True, True, True]
 
 
 # --- the grouped reduction -----------------------------------------------------------------------------
@@ -388,8 +397,8 @@ def test_forward_driver_calls_the_kernel_with_its_declared_signature(signature_k
                                        x["z"], x["D"], x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"],
                                        x["trap"], x["segsum"], chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF)
     assert (tuple(out.shape), out.dtype, state, final_k) == ((B, S, H, P), BF, None, None)
-    assert kernels.fwd.calls == 1 and keys == [(N, P, R, True, True, True, CH, DIV, "bfloat16", False,
-                                                    mimo.Stages(0, 0, 0))]
+    assert kernels.fwd.calls == 1 and keys == [(mimo.Dims(B, S, H, G), N, P, R, True, True, True, CH, DIV,
+                                                "bfloat16", False, mimo.Stages(0, 0, 0))]
 
 
 def test_backward_driver_signatures_and_grouped_reduction(signature_kernels):
@@ -427,10 +436,69 @@ def test_both_drivers_build_at_the_modules_pipelining_depths(signature_kernels, 
                   x["mimo_o"], x["z"], x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"],
                   x["D"], x["segsum"], CH, DIV, BF)
     assert [key[-1] for key in keys] == [mimo.Stages(2, 1, 0)] * 2
+    assert [key[0] for key in keys] == [mimo.Dims(B, S, H, G)] * 2  # both passes build for the call's sizes
     with pytest.raises(ValueError, match="num_stages=1"):  # a caller's own request is refused, not obeyed
         mimo.forward(x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["mimo_o"], x["z"], x["D"],
                      x["mimo_z"], x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"], x["segsum"],
                      chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF, num_stages=1)
+
+
+class FakeTileLang:
+    """Upstream's three kernel factories and ``tilelang.language.dynamic``, recording what they are built with."""
+
+    def __init__(self):
+        self.builds = []
+        self.dynamic = lambda name: f"dynamic {name}"
+        self.mamba_mimo_fwd = lambda *a, **kw: self.builds.append(("fwd", a[:4])) or "fwd"
+        self.mamba_mimo_bwd_fwd = lambda *a: self.builds.append(("bwd_fwd", a[:4])) or "bwd_fwd"
+        self.mamba_mimo_bwd_bwd = lambda *a: self.builds.append(("bwd_bwd", a[:4])) or "bwd_bwd"
+
+
+@pytest.fixture
+def fake_tilelang(monkeypatch):
+    fake = FakeTileLang()
+    monkeypatch.setattr(upstream, "load", lambda name: fake)
+    monkeypatch.setattr(mimo, "STATIC", True)
+    mimo._build.cache_clear()
+    yield fake
+    mimo._build.cache_clear()
+
+
+def build(dims, chunk=CH):
+    return mimo.compiled(dims, N, P, R, True, True, True, chunk, DIV, "bfloat16", False, mimo.Stages())
+
+
+def test_kernels_build_once_per_exact_shape_and_say_so_once(fake_tilelang, capsys):
+    build(mimo.Dims(2, 4096, 128, 8))
+    build(mimo.Dims(2, 4096, 128, 8))  # the same shape: the kept kernels, no build, no second line
+    assert fake_tilelang.builds == [(k, (2, 4096, 128, 8)) for k in ("fwd", "bwd_fwd", "bwd_bwd")]
+    log = capsys.readouterr().err
+    assert log.count("building the Mamba-3 MIMO kernels for batch 2 x 4096 tokens, 128 heads in 8 groups") == 1
+    assert "about 3 minutes" in log and log.count("built the Mamba-3 MIMO kernels") == 1
+    build(mimo.Dims(1, 4096, 128, 8))  # another batch is another build: the sizes are compiled in
+    assert fake_tilelang.builds[-1] == ("bwd_bwd", (1, 4096, 128, 8))
+
+
+def test_kept_kernel_sets_are_bounded(fake_tilelang):
+    for b in range(mimo.KEEP + 1):
+        build(mimo.Dims(b + 1, 64, 4, 2))
+    build(mimo.Dims(1, 64, 4, 2))  # the oldest was dropped to keep KEEP sets: built again
+    assert len(fake_tilelang.builds) == 3 * (mimo.KEEP + 2)
+    assert mimo._build.cache_info().currsize == mimo.KEEP
+
+
+def test_unpatched_drivers_build_as_upstream_does(fake_tilelang, monkeypatch):
+    """Before the static-shapes patch, on a 2.3.2.post1-like upstream: its dynamic kernels, once for every shape
+    (the baseline of bench/mimo_scan.py); on an upstream that builds exact sizes itself, exact sizes."""
+    monkeypatch.setattr(mimo, "STATIC", False)
+    monkeypatch.setattr(mimo, "upstream_builds_dynamic", lambda: True)
+    build(mimo.Dims(2, 4096, 128, 8))
+    build(mimo.Dims(1, 1024, 16, 2))
+    assert fake_tilelang.builds == [(k, ("dynamic B", "dynamic S", "dynamic H", "dynamic G"))
+                                    for k in ("fwd", "bwd_fwd", "bwd_bwd")]
+    monkeypatch.setattr(mimo, "upstream_builds_dynamic", lambda: False)
+    build(mimo.Dims(1, 1024, 16, 2))
+    assert fake_tilelang.builds[-1] == ("bwd_bwd", (1, 1024, 16, 2))
 
 
 # --- the scan's argument mapping against upstream's entry points ----------------------------------------

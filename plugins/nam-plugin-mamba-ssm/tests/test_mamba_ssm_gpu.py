@@ -2,8 +2,9 @@
 MIMO at ngroups 8, 1 and nheads and for SISO, the patch lane's reproducers before and after the fixes, no
 per-call compile, and a small model step. Marked gpu: skipped with a reason where CUDA is absent.
 
-Needs mamba-ssm, TileLang and Triton (the plugin's [gpu] extra). MIMO shapes share NAM56R's static widths
-(d_state 128, headdim 64, rank 4, chunk 16), so one TileLang compile serves every test."""
+Needs mamba-ssm, TileLang and Triton (the plugin's [gpu] extra). MIMO shapes share NAM56R's widths (d_state
+128, headdim 64, rank 4, chunk 16); the kernels are built for each test's exact sizes, so each new shape is a
+build (TileLang keeps them on disk: a second run reads them back)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ N, P, R, CHUNK = 128, 64, 4, 16  # NAM56R
 def lane():
     from nam_plugin_mamba_ssm import patches
 
-    patches.apply_needed()
+    patches.apply_needed()  # the shim, the grouped backward, nam's drivers, static shapes
 
 
 def check(errors, label):
@@ -70,17 +71,19 @@ def test_patched_lane_reproducers_validate_the_fixes():
     ms = patches.host_ms_per_call()
     print(f"patched host ms per warm MIMO call: {ms:.2f}")
     assert ms < patches.HOST_MS_BUG
+    assert patches.reproduce_static() == FIX_VALIDATED
 
 
 UNPATCHED = """
 import json, sys, types
 from nam_plugin_mamba_ssm import patches, upstream
 upstream.install_shim()  # only the shim: upstream's own MIMO drivers stay bound
-print(json.dumps({"grouped": patches.reproduce_grouped(), "host_ms": patches.host_ms_per_call()}))
+print(json.dumps({"grouped": patches.reproduce_grouped(), "host_ms": patches.host_ms_per_call(),
+                  "static": patches.reproduce_static()}))
 """
 
 
-def test_unpatched_upstream_reproduces_both_mimo_bugs():
+def test_unpatched_upstream_reproduces_the_three_mimo_bugs():
     done = subprocess.run([sys.executable, "-c", UNPATCHED], capture_output=True, text=True, timeout=900,
                           env=dict(os.environ))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -88,18 +91,22 @@ def test_unpatched_upstream_reproduces_both_mimo_bugs():
     print(result)
     assert result["grouped"] == "BUG_REPRODUCED"
     assert result["host_ms"] > 50.0
+    assert result["static"] == "BUG_REPRODUCED"
 
 
-def test_kernels_are_compiled_once_per_static_configuration():
+def test_kernels_are_built_once_per_exact_shape():
     from nam_plugin_mamba_ssm import mimo, selftest
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
 
+    assert mimo.STATIC  # the lane (module fixture) applied the static-shapes entry
     scan = MambaSSMScan()
     selftest.compare(scan, 1, 64, 8, 2, N, P, R, chunk_size=CHUNK)
-    before = mimo.compiled.cache_info()
-    selftest.compare(scan, 2, 96, 16, 4, N, P, R, chunk_size=CHUNK)  # other batch, length, heads, groups
-    after = mimo.compiled.cache_info()
-    assert after.misses == before.misses and after.hits > before.hits
+    before = mimo._build.cache_info()
+    selftest.compare(scan, 1, 64, 8, 2, N, P, R, chunk_size=CHUNK)  # same sizes: the kept kernels
+    same = mimo._build.cache_info()
+    assert same.misses == before.misses and same.hits > before.hits
+    selftest.compare(scan, 1, 96, 8, 2, N, P, R, chunk_size=CHUNK)  # another length: built for it
+    assert mimo._build.cache_info().misses == before.misses + 1
 
 
 def test_a_small_model_step_on_the_scan_matches_the_reference_scan():

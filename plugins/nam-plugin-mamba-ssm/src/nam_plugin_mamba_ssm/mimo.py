@@ -1,4 +1,4 @@
-"""Mamba-3 MIMO forward and backward drivers over mamba-ssm's TileLang kernels: compiled once, any ngroups.
+"""Mamba-3 MIMO forward and backward drivers over mamba-ssm's TileLang kernels: static shapes, any ngroups.
 
 mamba-ssm's autograd function (``mamba3_mimo.py``) calls two module-level drivers, ``mamba_mimo_forward``
 and ``mamba_mimo_bwd_combined``; the patch lane swaps in the two drivers below, with the same signatures
@@ -7,9 +7,16 @@ What the drivers change:
 
 * **Host time.** Upstream's drivers call the ``@tilelang.jit`` kernel factory on every call. In TileLang
   0.1.8 that re-runs the eager front end (re-parsing and re-building the kernel program, ~775 ms per call on
-  the H100 host) before the compiled-kernel cache is consulted. ``compiled()`` builds each kernel once per
-  static configuration (batch, length, heads and groups stay dynamic, as upstream declares them) and keeps
-  the kernel object, so a warm call is a launch.
+  the H100 host) before the compiled-kernel cache is consulted. ``compiled()`` builds each kernel set once
+  and keeps the kernel object, so a warm call is a launch.
+* **Static shapes.** Upstream 2.3.2.post1 declares batch, length, heads and groups ``T.dynamic`` (its PR #963);
+  the kernels built that way run 1.7-1.9x slower than the same kernels built for exact sizes (H100, NAM56R's
+  shape, batch 1 and 2: scan fwd+bwd 19.29 -> 10.24 ms and 27.36 -> 15.77 ms; upstream reverted it in PR #968,
+  in no release yet). ``compiled()`` builds for the exact (batch, padded length, heads, groups): NAM56R trains
+  at one shape, so a run builds one set (plus preflight's self-test shape), kept in a bounded cache
+  (``KEEP``) and on disk by TileLang (``nam_core.cache``: a second run on the machine starts in seconds).
+  The patch-lane entry ``mamba3-mimo-static-shapes`` turns this on (``STATIC``); off, the drivers build as the
+  installed upstream's do: the baseline row of ``bench/mimo_scan.py``.
 * **Groups.** The backward kernels already write dQ and dK per head, ``[b, l, r, h, n]``; upstream then
   handles only ngroups 1 and ngroups == nheads and raises ``G value of 8 is not currently supported!``
   otherwise. ``reduce_groups`` covers every ``h % g == 0``: the bias gradients are per-head sums of those
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+import time
 from typing import NamedTuple
 
 import torch
@@ -52,30 +61,76 @@ class Kernels(NamedTuple):
     bwd_bwd: object
 
 
+class Dims(NamedTuple):
+    """The sizes upstream declares dynamic: batch, length (a whole number of chunks), heads, groups."""
+
+    b: int
+    s: int
+    h: int
+    g: int
+
+
+STATIC = False
+"""Build each kernel set for its exact ``Dims``, whatever the installed upstream does. Set by the patch-lane entry
+``mamba3-mimo-static-shapes``; while False the drivers build as upstream's own drivers do (dynamic sizes in
+2.3.2.post1, exact sizes in a release with PR #968), which is the baseline row of ``bench/mimo_scan.py``."""
+
+KEEP = 8
+"""Kernel sets kept per process (least recently used goes first). A NAM56R run uses one or two: its own shape and
+preflight's self-test shape."""
+
+BUILD_SECONDS = 180
+"""Roughly how long TileLang 0.1.8 takes to build the three kernels on the H100 host when its disk cache does not
+have them (measured 2026-11-22); a set read from the cache takes seconds."""
+
+
 def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def compiled(n: int, p: int, r: int, has_z: bool, has_d: bool, reduce_o: bool, chunk_size: int,
+def compiled(dims: Dims, n: int, p: int, r: int, has_z: bool, has_d: bool, reduce_o: bool, chunk_size: int,
              rotary_dim_divisor: int, dtype: str, return_state: bool = False, stages: Stages = Stages()) -> Kernels:
-    """The three TileLang kernels for one static configuration and pipelining depth, compiled (or read from
-    TileLang's disk cache) on the first call and kept for the life of the process."""
+    """The three TileLang kernels for ``dims`` (ignored where upstream builds dynamic sizes and ``STATIC`` is
+    off) and one static configuration, built or read from TileLang's disk cache on first use and kept (``KEEP``)."""
+    static = STATIC or not upstream_builds_dynamic()
+    return _build(dims if static else None, n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor, dtype,
+                  return_state, stages)
+
+
+@functools.cache
+def upstream_builds_dynamic() -> bool:
+    """The installed mamba-ssm's drivers build with dynamic sizes (read once per process from its source)."""
+    return upstream.builds_dynamic_shapes()
+
+
+@functools.lru_cache(maxsize=KEEP)
+def _build(dims: Dims | None, n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor, dtype, return_state,
+           stages) -> Kernels:
     language = upstream.load("tilelang.language")
     fwd_mod, bwd_mod = upstream.load(upstream.MIMO_FWD_MODULE), upstream.load(upstream.MIMO_BWD_MODULE)
-
-    def dynamic():
-        return (language.dynamic("B"), language.dynamic("S"), language.dynamic("H"), language.dynamic("G"))
-
+    what = (f"d_state {n}, headdim {p}, rank {r}, chunk {chunk_size}, {dtype}, pipelining {tuple(stages)}")
+    if dims is None:
+        sizes, shape = [language.dynamic(x) for x in "BSHG"], "dynamic batch, length, heads and groups"
+    else:
+        sizes, shape = list(dims), f"batch {dims.b} x {dims.s} tokens, {dims.h} heads in {dims.g} groups"
+    _say(f"building the Mamba-3 MIMO kernels for {shape} ({what}): up to about {BUILD_SECONDS // 60} minutes if "
+         f"TileLang's cache ({upstream.tilelang_cache()}) does not have them, seconds if it does")
+    start = time.perf_counter()
     static = (n, p, r, has_z, has_d, reduce_o)
-    fwd = fwd_mod.mamba_mimo_fwd(*dynamic(), *static, return_final_state=return_state, chunk_size=chunk_size,
+    fwd = fwd_mod.mamba_mimo_fwd(*sizes, *static, return_final_state=return_state, chunk_size=chunk_size,
                                  rotary_dim_divisor=rotary_dim_divisor, dtype=dtype, threads=FWD_THREADS,
                                  num_stages=stages.fwd)
-    bwd_fwd = bwd_mod.mamba_mimo_bwd_fwd(*dynamic(), *static, chunk_size, rotary_dim_divisor, dtype,
+    bwd_fwd = bwd_mod.mamba_mimo_bwd_fwd(*sizes, *static, chunk_size, rotary_dim_divisor, dtype,
                                          BWD_FWD_THREADS, stages.bwd_fwd)
-    bwd_bwd = bwd_mod.mamba_mimo_bwd_bwd(*dynamic(), *static, chunk_size, rotary_dim_divisor, dtype,
+    bwd_bwd = bwd_mod.mamba_mimo_bwd_bwd(*sizes, *static, chunk_size, rotary_dim_divisor, dtype,
                                          BWD_BWD_THREADS, stages.bwd_bwd)
+    _say(f"built the Mamba-3 MIMO kernels for {shape} in {time.perf_counter() - start:.0f} s")
     return Kernels(fwd, bwd_fwd, bwd_bwd)
+
+
+def _say(line: str) -> None:
+    """One line on the process's log (stderr: the run log of either engine)."""
+    print(f"nam mamba-ssm: {line}", file=sys.stderr, flush=True)
 
 
 def reduce_groups(d_per_head: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +158,13 @@ def forward(q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, D, mimo_z, angles, dA_cs
     if (threads, num_stages) != (FWD_THREADS, 0):
         raise ValueError(f"the MIMO forward launches with threads={FWD_THREADS} and nam's STAGES; "
                          f"got a request for threads={threads}, num_stages={num_stages}")
-    b, s, r, _g, n = q.shape
+    b, s, r, g, n = q.shape
     h, p = v.shape[-2:]
     reduce_o = mimo_o is not None
     name = dtype_name(dtype)
     out_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, name)
-    kernels = compiled(n, p, r, z is not None, D is not None, reduce_o, chunk_size, rotary_dim_divisor, name,
-                       return_state, STAGES)
+    kernels = compiled(Dims(b, s, h, g), n, p, r, z is not None, D is not None, reduce_o, chunk_size,
+                       rotary_dim_divisor, name, return_state, STAGES)
     dev = q.device
     out = torch.empty((b, s, h, p) if reduce_o else (b, s, r, h, p), device=dev, dtype=out_dtype)
     # The kernel declares every tensor; absent optional inputs get unread placeholders, as upstream passes.
@@ -136,8 +191,8 @@ def backward(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, d
     b, s, r, g, n = q.shape
     h, p = v.shape[-2:]
     reduce_o, has_z, has_d = mimo_o is not None, z is not None, D is not None
-    kernels = compiled(n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor, dtype_name(dtype),
-                       False, STAGES)
+    kernels = compiled(Dims(b, s, h, g), n, p, r, has_z, has_d, reduce_o, chunk_size, rotary_dim_divisor,
+                       dtype_name(dtype), False, STAGES)
     chunks = math.ceil(s / chunk_size)
     f32, dev = torch.float32, q.device
 

@@ -28,9 +28,14 @@ from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, NEEDED, Patch
 from nam_plugin_mamba_ssm import upstream
 
 SHIM, GROUPED, HOST = "mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead"
-NAMES = (SHIM, GROUPED, HOST)
+STATIC = "mamba3-mimo-static-shapes"
+NAMES = (SHIM, GROUPED, HOST, STATIC)
 VERSIONS = ">=2.3.0"
 """Mamba-3 arrived in 2.3.0; every release since is checked by ``detect`` rather than by number."""
+
+STATIC_SLOWDOWN_BUG = 1.25
+"""Dynamic-shape over static-shape time of the MIMO forward kernel above which the dynamic build is the bug. At
+NAM56R's shape the ratio was 3.3x for the forward kernel and 1.7-1.9x for the whole scan (H100, TileLang 0.1.8)."""
 
 HOST_MS_BUG = 50.0
 """Host milliseconds per warm MIMO forward at a tiny shape above which the per-call rebuild is present. With
@@ -75,6 +80,21 @@ def grouped_needed() -> bool:
 
 def host_needed() -> bool:
     return not _bound(upstream.MIMO_MODULE, "mamba_mimo_forward", "forward")
+
+
+def static_needed() -> bool:
+    from nam_plugin_mamba_ssm import mimo
+
+    return upstream.builds_dynamic_shapes() and not (mimo.STATIC and not host_needed())
+
+
+def apply_static() -> None:
+    """nam's drivers bound (as for the host patch) and told to build for exact sizes."""
+    from nam_plugin_mamba_ssm import mimo
+
+    _bind("forward")
+    _bind("backward")
+    mimo.STATIC = True
 
 
 # --- reproducers (CUDA) ------------------------------------------------------------------------------------
@@ -145,11 +165,54 @@ def reproduce_host() -> str:
     return BUG_REPRODUCED if host_ms_per_call() > HOST_MS_BUG else FIX_VALIDATED
 
 
+def forward_kernel_ms(static: bool | None = None, b: int = 1, l: int = 2048, h: int = 32, g: int = 8) -> float:
+    """Median ms of nam's MIMO forward driver (one kernel launch) at NAM56R's widths (d_state 128, headdim 64,
+    rank 4, chunk 16) and ``b, l, h, g``: built for exact sizes (``static=True``), as the installed upstream
+    builds (``False``) or as the drivers build in this process now (``None``). Builds the kernels when TileLang's
+    cache does not have them (a minute or more each)."""
+    import torch
+
+    from nam_plugin_mamba_ssm import mimo, selftest
+    from nam_plugin_mamba_ssm.scan import mimo_args
+
+    x = selftest.random_inputs(b, l, h, g, 128, 64, 4, device="cuda", seed=selftest.new_seed())
+    x["v"] = x["v"].to(torch.bfloat16)
+    q, k, v, adt, dt, trap, q_bias, k_bias, mimo_x, mimo_z, mimo_o, angles, d, z, chunk, div, dtype = mimo_args(
+        *(x[name] for name in selftest.INPUT_NAMES), chunk_size=16)
+    seg = torch.zeros(b, h, l // chunk, chunk, chunk, device="cuda")  # the kernel's cost does not depend on them
+    dA = torch.zeros(b, h, l, device="cuda")
+    was = mimo.STATIC
+    mimo.STATIC = was if static is None else static
+    try:
+        run = lambda: mimo.forward(q, k, v, q_bias, k_bias, mimo_x, mimo_o, z, d, mimo_z, angles, dA, dA, dt,  # noqa: E731
+                                   trap, seg, chunk, div, dtype)
+        run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    finally:
+        mimo.STATIC = was
+    return statistics.median(times)
+
+
+def reproduce_static() -> str:
+    """BUG_REPRODUCED while the forward kernel as the drivers build it in this process (upstream's dynamic sizes,
+    unpatched) is ``STATIC_SLOWDOWN_BUG`` times slower than the same kernel built for exact sizes."""
+    slowdown = forward_kernel_ms() / forward_kernel_ms(static=True)
+    return BUG_REPRODUCED if slowdown > STATIC_SLOWDOWN_BUG else FIX_VALIDATED
+
+
 # --- the lane -----------------------------------------------------------------------------------------------
 
 
 def make_patches() -> dict[str, Patch]:
-    """The three entries, in the order they must apply."""
+    """The four entries, in the order they must apply."""
     return {
         SHIM: Patch(
             name=SHIM, target=upstream.DISTRIBUTION, versions=VERSIONS,
@@ -177,6 +240,15 @@ def make_patches() -> dict[str, Patch]:
             detect=host_needed, apply=lambda: (_bind("forward"), _bind("backward")), reproduce=reproduce_host,
             needs_gpu=True,
         ),
+        STATIC: Patch(
+            name=STATIC, target=upstream.DISTRIBUTION, versions=VERSIONS,
+            summary="Mamba-3 MIMO kernels are built with dynamic batch, length, heads and groups (PR #963), 1.7-1.9x "
+                    "slower at NAM56R's shape; nam's drivers build them for each call's exact sizes (mimo.compiled)",
+            retire_when="the first mamba-ssm release with PR #968 (B, S, H, G static again); detection reads the "
+                        "forward driver's source for T.dynamic('B'), so it retires itself there",
+            detect=static_needed, apply=apply_static, reproduce=reproduce_static,
+            needs_gpu=True,
+        ),
     }
 
 
@@ -195,7 +267,7 @@ def require_mimo_fixes() -> None:
     """Refuse to run MIMO while a needed MIMO patch is not applied (fail closed: upstream would raise in the
     backward for ngroups 8, or spend most of each step rebuilding kernels)."""
     patches = make_patches()
-    pending = [name for name in (GROUPED, HOST) if patches[name].state()[0] == NEEDED]
+    pending = [name for name in (GROUPED, HOST, STATIC) if patches[name].state()[0] == NEEDED]
     if pending:
         raise NamError(f"mamba-ssm MIMO needs the patch-lane fixes {', '.join(pending)}, not applied in this process",
                        hint="run through `nam train` (it applies the patch lane after activation); in a script "

@@ -28,14 +28,17 @@ PLUGIN = PluginInfo(
     summary="mamba-ssm: Mamba-3 scan on mamba-ssm's kernels (SISO Triton, MIMO TileLang) with a grouped MIMO "
             "backward and kernels compiled once; CUDA",
     provides={"ssm_mixers": [NAME], "patches": ["mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd",
-                                                "mamba3-mimo-host-overhead"]},
+                                                "mamba3-mimo-host-overhead", "mamba3-mimo-static-shapes"]},
     requires=(
         # The SISO kernels build TMA descriptors (sm_90); the MIMO kernels are written and tuned for the H100.
         Requirement.cuda_capability((9, 0), reason="mamba-ssm's Mamba-3 kernels use Hopper TMA and are tuned on H100"),
         Requirement.shared_memory_per_block(MIMO_SMEM_BYTES, reason="the largest MIMO kernel's dynamic shared "
                                             "memory at NAM56R's widths"),
         Requirement.package("mamba-ssm>=2.3.2", install_hint=GPU_HINT),
-        Requirement.package("tilelang>=0.1.8", install_hint=GPU_HINT),
+        Requirement.package("tilelang>=0.1.8", install_hint=GPU_HINT, known_bad={
+            "0.1.15": "cannot build mamba-ssm 2.3.2.post1's MIMO forward kernel ('ReduceOp cannot lower a layout "
+                      "where a source index depends on a thread-owned reduce segment', H100, 2026-11-23); "
+                      "mamba-ssm pins 0.1.8"}),
         Requirement.package("triton>=3.5", install_hint=GPU_HINT),
     ),
     selects={"ssm_backend": NAME},
@@ -110,9 +113,31 @@ def nam_preflight(device, config):
         return [Check(NAME, "kernel launch", FAIL, needed, f"{type(e).__name__}: {e}",
                       hint=f"report it with `nam preflight --plugins {NAME} --json`; meanwhile {REFERENCE_HINT}")]
     ok = err <= selftest.TOLERANCE
-    return [Check(NAME, "kernel launch", PASS if ok else FAIL, needed,
-                  f"worst relative error {err:.2e} (b=1 l={4 * model.mamba_chunk} h=4 g=2 bf16; seed {details['seed']})",
-                  hint=None if ok else f"report it with the seed; meanwhile {REFERENCE_HINT}")]
+    checks = [Check(NAME, "kernel launch", PASS if ok else FAIL, needed,
+                    f"worst relative error {err:.2e} (b=1 l={4 * model.mamba_chunk} h=4 g=2 bf16; seed {details['seed']})",
+                    hint=None if ok else f"report it with the seed; meanwhile {REFERENCE_HINT}")]
+    if config is not None:
+        checks.append(build_run_shape(model, config.train.micro_batch_size))
+    return checks
+
+
+def build_run_shape(model, batch: int) -> Check:
+    """Build (or read from TileLang's disk cache) the MIMO kernels for the run's own sizes, so the first
+    training step launches at once: the kernels are compiled for exact batch, length, heads and groups."""
+    from nam_plugin_mamba_ssm import mimo, upstream
+    from nam_plugin_mamba_ssm.scan import rotary_divisor
+
+    chunk = model.mamba_chunk
+    dims = mimo.Dims(batch, -(-model.seq_len // chunk) * chunk, model.mamba_heads, model.mamba_ngroups)
+    n, angles = model.d_state, int(model.d_state * model.mamba_rope_fraction) // 2
+    needed = f"the MIMO kernels built for this run's sizes ({dims.b} x {dims.s} tokens, {dims.h} heads in {dims.g} groups)"
+    try:
+        mimo.compiled(dims, n, model.mamba_headdim, model.mamba_mimo_rank, True, True, True, chunk,
+                      rotary_divisor(n, angles), "bfloat16", False, mimo.STAGES)
+    except Exception as e:  # a build failure is this check's failure, with what happened
+        return Check(NAME, "kernel build", FAIL, needed, f"{type(e).__name__}: {e}",
+                     hint=f"report it with `nam preflight --plugins {NAME} --json`; meanwhile {REFERENCE_HINT}")
+    return Check(NAME, "kernel build", PASS, needed, f"built or read from {upstream.tilelang_cache()}")
 
 
 @hookimpl

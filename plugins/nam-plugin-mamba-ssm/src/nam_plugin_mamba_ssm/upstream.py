@@ -116,11 +116,38 @@ def has_grouped_backward(root: Path | None = None) -> bool:
     return root is not None and (root.parent / GROUPED_REDUCTION_MODULE).is_file()
 
 
+MIMO_FWD_SOURCE = "ops/tilelang/mamba3/mamba3_mimo_fwd.py"
+"""The module whose ``mamba_mimo_forward`` driver builds the forward kernel; 2.3.2.post1 builds it with
+``T.dynamic("B")``, ``"S"``, ``"H"``, ``"G"`` (PR #963), main builds it for the call's sizes again (PR #968)."""
+
+
+def builds_dynamic_shapes(root: Path | None = None) -> bool:
+    """The installed mamba-ssm's MIMO driver builds its kernels with dynamic batch/length/heads/groups."""
+    root = root if root is not None else package_dir()
+    source = None if root is None else root / MIMO_FWD_SOURCE
+    if source is None or not source.is_file():
+        return False
+    return re.search(r"dynamic\(\s*[\"']B[\"']", source.read_text()) is not None
+
+
 # --- modules ------------------------------------------------------------------------------------------------
 
 
+def tilelang_cache() -> str:
+    """Where TileLang keeps its builds in this process (nam's cache unless the user set TILELANG_CACHE_DIR)."""
+    from nam_core.cache import use_kernel_caches
+
+    return use_kernel_caches()["TILELANG_CACHE_DIR"]
+
+
 def load(module: str) -> types.ModuleType:
-    """Import one of mamba-ssm's Mamba-3 modules, or fail with what is missing and the command that fixes it."""
+    """Import one of mamba-ssm's Mamba-3 modules, or fail with what is missing and the command that fixes it.
+
+    The kernel compilers' disk caches are pointed into nam's cache first (``nam_core.cache``): TileLang reads
+    its variable at import."""
+    from nam_core.cache import use_kernel_caches
+
+    use_kernel_caches()
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:

@@ -14,7 +14,10 @@ peak memory of one forward + backward above the inputs, the first call's wall ti
 the largest difference of the output and every input gradient from the baseline row, relative to that
 tensor's largest magnitude.
 
-    python bench/mimo_scan.py --batch 1,2 --json bench/results/mimo_scan.json
+    python bench/mimo_scan.py --batch 1,2 --json bench/results/mimo_scan.json [--profile DIR]
+
+``--profile DIR`` writes each row's per-kernel CUDA time of one forward + backward at the last batch
+(torch.profiler, ``DIR/mimo-scan-<row>-b<batch>.txt``).
 """
 
 from __future__ import annotations
@@ -150,6 +153,15 @@ def one_row(args) -> int:
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            args.profile.mkdir(parents=True, exist_ok=True)
+            (args.profile / f"mimo-scan-{args.row}-b{b}.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n")
         record["batches"].append({"batch": b, "first_call_s": first_s, "fwd_ms": fwd_ms, "bwd_ms": total_ms - fwd_ms,
                                   "scan_ms": total_ms, "kernel_ms": kernel_ms, "peak_gib": peak,
                                   "worst_diff": max(diff.values()), "diff": diff})
@@ -168,6 +180,8 @@ def main_run(args) -> int:
             out = work / f"{row}.json"
             cmd = [sys.executable, __file__, "_row", "--row", row, "--batch", ",".join(map(str, args.batch)),
                    "--ref", str(work), "--out", str(out), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+            if args.profile:
+                cmd += ["--profile", str(args.profile)]
             print(f"[{row}] building and timing ...", flush=True)
             t0 = time.perf_counter()
             try:
@@ -230,6 +244,7 @@ def main() -> int:
     common.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     common.add_argument("--warmup", type=int, default=3)
     common.add_argument("--iters", type=int, default=10)
+    common.add_argument("--profile", type=Path, default=None, help="folder for per-kernel profiles")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[common])
     sub = ap.add_subparsers(dest="command")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))

@@ -18,9 +18,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import nam56r.blocks.ngram_hash as ngram
+import nam56r.reference.mamba3 as ref
+import nam56r.state as state_mod
 from nam56r import flops as F
+from nam56r.blocks import dsa, indexer, mamba3, mla, moe
 from nam56r.config import NAM56RConfig
 from nam56r.pattern import resolve
+from nam56r.reference import attention
 
 B, S = 2, 24
 TINY = NAM56RConfig(
@@ -43,8 +48,6 @@ def counted(fn) -> int:
 # --- (a) real blocks ------------------------------------------------------------------------------
 @pytest.mark.parametrize("s", [24, 20])  # 20: not a multiple of the chunk (8), the scan pads to 24
 def test_mamba3_block_matches_formula(s):
-    mamba3 = pytest.importorskip("nam56r.blocks.mamba3")
-    ref = pytest.importorskip("nam56r.reference.mamba3")
     block = mamba3.Mamba3Mixer(TINY, ref.ReferenceSSMScan())
     x = torch.randn(B, s, TINY.hidden)
     mimo_contraction = 2 * TINY.mamba_heads * TINY.mamba_mimo_rank * TINY.mamba_headdim  # excluded, see top
@@ -64,8 +67,6 @@ def test_mamba3_projections_match_a_linear_stack():
 
 
 def test_mla_block_matches_formula():
-    mla = pytest.importorskip("nam56r.blocks.mla")
-    attention = pytest.importorskip("nam56r.reference.attention")
     block = mla.MLA(TINY, attention.ReferenceAttention())
     x = torch.randn(B, S, TINY.hidden)
     # The reference forms all S x S scores, so it executes S keys per query; the model formula uses (S+1)/2.
@@ -77,10 +78,6 @@ def test_mla_block_matches_formula():
 
 @pytest.mark.parametrize("warmup", [False, True])
 def test_dsa_block_matches_formula(warmup):
-    dsa = pytest.importorskip("nam56r.blocks.dsa")
-    indexer = pytest.importorskip("nam56r.blocks.indexer")
-    attention = pytest.importorskip("nam56r.reference.attention")
-    state_mod = pytest.importorskip("nam56r.state")
     cfg = TINY.replace(dsa_dense_warmup=warmup)
     block = dsa.DSA(cfg, attention.ReferenceAttention(), indexer.FullIndexer(), dsa_rank=0)
     x = torch.randn(B, S, cfg.hidden)
@@ -97,7 +94,6 @@ def test_dsa_block_matches_formula(warmup):
 
 
 def test_moe_block_matches_formula():
-    moe = pytest.importorskip("nam56r.blocks.moe")
     from nam56r.reference.moe import ReferenceExperts
 
     block = moe.MoE(TINY, ReferenceExperts())
@@ -110,7 +106,6 @@ def test_moe_block_matches_formula():
 
 
 def test_ngram_block_matches_formula():
-    ngram = pytest.importorskip("nam56r.blocks.ngram_hash")
     block = ngram.NgramHashEmbedding(TINY)
     ids = torch.randint(0, TINY.vocab_size, (B, S))
     assert counted(lambda: block(ids)) == B * S * F.ngram_forward_flops(TINY)

@@ -1,4 +1,4 @@
-"""Check and benchmark the megatron engine (nam_core/engine/megatron.py) against the local engine on one GPU.
+"""Check and benchmark the megatron engine (nam_core/engine/megatron/) against the local engine on one GPU.
 
 Three commands for the GPU host (megatron-core 0.19.2 importable, e.g. ``PYTHONPATH=/tmp/site``); each starts
 ``torchrun`` itself for the megatron runs:
@@ -201,8 +201,7 @@ def run_worker(spec: dict) -> None:
         megatron.shutdown()
         return
     if spec["engine"] == "megatron":
-        from nam56r.megatron import lower
-        from nam56r.megatron_model import NamMegatronModel
+        from nam56r.megatron import NamMegatronModel, lower
         from nam_core.engine import megatron
 
         train = train.replace(engine="megatron", ep=spec["ep"], pp=spec.get("pp", 1))
@@ -257,8 +256,7 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from nam56r.megatron import lower
-    from nam56r.megatron_model import NamMegatronModel, for_this_rank
+    from nam56r.megatron import NamMegatronModel, for_this_rank, lower
     from nam56r.model import build_model
     from nam56r.state import ForwardState
     from nam_core.engine import megatron as engine
@@ -266,7 +264,7 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     lowering = lower(cfg, ep=train.ep, micro_batch_size=train.micro_batch_size, bf16=train.dtype == "bfloat16")
     provider = NamMegatronModel(cfg, backends, lowering, seed=train.seed)
     pg = engine.init_parallel(**provider.parallel, seed=train.seed)
-    device = engine._device()
+    device = engine.device()
     config, (ddp,) = engine.build_ddp(provider, train, pg, distributed_optimizer=False)  # whole gradients; pp 1
     module = engine.unwrap(ddp)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads

@@ -18,6 +18,15 @@ DeviceProfileOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="KEY=VALUE override: a model field, "
+                   "train.<field>, or <plugin>.<option>. Repeatable.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: the recipe's).")]
+NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="megatron: start torchrun with this many "
+                     "processes on this host (instead of launching under torchrun yourself).")]
+TpOpt = Annotated[Optional[int], typer.Option("--tp", help="megatron: tensor-parallel size (= --set train.tp=N).")]
+PpOpt = Annotated[Optional[int], typer.Option("--pp", help="megatron: pipeline-parallel size (= --set train.pp=N).")]
+EpOpt = Annotated[Optional[int], typer.Option("--ep", help="megatron: expert-parallel size, dividing the "
+                  "data-parallel size and the expert count (= --set train.ep=N).")]
 
 
 def resolve_device(profile: str | None):

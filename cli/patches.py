@@ -20,26 +20,38 @@ VerifyOpt = Annotated[bool, typer.Option("--verify", help="Run each reproducer (
 
 @app.callback(invoke_without_command=True)
 def patches(plugins: PluginsOpt = None, verify: VerifyOpt = False, json_out: JsonOpt = False) -> None:
-    """List patches of the named plugins (default: every installed plugin) with their state here."""
+    """List patches of the named plugins (default: every installed plugin, and the built-in ones of the megatron
+    engine and NAM56R's Megatron build) with their state here."""
     host = PluginHost()
-    names = requested_plugins(plugins) or list(host.installed)
+    requested = requested_plugins(plugins)
+    names = requested or list(host.installed)
     device = DeviceInfo.probe()
-    rows = []
+    entries = [] if requested else _builtin()
     for name in names:
-        for entry in host.declared_patches(name):
-            patch = entry.impl
-            state, detail = patch.state()
-            row = {"name": patch.name, "plugin": name, "target": patch.target, "versions": patch.versions,
-                   "state": state, "detail": detail, "retire_when": patch.retire_when}
-            if verify:
-                row["verify"] = _verify(patch, device)
-            rows.append(row)
+        entries += host.declared_patches(name)
+    rows = []
+    for entry in entries:
+        patch = entry.impl
+        state, detail = patch.state()
+        row = {"name": patch.name, "plugin": entry.plugin, "target": patch.target, "versions": patch.versions,
+               "state": state, "detail": detail, "retire_when": patch.retire_when}
+        if verify:
+            row["verify"] = _verify(patch, device)
+        rows.append(row)
     if json_out:
         print_json({"patches": rows})
     else:
         _print(rows, verify)
     if verify and any(r["verify"].startswith("ERROR") for r in rows):
         raise typer.Exit(code=1)
+
+
+def _builtin() -> list:
+    """The lanes nam carries itself (applied by the megatron engine for a run, not by a plugin)."""
+    from nam56r.megatron import patches as model_patches
+    from nam_core.engine.megatron import patches as engine_patches
+
+    return [*engine_patches.lane(), *model_patches.lane()]
 
 
 def _verify(patch, device) -> str:

@@ -8,10 +8,14 @@ import typer
 from rich.table import Table
 
 from nam_cli.console import STATUS_STYLE, out, print_json
-from nam_cli.options import DeviceProfileOpt, JsonOpt, PluginsOpt, resolve_device
+from nam_cli.options import (
+    DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt, resolve_device,
+)
+from nam_core.errors import CannotRunHere, PluginActivationError
 from nam_core.host import PluginHost, requested_plugins
 
-RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="Also run config checks against this recipe.")]
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Judge this run exactly as `nam train` "
+                      "would (with --set, --engine, the layout flags); without it and them, the device alone.")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="local, or megatron: also check what the megatron engine "
                       "needs here (megatron-core >= 0.19, CUDA, torch.distributed, psutil; DeepEP for the flex "
                       "dispatcher).")]
@@ -19,48 +23,55 @@ EngineOpt = Annotated[str, typer.Option("--engine", help="local, or megatron: al
 
 def preflight(
     plugins: PluginsOpt = None, device_profile: DeviceProfileOpt = None, recipe: RecipeOpt = None,
-    engine: EngineOpt = "local", json_out: JsonOpt = False,
+    engine: EngineOpt = "local", set_: SetOpt = None, device: DeviceOpt = None, nproc: NprocOpt = None,
+    tp: TpOpt = None, pp: PpOpt = None, ep: EpOpt = None, json_out: JsonOpt = False,
 ) -> None:
-    """Check whether the named plugins (and the engine) can run here: exit 0 if every check passes, 3 otherwise."""
+    """Check whether the named plugins (and the engine) can run here: exit 0 if every check passes, 3 otherwise.
+
+    With a run (--recipe, --set, --device or a layout flag) this is `nam train --dry-run`'s resolution and
+    activation: it refuses exactly what training refuses, with the same exit code and error.
+    """
     from nam_core.errors import ConfigError
 
     if engine not in ("local", "megatron"):
         raise ConfigError(f"--engine {engine!r}: expected local or megatron", hint="--engine megatron")
-    device = resolve_device(device_profile)
-    config, recipe_plugins = None, []
-    if recipe:
-        from nam56r.recipes import get_recipe
-
-        config = get_recipe(recipe)
-        recipe_plugins = config.plugins
-    names = requested_plugins(recipe_plugins, plugins)
     host = PluginHost()
-    if config is not None:
-        from nam56r.recipes import apply_plugin_selections
+    wants_run = recipe is not None or set_ or device is not None or any(v is not None for v in (nproc, tp, pp, ep))
+    if wants_run:
+        from nam56r import run as root
 
-        infos = {n: info for n in names if n in host.installed and (info := host.info(n)) is not None}
-        config = apply_plugin_selections(config, infos)
-    ev = host.evaluate(names, device, config)
-    notes = list(config.notes) if config is not None else []
+        run = root.resolve(root.RunRequest(recipe=recipe or "nam56r-tiny", plugins=plugins, overrides=list(set_ or []),
+                                           engine=engine, device=device, tp=tp, pp=pp, ep=ep, nproc=nproc), host)
+        dev = root.run_device(run.spec, profile=device_profile)
+        spec, ev = root.evaluate(run, host, dev)
+        names, notes, dispatcher = list(spec.plugins), list(spec.notes), spec.train.moe_dispatcher
+    else:
+        dev = resolve_device(device_profile)
+        names = requested_plugins(plugins)
+        ev = host.evaluate(names, dev)
+        notes, dispatcher = [], "alltoall"
     engine_rows = []
     if engine == "megatron":  # facts of this process, never of a --device-profile fake
         from nam_core.engine.megatron import runtime_checks, runtime_facts
 
-        dispatcher = config.train.moe_dispatcher if config is not None else "alltoall"
         engine_rows = runtime_checks(runtime_facts(), dispatcher=dispatcher, launched=False)
     ok = ev.ok and all(c.ok for c in engine_rows)
     if json_out:
-        print_json({"device": device.to_dict(), "plugins": names, "ok": ok, "selected_by_plugins": notes,
+        print_json({"device": dev.to_dict(), "plugins": names, "ok": ok, "selected_by_plugins": notes,
                     "checks": [c.to_dict() for c in ev.checks], "engine": engine,
                     "engine_checks": [c.to_dict() for c in engine_rows]})
     else:
-        _print(device, names, ev)
+        _print(dev, names, ev)
         if engine_rows:
             _print_rows("engine: megatron", engine_rows)
         for line in notes:
             out.print(f"config: {line}")
+    if not ev.ok:
+        raise PluginActivationError(ev.failures)  # what `nam train` raises for the same run
     if not ok:
-        raise typer.Exit(code=3)
+        raise CannotRunHere("the megatron engine cannot run here: "
+                            + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in engine_rows if not c.ok),
+                            hint="; ".join(dict.fromkeys(c.hint for c in engine_rows if not c.ok and c.hint)))
 
 
 def _print_rows(title: str, rows) -> None:

@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from nam_cli.console import out, print_json
-from nam_cli.options import JsonOpt, PluginsOpt
+from nam_cli.options import DeviceOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt
 from nam_core.errors import ConfigError, NamError
 
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (`nam recipe list`).")]
@@ -35,17 +35,8 @@ DataOpt = Annotated[Optional[Path], typer.Option("--data", help="Prepared datase
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="'auto' (newest good checkpoint of "
                       "--run-dir) or a checkpoint folder.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Overrides train.seed.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="KEY=VALUE override: a model field, "
-                   "train.<field>, or <plugin>.<option>. Repeatable.")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: the recipe's).")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or megatron (Megatron-Core, one "
                       "process per GPU under torchrun or --nproc).")]
-NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="megatron: start torchrun with this many "
-                     "processes on this host (instead of launching under torchrun yourself).")]
-TpOpt = Annotated[Optional[int], typer.Option("--tp", help="megatron: tensor-parallel size (= --set train.tp=N).")]
-PpOpt = Annotated[Optional[int], typer.Option("--pp", help="megatron: pipeline-parallel size (= --set train.pp=N).")]
-EpOpt = Annotated[Optional[int], typer.Option("--ep", help="megatron: expert-parallel size, dividing the "
-                  "data-parallel size and the expert count (= --set train.ep=N).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, build on the meta device, "
                       "print the plan; train nothing, write nothing.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
@@ -53,22 +44,6 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress outpu
 
 def cache_dir() -> Path:
     return Path(os.environ.get("NAM_CACHE_DIR", Path.home() / ".cache" / "nam"))
-
-
-def _device(name: str, index: int = 0):
-    import torch
-
-    from nam_core.device import DeviceInfo
-
-    if name == "cpu":
-        return DeviceInfo(kind="cpu", name="cpu", torch_version=torch.__version__)
-    if name == "cuda":
-        info = DeviceInfo.probe(index)
-        if not info.is_cuda:
-            raise NamError("--device cuda: no CUDA device is visible to this process",
-                           hint="run on a GPU host, or train on the CPU with --device cpu", exit_code=3)
-        return info
-    raise ConfigError(f"--device {name!r}: expected cpu or cuda", hint="--device cpu")
 
 
 def _dataset(data: Path | None, seq_len: int, vocab: int, seed: int, quiet: bool):
@@ -132,59 +107,41 @@ def train(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
-    from nam56r.recipes import apply_overrides, get_recipe
-    from nam_core.host import PluginHost, requested_plugins
+    from nam56r.run import RunRequest, resolve
+    from nam_core.host import PluginHost
 
-    if engine not in ("local", "megatron"):
-        raise ConfigError(f"--engine {engine!r}: expected local or megatron", hint="--engine local")
-    base = get_recipe(recipe)
-    names = requested_plugins(base.plugins, plugins)
     host = PluginHost()
-    infos = {n: info for n in names if n in host.installed and (info := host.info(n)) is not None}
-    rec = apply_overrides(base, list(set_ or []), plugin_names=names, plugin_infos=infos)
-    if seed is not None:
-        rec = dataclasses.replace(rec, train=rec.train.replace(seed=seed))
-    if device is not None:
-        rec = dataclasses.replace(rec, train=rec.train.replace(device=device))
-    flags = {k: v for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v is not None}  # they beat --set train.*
-    rec = dataclasses.replace(rec, train=rec.train.replace(engine=engine, **flags))
-    layout = {"tp": rec.train.tp, "pp": rec.train.pp, "ep": rec.train.ep}
-    if engine == "local" and (nproc is not None or set(layout.values()) != {1}):
-        raise ConfigError("--nproc and a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine "
-                          f"options; the local engine runs one process on one device (found nproc={nproc}, "
-                          f"{layout})", hint="add --engine megatron, or drop them")
-    steps = max_steps if max_steps is not None else rec.train.total_steps
-    if steps < 1:
-        raise ConfigError(f"--max-steps must be >= 1, found {steps}", hint="--max-steps 80")
-
+    run = resolve(RunRequest(recipe=recipe, plugins=plugins, overrides=list(set_ or []), engine=engine,
+                             device=device, seed=seed, tp=tp, pp=pp, ep=ep, nproc=nproc, max_steps=max_steps), host)
     mega = None
     if engine == "megatron":
-        mega = _megatron_start(rec, names, nproc=nproc, dry_run=dry_run)
+        mega = _megatron_start(run, dry_run=dry_run)
     if mega is None:
-        return _train(rec, names, host, steps=steps, mega=mega,
-                      run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
+        return _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run,
+                      quiet=quiet, json_out=json_out)
     from nam_core.engine.megatron import shutdown
 
-    _train(rec, names, host, steps=steps, mega=mega,
-           run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet, json_out=json_out)
+    _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet,
+           json_out=json_out)
     shutdown()  # on success only: after an error on one rank, the others may sit in a collective (torchrun
     # then stops them), and a barrier here would wait for them forever
 
 
-def _train(rec, names, host, *, steps, mega, run_dir, data, resume, dry_run, quiet, json_out) -> None:
+def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) -> None:
     """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
     import torch
 
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
+    from nam56r.run import activate, run_device
     from nam_core.patches import apply_all
 
     engine = "local" if mega is None else "megatron"
-    dev = _device(rec.train.device, int(os.environ.get("LOCAL_RANK", "0")) if mega else 0)
-
-    host.activate(names, dev, rec)  # PluginActivationError (exit 3) lists every failed check
+    dev = run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if mega else 0)
+    run = activate(run, host, dev)  # PluginActivationError (exit 3) lists every failed check
+    rec, names, steps = run.recipe, list(run.spec.plugins), run.max_steps
     patch_reports = apply_all(host.registry("patches"))
-    backends = Backends.from_registries(host.registries, rec.model, options=rec.train.plugin_options,
+    backends = Backends.from_registries(host.registries, rec.model, options=run.spec.options,
                                         device=rec.train.device)
     flops = flops_per_token(rec.model).total
     provider = None
@@ -197,7 +154,7 @@ def _train(rec, names, host, *, steps, mega, run_dir, data, resume, dry_run, qui
                 "device": dev.label, "max_steps": steps,
                 "parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops,
                 "layers": "".join(l.spec.symbol for l in model.layers),
-                "backends": {f.name: type(getattr(backends, f.name)).__name__ for f in dataclasses.fields(backends)},
+                "backends": {k: type(b).__name__ for k, b in backends.as_mapping().items()},
                 "patches": [r.to_dict() for r in patch_reports]}
         if provider is not None:
             plan["megatron"] = {"world_size": mega["world_size"], **provider.parallel,
@@ -226,7 +183,7 @@ def _train(rec, names, host, *, steps, mega, run_dir, data, resume, dry_run, qui
         _write_json_atomic(run_dir / "plugins.json", {
             "active": {n: {"distribution": host.installed[n].distribution, "version": host.installed[n].version}
                        for n in names},
-            "backends": {f.name: type(getattr(backends, f.name)).__name__ for f in dataclasses.fields(backends)},
+            "backends": {k: type(b).__name__ for k, b in backends.as_mapping().items()},
             "patches": [r.to_dict() for r in patch_reports],
             "python": platform.python_version(), "torch": torch.__version__, "device": dev.to_dict(),
             **({"megatron": {"world_size": mega["world_size"], **provider.parallel}} if mega else {}),
@@ -236,14 +193,15 @@ def _train(rec, names, host, *, steps, mega, run_dir, data, resume, dry_run, qui
         from nam_core.engine import megatron as megatron_engine
 
         schedules = host.registry("schedules")
-        run = megatron_engine.MegatronRun(
+        mrun = megatron_engine.MegatronRun(
             run_dir=run_dir, train=rec.train, model=provider, host=host, max_steps=steps, flops_per_token=flops,
             batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
             schedules={n: schedules.get(n) for n in schedules.names()}, record=record, resume_from=resume_from,
             quiet=quiet or json_out, notes=notes)
-        summary = megatron_engine.train(run)
+        mrun.spec = run.spec  # the host builds the lifecycle hooks' StepContext from it (nam_core.host._step_context)
+        summary = megatron_engine.train(mrun)
     else:
-        summary = _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
+        summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
                                notes, quiet or json_out)
     if not rank0:
         return
@@ -262,6 +220,7 @@ def _train(rec, names, host, *, steps, mega, run_dir, data, resume, dry_run, qui
 
 
 def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet) -> dict:
+    """``rec``: the RunSpec."""
     import torch
 
     from nam56r.model import build_model
@@ -284,7 +243,8 @@ def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, recor
 
     return local_train(LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
                                 host=host, max_steps=steps, flops_per_token=flops, record=record,
-                                resume_from=resume_from, quiet=quiet, notes=notes))
+                                resume_from=resume_from, quiet=quiet, notes=notes, spec=rec,
+                                backends=backends.as_mapping()))
 
 
 def _resume_from(resume: str | None, run_dir: Path, *, megatron: bool) -> Path | None:
@@ -313,55 +273,36 @@ def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
             "-m", "nam_cli", *rest]
 
 
-def _megatron_start(rec, names, *, nproc, dry_run) -> dict:
-    """Before anything touches CUDA: the allocator, the runtime, the layout; then the process group.
+def _megatron_start(run, *, dry_run) -> dict:
+    """Before anything touches CUDA: the allocator, the runtime; then the process group. The layout and the
+    lowering were checked by the composition root (``nam56r.run.resolve``).
 
-    Returns ``{"rank", "world_size", "lowering"}``. With ``--nproc`` and no torchrun around this process, it checks what
-    it can and replaces itself with torchrun running the same command (so this never returns there).
+    Returns ``{"rank", "world_size", "lowering"}``. With ``--nproc`` and no torchrun around this process, it
+    replaces itself with torchrun running the same command (so this never returns there).
     """
-    from nam56r.megatron import lower
-    from nam56r.megatron_model import check_lowering
     from nam_core.engine import megatron as meg
 
-    launched = "WORLD_SIZE" in os.environ
-    if nproc is not None and nproc < 1:
-        raise ConfigError(f"--nproc {nproc}: expected at least 1 process", hint="--nproc 2")
-    if nproc is not None and launched and int(os.environ["WORLD_SIZE"]) != nproc:
-        raise ConfigError(f"--nproc {nproc} under a torchrun of {os.environ['WORLD_SIZE']} processes",
-                          hint="drop --nproc when launching with torchrun yourself")
-    world = int(os.environ["WORLD_SIZE"]) if launched else (nproc or 1)
-    tp, pp, ep = rec.train.tp, rec.train.pp, rec.train.ep
-    lowering = lower(rec.model, tp=tp, pp=pp, ep=ep, micro_batch_size=rec.train.micro_batch_size,
-                     schedule=rec.train.schedule, bf16=rec.train.dtype == "bfloat16",
-                     dispatcher=rec.train.moe_dispatcher)
-    # The schedules registry fills when plugins activate (later): here a plugin schedule is taken on trust,
-    # and _megatron_model checks it against the registry.
-    meg.check_layout(world_size=world, tp=tp, pp=pp, ep=ep, train=rec.train,
-                     registered_schedules={rec.train.schedule: None})
-    check_lowering(lowering, registered_schedules={n: None for n in names})
+    lay, train = run.spec.layout, run.spec.train
     if dry_run:
-        return {"rank": 0, "world_size": world, "lowering": lowering}
-    if not launched and nproc is not None:
-        argv = _torchrun_argv(sys.argv[1:], nproc)
+        return {"rank": 0, "world_size": lay.world_size, "lowering": run.lowering}
+    if "WORLD_SIZE" not in os.environ and lay.nproc is not None:
+        argv = _torchrun_argv(sys.argv[1:], lay.nproc)
         os.execv(argv[0], argv)  # noqa: the same command, once per GPU
     import torch
 
     meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    meg.check_runtime(meg.runtime_facts(), dispatcher=rec.train.moe_dispatcher)
+    meg.check_runtime(meg.runtime_facts(), dispatcher=train.moe_dispatcher)
     meg.init_distributed()
-    return {"rank": torch.distributed.get_rank(), "world_size": world, "lowering": lowering}
+    return {"rank": torch.distributed.get_rank(), "world_size": lay.world_size, "lowering": run.lowering}
 
 
 def _megatron_model(rec, backends, host, mega: dict):
     """NAM56R for the megatron engine from ``_megatron_start``'s lowering, checked against the schedules the
-    activated plugins registered (before anything is written)."""
+    activated plugins registered (before anything is written; ``nam56r.run.activate`` checked the layout)."""
     from nam56r.megatron_model import NamMegatronModel
-    from nam_core.engine import megatron as meg
 
     schedules = host.registry("schedules")
     registered = {n: schedules.get(n) for n in schedules.names()}
-    meg.check_layout(world_size=mega["world_size"], tp=rec.train.tp, pp=rec.train.pp, ep=rec.train.ep,
-                     train=rec.train, registered_schedules=registered)
     model = NamMegatronModel(rec.model, backends, mega["lowering"], seed=rec.train.seed)
     model.check(registered_schedules=registered)
     return model

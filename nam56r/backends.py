@@ -1,4 +1,4 @@
-"""What a backend registered under each registry must provide.
+"""What a backend of each kind (nam56r/kinds.py) must provide.
 
 Blocks own parameters and projections; a backend owns only the hot core of a block (the Mamba-3 scan, the
 attention over a latent KV, the LM head + cross-entropy, the DSA top-k selection). The reference plugin
@@ -27,8 +27,9 @@ class BackendContext:
     """What a backend class may read when it is built (``cls.build(ctx)``)."""
 
     model: NAM56RConfig
-    options: Mapping[str, str] = field(default_factory=dict)
-    """``train.plugin_options``: ``"<plugin>.<option>" -> raw value``, already accepted by the plugin's check."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Plugin -> its parsed options (``nam_core.options.OptionValues``: ``ctx.options["lemyx"].warmup_steps``),
+    for the requested plugins; a backend built without a run (tests) finds no entry and uses its defaults."""
     registries: Mapping[str, Any] = field(default_factory=dict)
     """The active registries by kind, for a backend that wraps another (lemyx runs ``lemyx.sparse`` after it)."""
     device: str = "cpu"
@@ -43,7 +44,7 @@ def build_backend(cls: type, ctx: BackendContext) -> Any:
 
 @runtime_checkable
 class SSMScan(Protocol):
-    """Registry ``ssm_mixers``: the Mamba-3 chunked scan (the math of kernels-and-math.md section 1.2).
+    """Kind ``ssm``: the Mamba-3 chunked scan (the math of kernels-and-math.md section 1.2).
 
     Shapes follow mamba-ssm's MIMO kernel so a kernel backend is a thin call::
 
@@ -84,7 +85,7 @@ class SSMScan(Protocol):
 
 @runtime_checkable
 class AttentionCore(Protocol):
-    """Registry ``attention_backends``: causal attention in MLA's absorbed (MQA) form.
+    """Kind ``attention``: causal attention in MLA's absorbed (MQA) form.
 
     One shared KV head whose first ``d_v`` dims are the value (the latent ``c_kv``) and whose full width is
     the key (``[c_kv ; k_rope]``)::
@@ -94,7 +95,19 @@ class AttentionCore(Protocol):
         indices  [b, s, topk] int64, key positions per query; -1 = empty slot (sparse only)
         returns  [b, s, h, d_v]    d_v = kv_lora_rank (NAM56R: 64)
 
-    A DSA layer also hands its core the two hot loops of its lightning indexer (nam56r/blocks/indexer.py,
+    The DSA lightning indexer's own hot loops are a separate kind (``IndexerKernels``).
+    """
+
+    def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor: ...
+
+    def sparse(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, d_v: int
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class IndexerKernels(Protocol):
+    """Kind ``indexer_kernels``: the two hot loops of a DSA layer's lightning indexer (nam56r/blocks/indexer.py,
     whose pure-PyTorch functions are the reference implementations)::
 
         index_scores(q, k, w)        q [b, s, H, d], k [b, s, d] (model dtype), w [b, s, H] fp32
@@ -106,12 +119,6 @@ class AttentionCore(Protocol):
                                      the live slots, L1-normalised, dead slots 0; no gradient
     """
 
-    def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor: ...
-
-    def sparse(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, d_v: int
-    ) -> torch.Tensor: ...
-
     def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
 
     def sparse_teacher(
@@ -121,7 +128,7 @@ class AttentionCore(Protocol):
 
 @runtime_checkable
 class CEHead(Protocol):
-    """Registry ``ce_heads``: output projection + cross-entropy, never a full fp32 [tokens, vocab] at once.
+    """Kind ``ce``: output projection + cross-entropy, never a full fp32 [tokens, vocab] at once.
 
     ::
 
@@ -139,7 +146,7 @@ class CEHead(Protocol):
 
 @runtime_checkable
 class MoEExperts(Protocol):
-    """Registry ``moe_experts``: the routed experts of one MoE layer; routing and the shared expert stay in
+    """Kind ``moe``: the routed experts of one MoE layer; routing and the shared expert stay in
     the block (nam56r/blocks/moe.py)::
 
         x          [t, d]      the layer's tokens after its norm
@@ -170,7 +177,7 @@ class MoEExperts(Protocol):
 
 @runtime_checkable
 class IndexerStrategy(Protocol):
-    """Registry ``indexers``: how a DSA layer picks its top-k keys (the built-in one is ``full``).
+    """Kind ``indexer``: how a DSA layer picks its top-k keys (the built-in one is ``full``).
 
     Called once per DSA layer per forward, after MLA's projections and before sparse attention::
 

@@ -128,19 +128,26 @@ class NAM56RConfig:
     structure_vocab: int = 16
     """Number of per-token structure ids (nam56r/blocks/structure.py lists them)."""
 
-    # --- backends: names looked up in the plugin registries --------------------------------------
+    # --- backends: names looked up in the plugin registries (one field per kind of nam56r/kinds.py) -----
     ssm_backend: str = "reference"
-    """Registry ``ssm_mixers``: who runs the Mamba-3 scan."""
+    """Kind ``ssm``: who runs the Mamba-3 scan."""
     attention_backend: str = "reference"
-    """Registry ``attention_backends``: who runs MLA/DSA core attention."""
+    """Kind ``attention``: who runs MLA/DSA core attention."""
+    indexer_kernels_backend: str = "reference"
+    """Kind ``indexer_kernels``: who runs the DSA lightning indexer's scores and its sparse KL teacher."""
+    indexer_backend: str = "full"
+    """Kind ``indexer``: the DSA top-k strategy (``--set indexer=...`` still works)."""
     ce_backend: str = "reference"
-    """Registry ``ce_heads``: who runs the LM head + cross-entropy (main and MTP)."""
-    indexer: str = "full"
-    """Registry ``indexers``: DSA top-k strategy."""
+    """Kind ``ce``: who runs the LM head + cross-entropy (main and MTP)."""
     moe_backend: str = "reference"
-    """Registry ``moe_experts``: who runs the routed experts' GEMMs (router and shared expert stay bf16)."""
+    """Kind ``moe``: who runs the routed experts' GEMMs (router and shared expert stay bf16)."""
 
     # --- derived ---------------------------------------------------------------------------------
+    @property
+    def indexer(self) -> str:
+        """The field's name before issue 20 (read-only; ``indexer_backend`` is the field)."""
+        return self.indexer_backend
+
     @property
     def d_inner(self) -> int:
         return self.mamba_expand * self.hidden

@@ -12,8 +12,8 @@ Loss, for one micro-batch::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,44 +27,43 @@ from nam56r.blocks.moe import MoE
 from nam56r.blocks.ngram_hash import NgramHashEmbedding
 from nam56r.blocks.structure import StructureEmbedding
 from nam56r.config import NAM56RConfig
+from nam56r.kinds import BACKEND_KINDS
 from nam56r.pattern import LayerSpec, resolve
 from nam56r.state import ForwardState
+from nam_core.kinds import Kind
 
 
-@dataclass(frozen=True)
-class Backends:
-    """One object per backend kind, shared by every block that needs it."""
+def backends_class(kinds: Sequence[Kind]) -> type:
+    """A frozen dataclass with one field per backend kind of ``kinds`` (``Backends`` is the one of
+    ``nam56r.kinds.BACKEND_KINDS``; a test adding a kind makes its own)."""
 
-    ssm: Any
-    attention: Any
-    ce: Any
-    indexer: Any
-    moe: Any
-
-    @classmethod
-    def from_registries(
-        cls, registries: dict, cfg: NAM56RConfig, *, options: Mapping[str, str] | None = None, device: str = "cpu",
-    ) -> "Backends":
-        """Build the backends ``cfg`` names from active registries (UnknownBackendError otherwise).
-
-        ``options`` are the run's plugin options (``train.plugin_options``) and ``device`` its device; both
-        reach backends that define ``build(ctx)`` (see ``nam56r.backends.BackendContext``).
-        """
+    def from_registries(cls, registries: Mapping[str, Any], cfg: NAM56RConfig, *,
+                        options: Mapping[str, Any] | None = None, device: str = "cpu"):
+        """Build the backend each kind's config field names, from active registries (UnknownBackendError
+        otherwise). ``options`` (plugin -> parsed options) and ``device`` reach backends that define
+        ``build(ctx)`` (``nam56r.backends.BackendContext``)."""
         ctx = BackendContext(model=cfg, options=dict(options or {}), registries=registries, device=device)
-        return cls(
-            ssm=build_backend(registries["ssm_mixers"].get(cfg.ssm_backend), ctx),
-            attention=build_backend(registries["attention_backends"].get(cfg.attention_backend), ctx),
-            ce=build_backend(registries["ce_heads"].get(cfg.ce_backend), ctx),
-            indexer=build_backend(registries["indexers"].get(cfg.indexer), ctx),
-            moe=build_backend(registries["moe_experts"].get(cfg.moe_backend), ctx),
-        )
+        return cls(**{k.name: build_backend(registries[k.name].get(getattr(cfg, k.field)), ctx) for k in kinds})
 
-    @classmethod
-    def reference(cls) -> "Backends":
+    def reference(cls):
         """The pure-PyTorch backends, for tests and for counting parameters on the meta device."""
         from nam56r.reference.plugin import reference_backends
 
         return reference_backends()
+
+    def as_mapping(self) -> dict[str, Any]:
+        """Kind -> backend object (what a ``StepContext`` carries)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    return dataclasses.make_dataclass(
+        "Backends", [(k.name, Any) for k in kinds], frozen=True,
+        namespace={"from_registries": classmethod(from_registries), "reference": classmethod(reference),
+                   "as_mapping": as_mapping, "__module__": __name__,
+                   "__doc__": "One object per backend kind (nam56r/kinds.py), shared by every block that needs it."},
+    )
+
+
+Backends = backends_class(BACKEND_KINDS)
 
 
 class Layer(nn.Module):
@@ -81,7 +80,8 @@ class Layer(nn.Module):
         elif spec.kind == "mla":
             self.mixer = MLA(cfg, backends.attention)
         else:
-            self.mixer = DSA(cfg, backends.attention, backends.indexer, dsa_rank=spec.dsa_rank, is_mtp=is_mtp)
+            self.mixer = DSA(cfg, backends.attention, backends.indexer, dsa_rank=spec.dsa_rank, is_mtp=is_mtp,
+                             indexer_kernels=backends.indexer_kernels)
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         return x + self.mixer(self.norm(x), state)

@@ -39,7 +39,8 @@ def nam56r() -> Recipe:
         name="nam56r",
         summary="full NAM56R (52 layers, hidden 4096, 4.73B parameters) on GPUs",
         model=NAM56RConfig(
-            ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger", indexer="full",
+            ssm_backend="mamba-ssm", attention_backend="sparse-mla", indexer_kernels_backend="sparse-mla",
+            ce_backend="liger", indexer_backend="full",
             # 1.02-1.08x on a Mamba-3 layer fwd+bwd, H100 (bench/mamba3_layer.py, results/mamba3_layer.json)
             mamba_compile_prelude=True,
         ),
@@ -148,7 +149,7 @@ def apply_overrides(
     """Apply ``key=value`` overrides: model fields by name, ``train.<field>``, or ``<plugin>.<option>``.
 
     Unknown keys and mistyped values are ConfigErrors; plugin options go to ``train.plugin_options`` and
-    are validated by the plugin's config check. ``plugin_infos`` (name -> PluginInfo of the requested
+    are parsed by the composition root against ``PluginInfo.options`` (``nam56r.run.resolve``). ``plugin_infos`` (name -> PluginInfo of the requested
     plugins) then fill the fields the requested plugins select (``apply_plugin_selections``), leaving every
     field the overrides set alone.
     """
@@ -174,6 +175,9 @@ def apply_overrides(
                                   hint=f"activate it with --plugins {prefix}, or check the key")
             options[key] = raw
         else:
+            from nam56r.kinds import FIELD_ALIASES
+
+            key = FIELD_ALIASES.get(key, key)
             field_type = _field_type(key, model_types, key=key, owner="the model config", shown_prefix="",
                                      excluded="name", recipe_name=recipe.name)
             model_changes[key] = _coerce(raw, field_type, key)

@@ -30,10 +30,17 @@ class ConfigError(NamError):
     exit_code = 2
 
 
-class PluginActivationError(NamError):
-    """One or more requested plugins cannot run here; nothing was registered."""
+class CannotRunHere(NamError):
+    """The run is valid but this machine or process cannot run it (a device, a package, a launch, a check).
+
+    The one spelling of exit code 3: raise this (or a subclass), never ``NamError(..., exit_code=3)``.
+    """
 
     exit_code = 3
+
+
+class PluginActivationError(CannotRunHere):
+    """One or more requested plugins cannot run here; nothing was registered."""
 
     def __init__(self, failures: list, *, hint: str | None = None):
         self.failures = list(failures)
@@ -44,16 +51,12 @@ class PluginActivationError(NamError):
         super().__init__("\n".join(lines), hint=hint or "; ".join(dict.fromkeys(hints)) or None)
 
 
-class UnknownBackendError(NamError):
+class UnknownBackendError(CannotRunHere):
     """A config names a backend that no active plugin registered."""
 
-    exit_code = 3
 
-
-class PatchError(NamError):
+class PatchError(CannotRunHere):
     """A patch that should apply failed to apply: the run must not go on."""
-
-    exit_code = 3
 
 
 class DataError(NamError):

@@ -6,16 +6,24 @@ every requested plugin passes every check (``nam_core.host.PluginHost.activate``
 
 Hooks come in three groups:
 
-* provider hooks, ``nam_register_<kind>(register)``: offer named implementations; config picks the name.
-  Called once per activation, one plugin at a time; a name must be declared in ``PLUGIN.provides``.
-* check hooks: ``nam_check_config`` (rules about the run's config) and ``nam_preflight`` (checks that
-  launch code on a real device). Both run before anything is registered; a failed check stops activation.
-* lifecycle hooks: ``nam_before_step`` / ``nam_after_step`` around every optimizer step.
+* provider hooks, ``nam_register_<...>(register)``: offer named implementations; config picks the name.
+  Called once per activation, one plugin at a time; a name must be declared in ``PLUGIN.provides``. The
+  core's two are below; the model's backend kinds add one each, declared in the model's kind table and
+  never here (nam56r/kinds.py: ``nam_register_ssm_backends``, ``nam_register_attention_backends``,
+  ``nam_register_indexer_kernels_backends``, ``nam_register_indexer_backends``, ``nam_register_ce_backends``,
+  ``nam_register_moe_backends``; ``nam_core.kinds.provider_hookspecs`` makes their specs).
+* check hooks: ``nam_check_config`` (rules about the run) and ``nam_preflight`` (checks that launch code on
+  a real device). Both receive the typed ``nam_core.run.RunSpec`` and run before anything is registered; a
+  failed check stops activation. The host itself writes what every plugin would repeat: the selected /
+  "active but unused" row, ``train.device``/``train.dtype`` against ``PluginInfo.train_device``/
+  ``train_dtypes``, the parsing of ``PluginInfo.options``, and a FAIL row for a hook that raises.
+* lifecycle hooks: ``nam_before_step`` / ``nam_after_step`` around every optimizer step, with a
+  ``nam_core.run.StepContext`` that both engines build.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -23,6 +31,7 @@ if TYPE_CHECKING:
     from nam_core.device import DeviceInfo
     from nam_core.registry import Registry
     from nam_core.requirements import Check
+    from nam_core.run import RunSpec, StepContext
 
 PROJECT = "nam"
 ENTRY_POINT_GROUP = "nam.plugins"
@@ -32,58 +41,6 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 # --- provider hooks ------------------------------------------------------------------------------
-
-
-@hookspec
-def nam_register_attention_backends(register: "Registry") -> None:
-    """Offer MLA/DSA core-attention backends: ``register("sparse-mla", SparseMLA)``.
-
-    The class must implement ``nam56r.backends.AttentionCore``; the model instantiates it with no arguments.
-    Selected by ``attention_backend`` in the model config.
-
-    .. versionadded:: 0.1
-    """
-
-
-@hookspec
-def nam_register_ssm_mixers(register: "Registry") -> None:
-    """Offer Mamba-3 scan implementations: ``register("mamba-ssm", MambaSSMScan)``.
-
-    The class must implement ``nam56r.backends.SSMScan``. Selected by ``ssm_backend``.
-
-    .. versionadded:: 0.1
-    """
-
-
-@hookspec
-def nam_register_ce_heads(register: "Registry") -> None:
-    """Offer LM-head + cross-entropy implementations (main and MTP heads): ``register("liger", LigerCE)``.
-
-    The class must implement ``nam56r.backends.CEHead``. Selected by ``ce_backend``.
-
-    .. versionadded:: 0.1
-    """
-
-
-@hookspec
-def nam_register_indexers(register: "Registry") -> None:
-    """Offer DSA top-k indexer strategies: ``register("index-cache", IndexCache)``.
-
-    The class must implement ``nam56r.backends.IndexerStrategy``. Selected by ``indexer``.
-
-    .. versionadded:: 0.1
-    """
-
-
-@hookspec
-def nam_register_moe_experts(register: "Registry") -> None:
-    """Offer routed-expert implementations for MoE layers: ``register("fp8", FP8Experts)``.
-
-    The class must implement ``nam56r.backends.MoEExperts`` (the router and the shared expert stay in the
-    block). Selected by ``moe_backend``.
-
-    .. versionadded:: 0.2
-    """
 
 
 @hookspec
@@ -111,24 +68,30 @@ def nam_register_patches(register: "Registry") -> None:
 
 
 @hookspec
-def nam_check_config(config: Any, device: "DeviceInfo") -> "list[Check] | None":
-    """Check the run's configuration before anything is registered.
+def nam_check_config(config: "RunSpec", device: "DeviceInfo") -> "list[Check] | None":
+    """Check the run before anything is registered.
 
-    Called once per activation for each plugin that implements it, with the resolved run config (``None``
-    when there is none, e.g. ``nam preflight`` without a recipe) and the device. Return a list of
-    ``Check`` (failures included) or None. Example: DualPipeV refuses expert parallelism > 1.
+    Called once per activation for each plugin that implements it, and only when there is a run (``nam
+    preflight`` without ``--recipe`` judges the device alone): ``config`` is the resolved ``RunSpec`` (model
+    and train config, engine, layout, the plugin's parsed options in ``config.options[<plugin>]``), ``device``
+    the device it runs on. Return a list of ``Check`` (failures included) or None. Example: DualPipeV refuses
+    expert parallelism > 1.
 
+    .. versionchanged:: 0.2 ``config`` is a ``RunSpec``; never None.
     .. versionadded:: 0.1
     """
 
 
 @hookspec
-def nam_preflight(device: "DeviceInfo", config: Any) -> "list[Check] | None":
+def nam_preflight(device: "DeviceInfo", config: "RunSpec | None") -> "list[Check] | None":
     """Checks that launch code: compile and run a tiny kernel, read its shared memory against the cap.
 
     Called only on a real device (never on a ``--device-profile`` fake, where each implementing plugin
-    shows one skipped row instead), after the declarative requirements passed. Return ``Check`` rows.
+    shows one skipped row instead), after the declarative requirements and the config checks passed.
+    ``config`` is the run's ``RunSpec``, or None for ``nam preflight`` without a run (then check the model's
+    default widths). Return ``Check`` rows; a hook that raises is a FAIL row with the exception.
 
+    .. versionchanged:: 0.2 ``config`` is a ``RunSpec``.
     .. versionadded:: 0.1
     """
 
@@ -137,19 +100,21 @@ def nam_preflight(device: "DeviceInfo", config: Any) -> "list[Check] | None":
 
 
 @hookspec
-def nam_before_step(step: int, run: Any) -> None:
+def nam_before_step(step: int, run: "StepContext") -> None:
     """Called before optimizer step ``step`` (0-based) begins its forward passes.
 
-    ``run`` is the engine's run object (config, model, optimizer, log). Example: lemyx ends its indexer
-    warmup at its configured step here.
+    ``run`` is the engine's ``StepContext``: ``run.spec`` (the RunSpec), ``run.backend(kind)`` /
+    ``run.find(kind, cls)`` (the backend objects, through wrappers), ``run.parameters()`` (the trainable
+    parameters by name), ``run.note(line)`` (the run log). Example: lemyx ends its indexer warmup here.
 
+    .. versionchanged:: 0.2 ``run`` is a ``StepContext``.
     .. versionadded:: 0.1
     """
 
 
 @hookspec
-def nam_after_step(step: int, run: Any, metrics: dict) -> None:
-    """Called after optimizer step ``step`` with the metrics that will be logged for it.
+def nam_after_step(step: int, run: "StepContext", metrics: dict) -> None:
+    """Called after optimizer step ``step`` with the ``StepContext`` and the metrics that will be logged.
 
     A hook may add keys to ``metrics``.
 

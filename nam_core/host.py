@@ -10,20 +10,23 @@ share this code, so preflight shows exactly what training would refuse.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import pluggy
 
 from nam_core import hookspecs
 from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError
+from nam_core.kinds import RENAMED, Kind, installed_kinds, provider_hookspecs
 from nam_core.plugin import PluginInfo
-from nam_core.registry import KINDS, Registry, RegistrationError
+from nam_core.registry import Registry, RegistrationError
 from nam_core.requirements import FAIL, PASS, SKIP, Check
+from nam_core.run import RunSpec, StepContext
 
 ENV_PLUGINS = "NAM_PLUGINS"
 
@@ -90,16 +93,24 @@ class Evaluation:
 class PluginHost:
     """Owns one pluggy PluginManager and the registries of the plugins it activated."""
 
-    def __init__(self, installed: dict[str, InstalledPlugin] | None = None):
+    def __init__(self, installed: dict[str, InstalledPlugin] | None = None, kinds: Sequence[Kind] | None = None):
         self.installed = discover() if installed is None else installed
-        self.pm = _new_manager()
-        self.registries = {kind: Registry(kind, providers=self.providers_of) for kind in KINDS}
+        self.kinds: dict[str, Kind] = {k.name: k for k in (installed_kinds() if kinds is None else kinds)}
+        """Every kind a plugin may provide: the core's and the installed model's table (``nam_core.kinds``)."""
+        self.pm = self._new_manager()
+        self.registries = {kind: Registry(kind, providers=self.providers_of) for kind in self.kinds}
         self.active: dict[str, types.ModuleType] = {}
+        self.spec: RunSpec | None = None
+        """The run the active plugins were checked against (None: activated without a run)."""
         self._info_cache: dict[str, PluginInfo | None] = {}
 
     # --- activation ---------------------------------------------------------------------------------
-    def evaluate(self, names: Iterable[str], device: DeviceInfo, config: Any = None) -> Evaluation:
-        """Run every activation check for ``names`` and collect the results; register nothing."""
+    def evaluate(self, names: Iterable[str], device: DeviceInfo, config: RunSpec | None = None) -> Evaluation:
+        """Run every activation check for ``names`` (against the run ``config``, when there is one) and collect
+        the results; register nothing."""
+        if config is not None and not isinstance(config, RunSpec):
+            raise TypeError(f"PluginHost.evaluate: config must be a nam_core.run.RunSpec (the composition root "
+                            f"builds one: nam56r.run.resolve), found {type(config).__name__}")
         ev = Evaluation(requested=list(dict.fromkeys(names)), device=device)
         for name in ev.requested:
             module = self._load_checked(name, ev)
@@ -109,23 +120,27 @@ class PluginHost:
         for name, module in ev.modules.items():
             for req in module.PLUGIN.requires:
                 ev.checks.append(req.check(name, device))
-        pm = _new_manager()
+        pm = self._new_manager()
         for name, module in list(ev.modules.items()):
             self._register_checked(pm, name, module, ev)
         ev.pm = pm
+        if config is not None:
+            self._check_providers(ev, config)
+            for name, module in ev.modules.items():
+                ev.checks.extend(self._selection_rows(name, module.PLUGIN, config))
         self._run_check_hooks(ev, config)
         if ev.ok:
             ev.registries = self._fill_registries(ev)
         return ev
 
-    def activate(self, names: Iterable[str], device: DeviceInfo, config: Any = None) -> Evaluation:
+    def activate(self, names: Iterable[str], device: DeviceInfo, config: RunSpec | None = None) -> Evaluation:
         """Activate all of ``names`` or none: raises ``PluginActivationError`` listing every failure."""
         if self.active:
             raise RuntimeError("this PluginHost already activated plugins; use a fresh host per run")
         ev = self.evaluate(names, device, config)
         if not ev.ok:
             raise PluginActivationError(ev.failures)
-        self.pm, self.active = ev.pm, dict(ev.modules)
+        self.pm, self.active, self.spec = ev.pm, dict(ev.modules), config
         for kind, reg in ev.registries.items():
             self.registries[kind] = reg
         return ev
@@ -152,6 +167,16 @@ class PluginHost:
             ev.checks.append(Check(
                 name, "declaration", FAIL, "a module-level PLUGIN = PluginInfo(...)",
                 f"PLUGIN = {info!r}", "see plugins/_template/ for the expected shape",
+            ))
+            return None
+        unknown = sorted(set(info.provides) - set(self.kinds))
+        if unknown:
+            renamed = [f"{k!r} is now {RENAMED[k]!r}" for k in unknown if k in RENAMED]
+            ev.checks.append(Check(
+                name, "declaration", FAIL, f"PLUGIN.provides keys among the kinds: {', '.join(self.kinds)}",
+                f"unknown kinds {', '.join(map(repr, unknown))}" + (f" ({'; '.join(renamed)})" if renamed else ""),
+                "rename them (and the matching nam_register_... hooks) as nam_core/kinds.py and the model's kind "
+                "table name them",
             ))
             return None
         ev.checks.append(Check(name, "import", PASS, "importable", plugin.version or "?"))
@@ -183,8 +208,55 @@ class PluginHost:
             ))
             del ev.modules[name]
 
-    def _run_check_hooks(self, ev: Evaluation, config: Any) -> None:
+    def _check_providers(self, ev: Evaluation, spec: RunSpec) -> None:
+        """Every implementation the run names has a provider among the plugins being activated."""
+        chosen = [(kind, name, "") for kind, name in spec.backends.items()]
+        chosen += [(kind, name, " (wrapped)") for kind, name in spec.wrapped.items()]
+        for kind, name, how in chosen:
+            if any(name in m.PLUGIN.provides.get(kind, ()) for m in ev.modules.values()):
+                continue
+            k = self.kinds.get(kind)
+            field_name = k.field if k is not None and k.field else kind
+            providers = self.providers_of(kind, name)
+            if providers:
+                found, hint = (f"provided by plugin {providers[0]!r}, which is not requested",
+                               f"add --plugins {providers[0]}")
+            else:
+                found = f"no installed plugin provides {kind} {name!r}"
+                hint = "`nam plugins list` shows what each installed plugin provides"
+                if k is not None and k.default:
+                    hint += f"; or --set {field_name}={k.default}"
+            ev.checks.append(Check("run", f"{field_name}{how}", FAIL, f"an active plugin providing {kind} {name!r}",
+                                   found, hint))
+
+    def _selection_rows(self, name: str, info: PluginInfo, spec: RunSpec) -> list[Check]:
+        """The plugin's "selected" row (what of it the run uses, or "active but unused") and, when used, its
+        ``train_device`` / ``train_dtypes`` against the run's."""
+        fielded = [(self.kinds[k], names) for k, names in info.provides.items()
+                   if k in self.kinds and self.kinds[k].field and names]
+        if not fielded:
+            return []
+        used = [f"{k.field}={n}" for k, names in fielded for n in names if spec.runs(k.name, n)]
+        kind, names = fielded[0]
+        current = spec.backends.get(kind.name, kind.default)
+        if not used:
+            return [Check(name, "selected", SKIP, f"{kind.field}={names[0]}", f"{kind.field}={current}: active but "
+                          "unused", hint=f"--set {kind.field}={names[0]}")]
+        rows = [Check(name, "selected", PASS, "a backend this run uses", ", ".join(used))]
+        alt = f"or run without {name}: --set {kind.field}={kind.default}" if kind.default else f"or drop --plugins {name}"
+        why = f" ({info.train_needs_reason})" if info.train_needs_reason else ""
+        if info.train_device and spec.train.device != info.train_device:
+            rows.append(Check(name, "train.device", FAIL, f"train.device={info.train_device}{why}",
+                              f"train.device={spec.train.device}", f"--device {info.train_device}, {alt}"))
+        if info.train_dtypes and spec.train.dtype not in info.train_dtypes:
+            rows.append(Check(name, "train.dtype", FAIL, f"train.dtype {' or '.join(info.train_dtypes)}{why}",
+                              f"train.dtype={spec.train.dtype}", f"--set train.dtype={info.train_dtypes[0]}, {alt}"))
+        return rows
+
+    def _run_check_hooks(self, ev: Evaluation, config: RunSpec | None) -> None:
         for name, module in ev.modules.items():
+            if config is None:
+                break  # config rules need a run; `nam preflight` without one judges the device alone
             caller = _only(ev.pm, module, "nam_check_config")
             ev.checks.extend(_collect(name, "config", lambda: caller(config=config, device=ev.device)))
         for name, module in ev.modules.items():
@@ -201,9 +273,9 @@ class PluginHost:
             ev.checks.extend(_collect(name, "launch", lambda: caller(device=ev.device, config=config)))
 
     def _fill_registries(self, ev: Evaluation) -> dict[str, Registry]:
-        registries = {kind: Registry(kind, providers=self.providers_of) for kind in KINDS}
+        registries = {kind: Registry(kind, providers=self.providers_of) for kind in self.kinds}
         for name, module in ev.modules.items():
-            for kind, hook_name in KINDS.items():
+            for kind, hook_name in ((k.name, k.hook) for k in self.kinds.values()):
                 reg = registries[kind]
                 reg._open(name, set(module.PLUGIN.provides.get(kind, ())))
                 try:
@@ -249,7 +321,7 @@ class PluginHost:
         if self._load_checked(name, ev) is None:
             raise PluginActivationError(ev.failures)
         info = self.info(name)
-        pm = _new_manager()
+        pm = self._new_manager()
         module = self.installed[name].load()
         pm.register(module, name=name)
         reg = Registry("patches")
@@ -260,17 +332,36 @@ class PluginHost:
             reg._close()
         return list(reg)
 
-    def before_step(self, step: int, run: Any) -> None:
-        self.pm.hook.nam_before_step(step=step, run=run)
+    def before_step(self, step: int, run: StepContext | Any) -> None:
+        self.pm.hook.nam_before_step(step=step, run=_step_context(step, run))
 
-    def after_step(self, step: int, run: Any, metrics: dict) -> None:
-        self.pm.hook.nam_after_step(step=step, run=run, metrics=metrics)
+    def after_step(self, step: int, run: StepContext | Any, metrics: dict) -> None:
+        self.pm.hook.nam_after_step(step=step, run=_step_context(step, run), metrics=metrics)
+
+    def _new_manager(self) -> pluggy.PluginManager:
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        static = {n for n in dir(hookspecs) if n.startswith("nam_")}
+        pm.add_hookspecs(provider_hookspecs([k for k in self.kinds.values() if k.hook not in static], hookspecs.PROJECT))
+        return pm
 
 
-def _new_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    return pm
+def _step_context(step: int, run: StepContext | Any) -> StepContext:
+    """``run`` itself, or for an engine that still passes its run object (the megatron engine's
+    ``MegatronRun``, until it builds a ``StepContext``), one built from it: its ``spec`` (set by the
+    composition root), its model's backends and its log."""
+    if isinstance(run, StepContext):
+        return run
+    spec = getattr(run, "spec", None)
+    if not isinstance(spec, RunSpec):
+        raise TypeError(f"lifecycle hooks need a nam_core.run.StepContext; the engine passed a "
+                        f"{type(run).__name__} without a RunSpec")
+    backends = getattr(run.model, "backends", None)
+    by_kind = ({f.name: getattr(backends, f.name) for f in dataclasses.fields(backends)}
+               if dataclasses.is_dataclass(backends) else dict(backends or {}))
+    log = run.log
+    return StepContext(step=step, spec=spec, backends=by_kind, parameters=lambda: iter(()),
+                       note=log.note if log is not None else (lambda line: None))
 
 
 def _only(pm: pluggy.PluginManager, module, hook_name: str):

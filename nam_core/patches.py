@@ -12,13 +12,19 @@ States, in the order they are decided:
   patch is not applied, and ``nam patches`` says so: time to delete it once every supported version is out.
 * ``needed`` -> ``applied`` by ``apply_all``. A patch that raises while applying, or whose ``detect()``
   still reports the bug afterwards, stops the run (``PatchError``).
+
+A patch with a ``revert`` can be applied for a scope only: ``with applied(entries): ...`` applies what is
+needed, and on the way out reverts what it applied, last first, whatever happens inside (the megatron
+engine applies its Megatron-Core fixes for the run this way). ``apply_all`` applies for the rest of the
+process, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from nam_core.errors import PatchError
 from nam_core.requirements import version_in
@@ -49,6 +55,9 @@ class Patch:
     """Run the reproducer; return BUG_REPRODUCED (bug present, unpatched) or FIX_VALIDATED."""
     needs_gpu: bool = False
     """The reproducer launches GPU code; ``nam patches --verify`` skips it on a CPU machine."""
+    revert: Callable[[], None] | None = None
+    """Undo ``apply`` (put upstream's code back); calling it when nothing is applied must be harmless. A patch
+    without one can be applied for the whole process only (``apply_all``), not for a scope (``applied``)."""
 
     def installed_version(self) -> str | None:
         try:
@@ -83,6 +92,30 @@ class PatchReport:
 
 def apply_all(entries: Iterable) -> list[PatchReport]:
     """Apply every needed patch of the registry entries given; stop the run on any failure."""
+    return _apply(entries, scoped=False)
+
+
+@contextlib.contextmanager
+def applied(entries: Iterable) -> Iterator[list[PatchReport]]:
+    """Apply every needed patch of ``entries`` for the ``with`` block, then revert those it applied, last first.
+
+    A needed patch without ``revert`` stops the run before anything is applied (``PatchError``): it could not
+    be taken back. A failure to apply reverts what this call applied before it, then raises.
+    """
+    entries = list(entries)
+    fixed = [e for e in entries if e.impl.revert is None and e.impl.state()[0] == NEEDED]
+    if fixed:
+        raise PatchError(f"patch {fixed[0].impl.name!r} (plugin {fixed[0].plugin!r}) has no revert and cannot be "
+                         "applied for a scope only", hint="give the Patch a revert, or apply it with apply_all")
+    done: list[Patch] = []
+    try:
+        yield _apply(entries, scoped=True, done=done)
+    finally:
+        for patch in reversed(done):
+            patch.revert()
+
+
+def _apply(entries: Iterable, *, scoped: bool, done: list | None = None) -> list[PatchReport]:
     reports = []
     for entry in entries:
         patch: Patch = entry.impl
@@ -95,11 +128,14 @@ def apply_all(entries: Iterable) -> list[PatchReport]:
                     f"patch {patch.name!r} (plugin {entry.plugin!r}) failed to apply to {detail}: {e}",
                     hint=f"run `nam patches --verify` for the reproducer; retire condition: {patch.retire_when}",
                 ) from e
+            if done is not None:
+                done.append(patch)
             if patch.detect():
                 raise PatchError(
                     f"patch {patch.name!r} (plugin {entry.plugin!r}) applied, but the bug is still detected",
                     hint="`nam patches --verify` shows the reproducer's result",
                 )
-            state, detail = APPLIED, detail.replace("bug present", "fixed in-process")
+            fixed = "fixed for this scope" if scoped else "fixed in-process"
+            state, detail = APPLIED, detail.replace("bug present", fixed)
         reports.append(PatchReport(patch.name, entry.plugin, patch.target, state, detail, patch.retire_when))
     return reports

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from nam_core.registry import KINDS
+from nam_core.options import Option, OptionValues, parse_options
 from nam_core.requirements import Requirement
 
 
@@ -14,15 +14,26 @@ class PluginInfo:
     summary: str
     """One line: what the plugin does."""
     provides: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    """Registry kind -> names it registers, e.g. ``{"indexers": ["index-cache"]}``."""
+    """Kind -> names it registers, e.g. ``{"indexer": ["index-cache"]}`` (kinds: ``nam_core.kinds``, and the
+    model's table, e.g. ``nam56r/kinds.py``; the host refuses a kind it does not know)."""
     requires: Sequence[Requirement] = ()
     """Declarative needs, evaluated at activation and shown by ``nam plugins list``."""
     conflicts: Sequence[str] = ()
     """Plugin names that must not be active at the same time, each with this plugin."""
     conflict_reason: str = ""
     """Why the conflicts exist (shown in the activation error)."""
+    options: Sequence[Option] = ()
+    """What ``--set <plugin>.<option>=VALUE`` may set: name, type, default, range or choices, doc. The host
+    parses and validates them (a bad one is a usage error quoting the doc); hooks and backends read typed
+    values (``spec.options[<plugin>]``, ``BackendContext.options[<plugin>]``)."""
+    train_device: str | None = None
+    """``train.device`` the plugin's backends need when the run uses them (``"cuda"``); the host refuses others."""
+    train_dtypes: Sequence[str] = ()
+    """``train.dtype`` values the plugin's backends take when the run uses them; empty: any."""
+    train_needs_reason: str = ""
+    """Why (shown in the refusal)."""
     selects: Mapping[str, str] = field(default_factory=dict)
-    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer": "lemyx"}``.
+    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer_backend": "lemyx"}``.
 
     Naming a plugin is the user's choice of what it provides, so ``--plugins index-cache`` alone selects the
     ``index-cache`` indexer. An explicit ``--set field=...`` always wins; two requested plugins selecting
@@ -31,20 +42,24 @@ class PluginInfo:
     wraps: Mapping[str, str] = field(default_factory=dict)
     """Field -> option of this plugin that receives the value its selection displaced.
 
-    ``{"indexer": "lemyx.sparse"}``: lemyx takes the ``indexer`` field and runs the strategy it would
+    ``{"indexer_backend": "lemyx.sparse"}``: lemyx takes the ``indexer_backend`` field and runs the strategy it would
     otherwise have held (``full``, or ``index-cache`` when that plugin is requested too) after its warm-up.
     """
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.provides) - set(KINDS))
-        if unknown:
-            raise ValueError(f"PluginInfo.provides has unknown kinds {unknown}; known: {sorted(KINDS)}")
         for req in self.requires:
             if not isinstance(req, Requirement):
                 raise TypeError(f"PluginInfo.requires holds {req!r}; expected Requirement objects")
         stray = sorted(set(self.wraps) - set(self.selects))
         if stray:
             raise ValueError(f"PluginInfo.wraps names fields {stray} that PluginInfo.selects does not select")
+        for opt in self.options:
+            if not isinstance(opt, Option):
+                raise TypeError(f"PluginInfo.options holds {opt!r}; expected Option objects")
+
+    def parse_options(self, plugin: str, raw: Mapping[str, object] | None = None) -> OptionValues:
+        """``plugin``'s entries of ``raw`` (``train.plugin_options``) as typed values; defaults when None."""
+        return parse_options(plugin, self.options, raw or {})
 
     def to_dict(self) -> dict:
         return {
@@ -54,4 +69,5 @@ class PluginInfo:
             "conflicts": list(self.conflicts),
             "selects": dict(self.selects),
             "wraps": dict(self.wraps),
+            "options": [o.to_dict() for o in self.options],
         }

@@ -1,6 +1,6 @@
 """Named registries handed to provider hooks: ``register("name", Impl)``.
 
-There is one registry per kind of implementation (``KINDS``). Plugins fill them during activation; config
+There is one registry per kind of implementation (``nam_core.kinds``). Plugins fill them during activation; config
 picks a name; the model asks the registry. A name that no active plugin registered is an error that names
 the installed plugin which would provide it.
 """
@@ -11,18 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nam_core.errors import UnknownBackendError
-
-KINDS: dict[str, str] = {
-    "attention_backends": "nam_register_attention_backends",
-    "ssm_mixers": "nam_register_ssm_mixers",
-    "ce_heads": "nam_register_ce_heads",
-    "indexers": "nam_register_indexers",
-    "moe_experts": "nam_register_moe_experts",
-    "schedules": "nam_register_schedules",
-    "patches": "nam_register_patches",
-}
-"""Registry kind -> the provider hook that fills it."""
-
 
 class RegistrationError(Exception):
     """A plugin registered a name twice, a name another plugin owns, or a name it did not declare."""

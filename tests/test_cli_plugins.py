@@ -48,7 +48,7 @@ def test_plugins_list_json_shows_the_builtin_reference_plugin(capsys):
     assert run(["plugins", "list", "--json"]) == 0
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
     assert plugins["reference"]["distribution"] == "nam-train"
-    assert "ssm_mixers" in plugins["reference"]["provides"]
+    assert "ssm" in plugins["reference"]["provides"]
 
 
 def _make_plugin(tmp_path: Path, name: str, smem_bytes: int) -> Path:
@@ -78,7 +78,7 @@ def test_installing_a_plugin_lists_it_preflight_judges_it_and_uninstalling_remov
     try:
         listed = {p["name"]: p for p in json.loads(nam("plugins", "list", "--json").stdout)["plugins"]}
         assert listed[name]["distribution"] == f"nam-plugin-{name}"
-        assert listed[name]["provides"] == {"indexers": [name]}
+        assert listed[name]["provides"] == {"indexer": [name]}
 
         gb10 = nam("preflight", "--device-profile", "gb10", "--plugins", name, "--json")
         assert gb10.returncode == 3

@@ -10,19 +10,19 @@ from nam_core.testing import fake_installed
 HEADER = "from nam_core import PluginInfo, Requirement, hookimpl, Check\n"
 
 GOOD = HEADER + '''
-PLUGIN = PluginInfo(summary="cpu-only indexer", provides={"indexers": ["good-idx"]})
+PLUGIN = PluginInfo(summary="cpu-only indexer", provides={"indexer": ["good-idx"]})
 
 class GoodIndexer: ...
 
 @hookimpl
-def nam_register_indexers(register):
+def nam_register_indexer_backends(register):
     register("good-idx", GoodIndexer)
 '''
 
 BIG_SMEM = HEADER + '''
 PLUGIN = PluginInfo(
     summary="needs 160 KiB of shared memory per block",
-    provides={"attention_backends": ["big"]},
+    provides={"attention": ["big"]},
     requires=(Requirement.cuda_capability(at_least=(9, 0)),
               Requirement.shared_memory_per_block(at_least=160 * 1024)),
 )
@@ -56,15 +56,15 @@ UNDECLARED = HEADER + '''
 PLUGIN = PluginInfo(summary="registers what it did not declare", provides={})
 
 @hookimpl
-def nam_register_ce_heads(register):
+def nam_register_ce_backends(register):
     register("sneaky", object)
 '''
 
 CLASH = HEADER + '''
-PLUGIN = PluginInfo(summary="clashes with good", provides={"indexers": ["good-idx"]})
+PLUGIN = PluginInfo(summary="clashes with good", provides={"indexer": ["good-idx"]})
 
 @hookimpl
-def nam_register_indexers(register):
+def nam_register_indexer_backends(register):
     register("good-idx", object)
 '''
 
@@ -73,7 +73,7 @@ PLUGIN = PluginInfo(summary="refuses ep > 1", provides={})
 
 @hookimpl
 def nam_check_config(config, device):
-    ep = (config or {}).get("ep", 1)
+    ep = config.train.ep
     status = "pass" if ep == 1 else "fail"
     return [Check("cfgcheck", "expert parallelism", status, "ep == 1", f"ep == {ep}", "set ep=1")]
 '''
@@ -129,9 +129,9 @@ def failures(ev):
 def test_passing_plugin_registers_its_backend(host):
     h = host()
     h.activate(["good"], CPU)
-    assert h.registry("indexers").names() == ["good-idx"]
-    assert h.registry("indexers").get("good-idx").__name__ == "GoodIndexer"
-    assert h.registry("indexers").plugin_of("good-idx") == "good"
+    assert h.registry("indexer").names() == ["good-idx"]
+    assert h.registry("indexer").get("good-idx").__name__ == "GoodIndexer"
+    assert h.registry("indexer").plugin_of("good-idx") == "good"
 
 
 def test_smem_requirement_fails_on_gb10_with_numbers_and_passes_on_h100(host):
@@ -177,7 +177,7 @@ def test_several_failures_are_reported_at_once_and_nothing_is_registered(host):
         ("big", "CUDA capability"), ("big", "shared memory per block"),
         ("needs-pkg", "package surely-not-installed-pkg"), ("broken", "import"), ("nope", "installed"),
     }
-    assert h.registry("indexers").names() == []  # all or nothing: "good" was not registered either
+    assert h.registry("indexer").names() == []  # all or nothing: "good" was not registered either
     assert h.active == {}
     assert "5 checks failed" in e.value.message
 
@@ -189,18 +189,29 @@ def test_misspelled_hookimpl_is_an_error(host):
 
 def test_registering_an_undeclared_name_fails(host):
     [fail] = host().evaluate(["undeclared"], CPU).failures
-    assert fail.name == "register ce_heads" and "sneaky" in fail.found
+    assert fail.name == "register ce" and "sneaky" in fail.found
 
 
 def test_two_plugins_registering_one_name_fail(host):
     ev = host().evaluate(["good", "clash"], CPU)
-    assert [(c.plugin, c.name) for c in ev.failures] == [("clash", "register indexers")]
+    assert [(c.plugin, c.name) for c in ev.failures] == [("clash", "register indexer")]
 
 
-def test_config_check_hook_sees_the_config(host):
-    assert host().evaluate(["cfgcheck"], CPU, {"ep": 1}).ok
-    [fail] = host().evaluate(["cfgcheck"], CPU, {"ep": 8}).failures
+def spec(**train):
+    """A RunSpec of the tiny recipe (what the composition root hands the hooks)."""
+    from nam56r.run import spec_for
+
+    s = spec_for("nam56r-tiny")
+    return s.replace(train=s.train.replace(**train), plugins=(), backends={})
+
+
+def test_config_check_hook_sees_the_typed_run_and_only_with_a_run(host):
+    assert host().evaluate(["cfgcheck"], CPU, spec(ep=1)).ok
+    [fail] = host().evaluate(["cfgcheck"], CPU, spec(ep=8)).failures
     assert fail.found == "ep == 8" and fail.hint == "set ep=1"
+    assert host().evaluate(["cfgcheck"], CPU).ok  # no run: config rules are not asked
+    with pytest.raises(TypeError, match="RunSpec"):
+        host().evaluate(["cfgcheck"], CPU, {"ep": 8})
 
 
 def test_launch_checks_are_skipped_on_fake_devices_and_run_on_real_ones(host):
@@ -221,10 +232,10 @@ def test_unknown_backend_names_the_installed_provider(host):
     h = host()
     h.activate([], CPU)
     with pytest.raises(UnknownBackendError) as e:
-        h.registry("indexers").get("good-idx")
+        h.registry("indexer").get("good-idx")
     assert "provided by plugin 'good'" in e.value.message and "--plugins good" in e.value.hint
     with pytest.raises(UnknownBackendError) as e:
-        h.registry("indexers").get("made-up")
+        h.registry("indexer").get("made-up")
     assert "no installed plugin provides" in e.value.message
 
 

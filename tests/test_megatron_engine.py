@@ -1,5 +1,5 @@
-"""The megatron engine's CPU-checkable half (nam_core/engine/megatron.py): fail-closed checks, the allocator
-setting, the layout and schedule checks, checkpoint discovery, optimizer groups. The engine itself runs in
+"""The megatron engine's CPU-checkable half (nam_core/engine/megatron/): fail-closed checks, the allocator
+setting, the layout and schedule checks, checkpoint discovery, the optimizer's patch lane. The engine itself runs in
 tests/test_megatron_engine_gpu.py and bench/megatron.py; NAM56R's Megatron modules are tested in
 tests/test_megatron_model.py."""
 
@@ -13,6 +13,8 @@ import torch
 
 from nam_core.engine import megatron as engine
 from nam_core.engine.config import TrainConfig
+from nam_core.engine.megatron import optimizer, patches
+from nam_core.engine.megatron.schedule import MegatronSchedule, PipelineSchedule
 from nam_core.errors import ConfigError, NamError
 
 GPU_TRAIN = TrainConfig(device="cuda", dtype="bfloat16")
@@ -25,7 +27,7 @@ def test_module_imports_without_megatron():
     """CI has megatron-core 0.16.1: neither the engine nor NAM56R's Megatron modules import megatron at import
     time; and the engine imports nothing of NAM56R (nam_core knows nothing of the model)."""
     code = ("import sys, nam_core.engine.megatron; print(sorted(m for m in sys.modules if m.startswith('nam56r'))); "
-            "import nam56r.megatron_model; print(sorted(m for m in sys.modules if m.startswith('megatron')))")
+            "import nam56r.megatron; print(sorted(m for m in sys.modules if m.startswith('megatron')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "[]"]
 
@@ -133,7 +135,7 @@ def test_torch_adamw_runs_fused_and_computes_the_same_update():
         opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2,
                                 weight_decay=0.1)
         other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-        notes = engine.use_fused_adamw(_chained(opt, other)) if fuse else []
+        notes = patches.use_fused_adamw(_chained(opt, other)) if fuse else []
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()
@@ -162,8 +164,8 @@ def test_restored_adam_steps_are_one_tensor_each_where_the_group_keeps_them():
     shared = torch.tensor(1.0)
     for p in params:
         opt.state[p]["step"] = shared
-    engine.use_fused_adamw(_chained(opt))
-    engine._restore_adam_steps(_chained(opt), 7)
+    patches.use_fused_adamw(_chained(opt))
+    patches.own_adam_steps(_chained(opt), 7)
     steps = [opt.state[p]["step"] for p in params]
     assert [s.item() for s in steps] == [7.0, 7.0] and steps[0] is not steps[1]
     assert all(s.dtype == torch.float32 and s.device == p.device for s, p in zip(steps, params))
@@ -211,7 +213,7 @@ def test_layout_refuses_sizes_below_one():
 
 
 def test_a_registered_schedule_is_instantiated():
-    class DualPipeV:
+    class DualPipeV(PipelineSchedule):
         def __call__(self, **kwargs):
             return []
 
@@ -269,7 +271,7 @@ def test_set_lr_applies_group_multipliers():
     class Opt:
         param_groups = [{"lr": 0.0, "wd_mult": 0.0}, {"lr": torch.tensor(0.0), "lr_mult": 0.5, "wd_mult": 1.0}]
 
-    engine._set_lr(Opt, 2e-3, 0.1)
+    optimizer.set_lr(Opt, 2e-3, 0.1)
     assert Opt.param_groups[0]["lr"] == 2e-3 and Opt.param_groups[0]["weight_decay"] == 0.0
     assert Opt.param_groups[1]["lr"].item() == pytest.approx(1e-3) and Opt.param_groups[1]["weight_decay"] == 0.1
 
@@ -283,11 +285,12 @@ needs_019 = pytest.mark.skipif((engine.megatron_version() or (0,)) < engine.MIN_
 
 @needs_019
 def test_fp32_parameters_get_optimizer_groups_of_their_own():
-    """0.19.2's DistributedOptimizer mis-numbers groups that mix fp32 and bf16 parameters (see _param_groups):
-    Mamba-3's fp32 parameters must land in groups no bf16 parameter shares."""
-    from megatron.core.optimizer import OptimizerConfig
+    """0.19.2's DistributedOptimizer mis-numbers groups that mix fp32 and bf16 parameters (the patch
+    megatron-optimizer-fp32-groups): Mamba-3's fp32 parameters must land in groups no bf16 parameter shares."""
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 
-    overrides = engine._param_groups(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, bf16=True))
+    overrides = patches.fp32_group_overrides(get_standard_config_overrides)(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, bf16=True))
     fp32, bf16 = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
     matched = {name: [o for key, o in overrides.items() if key.matches(p, name)]
                for name, p in (("mixer.block.D", fp32), ("norm.weight", bf16))}
@@ -295,23 +298,78 @@ def test_fp32_parameters_get_optimizer_groups_of_their_own():
     assert {"wd_mult": 0.0} in matched["mixer.block.D"] and {"wd_mult": 0.0} in matched["norm.weight"]
 
 
-def test_v_chunks_sum_their_embedding_copies_and_keep_the_embedding_group_to_the_first_rank():
-    """A V holds the token embedding (stage 0) and its MTP copy (last stage) on pipeline rank 0: Megatron's
-    embedding group shrinks to that rank, and the two copies' gradients are summed there, nothing else."""
-    assert engine.embedding_ranks(1) is None  # Megatron's default: first and last pipeline rank
-    assert engine.embedding_ranks(2)([4, 5, 6, 7]) == [4]
-    chunks = [torch.nn.Linear(3, 2, bias=False), torch.nn.Linear(3, 2, bias=False)]
-    other = torch.nn.Linear(3, 3, bias=False)
-    chunks[1].add_module("other", other)
-    grads = [torch.randn(2, 3), torch.randn(2, 3)]
-    for chunk, grad in zip(chunks, grads):
-        chunk.weight.shared_embedding = True
-        chunk.weight.main_grad = grad.clone()
-    other.weight.main_grad = torch.randn(3, 3)
-    untouched = other.weight.main_grad.clone()
-    engine.sum_chunk_copies(chunks)
-    for chunk in chunks:
-        torch.testing.assert_close(chunk.weight.main_grad, grads[0] + grads[1], rtol=0, atol=0)
-    assert torch.equal(other.weight.main_grad, untouched)
-    engine.sum_chunk_copies(chunks[:1])  # one chunk: Megatron's embedding all-reduce, not this, keeps copies equal
-    torch.testing.assert_close(chunks[0].weight.main_grad, grads[0] + grads[1], rtol=0, atol=0)
+def test_megatron_s_own_layout_is_one_chunk_per_rank_in_its_interleaved_order():
+    """What a registered schedule inherits: Megatron's embedding group, its Float16Module, nothing to reduce."""
+    own = MegatronSchedule("1f1b")
+    assert own.chunks_per_rank == 1 and own.embedding_ranks() is None
+    assert [own.stage_of(r, 0, 4) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="no stage for rank 0, chunk 1"):
+        own.stage_of(0, 1, 4)
+    own.reduce_shared_copies([torch.nn.Linear(2, 2)])  # a no-op
+
+
+def test_a_registered_schedule_must_implement_the_protocol():
+    with pytest.raises(ConfigError, match="does not implement .*PipelineSchedule"):
+        engine.resolve_schedule("v", pp=2, registered={"v": object})
+    with pytest.raises(ConfigError, match="not registered yet"):
+        engine.schedule_for("v", pp=2, registered={"v": None})
+    assert isinstance(engine.schedule_for("1f1b", pp=2, registered={}), MegatronSchedule)
+
+
+def test_a_schedule_refuses_its_layouts_through_the_engine_check():
+    class OneExpertGroup(PipelineSchedule):
+        def check_layout(self, *, tp, pp, ep, num_microbatches):
+            if ep != 1:
+                raise ConfigError(f"found ep={ep}", hint="--ep 1")
+
+    train = GPU_TRAIN.replace(schedule="v")
+    with pytest.raises(ConfigError, match="found ep=2"):
+        _layout(4, pp=2, ep=2, train=train, schedules={"v": OneExpertGroup})
+    assert _layout(4, pp=2, train=train, schedules={"v": OneExpertGroup}) == 2
+    assert _layout(4, pp=2, ep=2, train=train, schedules={"v": None}) == 2  # before activation: on trust
+
+
+def test_the_engine_lane_lists_its_patches_with_revert_and_retirement():
+    entries = patches.lane()
+    assert [e.name for e in entries] == [patches.FP32_GROUPS, patches.STATE_BEFORE_STEP, patches.STEP_ON_LOAD,
+                                         patches.FUSED]
+    for entry in entries:
+        p = entry.impl
+        assert entry.plugin == "megatron engine" and p.target == "megatron-core" and p.revert is not None
+        assert p.retire_when and p.reproduce is not None
+        if (engine.megatron_version() or (0,)) < engine.MIN_MEGATRON:
+            assert p.state()[0] == "retired"  # the engine refuses these versions anyway
+
+
+@needs_019
+def test_the_engine_lane_applies_for_a_scope_and_reverts():
+    """On 0.19 without TE or Apex each bug is detected, reproduced, fixed inside the scope, and upstream's code
+    is back after it (also when the scope raises)."""
+    import megatron.core.optimizer as mopt
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from nam_core.patches import applied
+
+    upstream = (mopt.get_standard_config_overrides, mopt.get_megatron_optimizer,
+                DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict)
+    entries = patches.lane()
+    assert all(e.impl.state()[0] == "needed" for e in entries)
+    assert all(e.impl.reproduce() == "BUG_REPRODUCED" for e in entries)
+    with pytest.raises(RuntimeError, match="inside"), applied(entries) as reports:
+        assert [r.state for r in reports] == ["applied"] * 4
+        assert all(e.impl.reproduce() == "FIX_VALIDATED" for e in entries)
+        assert mopt.get_megatron_optimizer is not upstream[1]
+        raise RuntimeError("inside")
+    assert (mopt.get_standard_config_overrides, mopt.get_megatron_optimizer,
+            DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict) == upstream
+    assert all(e.impl.state()[0] == "needed" for e in entries)
+
+
+def test_nam_patches_lists_the_megatron_lanes():
+    """`nam patches` (no --plugins) lists the engine's and NAM56R's Megatron entries beside the plugins'."""
+    from nam_cli.patches import _builtin
+
+    rows = {e.name: e.plugin for e in _builtin()}
+    assert rows == {patches.FP32_GROUPS: "megatron engine", patches.STATE_BEFORE_STEP: "megatron engine",
+                    patches.STEP_ON_LOAD: "megatron engine", patches.FUSED: "megatron engine",
+                    "megatron-hybrid-stage-choice": "nam56r"}

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from nam56r.megatron import stage_of, SYMBOL, lower, megatron_args
+from nam56r.megatron import SYMBOL, check_lowering, lower, megatron_args
 from nam56r.pattern import resolve
 from nam56r.recipes import get_recipe
 from nam_cli.main import run
+from nam_core.engine.megatron.schedule import PipelineSchedule
 from nam_core.errors import ConfigError
 
 
@@ -91,30 +92,34 @@ def test_pp_splits_evenly_or_is_refused(cfg):
         lower(cfg, pp=5)
 
 
-def test_dualpipev_refuses_expert_parallelism(cfg):
-    with pytest.raises(ConfigError, match=r"dualpipev runs only with expert parallelism 1, found ep=4"):
-        lower(cfg, ep=4, pp=2, schedule="dualpipev")
-    assert lower(cfg, pp=2, schedule="dualpipev").schedule == "dualpipev"
-    assert lower(cfg, pp=2, schedule="1f1b").schedule == "megatron"
+class Reversed(PipelineSchedule):
+    """A toy registered schedule: two chunks per rank, the second half of the stages in reverse (a V)."""
+
+    name = "reversed"
+    chunks_per_rank = 2
+
+    def stage_of(self, rank, chunk, pp):
+        return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
-def test_dualpipev_folds_twice_as_many_stages_into_a_v(cfg):
-    """pp=2 under dualpipev: 4 stages of 13 layers; rank 0 holds stages 0 and 3 (embeddings, and the output
-    layer with MTP), rank 1 stages 1 and 2, in chunk order (down, then back up)."""
-    lowering = lower(cfg, pp=2, schedule="dualpipev")
-    main = lowering.hybrid_layer_pattern.split("/")[0]
-    assert [len(seg) for seg in main.split("|")] == [13, 13, 13, 13]
-    assert main.replace("|", "") == lower(cfg).main_pattern  # the stages in stage order
-    assert lowering.chunks == 2 and lower(cfg, pp=2).chunks == 1
-    by_stage = {(l["pp_stage"], l["pp_rank"], l["chunk"]) for l in lowering.layers}
-    assert by_stage == {(0, 0, 0), (1, 1, 0), (2, 1, 1), (3, 0, 1)}
-    assert [stage_of(r, c, pp=4, chunks=2) for r in range(4) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
-    assert [stage_of(r, 0, pp=4, chunks=1) for r in range(4)] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="no stage for rank 0, chunk 1"):
-        stage_of(0, 1, pp=4, chunks=1)
+def test_a_schedule_s_stages_drive_the_lowering(cfg):
+    """The lowering lays out whatever stages the schedule names (the core names no schedule): pp=2 x 2 chunks
+    of 13 layers, rank 0 holding stages 0 and 3."""
+    lowering = lower(cfg, pp=2, schedule=Reversed())
+    assert (lowering.schedule, lowering.chunks, lowering.stage_map) == ("reversed", 2, ((0, 3), (1, 2)))
+    assert [len(seg) for seg in lowering.hybrid_layer_pattern.split("/")[0].split("|")] == [13] * 4
+    stages = {(l["pp_stage"], l["pp_rank"], l["chunk"]) for l in lowering.layers}
+    assert stages == {(0, 0, 0), (1, 1, 0), (2, 1, 1), (3, 0, 1)}
+    assert lower(cfg, pp=2, schedule="1f1b").schedule == "megatron" and lower(cfg, pp=2).megatron_order
+
+    class Broken(Reversed):
+        def stage_of(self, rank, chunk, pp):
+            return rank
+
+    with pytest.raises(ConfigError, match="not to each of 0..3 once"):
+        lower(cfg, pp=2, schedule=Broken())
     with pytest.raises(ConfigError, match=r"pipeline stages=8 must divide num_layers, found num_layers=52"):
-        lower(cfg, pp=4, schedule="dualpipev")  # 1F1B takes pp=4 (13 a stage); the V needs 8 stages
-    assert lower(cfg, pp=4).chunks == 1
+        lower(cfg, pp=4, schedule=Reversed())
 
 
 def test_a_moe_experts_backend_has_no_megatron_slot(cfg):
@@ -157,6 +162,32 @@ def test_cli_prints_the_lowering_as_json(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["hybrid_layer_pattern"] == lower(get_recipe("nam56r").model).hybrid_layer_pattern
     assert "--hybrid-layer-pattern" in d["flags"] and d["gaps"] and d["slots"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_recipe_show_reports_the_gaps_the_build_covers(capsys, tp):
+    """`nam recipe show nam56r --megatron-args` says "covered" for a gap exactly when the build has the code
+    that covers it (``covered_by`` resolves), and the gaps it says are open are exactly the ones the build
+    refuses (``check_lowering``): none at tp 1, tensor parallelism at tp 2."""
+    assert run(["recipe", "show", "nam56r", "--megatron-args", "--json", "--tp", str(tp)]) == 0
+    gaps = json.loads(capsys.readouterr().out)["gaps"]
+    for gap in gaps:
+        if gap["covered_by"] is not None:
+            module, _, attr = gap["covered_by"].partition(":")
+            target = importlib.import_module(module)
+            for part in attr.split("."):
+                target = getattr(target, part)  # the covering code exists (AttributeError otherwise)
+        assert gap["status"] == ("covered" if gap["covered_by"] else "open"), gap
+    shown_open = {g["what"] for g in gaps if g["status"] == "open"}
+    lowering = lower(get_recipe("nam56r").model, tp=tp)
+    if shown_open:
+        with pytest.raises(ConfigError) as e:
+            check_lowering(lowering, registered_schedules={})
+        refused = {g.what for g in lowering.open_gaps}
+        assert refused == shown_open and all(what in str(e.value) for what in refused)
+    else:
+        check_lowering(lowering, registered_schedules={})
+    assert shown_open == (set() if tp == 1 else {"tensor parallelism in nam slots"})
 
 
 def test_cli_refuses_ep3_with_exit_2(capsys):

@@ -1,12 +1,12 @@
-"""NAM56R as Megatron-Core modules (nam56r/megatron_model.py), the CPU-checkable half: which lowering gaps it
-closes, the nam -> Megatron weight map, the slot adapters, and (with megatron-core >= 0.19 importable) the
-config and spec it builds. Training through them runs on the GPU hosts (tests/test_megatron_engine_gpu.py)."""
+"""NAM56R as Megatron-Core modules (nam56r/megatron/), the CPU-checkable half: the gaps it refuses, the
+nam -> Megatron weight map, the slot adapters, and (with megatron-core >= 0.19 importable) the config and spec
+it builds from the lowering and the stage-choice patch. Training through them runs on the GPU hosts
+(tests/test_megatron_engine_gpu.py) and over gloo (tests/test_megatron_engine_gloo.py)."""
 
 import pytest
 import torch
 
-from nam56r import megatron_model as mm
-from nam56r.megatron import lower
+from nam56r.megatron import check_lowering, lower, model as mm, patches, slots, spec, weights
 from nam56r.model import Backends, build_model
 from nam56r.recipes import get_recipe
 from nam_core.engine import megatron as engine
@@ -33,7 +33,7 @@ def tiny_state(tiny):
 
 
 def _kinds(lowering):
-    return tuple(mm.KIND[layer["nam"]] for layer in lowering.layers)
+    return tuple(weights.KIND[layer["nam"]] for layer in lowering.layers)
 
 
 # --- gaps ------------------------------------------------------------------------------------------------
@@ -41,23 +41,13 @@ def _kinds(lowering):
 
 def test_open_gap_tensor_parallel_is_refused(cfg):
     with pytest.raises(ConfigError, match=r"cannot close these gaps of the lowering: tensor parallelism"):
-        mm.check_lowering(lower(cfg, tp=2), registered_schedules={})
+        check_lowering(lower(cfg, tp=2), registered_schedules={})
 
 
-def test_covered_gaps_are_gaps_the_lowering_names(cfg):
-    """A gap renamed in the lowering must not silently stop being covered."""
-    named = {g.what for g in lower(cfg).gaps}
-    assert set(mm.COVERED_GAPS) <= named
-    assert {g.what for g in lower(cfg).open_gaps} <= set(mm.COVERED_GAPS)
-    mm.check_lowering(lower(cfg, ep=4), registered_schedules={})
-
-
-def test_dualpipev_lowering_needs_the_registered_schedule(cfg):
-    lowering = lower(cfg, pp=2, schedule="dualpipev")
-    assert "DualPipeV schedule" not in {g.what for g in lowering.open_gaps}
-    with pytest.raises(ConfigError, match="lowered for dualpipev's V"):
-        mm.check_lowering(lowering, registered_schedules={})
-    mm.check_lowering(lowering, registered_schedules={"dualpipev": object})
+def test_every_gap_at_the_default_layout_is_covered_by_the_build(cfg):
+    """One place decides gap status (the lowering's covered_by): the build refuses nothing at tp 1."""
+    assert lower(cfg).open_gaps == () and lower(cfg, ep=4).open_gaps == ()
+    check_lowering(lower(cfg, ep=4), registered_schedules={})
 
 
 def test_provider_reports_the_lowered_layout(cfg):
@@ -71,7 +61,7 @@ def test_provider_reports_the_lowered_layout(cfg):
 
 def test_weight_map_keeps_every_value_once(tiny, tiny_state):
     lowering = lower(tiny)
-    out = mm.nam_state_to_megatron(tiny_state, _kinds(lowering))
+    out = weights.nam_state_to_megatron(tiny_state, _kinds(lowering))
     assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in tiny_state.values())
     moe = [l["index"] for l in lowering.layers if l["nam"] == "E"]
     # 16 experts split into fc1/fc2 keys: 2 * 16 - 2 keys more per MoE layer than nam's stacked tensors.
@@ -89,7 +79,7 @@ def test_weight_map_keeps_every_value_once(tiny, tiny_state):
 
 def test_weight_map_swaps_the_mtp_projection_halves(tiny, tiny_state):
     """nam projects cat(norm_h(h), norm_e(e)), Megatron cat(enorm(e), hnorm(h)): same product, halves swapped."""
-    out = mm.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)))
+    out = weights.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)))
     w_nam, w_meg = tiny_state["mtp.1.eh_proj.weight"], out["mtp.layers.1.eh_proj.weight"]
     h, e = torch.randn(3, tiny.hidden), torch.randn(3, tiny.hidden)
     torch.testing.assert_close(torch.cat([e, h], -1) @ w_meg.T, torch.cat([h, e], -1) @ w_nam.T)
@@ -104,7 +94,7 @@ def test_weight_map_splits_experts_over_ep_ranks(tiny, tiny_state):
     i = kinds.index("moe")
     seen = []
     for rank in range(4):
-        out = mm.nam_state_to_megatron(tiny_state, kinds, ep_rank=rank, ep_size=4)
+        out = weights.nam_state_to_megatron(tiny_state, kinds, ep_rank=rank, ep_size=4)
         local = {k: v for k, v in out.items() if k.startswith(f"decoder.layers.{i}.mlp.experts.")}
         assert len(local) == 2 * tiny.num_experts // 4
         for j in range(tiny.num_experts // 4):
@@ -116,9 +106,9 @@ def test_weight_map_splits_experts_over_ep_ranks(tiny, tiny_state):
 
 def test_weight_map_splits_pipeline_stages(tiny, tiny_state):
     kinds = _kinds(lower(tiny))
-    first = mm.nam_state_to_megatron(tiny_state, kinds, first=0, stop=26, post_process=False,
+    first = weights.nam_state_to_megatron(tiny_state, kinds, first=0, stop=26, post_process=False,
                                          mtp_process=False)
-    last = mm.nam_state_to_megatron(tiny_state, kinds, first=26, stop=52, pre_process=False)
+    last = weights.nam_state_to_megatron(tiny_state, kinds, first=26, stop=52, pre_process=False)
     assert "embedding.word_embeddings.weight" in first and "embedding.word_embeddings.weight" in last  # MTP's copy
     assert not any(k.startswith(("ngram.", "structure.")) for k in last)
     assert not any(k.startswith(("mtp", "final_norm", "output_layer")) for k in first)
@@ -133,11 +123,11 @@ def test_weight_map_splits_pipeline_stages(tiny, tiny_state):
 
 def test_weight_map_refuses_unknown_keys(tiny, tiny_state):
     with pytest.raises(NamError, match=r"nam parameter 'lora.A' has no place"):
-        mm.nam_state_to_megatron({"lora.A": torch.zeros(1)}, _kinds(lower(tiny)))
+        weights.nam_state_to_megatron({"lora.A": torch.zeros(1)}, _kinds(lower(tiny)))
     with pytest.raises(NamError, match=r"MoE parameter 'mixer.bias'"):
-        mm.nam_state_to_megatron({"layers.2.mixer.bias": torch.zeros(1)}, ("mamba", "mla", "moe"))
+        weights.nam_state_to_megatron({"layers.2.mixer.bias": torch.zeros(1)}, ("mamba", "mla", "moe"))
     with pytest.raises(ConfigError, match=r"MTP depth pattern '\+\*'"):
-        mm.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)), mtp_pattern="+*")
+        weights.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)), mtp_pattern="+*")
 
 
 # --- adapters (no megatron needed for the Mamba slot) -----------------------------------------------------
@@ -145,9 +135,9 @@ def test_weight_map_refuses_unknown_keys(tiny, tiny_state):
 
 def test_mamba_slot_is_the_mixer_in_megatron_layout(tiny):
     backends = Backends.reference()
-    slots = mm.Slots(tiny, backends, {})
+    shared = slots.Slots(tiny, backends, {})
     torch.manual_seed(0)
-    slot = mm.MambaSlot(None, d_model=tiny.hidden, layer_number=3, pg_collection=None, nam=slots)
+    slot = slots.MambaSlot(None, d_model=tiny.hidden, layer_number=3, pg_collection=None, nam=shared)
     x = torch.randn(tiny.seq_len, 2, tiny.hidden)  # [s, b, h]
     out, bias = slot(x)
     assert bias is None and out.shape == x.shape
@@ -163,19 +153,19 @@ def test_attention_slot_attaches_the_indexer_loss(tiny):
     from nam56r.state import ForwardState
 
     dsa.DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-    slots = mm.Slots(tiny, Backends.reference(), {5: 0})
+    shared = slots.Slots(tiny, Backends.reference(), {5: 0})
     torch.manual_seed(0)
-    slot = mm.AttentionSlot(None, layer_number=5, nam=slots, sparse=True)
-    slots.start(ForwardState(seq_layout=(2, tiny.seq_len)))
+    slot = slots.AttentionSlot(None, layer_number=5, nam=shared, sparse=True)
+    shared.start(ForwardState(seq_layout=(2, tiny.seq_len)))
     x = torch.randn(tiny.seq_len, 2, tiny.hidden, requires_grad=True)
     out, bias = slot(x, attention_mask=None, rotary_pos_emb=None)
     assert bias is None and out.shape == x.shape
     out.float().square().mean().backward()
     assert slot.block.indexer.wk.weight.grad.abs().sum() > 0
-    aux, notes = slots.end_step()
+    aux, notes = shared.end_step()
     assert set(aux) == {"indexer_kl"} and aux["indexer_kl"] > 0 and notes == []
     with pytest.raises(NamError, match="no D layer"):
-        mm.AttentionSlot(None, layer_number=4, nam=slots, sparse=True)
+        slots.AttentionSlot(None, layer_number=4, nam=shared, sparse=True)
 
 
 
@@ -184,14 +174,14 @@ def test_attention_slot_attaches_the_indexer_loss(tiny):
 @needs_019
 def test_config_and_spec_build_from_the_lowering(cfg):
     lowering = lower(cfg, ep=2)
-    config = mm.transformer_config(lowering)
+    config = spec.transformer_config(lowering)
     assert (config.hidden_dropout, config.attention_dropout, config.moe_grouped_gemm) == (0.0, 0.0, False)
     assert config.params_dtype is torch.bfloat16 and config.pipeline_dtype is torch.bfloat16
     assert config.experimental_attention_variant == "dsa"  # the schedules then scale DSAIndexerLossAutoScaler
-    spec = mm.hybrid_stack_spec(lowering, mm.Slots(cfg, None, {}))
-    assert spec.params == {"post_layer_norm": False}
-    sub = spec.submodules
-    assert sub.mamba_layer.submodules.mixer.module is mm.MambaSlot
+    stack = spec.hybrid_stack_spec(lowering, slots.Slots(cfg, None, {}))
+    assert stack.params == {"post_layer_norm": False}
+    sub = stack.submodules
+    assert sub.mamba_layer.submodules.mixer.module is slots.MambaSlot
     assert sub.dsa_layer.submodules.self_attention.params["sparse"] is True
     assert sub.mla_layer.submodules.self_attention.params["sparse"] is False
     assert sub.moe_layer.submodules.mlp.func.__name__ == "MoELayer"
@@ -200,20 +190,37 @@ def test_config_and_spec_build_from_the_lowering(cfg):
 
 
 @needs_019
-def test_v_stage_gives_megatron_the_chunk_and_puts_its_choices_back(cfg):
-    """While a V chunk builds, Megatron's segment choice returns that chunk's layers at their global offset and
-    its MTP placement the chunk's; both names are restored afterwards, also when the build raises."""
+def test_stage_choice_patch_gives_megatron_the_chunk_and_reverts(cfg):
+    """While a chunk builds for a schedule's stage, Megatron's segment choice returns that chunk's layers at
+    their global offset and its MTP placement the chunk's; outside the choice Megatron decides; the patch
+    scope puts both names back, also when the build raises."""
     from megatron.core.models.hybrid import hybrid_layer_allocation as allocation
     from megatron.core.models.hybrid import hybrid_model
 
+    from nam_core.patches import applied
+
     saved = allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank
-    with mm._v_stage(["M", "E"], 26, mtp=True):
-        assert allocation.select_pipeline_segment("M|E", None, 1) == (["M", "E"], 26)
-        assert hybrid_model.mtp_on_this_rank(layout=None, mtp_num_layers=2) is True
+    [entry] = patches.lane()
+    assert entry.impl.state()[0] == "needed" and entry.impl.reproduce() == "BUG_REPRODUCED"
+    with applied([entry]):
+        assert entry.impl.reproduce() == "FIX_VALIDATED"
+        with patches.chosen_stage(["M", "E"], 26, mtp=True):
+            assert allocation.select_pipeline_segment("M|E", None, 1) == (["M", "E"], 26)
+            assert hybrid_model.mtp_on_this_rank(layout=None, mtp_num_layers=2) is True
+        assert allocation.select_pipeline_segment.__wrapped__ is saved[0]  # outside a choice: Megatron's own
     assert (allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank) == saved
-    with pytest.raises(RuntimeError, match="build failed"), mm._v_stage(["M"], 0, mtp=False):
+    with pytest.raises(RuntimeError, match="build failed"), applied([entry]), patches.chosen_stage(["M"], 0, mtp=False):
         raise RuntimeError("build failed")
     assert (allocation.select_pipeline_segment, hybrid_model.mtp_on_this_rank) == saved
-    config = mm.transformer_config(lower(cfg, pp=2, schedule="dualpipev"))
+
+
+@needs_019
+def test_a_two_chunk_lowering_tells_megatron_the_virtual_size(cfg):
+    from nam_core.engine.megatron.schedule import PipelineSchedule
+
+    class TwoChunks(PipelineSchedule):
+        name, chunks_per_rank = "two", 2
+
+    config = spec.transformer_config(lower(cfg, pp=2, schedule=TwoChunks()))
     assert config.virtual_pipeline_model_parallel_size == 2  # LanguageModule's embedding setup reads it
-    assert mm.transformer_config(lower(cfg, pp=2)).virtual_pipeline_model_parallel_size is None
+    assert spec.transformer_config(lower(cfg, pp=2)).virtual_pipeline_model_parallel_size is None

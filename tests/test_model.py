@@ -124,7 +124,7 @@ def test_backend_not_registered_names_the_provider():
     cfg = get_recipe("nam56r").model  # names mamba-ssm, sparse-mla, liger
     with pytest.raises(UnknownBackendError) as e:
         Backends.from_registries(host.registries, cfg)
-    assert "ssm_mixers 'mamba-ssm'" in e.value.message
+    assert "ssm 'mamba-ssm'" in e.value.message
 
 
 def test_tiny_model_forward_backward_has_no_host_sync():

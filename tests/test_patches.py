@@ -60,3 +60,44 @@ def test_apply_that_leaves_the_bug_stops_the_run():
     patch, _ = make(apply=lambda: None)
     with pytest.raises(PatchError, match="still detected"):
         apply_all([Entry("demo", patch, "p")])
+
+
+def _revertible(name="demo"):
+    state = {"bug": True, "log": []}
+
+    def apply():
+        state["bug"] = False
+        state["log"].append(f"apply {name}")
+
+    def revert():
+        state["bug"] = True
+        state["log"].append(f"revert {name}")
+
+    return Patch(name=name, target="pluggy", versions=">=0", summary="demo", retire_when="upstream 9.9",
+                 detect=lambda: state["bug"], apply=apply, revert=revert), state
+
+
+def test_a_scoped_patch_is_reverted_after_the_block_even_when_it_raises():
+    from nam_core.patches import applied
+
+    first, s1 = _revertible("a")
+    second, s2 = _revertible("b")
+    with pytest.raises(RuntimeError, match="inside"), applied([Entry("a", first, "p"), Entry("b", second, "p")]) as r:
+        assert [x.state for x in r] == [APPLIED, APPLIED] and "fixed for this scope" in r[0].detail
+        assert not s1["bug"] and not s2["bug"]
+        raise RuntimeError("inside")
+    assert s1["bug"] and s2["bug"] and s1["log"] + s2["log"] == ["apply a", "revert a", "apply b", "revert b"]
+
+
+def test_a_patch_without_revert_cannot_be_scoped_and_a_failed_apply_reverts_the_others():
+    from nam_core.patches import applied
+
+    plain, _ = make()
+    with pytest.raises(PatchError, match="has no revert"), applied([Entry("demo", plain, "p")]):
+        pass
+    good, state = _revertible("good")
+    bad, _ = _revertible("bad")
+    bad.apply = lambda: (_ for _ in ()).throw(RuntimeError("symbol moved"))
+    with pytest.raises(PatchError, match="symbol moved"), applied([Entry("good", good, "p"), Entry("bad", bad, "p")]):
+        pass
+    assert state["bug"] and state["log"] == ["apply good", "revert good"]

@@ -4,15 +4,15 @@ A DSA layer is an MLA layer (same parameters, same absorbed projections, same ou
 indexer. Per forward:
 
 1. MLA's projections give the absorbed query and KV row, and ``qr`` for the indexer (``MLA.project``).
-2. The indexer strategy (registry ``indexers``; ``full`` by default) picks ``[b, s, topk]`` key indices from
+2. The indexer strategy (kind ``indexer``; ``full`` by default) picks ``[b, s, topk]`` key indices from
    the *detached* ``x`` and ``qr``, so the LM loss never reaches the indexer.
 3. The attention core attends over those keys (``AttentionCore.sparse``), or over all past keys during the
    dense warm-up (``cfg.dsa_dense_warmup``).
 4. The indexer KL loss, times ``cfg.indexer_loss_coeff``, goes to ``state`` as ``indexer_kl``: the dense
    form in warm-up, the top-k-restricted form after (kernels-and-math.md section 2.4). Its teacher is built
    from detached queries/keys, so it trains the indexer only. The index scores and the sparse teacher run on
-   the layer's attention core (``AttentionCore.index_scores`` / ``sparse_teacher``), so a kernel backend
-   speeds up the indexer too.
+   the layer's indexer kernels (kind ``indexer_kernels``: ``IndexerKernels.index_scores`` /
+   ``sparse_teacher``), so a kernel backend speeds up the indexer too.
 
 A ``WarmupStrategy`` that is warming up (lemyx) replaces steps 2-4 with its own dense attention + KL.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from nam56r.backends import AttentionCore, IndexerStrategy, WarmupStrategy
+from nam56r.backends import AttentionCore, IndexerKernels, IndexerStrategy, WarmupStrategy
 from nam56r.blocks.indexer import LightningIndexer, indexer_kl_dense, indexer_kl_sparse
 from nam56r.blocks.mla import MLA
 from nam56r.config import NAM56RConfig
@@ -45,9 +45,18 @@ class DSA(MLA):
         indexer_strategy: IndexerStrategy,
         dsa_rank: int,
         is_mtp: bool = False,
+        indexer_kernels: IndexerKernels | None = None,
     ):
         super().__init__(cfg, attention, absorbed=True)
-        self.indexer = LightningIndexer(cfg, attention)  # its scores run on the same core
+        if indexer_kernels is None:
+            # A caller that predates the kind (nam56r/megatron_model.py's slot) passes only the core; that is
+            # accepted where the core implements the kernels too (reference, sparse-mla), and refused otherwise.
+            if not isinstance(attention, IndexerKernels):
+                raise TypeError(f"DSA needs indexer_kernels (Backends.indexer_kernels): the attention core "
+                                f"{type(attention).__name__} does not implement IndexerKernels")
+            indexer_kernels = attention
+        self.indexer_kernels = indexer_kernels
+        self.indexer = LightningIndexer(cfg, indexer_kernels)  # its scores run on the indexer kernels
         self.indexer_strategy = indexer_strategy
         self.dsa_rank = dsa_rank
         self.is_mtp = is_mtp
@@ -71,7 +80,7 @@ class DSA(MLA):
             if self.cfg.dsa_dense_warmup:
                 kl = indexer_kl_dense(index_scores, q, kv, self.softmax_scale)
             else:
-                teacher = self.attention.sparse_teacher(q, kv, indices, scale=self.softmax_scale)  # [b, s, k]
+                teacher = self.indexer_kernels.sparse_teacher(q, kv, indices, scale=self.softmax_scale)  # [b, s, k]
                 kl = indexer_kl_sparse(index_scores, indices, q, kv, self.softmax_scale, teacher=teacher)
             state.add_loss("indexer_kl", kl * self.cfg.indexer_loss_coeff)
         return self.output(o_latent)

@@ -17,9 +17,9 @@ Memory: an index score for every (query, head, key) would be ``[b, H, s, s]`` fp
 = 2 GiB per sequence and layer). Scores and the attention teacher are therefore summed head by head into
 ``[b, s, s]``, and the score backward recomputes each head instead of saving it (``_IndexScores``).
 
-The functions here are the reference. A DSA layer runs its scores and its sparse teacher through its attention
-core (``AttentionCore.index_scores`` / ``sparse_teacher``): the ``reference`` core calls ``index_scores`` and
-``teacher_sparse`` below, a kernel core (sparse-mla) fuses the head loops.
+The functions here are the reference. A DSA layer runs its scores and its sparse teacher through its indexer
+kernels (kind ``indexer_kernels``: ``IndexerKernels.index_scores`` / ``sparse_teacher``): the ``reference``
+backend calls ``index_scores`` and ``teacher_sparse`` below, a kernel backend (sparse-mla) fuses the head loops.
 
 The FP8 path's Hadamard rotation of q and k is left out: an orthonormal rotation applied to both sides leaves
 every dot product unchanged, and it exists only to spread outliers before FP8 quantisation (section 2.5).
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from nam56r.backends import AttentionCore, IndexerStrategy
+from nam56r.backends import IndexerKernels, IndexerStrategy
 from nam56r.blocks.rope import apply_rope_halves
 from nam56r.config import NAM56RConfig
 from nam56r.state import ForwardState
@@ -104,11 +104,11 @@ class _IndexScores(torch.autograd.Function):
 class LightningIndexer(nn.Module):
     """Index scores ``[b, s, s]`` from the block input ``x`` and MLA's query latent ``qr`` (both detached).
 
-    The module owns the projections; ``core.index_scores`` (its DSA layer's attention backend) owns the
-    score math, so a kernel backend takes over both the scores and the KL teacher of the layer.
+    The module owns the projections; ``core.index_scores`` (its DSA layer's ``indexer_kernels`` backend) owns
+    the score math, so a kernel backend takes over both the scores and the KL teacher of the layer.
     """
 
-    def __init__(self, cfg: NAM56RConfig, core: AttentionCore):
+    def __init__(self, cfg: NAM56RConfig, core: IndexerKernels):
         super().__init__()
         self.cfg = cfg
         self.core = core
@@ -153,7 +153,7 @@ class LightningIndexer(nn.Module):
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Causal-masked scores ``[b, s, s]`` in ``w``'s dtype from ``q [b, s, H, d]``, ``k [b, s, d]``, ``w [b, s, H]``.
 
-    The reference ``AttentionCore.index_scores``.
+    The reference ``IndexerKernels.index_scores``.
     """
     acc = w.dtype
     scores = _IndexScores.apply(q.to(acc), k.to(acc), w)  # [b, s, s]
@@ -223,7 +223,7 @@ def _teacher_dense(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Ten
 def teacher_sparse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
     """As ``_teacher_dense`` but each head's softmax runs over the top-k set only: ``[b, s, k]``, dead slots 0.
 
-    ``indices [b, s, k]`` as ``causal_topk`` returns them. The reference ``AttentionCore.sparse_teacher``;
+    ``indices [b, s, k]`` as ``causal_topk`` returns them. The reference ``IndexerKernels.sparse_teacher``;
     a kernel backend replaces it (``indexer_kl_sparse(..., teacher=...)``).
     """
     acc = _acc_dtype(q)

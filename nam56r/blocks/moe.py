@@ -11,7 +11,7 @@ Load balance (Switch Transformer, Fedus et al. 2021, extended to top-k as in Meg
     P_e = mean over tokens of p_e                                   # carries the gradient
     aux = coeff * E * sum_e f_e * P_e                               # = coeff when routing is uniform
 
-The routed experts' GEMMs come from the ``moe_experts`` backend (``nam56r.backends.MoEExperts``; the reference
+The routed experts' GEMMs come from the ``moe`` backend (``nam56r.backends.MoEExperts``; the reference
 one is nam56r/reference/moe.py); the router, its loss and the shared expert are computed here, in the model's
 dtype, whatever that backend is.
 """

@@ -1,12 +1,14 @@
-"""NAM56R lowered into Megatron-Core >= 0.19 terms, as plain data: pattern, slots, arguments, gaps.
+"""NAM56R lowered into Megatron-Core >= 0.19 terms, as plain data: pattern, stages, slots, arguments, gaps.
 
-``lower(cfg, tp=, pp=, ep=)`` returns a ``Lowering``: the hybrid layer pattern string, which class fills each
-``HybridStackSubmodules`` slot (and whether Megatron-Core or nam provides it), the ``MLATransformerConfig`` and
-``HybridModel`` keyword arguments, and what Megatron-Core lacks for this model with how nam covers it.
+``lower(cfg, tp=, pp=, ep=, schedule=)`` returns a ``Lowering``: the hybrid layer pattern string, which stage
+each pipeline rank's chunks hold (from the schedule), which class fills each ``HybridStackSubmodules`` slot
+(and whether Megatron-Core or nam provides it), the ``MLATransformerConfig`` and ``HybridModel`` keyword
+arguments, and what Megatron-Core lacks for this model with where the build covers it. The spec
+(``nam56r.megatron.spec``) is built from these slots, and ``check_lowering`` refuses any gap the build does not
+cover, so ``nam recipe show NAME --megatron-args`` reports exactly what a run would build.
 ``megatron_args(lowering)`` prints the same as Megatron command-line flags.
 
-Nothing here imports megatron: the lowering is checked on any CPU (tests/test_megatron_lowering.py); the thin
-step that hands it to Megatron-Core >= 0.19 (Python 3.12, GPU hosts) reads this data and builds the specs.
+Nothing here imports megatron: the lowering is checked on any CPU (tests/test_megatron_lowering.py).
 Section numbers (§) refer to ``shared/reference/megatron-core.md``.
 """
 
@@ -18,6 +20,7 @@ from typing import Mapping
 
 from nam56r.config import NAM56RConfig
 from nam56r.pattern import LayerPlan, resolve
+from nam_core.engine.megatron.schedule import MEGATRON_SCHEDULES, MegatronSchedule, PipelineSchedule
 from nam_core.errors import ConfigError
 
 MEGATRON_CORE = ">=0.19"
@@ -30,8 +33,6 @@ MLP = "-"  # dense MLP layer (`mlp_layer`): only inside NAM56R's MTP depths
 MTP_SEPARATOR = "/"  # one `/`-part per MTP depth, all identical (§1.3 parse_hybrid_pattern)
 PIPE = "|"  # pipeline-segment separator, main pattern only (§1.3 select_pipeline_segment)
 MTP_DEPTH = "+-"  # nam's MTPDepth: one full-MLA layer, then one dense SwiGLU (nam56r/model.py)
-V_SCHEDULE = "dualpipev"
-"""The ``train.schedule`` that folds ``2 pp`` stages into a V over ``pp`` ranks (nam-plugin-dualpipev)."""
 
 DISPATCHERS = ("alltoall", "flex")
 """MoE token dispatchers (§5): Megatron's all-to-all, or its flex dispatcher on DeepEP's kernels. The run's
@@ -53,6 +54,11 @@ class Slot:
     """``megatron``: Megatron-Core's own class; ``nam``: a nam56r block replaces Megatron's."""
     nam_block: str | None = None
     """The nam56r class this slot stands for (for a ``megatron`` slot: the parity oracle)."""
+    adapter: str | None = None
+    """The class the spec puts in the slot when it is not ``module`` itself: a nam block sits behind an
+    adapter with the slot's call signature (``nam56r.megatron.slots``)."""
+    adapter_params: dict = field(default_factory=dict)
+    """Keyword arguments the spec gives the adapter (besides the shared ``Slots``)."""
     backends: dict[str, str] = field(default_factory=dict)
     """Plugin registry -> backend name the slot's nam block asks for (from the config)."""
     kwargs: dict = field(default_factory=dict)
@@ -69,8 +75,13 @@ class Gap:
     """What Megatron-Core does, with the reference section."""
     nam: str
     """How nam covers it."""
-    status: str
-    """``covered``: the nam code exists today; ``open``: it is part of the engine step still to write."""
+    covered_by: str | None
+    """Where the build covers it, ``module:attribute`` (importable without megatron); None: nothing does yet."""
+    status: str = ""
+    """``covered`` or ``open``, from ``covered_by`` (an open gap refuses the run: ``check_lowering``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "status", "covered" if self.covered_by else "open")
 
 
 @dataclass(frozen=True)
@@ -94,11 +105,13 @@ class Lowering:
     """``HybridModel(config, hybrid_stack_spec, **model_args)`` (§1.3)."""
     micro_batch_size: int
     schedule: str
-    """``megatron`` (its own pp schedules, §7) or a nam schedule plugin such as ``dualpipev``."""
+    """``megatron`` (its own pp schedules, §7) or the ``train.schedule`` name of a registered schedule."""
     chunks: int
-    """Model chunks per pipeline rank: 1, or 2 for DualPipeV's V (``stage_of`` maps rank and chunk to a stage).
-    The pattern's `|` segments are the stages in stage order; for the V that is not Megatron's interleaved
-    order (segment ``vp * pp + rank``), so the model builder picks each chunk's segment itself."""
+    """Model chunks per pipeline rank (the schedule's ``chunks_per_rank``)."""
+    stage_map: tuple[tuple[int, ...], ...]
+    """``stage_map[rank][chunk]``: the pipeline stage each chunk holds (the schedule's ``stage_of``). The
+    pattern's `|` segments are the stages in stage order; where a chunk's stage is not Megatron's interleaved
+    choice (segment ``vp * pp + rank``), the model builder picks the segment itself."""
     moe_dispatcher: str
     cuda_graphs: bool
     gaps: tuple[Gap, ...]
@@ -106,8 +119,15 @@ class Lowering:
 
     @property
     def open_gaps(self) -> tuple[Gap, ...]:
-        """Gaps whose nam side is not written yet: the engine step must refuse to run while any remain."""
+        """Gaps no part of the build covers: ``check_lowering`` refuses the run while any remain."""
         return tuple(g for g in self.gaps if g.status == "open")
+
+    @property
+    def megatron_order(self) -> bool:
+        """Every chunk holds the stage Megatron itself would give it (``vp * pp + rank``)."""
+        pp = len(self.stage_map)
+        return all(stage == chunk * pp + rank for rank, row in enumerate(self.stage_map)
+                   for chunk, stage in enumerate(row))
 
     def to_dict(self) -> dict:
         """Plain JSON types only (tuples become lists), so ``json.loads(json.dumps(d)) == d``."""
@@ -134,7 +154,7 @@ def _divides(what: str, value: int, by: int, option: str, hint: str) -> None:
                           hint=hint)
 
 
-def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, schedule: str) -> None:
+def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, chunks: int) -> None:
     # Stock MambaMixer asserts nheads % tp == 0 and ngroups % tp == 0 (§2); MLA splits heads over tp (§3).
     tp_hint = "choose --tp among the common divisors of attn_heads, mamba heads and mamba_ngroups"
     _divides("attn_heads", cfg.attn_heads, tp, "tp", tp_hint)
@@ -149,32 +169,33 @@ def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, schedule: s
                           f"found moe_backend={cfg.moe_backend!r}",
                           hint="--set moe_backend=reference for the megatron engine (the local engine takes fp8)")
     # pp > 1: one `|` segment per stage, segment count divisible by pp (§1.3); uneven splits are not lowered.
-    stages = pp * chunks_per_rank(schedule)
+    # The schedule's own layout rules (e.g. expert parallelism it cannot run) are its ``check_layout``.
+    stages = pp * chunks
     _divides("num_layers", cfg.num_layers, stages, "pipeline stages" if stages != pp else "pp",
              f"choose --pp so that {stages // pp} x pp divides num_layers={cfg.num_layers}; an uneven stage split "
              "(num_layers_in_first/last_pipeline_stage) is not supported by the lowering yet")
-    if schedule == V_SCHEDULE:
-        # DualPipeV is not in Megatron-Core (PR #5254 only, §7); nam's plugin refuses EP>1 (ARCHITECTURE.md §3).
-        if ep != 1:
-            raise ConfigError(f"schedule dualpipev runs only with expert parallelism 1, found ep={ep}",
-                              hint="use --ep 1, or --set train.schedule=1f1b")
-        if pp < 2:
-            raise ConfigError(f"schedule dualpipev needs pipeline parallelism > 1, found pp={pp}",
-                              hint="use --pp 2 (or more), or --set train.schedule=single")
 
 
-def chunks_per_rank(schedule: str) -> int:
-    """Model chunks each pipeline rank holds under ``train.schedule``: two for DualPipeV's V, else one."""
-    return 2 if schedule == V_SCHEDULE else 1
+def _schedule(schedule: str | PipelineSchedule) -> PipelineSchedule:
+    """The schedule whose stages the lowering lays out: an object as given; a name of Megatron's own as
+    Megatron's layout. Any other name (a plugin's, before the plugins are active) is lowered with Megatron's
+    layout too, and the model is lowered again for the registered schedule (``NamMegatronModel.check``)."""
+    if isinstance(schedule, PipelineSchedule):
+        return schedule
+    found = MegatronSchedule(schedule)
+    if schedule not in MEGATRON_SCHEDULES:
+        found.name = schedule
+    return found
 
 
-def stage_of(rank: int, chunk: int, *, pp: int, chunks: int) -> int:
-    """The pipeline stage (0 = embeddings, last = output layer and MTP) of pipeline rank ``rank``'s chunk
-    ``chunk``. One chunk per rank: stage ``rank``. The V (two chunks): chunk 0 is stage ``rank`` on the way
-    down, chunk 1 stage ``2 pp - 1 - rank`` on the way back, so rank 0 holds the first and the last stage."""
-    if not (0 <= rank < pp and 0 <= chunk < chunks) or chunks not in (1, 2):
-        raise ValueError(f"no stage for rank {rank}, chunk {chunk} of pp={pp} x {chunks} chunk(s)")
-    return rank if chunk == 0 else 2 * pp - 1 - rank
+def _stage_map(schedule: PipelineSchedule, pp: int) -> tuple[tuple[int, ...], ...]:
+    chunks = schedule.chunks_per_rank
+    stage_map = tuple(tuple(schedule.stage_of(r, c, pp) for c in range(chunks)) for r in range(pp))
+    if sorted(s for row in stage_map for s in row) != list(range(pp * chunks)):
+        raise ConfigError(f"schedule {schedule.name!r} maps pp={pp} ranks x {chunks} chunk(s) to stages "
+                          f"{[list(row) for row in stage_map]}, not to each of 0..{pp * chunks - 1} once",
+                          hint="fix the schedule's stage_of")
+    return stage_map
 
 
 # --- pattern ------------------------------------------------------------------------------------------------
@@ -207,7 +228,9 @@ def _mla_kwargs(cfg: NAM56RConfig) -> dict:
 
 
 ADAPTER_NOTE = ("nam blocks take (cfg, backend) and [b, s, h]; the slot passes (config, layer_number, "
-                "pg_collection, ...) and [s, b, h] (§1.4): the adapter is part of the engine step")
+                "pg_collection, ...) and [s, b, h] (§1.4): the adapter translates")
+SLOTS = "nam56r.megatron.slots"
+MODEL = "nam56r.megatron.model"
 
 
 def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
@@ -219,7 +242,8 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
              "megatron", kwargs={"normalization": "RMSNorm", "eps": cfg.norm_eps},
              notes=("the stock spec fuses the norm into a TE in_proj; a plugin mixer needs an explicit norm (§2)",)),
         Slot("M", "mamba_layer.submodules.mixer", "nam56r.blocks.mamba3.Mamba3Mixer", "nam",
-             nam_block="nam56r.blocks.mamba3.Mamba3Mixer", backends={"ssm_mixers": cfg.ssm_backend},
+             nam_block="nam56r.blocks.mamba3.Mamba3Mixer", adapter=f"{SLOTS}.MambaSlot",
+             backends={"ssm_mixers": cfg.ssm_backend},
              kwargs={"hidden": cfg.hidden, "d_state": cfg.d_state, "mamba_expand": cfg.mamba_expand,
                      "mamba_headdim": cfg.mamba_headdim, "mamba_heads": cfg.mamba_heads,
                      "mamba_ngroups": cfg.mamba_ngroups, "mamba_mimo_rank": cfg.mamba_mimo_rank,
@@ -244,7 +268,7 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
         Slot("D", "dsa_layer", "megatron.core.transformer.transformer_layer.TransformerLayer", "megatron",
              notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
         Slot("D", "dsa_layer.submodules.self_attention", "nam56r.blocks.dsa.DSA", "nam",
-             nam_block="nam56r.blocks.dsa.DSA",
+             nam_block="nam56r.blocks.dsa.DSA", adapter=f"{SLOTS}.AttentionSlot", adapter_params={"sparse": True},
              backends={"attention_backends": cfg.attention_backend, "indexers": cfg.indexer},
              kwargs={**mla, "index_heads": cfg.index_heads, "index_head_dim": cfg.index_head_dim,
                      "index_topk": cfg.index_topk, "indexer_loss_coeff": cfg.indexer_loss_coeff,
@@ -253,7 +277,8 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
         Slot("+", "mla_layer", "megatron.core.transformer.transformer_layer.TransformerLayer", "megatron",
              notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
         Slot("+", "mla_layer.submodules.self_attention", "nam56r.blocks.mla.MLA", "nam",
-             nam_block="nam56r.blocks.mla.MLA", backends={"attention_backends": cfg.attention_backend}, kwargs=mla,
+             nam_block="nam56r.blocks.mla.MLA", adapter=f"{SLOTS}.AttentionSlot", adapter_params={"sparse": False},
+             backends={"attention_backends": cfg.attention_backend}, kwargs=mla,
              notes=(ADAPTER_NOTE, "Megatron's MLASelfAttention + TEDotProductAttention would fit these dims; "
                     "nam's MLA keeps MLA and DSA on one projection code, one attention backend and "
                     "DeepSeek-V3 parameter names")),
@@ -274,7 +299,8 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
                     "nam56r.blocks.structure.StructureEmbedding",)),
         Slot("model", "final_norm", "megatron.core.transformer.torch_norm.WrappedTorchNorm", "megatron",
              kwargs={"normalization": "RMSNorm", "eps": cfg.norm_eps},
-             notes=("HybridStack hard-wires TENorm here (§1.4); see gaps",)),
+             notes=("HybridStack hard-wires TENorm here (§1.4); the stack is built without it and NamHybridModel "
+                    "applies this class (see gaps)",)),
         Slot("model", "output_layer", "megatron.core.tensor_parallel.layers.ColumnParallelLinear", "megatron",
              backends={"ce_heads": cfg.ce_backend},
              kwargs={"vocab_size": cfg.vocab_size, "hidden": cfg.hidden},
@@ -359,53 +385,60 @@ def _model_args(cfg: NAM56RConfig, pattern: str) -> dict:
 # --- gaps ---------------------------------------------------------------------------------------------------
 
 
-def _gaps(cfg: NAM56RConfig, *, tp: int, schedule: str) -> tuple[Gap, ...]:
+def _gaps(cfg: NAM56RConfig, *, tp: int, schedule: PipelineSchedule) -> tuple[Gap, ...]:
+    """What Megatron-Core lacks for NAM56R, each with the part of the build that covers it (the one place
+    gap status is decided: a gap is covered exactly when ``covered_by`` names code the build runs)."""
+    hybrid = f"{MODEL}:nam_hybrid_model_class"  # NamHybridModel subclasses Megatron's HybridModel lazily
     gaps = [
         Gap("Mamba-3 mixer",
             "no Mamba-3 (SISO or MIMO) in any release 0.16.1-0.19.2, main or dev; only community PR #5038 (§2)",
             "nam56r.blocks.mamba3.Mamba3Mixer in mamba_layer.submodules.mixer, scan from the ssm_mixers backend "
-            f"({cfg.ssm_backend!r})", "covered"),
+            f"({cfg.ssm_backend!r})", f"{SLOTS}:MambaSlot"),
         Gap("DSA at NAM56R's MLA dims",
             "the fused TileLang sparse MLA only takes absorbed dims 576/512 and falls back to the O(s^2) "
             f"unfused path; NAM56R's is {cfg.kv_lora_rank + cfg.qk_rope_dim}/{cfg.kv_lora_rank} (§4)",
             f"nam56r.blocks.dsa.DSA in dsa_layer, core from the attention backend ({cfg.attention_backend!r}) "
-            f"and top-k from the indexer ({cfg.indexer!r})", "covered"),
+            f"and top-k from the indexer ({cfg.indexer!r})", f"{SLOTS}:AttentionSlot"),
         Gap("DSA indexer loss scale",
             "0.16-0.18 schedules never call DSAIndexerLossAutoScaler.set_loss_scale; 0.19 does it only for "
             "Megatron's own DSAttention (§4, §10 step 7)",
-            "nam's DSA does not use that scaler: it adds indexer_kl (x indexer_loss_coeff) to its ForwardState "
-            "and nam's forward step adds it to the loss, so the schedule's 1/num_microbatches scaling applies",
-            "open"),
+            "the attention adapter attaches the aux losses nam's DSA adds to its ForwardState (the indexer KL) "
+            "through DSAIndexerLossAutoScaler, whose scale the 0.19 schedules set for "
+            "experimental_attention_variant='dsa'", f"{SLOTS}:AttentionSlot.forward"),
         Gap("final norm",
             "HybridStack hard-wires TENorm as the final norm, not spec-configurable; without Transformer "
             "Engine it raises ImportError (§1.4, §9.2)",
-            "RMSNorm (Megatron's WrappedTorchNorm, the torch.nn.RMSNorm nam's model uses) in place of "
-            "hybrid_block.TENorm when Transformer Engine is absent", "open"),
+            "the stack is built with post_layer_norm=False and NamHybridModel applies the final_norm slot's "
+            "RMSNorm (Megatron's WrappedTorchNorm) before each CE head", hybrid),
         Gap("CE head",
             "the output layer's loss is compute_language_model_loss (native or te); the fused linear-CE module "
             "exists only on dev, Blackwell only (§6)",
-            f"output layer replaced so LM and MTP losses come from the active ce_heads plugin ({cfg.ce_backend!r}), "
-            "with the output weight kept in ColumnParallelLinear's checkpoint keys", "open"),
+            f"NamHybridModel computes the LM and MTP losses through the active ce_heads backend ({cfg.ce_backend!r}), "
+            "with the output weight kept in ColumnParallelLinear's checkpoint keys", hybrid),
         Gap("n-gram hash and structure embeddings",
             "LanguageModelEmbedding has the token table only",
-            "nam56r.blocks.ngram_hash.NgramHashEmbedding and nam56r.blocks.structure.StructureEmbedding added "
-            "on the first pipeline stage", "open"),
+            "NamHybridModel adds nam56r.blocks.ngram_hash.NgramHashEmbedding and "
+            "nam56r.blocks.structure.StructureEmbedding on the first pipeline stage", hybrid),
         Gap("slot contract",
             "slots build with (config, layer_number, pg_collection, ...) and call with [s, b, h] (§1.4)",
-            "one adapter per nam slot: build the nam block from the nam config, transpose to [b, s, h], "
-            "return (out, None)", "open"),
+            "one adapter per nam slot (Slot.adapter): builds the nam block from the nam config, transposes to "
+            "[b, s, h], returns (out, None)", f"{SLOTS}:Slots"),
         Gap("fp32 SSM parameters under Float16Module",
             "Float16Module casts every parameter to bf16; no keep-fp32 list (§8)",
-            "Mamba3Mixer._apply keeps D, dt_bias, B_bias, C_bias fp32 (the §8 plugin pattern)", "covered"),
+            "Mamba3Mixer._apply keeps D, dt_bias, B_bias, C_bias fp32 (the §8 plugin pattern)",
+            "nam56r.blocks.mamba3:Mamba3Mixer._apply"),
     ]
     if tp > 1:
         gaps.append(Gap("tensor parallelism in nam slots",
                         "Megatron's own layers shard over tp; plugin modules must shard themselves (§2)",
-                        f"nam's Mamba3Mixer, MLA and DSA have no tp sharding yet: tp={tp} needs them", "open"))
-    if schedule == V_SCHEDULE:
-        gaps.append(Gap("DualPipeV schedule", "not in any release, main or dev; only community PR #5254 (§7)",
-                        "nam's dualpipev schedule plugin drives the pipeline; NamMegatronModel builds each rank's "
-                        "two V chunks (stage r and stage 2 pp - 1 - r)", "covered"))
+                        f"nam's Mamba3Mixer, MLA and DSA have no tp sharding yet: tp={tp} needs them", None))
+    if schedule.name != "megatron":
+        gaps.append(Gap(f"{schedule.name} schedule",
+                        "not one of Megatron-Core's pipeline schedules (§7)",
+                        f"the schedules plugin registered as {schedule.name!r} drives the pipeline "
+                        "(nam_core.engine.megatron.schedule.PipelineSchedule); NamMegatronModel builds each rank's "
+                        f"{schedule.chunks_per_rank} chunk(s) at the stages it names",
+                        "nam_core.engine.megatron.schedule:PipelineSchedule"))
     return tuple(gaps)
 
 
@@ -419,45 +452,48 @@ def lower(
     pp: int = 1,
     ep: int = 1,
     micro_batch_size: int = 1,
-    schedule: str = "1f1b",
+    schedule: str | PipelineSchedule = "1f1b",
     bf16: bool = True,
     dispatcher: str = "alltoall",
 ) -> Lowering:
     """Lower ``cfg`` for Megatron-Core >= 0.19 at the given tensor/pipeline/expert parallel sizes.
 
-    ``schedule``: the run's ``train.schedule``; ``dualpipev`` lowers ``2 pp`` stages folded into a V (two model
-    chunks per pipeline rank), anything else ``pp`` stages for Megatron's own schedules (the engine checks the
-    name). Raises ConfigError for a parallel layout the model or the lowering cannot take.
+    ``schedule``: a ``PipelineSchedule`` (a registered schedule's instance), whose ``chunks_per_rank`` and
+    ``stage_of`` lay out ``pp x chunks`` stages; or the run's ``train.schedule`` name, lowered with Megatron's
+    layout (one chunk per rank). Raises ConfigError for a parallel layout the model or the lowering cannot take.
     """
     if dispatcher not in DISPATCHERS:
         raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(DISPATCHERS)}",
                           hint="--set train.moe_dispatcher=alltoall")
     if micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be >= 1, found {micro_batch_size}", hint="e.g. 1")
-    _check_parallel(cfg, tp=tp, pp=pp, ep=ep, schedule=schedule)
-    chunks = chunks_per_rank(schedule)
+    sched = _schedule(schedule)
+    chunks = sched.chunks_per_rank
+    _check_parallel(cfg, tp=tp, pp=pp, ep=ep, chunks=chunks)
+    stage_map = _stage_map(sched, pp)
     plan = resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks)
     main = _main_symbols(plan, cfg.pattern)
     pattern = _hybrid_pattern(main, pp * chunks, cfg.mtp_depths)
     stage = len(main) // (pp * chunks)
-    where = {stage_of(r, c, pp=pp, chunks=chunks): (r, c) for r in range(pp) for c in range(chunks)}
+    where = {s: (r, c) for r, row in enumerate(stage_map) for c, s in enumerate(row)}
     layers = tuple(
         {"index": l.index, "nam": l.symbol, "megatron": main[l.index], "dsa_rank": l.dsa_rank,
          "pp_stage": l.index // stage, "pp_rank": where[l.index // stage][0], "chunk": where[l.index // stage][1],
          "layer_number": l.index + 1}  # Megatron's layer_number is 1-based, global
         for l in plan.layers
     )
-    schedule = V_SCHEDULE if schedule == V_SCHEDULE else "megatron"
     notes = [
         "D + '+' + M + E in one pattern is allowed; '*' may not appear with D or '+' (§1.3)",
         "EP all-to-all overlap (combined_1f1b) stays off: it needs GPTModel.build_schedule_plan and "
         f"mtp_num_layers <= 1, NAM56R has {cfg.mtp_depths} (§5)",
     ]
+    last = where[pp * chunks - 1][0]
     if pp == 1:
         notes.append("CUDA graphs off: nam's config check refuses CUDA graphs at pp == 1")
-    elif chunks == 2:
-        notes.append(f"{2 * pp} even stages of {stage} layers folded into a V: rank r holds stages r and "
-                     f"{2 * pp - 1} - r, so rank 0 holds the embeddings and the MTP depths and output layer")
+    elif chunks > 1:
+        notes.append(f"{pp * chunks} even stages of {stage} layers, {chunks} chunks per rank as schedule "
+                     f"{sched.name!r} places them: rank {where[0][0]} holds the embeddings, rank {last} the MTP "
+                     "depths and the output layer")
     else:
         notes.append(f"{pp} even stages of {stage} layers; the first also holds the embeddings, the last the MTP "
                      "depths and the output layer (§1.3: MTP is forced onto the last stage)")
@@ -473,13 +509,40 @@ def lower(
         config_args=_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main), dispatcher=dispatcher),
         model_args=_model_args(cfg, pattern),
         micro_batch_size=micro_batch_size,
-        schedule=schedule,
+        schedule=sched.name,
         chunks=chunks,
+        stage_map=stage_map,
         moe_dispatcher=dispatcher,
         cuda_graphs=False,
-        gaps=_gaps(cfg, tp=tp, schedule=schedule),
+        gaps=_gaps(cfg, tp=tp, schedule=sched),
         notes=tuple(notes),
     )
+
+
+def relower(cfg: NAM56RConfig, lowering: Lowering, schedule: PipelineSchedule) -> Lowering:
+    """``lowering`` (made with the same ``cfg``) lowered again for ``schedule``'s stages."""
+    args = lowering.config_args
+    return lower(cfg, tp=args["tensor_model_parallel_size"], pp=args["pipeline_model_parallel_size"],
+                 ep=args["expert_model_parallel_size"], micro_batch_size=lowering.micro_batch_size,
+                 schedule=schedule, bf16=args["bf16"], dispatcher=lowering.moe_dispatcher)
+
+
+def check_lowering(lowering: Lowering, *, registered_schedules: Mapping) -> None:
+    """Refuse a lowering the build cannot run: an open gap (one no part of the build covers), a schedule no
+    active plugin registered, or CUDA graphs."""
+    if lowering.schedule != "megatron" and lowering.schedule not in registered_schedules:
+        raise ConfigError(f"the model was lowered for schedule {lowering.schedule!r} ({lowering.chunks} chunk(s) per "
+                          f"pipeline rank) and no registered schedule of that name drives it (registered: "
+                          f"{', '.join(sorted(registered_schedules)) or 'none'})",
+                          hint="add the plugin that provides it with --plugins (`nam plugins list` shows which), "
+                               "or --set train.schedule=1f1b")
+    if lowering.open_gaps:
+        raise ConfigError("the megatron engine cannot close these gaps of the lowering: "
+                          + "; ".join(f"{g.what} ({g.nam})" for g in lowering.open_gaps),
+                          hint="`nam recipe show NAME --megatron-args` lists the gaps; e.g. --tp 1")
+    if lowering.cuda_graphs:
+        raise ConfigError("the lowering asks for CUDA graphs, which the megatron engine does not capture",
+                          hint="leave CUDA graphs off")
 
 
 # Config/model argument -> Megatron command-line flag, where the flag is not the name with dashes.

@@ -1,4 +1,4 @@
-"""Reference ``AttentionCore``: causal MLA attention in absorbed (MQA) form, pure PyTorch.
+"""Reference ``AttentionCore`` (causal MLA attention in absorbed (MQA) form) and ``IndexerKernels``, pure PyTorch.
 
 Every query head attends to one shared KV "head": the key is the full ``[c_kv ; k_rope]`` row and the value
 is its first ``d_v`` channels (the latent ``c_kv``), see kernels-and-math.md section 3. This is the contract
@@ -6,8 +6,9 @@ the GPU kernels implement (tilelang ``sparse_mla_fwd``, FlashMLA), so this file 
 
 * ``dense``: ordinary causal softmax attention. It holds the ``[b, h, s, s]`` score matrix, which is fine for
   an oracle on CPU-sized inputs; kernels never form it.
-* ``index_scores`` and ``sparse_teacher``: the DSA indexer's scores and its sparse KL teacher, the
-  head-by-head pure-PyTorch functions of ``nam56r.blocks.indexer``, unchanged.
+* ``ReferenceIndexerKernels.index_scores`` and ``sparse_teacher`` (kind ``indexer_kernels``): the DSA
+  indexer's scores and its sparse KL teacher, the head-by-head pure-PyTorch functions of
+  ``nam56r.blocks.indexer``, unchanged.
 * ``sparse``: each query ``t`` attends only to the keys listed in ``indices[b, t, :]``. The keys are gathered
   into ``[b, s, topk, dk]`` (never a ``[b, s, s]`` anything), so cost and memory scale with top-k.
   A slot is live iff ``0 <= index <= t``: ``-1`` marks an empty slot (a row with fewer than top-k past keys),
@@ -29,8 +30,23 @@ def _accumulate_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-class ReferenceAttention:
-    """The ``reference`` attention backend (registry ``attention_backends``)."""
+class ReferenceIndexerKernels:
+    """The ``reference`` backend of kind ``indexer_kernels``."""
+
+    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``nam56r.blocks.indexer.index_scores``: ``[b, s, s]`` in ``w``'s dtype, -inf above the diagonal."""
+        return index_scores(q, k, w)
+
+    def sparse_teacher(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """``nam56r.blocks.indexer.teacher_sparse``: ``[b, s, topk]``, no gradient."""
+        return teacher_sparse(q, kv, indices, scale)
+
+
+class ReferenceAttention(ReferenceIndexerKernels):
+    """The ``reference`` backend of kind ``attention``. It also carries the indexer kernels (its base class)
+    only for DSA blocks built without ``indexer_kernels`` (the megatron slot, until it passes them)."""
 
     def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor:
         """Causal attention of ``q [b, s, h, dk]`` over ``kv [b, s, dk]``; returns ``[b, s, h, d_v]``."""
@@ -58,12 +74,3 @@ class ReferenceAttention:
         out = torch.einsum("bthk,btkd->bthd", probs, picked[..., :d_v])  # [b, s, h, d_v]
         return out.to(q.dtype)
 
-    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``nam56r.blocks.indexer.index_scores``: ``[b, s, s]`` in ``w``'s dtype, -inf above the diagonal."""
-        return index_scores(q, k, w)
-
-    def sparse_teacher(
-        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float
-    ) -> torch.Tensor:
-        """``nam56r.blocks.indexer.teacher_sparse``: ``[b, s, topk]``, no gradient."""
-        return teacher_sparse(q, kv, indices, scale)

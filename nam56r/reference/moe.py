@@ -5,7 +5,7 @@ without a Python loop), and this backend runs them densely: ``einsum`` over the 
 sparse ``[t, E]`` gate matrix zeroes the ``E - k`` unchosen experts of each token before the down
 projection. Cost: E / k times the routed FLOPs (NAM56R: 16 / 4 = 4x) and an intermediate of ``t * E * 2f``
 values -- for NAM56R the same as one dense SwiGLU of width E * f = 2560, so it stays usable for small runs.
-In exchange no shape depends on the routing, hence no host sync. Kernel backends (``moe_experts``) dispatch
+In exchange no shape depends on the routing, hence no host sync. Kernel backends (kind ``moe``) dispatch
 tokens to their experts instead and are tested against this one.
 """
 

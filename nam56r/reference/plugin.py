@@ -1,8 +1,9 @@
 """The built-in plugin ``reference``: NAM56R's pure-PyTorch backends, the oracle for every kernel.
 
-It runs anywhere torch runs and needs nothing else. Like every plugin it is active only when named (the
-``nam56r-tiny`` recipe names it); GPU recipes name the kernel plugins instead, and a user who wants the
-reference path on a GPU names it too (e.g. ``--set attention_backend=reference --plugins reference``).
+It runs anywhere torch runs and needs nothing else. It is essential: every run resolved by ``nam56r.run`` has
+it active, so a config field set to ``reference`` (``--set attention_backend=reference``) always finds its
+provider. GPU recipes select kernel plugins for the hot kinds; the reference stays the implementation of the
+kinds nobody else was chosen for.
 """
 
 from __future__ import annotations
@@ -11,13 +12,8 @@ from nam_core import PluginInfo, hookimpl
 
 PLUGIN = PluginInfo(
     summary="pure-PyTorch NAM56R backends (exact on CPU; the reference every kernel is tested against)",
-    provides={
-        "ssm_mixers": ["reference"],
-        "attention_backends": ["reference"],
-        "ce_heads": ["reference"],
-        "indexers": ["full"],
-        "moe_experts": ["reference"],
-    },
+    provides={"ssm": ["reference"], "attention": ["reference"], "indexer_kernels": ["reference"],
+              "indexer": ["full"], "ce": ["reference"], "moe": ["reference"]},
 )
 
 
@@ -31,7 +27,7 @@ def nam_check_config(config, device):
     from nam_core import Check
     from nam_core.requirements import FAIL, PASS
 
-    if config is None or config.train.device != "cuda" or config.model.attention_backend != "reference":
+    if config.train.device != "cuda" or config.model.attention_backend != "reference":
         return []
     from nam56r.pattern import resolve
 
@@ -40,7 +36,7 @@ def nam_check_config(config, device):
     if not counts["dsa"]:
         return []
     needed = "a fused attention backend for DSA on CUDA, or attention_backend=reference set by name"
-    if "attention_backend" in getattr(config, "explicit", ()):
+    if "attention_backend" in config.explicit:
         return [Check("reference", "DSA on CUDA", PASS, needed,
                       f"attention_backend=reference, chosen by you: {counts['dsa']} DSA layers run unfused")]
     return [Check("reference", "DSA on CUDA", FAIL, needed,
@@ -50,7 +46,7 @@ def nam_check_config(config, device):
 
 
 @hookimpl
-def nam_register_ssm_mixers(register):
+def nam_register_ssm_backends(register):
     from nam56r.reference.mamba3 import ReferenceSSMScan
 
     register("reference", ReferenceSSMScan)
@@ -64,21 +60,28 @@ def nam_register_attention_backends(register):
 
 
 @hookimpl
-def nam_register_ce_heads(register):
+def nam_register_indexer_kernels_backends(register):
+    from nam56r.reference.attention import ReferenceIndexerKernels
+
+    register("reference", ReferenceIndexerKernels)
+
+
+@hookimpl
+def nam_register_ce_backends(register):
     from nam56r.reference.ce import ReferenceCEHead
 
     register("reference", ReferenceCEHead)
 
 
 @hookimpl
-def nam_register_moe_experts(register):
+def nam_register_moe_backends(register):
     from nam56r.reference.moe import ReferenceExperts
 
     register("reference", ReferenceExperts)
 
 
 @hookimpl
-def nam_register_indexers(register):
+def nam_register_indexer_backends(register):
     from nam56r.blocks.indexer import FullIndexer
 
     register("full", FullIndexer)
@@ -88,10 +91,10 @@ def reference_backends():
     """The reference backends without a plugin host (tests, meta-device counting)."""
     from nam56r.blocks.indexer import FullIndexer
     from nam56r.model import Backends
-    from nam56r.reference.attention import ReferenceAttention
+    from nam56r.reference.attention import ReferenceAttention, ReferenceIndexerKernels
     from nam56r.reference.ce import ReferenceCEHead
     from nam56r.reference.mamba3 import ReferenceSSMScan
     from nam56r.reference.moe import ReferenceExperts
 
-    return Backends(ssm=ReferenceSSMScan(), attention=ReferenceAttention(), ce=ReferenceCEHead(),
-                    indexer=FullIndexer(), moe=ReferenceExperts())
+    return Backends(ssm=ReferenceSSMScan(), attention=ReferenceAttention(), indexer_kernels=ReferenceIndexerKernels(),
+                    indexer=FullIndexer(), ce=ReferenceCEHead(), moe=ReferenceExperts())

@@ -6,6 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+MOE_DISPATCHERS = ("alltoall", "flex")
+"""``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
+ENGINES = ("local", "megatron")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     engine: str = "local"
@@ -60,9 +65,14 @@ class TrainConfig:
     """Options read by plugins, ``{"lemyx.warmup_steps": 1000, ...}`` (set with --set lemyx.warmup_steps=...)."""
 
     def __post_init__(self):
-        if self.checkpoint_every < 0:
-            from nam_core.errors import ConfigError
+        from nam_core.errors import ConfigError
 
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ConfigError(f"train.moe_dispatcher={self.moe_dispatcher!r}: expected one of "
+                              f"{', '.join(MOE_DISPATCHERS)}", hint="--set train.moe_dispatcher=alltoall")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"train.engine={self.engine!r}: expected local or megatron", hint="--engine local")
+        if self.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every must be >= 0 (0: no checkpoints), found {self.checkpoint_every}",
                               hint="--set train.checkpoint_every=50")
 

@@ -15,7 +15,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -23,6 +23,7 @@ from nam_core.engine import checkpoint
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
 from nam_core.errors import TrainingGuardError
+from nam_core.run import RunSpec, StepContext
 
 
 @dataclass
@@ -48,6 +49,17 @@ class LocalRun:
     notes: list[str] = field(default_factory=list)
     """Lines for the run log, each logged once: before the first step (the fields requested plugins
     selected) and after each step (what ``forward`` appended, e.g. blocks' ``ForwardState.log``)."""
+    spec: RunSpec | None = None
+    """The run the plugins were activated for; lifecycle hooks read it through their ``StepContext``."""
+    backends: Mapping[str, Any] = field(default_factory=dict)
+    """Kind -> the backend object the model runs (``StepContext.backend``)."""
+
+    def context(self, step: int) -> StepContext:
+        """What the lifecycle hooks of step ``step`` receive."""
+        if self.spec is None:
+            raise TypeError("LocalRun.spec is unset: build the run through nam56r.run (the composition root)")
+        return StepContext(step=step, spec=self.spec, backends=self.backends, parameters=self.model.named_parameters,
+                           note=lambda line: self.log.note(line) if self.log is not None else None)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -119,7 +131,8 @@ def train(run: LocalRun) -> dict:
     try:
         for step in range(start, run.max_steps):
             run.step = step
-            run.host.before_step(step, run)
+            ctx = run.context(step)
+            run.host.before_step(step, ctx)
             t0 = time.perf_counter()
             run.model.train()
             totals: dict[str, float] = {}
@@ -154,7 +167,7 @@ def train(run: LocalRun) -> dict:
                        "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                        "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12,
                        "mem_gib": _memory_gib(cfg.device), "step_time_s": dt}
-            run.host.after_step(step, run, metrics)
+            run.host.after_step(step, ctx, metrics)
             _drain_notes(run)
             if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps:
                 run.log.log(metrics)

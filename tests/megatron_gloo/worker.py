@@ -48,28 +48,31 @@ def _install_double():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from nam_core.engine import megatron as engine
+    from nam_core.engine.megatron import checks, parallel
 
-    def init_parallel(*, tp, pp, ep, seed, chunks=1):  # gloo, not NCCL; no CUDA RNG tracker (nam56r has no dropout)
+    def init_parallel(*, tp, pp, ep, seed, schedule=None):  # gloo, not NCCL; no CUDA RNG tracker (no dropout)
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group("gloo")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep,
-                                                 get_embedding_ranks=engine.embedding_ranks(chunks))
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            get_embedding_ranks=schedule.embedding_ranks() if schedule is not None else None)
         return ProcessGroupCollection.use_mpu_process_groups()
 
-    engine.init_parallel = init_parallel
-    engine._device = lambda: torch.device("cpu")
-    engine.runtime_facts = lambda: {"megatron": engine.megatron_version(), "python": (3, 12), "cuda": True,
-                                    "distributed": True, "world_size": int(os.environ["WORLD_SIZE"]),
-                                    "psutil": True, "deep_ep": False}
+    def facts():
+        return {"megatron": engine.megatron_version(), "python": (3, 12), "cuda": True, "distributed": True,
+                "world_size": int(os.environ["WORLD_SIZE"]), "psutil": True, "deep_ep": False}
+
+    # The loop calls the parts' functions; nam train (cli/train.py) the package's.
+    engine.init_parallel = parallel.init_parallel = init_parallel
+    engine.device = parallel.device = lambda: torch.device("cpu")
+    engine.runtime_facts = checks.runtime_facts = facts
     return engine
 
 
 def megatron_run(args, recipe) -> None:
     engine = _install_double()
     from nam56r.flops import flops_per_token
-    from nam56r.megatron import lower
-    from nam56r.megatron_model import NamMegatronModel
+    from nam56r.megatron import NamMegatronModel, lower
     from nam56r.model import Backends
 
     cfg = recipe.model
@@ -77,13 +80,13 @@ def megatron_run(args, recipe) -> None:
     train = recipe.train.replace(
         engine="megatron", device="cuda", dtype=args.dtype, micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
         checkpoint_every=2, keep_checkpoints=10, total_steps=20, pp=args.pp, ep=args.ep, schedule=schedule)
-    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=args.dtype == "bfloat16",
-                     schedule=schedule)
     schedules = {}
-    if schedule == "dualpipev":
+    if schedule == "dualpipev":  # what --plugins dualpipev registers
         from nam_plugin_dualpipev.engine import DualPipeV
 
         schedules["dualpipev"] = DualPipeV
+    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=args.dtype == "bfloat16",
+                     schedule=schedules[schedule]() if schedule in schedules else schedule)
     run = engine.MegatronRun(
         run_dir=args.run_dir, train=train, model=NamMegatronModel(cfg, Backends.reference(), lowering, seed=train.seed),
         batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps, schedules=schedules,
@@ -112,6 +115,7 @@ def grads_run(args, recipe) -> None:
 def local_run(args, recipe) -> None:
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
+    from nam56r.run import spec_for
     from nam56r.state import ForwardState
     from nam_core.engine.local import LocalRun, train
 
@@ -132,7 +136,8 @@ def local_run(args, recipe) -> None:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     train(LocalRun(run_dir=args.run_dir, train=tc, model=model, forward=forward,
                    batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps,
-                   flops_per_token=flops_per_token(cfg).total, quiet=True))
+                   flops_per_token=flops_per_token(cfg).total, quiet=True,
+                   spec=spec_for("nam56r-tiny", device="cpu")))  # the engine builds each step's hook context
 
 
 def cli_run(args, recipe) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 import nam_plugin_dualpipev.plugin as plugin
 from nam56r.recipes import apply_overrides, get_recipe
+from nam56r.run import spec_for
 from nam_cli.main import run
 from nam_core.device import DeviceInfo
 from nam_core.errors import NamError, PluginActivationError
@@ -23,10 +24,18 @@ H100 = DeviceInfo.profile("h100")
 
 
 def recipe(**train):
-    """nam56r-tiny with the plugin requested and a megatron layout DualPipeV accepts, changed by ``train``."""
-    rec = get_recipe("nam56r-tiny")
+    """The RunSpec of nam56r-tiny with the plugin requested and a megatron layout DualPipeV accepts, changed by
+    ``train`` (built by hand: the layout is hypothetical, no process group checks it here)."""
+    from nam_core.run import Layout
+
+    s = spec_for("nam56r-tiny", "attention_backend=reference", plugins=["dualpipev"], device="cuda")
     fields = dict(engine="megatron", device="cuda", dtype="bfloat16", pp=2, grad_accum=4, schedule="dualpipev")
-    return dataclasses.replace(rec, train=rec.train.replace(**{**fields, **train}))
+    t = s.train.replace(**{**fields, **train})
+    backends = {k: v for k, v in s.backends.items() if k != "schedules"}
+    if t.schedule not in ("single", "1f1b"):
+        backends["schedules"] = t.schedule
+    return s.replace(train=t, engine=t.engine, backends=backends,
+                     layout=Layout(tp=t.tp, pp=t.pp, ep=t.ep, world_size=t.tp * t.pp * t.ep))
 
 
 def by_name(checks):
@@ -38,7 +47,6 @@ def test_activates_without_a_config_and_registers_the_schedule():
     host.activate(["dualpipev"], CPU)
     assert host.registry("schedules").get("dualpipev") is DualPipeV
     assert plugin.PLUGIN.provides == {"schedules": ["dualpipev"]}
-    assert plugin.nam_check_config(config=None, device=CPU) == []
 
 
 def test_a_layout_it_accepts_passes_every_check():
@@ -64,7 +72,7 @@ def test_config_refusals_say_what_was_needed_found_and_what_to_do(train, name, f
     assert check.status == FAIL
     assert check.found == found and needed in check.needed and hint in check.hint
     with pytest.raises(PluginActivationError, match=f"dualpipev: {name}: needs .*, found {found}") as e:
-        PluginHost().activate(["dualpipev"], H100, recipe(**train))
+        PluginHost().activate(recipe(**train).plugins, H100, recipe(**train))
     assert e.value.exit_code == 3
 
 
@@ -74,7 +82,8 @@ def test_requesting_the_plugin_does_not_select_the_schedule_the_user_sets_it():
     infos = {"dualpipev": PluginHost().info("dualpipev")}
     rec = apply_overrides(get_recipe("nam56r-tiny"), [], plugin_names=["dualpipev"], plugin_infos=infos)
     assert rec.train.schedule == "single"
-    checks = by_name(plugin.nam_check_config(config=recipe(schedule="1f1b"), device=H100))
+    unused = recipe(schedule="1f1b")
+    checks = by_name(c for c in PluginHost().evaluate(unused.plugins, H100, unused).checks if c.plugin == "dualpipev")
     assert checks["selected"].status == SKIP and checks["selected"].hint == "--set train.schedule=dualpipev"
     assert all(c.status != FAIL for c in checks.values())
     rec = apply_overrides(get_recipe("nam56r-tiny"), ["train.schedule=dualpipev"], plugin_names=["dualpipev"],

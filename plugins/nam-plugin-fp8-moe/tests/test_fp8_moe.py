@@ -21,7 +21,8 @@ from nam_core.requirements import FAIL, PASS, SKIP
 from nam_plugin_fp8_moe import experts as ex
 from nam_core.testing import rel_norm_error
 from nam_plugin_fp8_moe import quant, selftest
-from nam_plugin_fp8_moe.options import OptionError, parse_options
+from nam56r.run import spec_for
+from nam_core.errors import ConfigError
 
 CPU = DeviceInfo.profile("cpu")
 H100 = DeviceInfo.profile("h100")
@@ -119,60 +120,58 @@ def test_model_runs_with_fp8_experts_and_keeps_its_checkpoint_keys():
 
 
 # --- declaration, options, refusals -----------------------------------------------------------------------
-def recipe(*overrides):
-    return apply_overrides(get_recipe("nam56r"), list(overrides), plugin_names=["fp8-moe"],
-                           plugin_infos={"fp8-moe": plugin.PLUGIN})
+def spec(*overrides, device="cuda"):
+    """The run a user gets from `--plugins fp8-moe` on the tiny recipe on an H100 (fake), bf16, reference DSA."""
+    return spec_for("nam56r-tiny", "attention_backend=reference", "train.dtype=bfloat16", *overrides,
+                    plugins=["fp8-moe"], device=device)
+
+
+def rows(s, device=H100):
+    return {c.name: c for c in PluginHost().evaluate(s.plugins, device, s).checks if c.plugin == "fp8-moe"}
 
 
 def test_declaration_and_gpu_extra():
     info = plugin.PLUGIN
-    assert info.provides == {"moe_experts": ["fp8"]} and info.selects == {"moe_backend": "fp8"}
-    assert [(r.title, r.needed) for r in info.requires] == [
-        ("CUDA capability", ">= sm_89"), ("package torch", "torch>=2.5"), ("package triton", "triton>=3.3")]
+    assert info.provides == {"moe": ["fp8"]} and info.selects == {"moe_backend": "fp8"}
     [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "fp8-moe"]
     assert ep.value == "nam_plugin_fp8_moe.plugin"
     assert [r for r in importlib.metadata.requires("nam-plugin-fp8-moe") if "extra" not in r] == ["nam-train"]
 
 
-def test_options_parse_or_name_what_they_expected():
-    assert parse_options({}) == parse_options({"fp8-moe.backend": "torch", "fp8-moe.amax_history": "16"})
-    assert parse_options({"fp8-moe.amax_history": "4"}).amax_history == 4
-    for raw, match in [({"fp8-moe.backend": "cublas"}, "one of torch, te"),
-                       ({"fp8-moe.amax_history": "0"}, "an integer >= 1"),
-                       ({"fp8-moe.amax_history": "x"}, "an integer >= 1"),
-                       ({"fp8-moe.scaling": "tensor"}, "one of fp8-moe.backend, fp8-moe.amax_history")]:
-        with pytest.raises(OptionError, match=match):
-            parse_options(raw)
+def test_options_are_parsed_by_the_host_or_refused_with_their_doc():
+    assert spec().options["fp8-moe"].amax_history == 16 and spec().options["fp8-moe"].backend == "torch"
+    assert spec("fp8-moe.amax_history=4").options["fp8-moe"].amax_history == 4
+    for raw, match in [("fp8-moe.backend=cublas", "expected one of torch, te"),
+                       ("fp8-moe.amax_history=0", "expected an integer >= 1 .amax_history: calls of amax"),
+                       ("fp8-moe.amax_history=x", "expected an integer >= 1"),
+                       ("fp8-moe.scaling=tensor", "has no option 'scaling'")]:
+        with pytest.raises(ConfigError, match=match) as e:
+            spec(raw)
+        assert e.value.exit_code == 2
 
 
 def test_requesting_the_plugin_selects_fp8_and_an_explicit_choice_wins():
-    assert recipe().model.moe_backend == "fp8"
-    checks = plugin.nam_check_config(config=recipe("moe_backend=reference"), device=H100)
-    assert checks[-1].status == SKIP and "active but unused" in checks[-1].found
+    assert spec().model.moe_backend == "fp8" and rows(spec())["selected"].status == PASS
+    check = rows(spec("moe_backend=reference"))["selected"]
+    assert check.status == SKIP and "active but unused" in check.found
 
 
-def test_config_check_passes_nam56r_on_cuda_bf16():
-    checks = plugin.nam_check_config(config=recipe(), device=H100)
+def test_config_check_passes_on_cuda_bf16():
+    checks = plugin.nam_check_config(config=spec(), device=H100)
     assert [(c.name, c.status) for c in checks] == [("backend", PASS), ("expert GEMM shapes", PASS)]
 
 
-def test_config_check_wants_cuda_bf16_and_gemm_shapes():
-    checks = {c.name: c for c in plugin.nam_check_config(
-        config=recipe("train.device=cpu", "train.dtype=float32", "moe_ffn_hidden=150"), device=CPU)}
+def test_host_wants_cuda_bf16_and_the_plugin_gemm_shapes():
+    checks = rows(spec("train.dtype=float32", "moe_ffn_hidden=150", device="cpu"), CPU)
     assert checks["train.device"].status == FAIL and checks["train.dtype"].status == FAIL
     assert checks["expert GEMM shapes"].status == FAIL and checks["expert GEMM shapes"].found == "moe_ffn_hidden=150"
 
 
 def test_te_backend_is_refused_with_the_reason():
-    checks = {c.name: c for c in plugin.nam_check_config(config=recipe("fp8-moe.backend=te"), device=H100)}
+    checks = {c.name: c for c in plugin.nam_check_config(config=spec("fp8-moe.backend=te"), device=H100)}
     assert checks["package transformer-engine"].status == FAIL
     assert checks["backend"].status == FAIL and "not built in this release" in checks["backend"].found
     assert checks["backend"].hint == "--set fp8-moe.backend=torch"
-
-
-def test_bad_option_is_one_failed_row():
-    [check] = plugin.nam_check_config(config=recipe("fp8-moe.amax_history=-2"), device=H100)
-    assert check.status == FAIL and check.found == "fp8-moe.amax_history='-2'"
 
 
 def test_activation_is_refused_on_cpu_and_before_ada():
@@ -185,6 +184,6 @@ def test_activation_is_refused_on_cpu_and_before_ada():
 
 def test_activates_on_an_h100_profile_without_launching():
     host = PluginHost()
-    ev = host.activate(["fp8-moe"], H100, recipe())
-    assert host.registry("moe_experts").get("fp8") is ex.FP8Experts
+    ev = host.activate(spec().plugins, H100, spec())
+    assert host.registry("moe").get("fp8") is ex.FP8Experts
     assert [c.status for c in ev.checks if c.plugin == "fp8-moe" and c.name == "launch checks"] == [SKIP]

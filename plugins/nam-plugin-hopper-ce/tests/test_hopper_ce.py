@@ -19,7 +19,7 @@ from nam56r.recipes import apply_overrides, get_recipe
 from nam_core.device import DeviceInfo
 from nam_core.errors import NamError, PluginActivationError
 from nam_core.host import PluginHost
-from nam_core.requirements import FAIL, SKIP
+from nam_core.requirements import FAIL, PASS, SKIP
 
 CPU = DeviceInfo.profile("cpu")
 H100 = DeviceInfo.profile("h100")
@@ -120,13 +120,21 @@ def test_the_head_refuses_cpu_tensors_and_fp32():
 
 
 # --- declaration, selection, refusals -------------------------------------------------------------------
-def recipe(*overrides):
-    return apply_overrides(get_recipe("nam56r"), list(overrides), plugin_infos={"hopper-ce": plugin.PLUGIN})
+def spec(*overrides, device="cuda"):
+    """`--plugins hopper-ce` on the tiny recipe on an H100 (fake), bf16, the reference DSA chosen by name."""
+    from nam56r.run import spec_for
+
+    return spec_for("nam56r-tiny", "attention_backend=reference", "train.dtype=bfloat16", *overrides,
+                    plugins=["hopper-ce"], device=device)
+
+
+def rows(s, device=H100):
+    return {c.name: c for c in PluginHost().evaluate(s.plugins, device, s).checks if c.plugin == "hopper-ce"}
 
 
 def test_declaration_and_gpu_extra():
     info = plugin.PLUGIN
-    assert info.provides == {"ce_heads": ["hopper-ce"]} and info.selects == {"ce_backend": "hopper-ce"}
+    assert info.provides == {"ce": ["hopper-ce"]} and info.selects == {"ce_backend": "hopper-ce"}
     assert [(r.title, r.needed) for r in info.requires] == [("CUDA capability", ">= sm_90"),
                                                             ("package triton", "triton>=3.3")]
     [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "hopper-ce"]
@@ -135,17 +143,16 @@ def test_declaration_and_gpu_extra():
 
 
 def test_requesting_the_plugin_selects_the_head_and_an_explicit_choice_wins():
-    assert recipe().model.ce_backend == "hopper-ce"
-    [check] = plugin.nam_check_config(config=recipe("ce_backend=liger"), device=H100)
+    assert spec().model.ce_backend == "hopper-ce" and rows(spec())["selected"].status == PASS
+    check = rows(spec("ce_backend=reference"))["selected"]
     assert check.status == SKIP and "active but unused" in check.found
 
 
-def test_config_check_wants_cuda_and_16_bit():
-    checks = {c.name: c for c in plugin.nam_check_config(config=recipe("train.device=cpu", "train.dtype=float32"),
-                                                          device=CPU)}
+def test_the_host_wants_cuda_and_16_bit_from_the_declaration():
+    checks = rows(spec("train.dtype=float32", device="cpu"), CPU)
     assert checks["train.device"].status == FAIL and checks["train.dtype"].status == FAIL
     assert "ce_backend=reference" in checks["train.dtype"].hint
-    assert plugin.nam_check_config(config=recipe(), device=H100) == []
+    assert {n for n, c in rows(spec()).items() if c.status == FAIL} == set()
 
 
 def test_activation_is_refused_on_cpu_and_before_hopper():
@@ -160,6 +167,6 @@ def test_activates_on_an_h100_profile_without_launching():
     from nam_plugin_hopper_ce.head import HopperCEHead
 
     host = PluginHost()
-    ev = host.activate(["hopper-ce"], H100, recipe())
-    assert host.registry("ce_heads").get("hopper-ce") is HopperCEHead
+    ev = host.activate(spec().plugins, H100, spec())
+    assert host.registry("ce").get("hopper-ce") is HopperCEHead
     assert [c.status for c in ev.checks if c.plugin == "hopper-ce" and c.name == "launch checks"] == [SKIP]

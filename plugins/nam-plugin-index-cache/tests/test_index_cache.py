@@ -22,7 +22,9 @@ from nam56r.state import ForwardState
 from nam_cli.main import run
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
-from nam_core.errors import PluginActivationError
+from nam_core.errors import ConfigError, NamError, PluginActivationError
+from nam_core.run import StepContext
+from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
 from nam_core.testing import prepare_corpus
@@ -222,8 +224,8 @@ def test_all_full_pattern_equals_the_full_strategy_bit_for_bit():
 
 
 # --- the config check and activation ----------------------------------------------------------------
-def recipe_with(*overrides):
-    return apply_overrides(get_recipe("nam56r-tiny"), ["indexer=index-cache", *overrides], plugin_names=PLUGINS)
+def spec_with(*overrides):
+    return spec_for("nam56r-tiny", *overrides, plugins=PLUGINS)
 
 
 @pytest.mark.parametrize("pattern, found", [
@@ -233,66 +235,67 @@ def recipe_with(*overrides):
     ("fssfssfss", "letters ['f', 's']"),
 ])
 def test_config_check_refuses_a_bad_pattern(pattern, found):
-    checks = plugin.nam_check_config(config=recipe_with(f"index-cache.pattern={pattern}"), device=CPU)
+    checks = plugin.nam_check_config(config=spec_with(f"index-cache.pattern={pattern}"), device=CPU)
     [bad] = [c for c in checks if c.status == FAIL]
     assert bad.name == "pattern" and found in bad.found and "index-cache.pattern=FSSFSSFSS" in bad.hint
     with pytest.raises(PluginActivationError, match="index-cache: pattern"):
-        PluginHost().activate(PLUGINS, CPU, recipe_with(f"index-cache.pattern={pattern}"))
+        s = spec_with(f"index-cache.pattern={pattern}")
+        PluginHost().activate(s.plugins, CPU, s)
 
 
-def test_step_hooks_read_the_model_description_either_engine_hands_over():
-    """The megatron engine hands hooks NamMegatronModel (cfg and backends, no nam layers) and a log on rank 0
-    only: the hook counts DSA layers from the config, and stays silent where there is no log."""
-    class Log:
-        def __init__(self):
-            self.notes = []
-
-        def note(self, line):
-            self.notes.append(line)
-
-    cfg = get_recipe("nam56r").model
-    described = types.SimpleNamespace(cfg=cfg, backends=dataclasses.replace(Backends.reference(),
-                                                                            indexer=IndexCache()))
-    rank0, rank1 = types.SimpleNamespace(model=described, log=Log()), types.SimpleNamespace(model=described, log=None)
-    plugin.nam_before_step(step=0, run=rank1)
-    plugin.nam_after_step(step=0, run=rank1, metrics={})
-    plugin.nam_before_step(step=0, run=rank0)
-    assert rank0.log.notes == ["index-cache: FSSFSSFSS: 6 of 9 DSA layers reuse a Full layer's top-k; indexer work "
-                               "saved 67%"]
+def context(strategy, notes, *, uses=True):
+    """A StepContext as either engine builds it: the run's spec, its backends, a note sink."""
+    s = spec_for("nam56r", "indexer_backend=index-cache" if uses else "indexer_backend=full")
+    backends = dataclasses.replace(Backends.reference(), indexer=strategy).as_mapping()
+    return StepContext(step=0, spec=s, backends=backends, parameters=lambda: iter(()), note=notes.append)
 
 
-def test_config_check_passes_the_default_reports_the_saving_and_accepts_no_config():
-    [check] = plugin.nam_check_config(config=recipe_with(), device=CPU)
+def test_step_hooks_ask_the_context_and_fail_closed():
+    """The hooks read the run (DSA layers from its config) and the strategy from the context, through wrappers;
+    a run that selected index-cache but whose indexer is something else is an error, not a silent skip."""
+    notes = []
+    plugin.nam_before_step(step=0, run=context(IndexCache(), notes))
+    plugin.nam_after_step(step=0, run=context(IndexCache(), notes), metrics={})
+    assert notes == ["index-cache: FSSFSSFSS: 6 of 9 DSA layers reuse a Full layer's top-k; indexer work saved 67%"]
+    wrapper = types.SimpleNamespace(wrapped=IndexCache())  # e.g. lemyx, which runs it after its warm-up
+    plugin.nam_before_step(step=0, run=context(wrapper, notes))
+    assert len(notes) == 2
+    plugin.nam_before_step(step=0, run=context(FullIndexer(), notes, uses=False))  # not used: nothing to say
+    with pytest.raises(NamError, match="index-cache is selected but the run's indexer backends are"):
+        plugin.nam_before_step(step=0, run=context(FullIndexer(), notes))
+
+
+def test_config_check_passes_the_default_and_the_host_refuses_an_unknown_option():
+    [check] = plugin.nam_check_config(config=spec_with(), device=CPU)
     assert check.status == PASS and check.found.startswith("FSSFSSFSS") and "saved 67%" in check.found
-    assert plugin.nam_check_config(config=None, device=CPU) == []
-    checks = plugin.nam_check_config(config=recipe_with("index-cache.patern=FFFFFFFFF"), device=CPU)
-    assert [c.name for c in checks if c.status == FAIL] == ["options"]
+    with pytest.raises(ConfigError, match="did you mean index-cache.pattern") as e:
+        spec_with("index-cache.patern=FFFFFFFFF")
+    assert e.value.exit_code == 2 and "F (computes its top-k)" in e.value.message
 
 
 def test_activates_with_reference_and_the_configured_pattern_reaches_the_strategy():
     host = PluginHost()
     host.activate(PLUGINS, CPU)
-    assert host.registry("indexers").plugin_of("index-cache") == "index-cache"
-    strategy = Backends.from_registries(host.registries, TINY.replace(indexer="index-cache")).indexer
+    assert host.registry("indexer").plugin_of("index-cache") == "index-cache"
+    strategy = Backends.from_registries(host.registries, TINY.replace(indexer_backend="index-cache")).indexer
     assert isinstance(strategy, IndexCache) and strategy.pattern_for(9) == "FSSFSSFSS"
 
-    rec = recipe_with("index-cache.pattern=FSFSFSFSF")
+    s = spec_with("index-cache.pattern=FSFSFSFSF")
     host = PluginHost()
-    host.activate(PLUGINS, CPU, rec)
-    strategy = Backends.from_registries(host.registries, rec.model, options=rec.train.plugin_options).indexer
+    host.activate(s.plugins, CPU, s)
+    strategy = Backends.from_registries(host.registries, s.model, options=s.options).indexer
     assert isinstance(strategy, IndexCache) and strategy.pattern == "FSFSFSFSF"
     assert IndexCache().pattern is None
 
 
 def test_requesting_the_plugin_selects_its_strategy_unless_set():
-    infos = {n: PluginHost().info(n) for n in PLUGINS}
-    rec = apply_overrides(get_recipe("nam56r-tiny"), [], plugin_names=PLUGINS, plugin_infos=infos)
-    assert rec.model.indexer == "index-cache"
-    assert rec.notes == ["indexer=index-cache (selected by plugin index-cache)"]
-    rec = apply_overrides(get_recipe("nam56r-tiny"), ["indexer=full"], plugin_names=PLUGINS, plugin_infos=infos)
-    assert rec.model.indexer == "full" and "would have selected index-cache" in rec.notes[0]
-    checks = plugin.nam_check_config(config=rec, device=CPU)
-    assert [c.name for c in checks if c.status == SKIP] == ["selected"]
+    s = spec_with()
+    assert s.model.indexer_backend == "index-cache"
+    assert s.notes == ("indexer_backend=index-cache (selected by plugin index-cache)",)
+    s = spec_with("indexer=full")  # the field's old name still works on the command line
+    assert s.model.indexer_backend == "full" and "would have selected index-cache" in s.notes[0]
+    ev = PluginHost().evaluate(s.plugins, CPU, s)
+    assert [c.name for c in ev.checks if c.plugin == "index-cache" and c.status == SKIP] == ["selected"]
 
 
 # --- the CLI ---------------------------------------------------------------------------------------

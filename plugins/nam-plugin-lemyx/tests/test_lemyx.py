@@ -23,12 +23,14 @@ from nam56r.state import ForwardState
 from nam_cli.main import run
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
-from nam_core.errors import PluginActivationError
+from nam_core.errors import ConfigError, PluginActivationError
+from nam_core.run import StepContext
+from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
 from nam_core.testing import prepare_corpus
 from nam_plugin_lemyx.reference import kl_rows, warmup_reference
-from nam_plugin_lemyx.strategy import Lemyx, OptionError, Options, parse_options
+from nam_plugin_lemyx.strategy import Lemyx, Options, options_for
 
 CPU = DeviceInfo.profile("cpu")
 H100 = DeviceInfo.profile("h100")
@@ -110,54 +112,65 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
 
 
 # --- options and the config check -------------------------------------------------------------------
-def test_backend_is_chosen_by_device_or_by_name_never_by_what_is_installed():
-    assert parse_options({}, "cpu") == Options(backend="reference", backend_source="default for cpu")
-    assert parse_options({}, "cuda").backend == "triton"
-    assert parse_options({"lemyx.backend": "reference"}, "cuda").backend_source == "set by you"
-    opts = parse_options({"lemyx.warmup_steps": "5", "lemyx.freeze_main": "true", "lemyx.sparse": "index-cache"},
-                         "cpu")
-    assert (opts.warmup_steps, opts.freeze_main, opts.sparse) == (5, True, "index-cache")
-
-
-@pytest.mark.parametrize("raw, option", [
-    ({"lemyx.warmup_steps": "-1"}, "lemyx.warmup_steps"),
-    ({"lemyx.warmup_steps": "ten"}, "lemyx.warmup_steps"),
-    ({"lemyx.backend": "tilelang"}, "lemyx.backend"),
-    ({"lemyx.target": "sum"}, "lemyx.target"),
-    ({"lemyx.freeze_main": "maybe"}, "lemyx.freeze_main"),
-    ({"lemyx.sparse": "lemyx"}, "lemyx.sparse"),
-    ({"lemyx.warmup": "5"}, "lemyx.warmup"),
-    ({"lemyx.target": "per-head"}, "lemyx.target"),  # on cuda: the fused kernel is head-sum only
-])
-def test_bad_options_are_refused(raw, option):
-    with pytest.raises(OptionError) as e:
-        parse_options(raw, "cuda")
-    assert e.value.option == option
-
-
 PLUGINS = ["reference", "lemyx"]
 
 
 def recipe(*overrides, plugins=PLUGINS, device="cpu"):
-    infos = {n: PluginHost().info(n) for n in plugins}
-    rec = apply_overrides(get_recipe("nam56r-tiny"), list(overrides), plugin_names=plugins, plugin_infos=infos)
-    return dataclasses.replace(rec, train=rec.train.replace(device=device))
+    """The RunSpec of `--plugins lemyx` (and ``plugins``) on the tiny recipe; a CUDA run on a fake H100."""
+    return spec_for("nam56r-tiny", *overrides, plugins=plugins, device=device)
 
 
 def by_name(checks):
     return {c.name: c for c in checks}
 
 
+def test_backend_is_chosen_by_device_or_by_name_never_by_what_is_installed():
+    assert options_for(recipe().options["lemyx"], "cpu") == Options(backend="reference", backend_source="default for cpu")
+    assert options_for(recipe().options["lemyx"], "cuda").backend == "triton"
+    assert options_for(recipe("lemyx.backend=reference").options["lemyx"], "cuda").backend_source == "set by you"
+    opts = options_for(recipe("lemyx.warmup_steps=5", "lemyx.freeze_main=true", "lemyx.sparse=index-cache").options["lemyx"],
+                       "cpu")
+    assert (opts.warmup_steps, opts.freeze_main, opts.sparse) == (5, True, "index-cache")
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("lemyx.warmup_steps=-1", "expected an integer >= 0 (warmup_steps: optimizer steps of dense attention"),
+    ("lemyx.warmup_steps=ten", "expected an integer >= 0"),
+    ("lemyx.backend=tilelang", "expected one of triton, reference"),
+    ("lemyx.target=sum", "expected one of head-sum, per-head"),
+    ("lemyx.freeze_main=maybe", "expected true or false"),
+    ("lemyx.warmup=5", "has no option 'warmup' (did you mean lemyx.warmup_steps?)"),
+])
+def test_bad_options_are_refused_by_the_host_with_their_doc(raw, message):
+    with pytest.raises(ConfigError) as e:
+        recipe(raw)
+    assert message in e.value.message and e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("raw, option", [
+    (("lemyx.sparse=lemyx",), "lemyx.sparse"),
+    (("lemyx.target=per-head",), "lemyx.target"),  # on cuda: the fused kernel is head-sum only
+])
+def test_option_combinations_that_cannot_run_are_one_failed_row(raw, option):
+    [check] = plugin.nam_check_config(config=recipe(*raw, device="cuda"), device=H100)
+    assert check.status == FAIL and check.found.startswith(f"{option}=")
+
+
 def test_requesting_lemyx_selects_it_and_wraps_the_previous_indexer():
     rec = recipe()
-    assert rec.model.indexer == "lemyx" and rec.train.plugin_options["lemyx.sparse"] == "full"
+    assert rec.model.indexer_backend == "lemyx" and rec.options["lemyx"].sparse == "full"
+    assert rec.wrapped == {"indexer": "full"}
     rec = recipe(plugins=["reference", "index-cache", "lemyx"])
-    assert rec.model.indexer == "lemyx" and rec.train.plugin_options["lemyx.sparse"] == "index-cache"
-    assert rec.notes == ["indexer=lemyx (selected by plugin lemyx; after it, lemyx.sparse=index-cache: "
-                         "selected by plugin index-cache)"]
+    assert rec.model.indexer_backend == "lemyx" and rec.options["lemyx"].sparse == "index-cache"
+    assert rec.notes == ("indexer_backend=lemyx (selected by plugin lemyx; after it, lemyx.sparse=index-cache: "
+                         "selected by plugin index-cache)",)
+    ev = PluginHost().evaluate(rec.plugins, CPU, rec)
+    assert {c.plugin: c.found for c in ev.checks if c.name == "selected"}["index-cache"] == \
+        "indexer_backend=index-cache"  # used through lemyx
     rec = recipe("indexer=full")
-    assert rec.model.indexer == "full"
-    assert by_name(plugin.nam_check_config(config=rec, device=CPU))["selected"].status == SKIP
+    assert rec.model.indexer_backend == "full"
+    ev = PluginHost().evaluate(rec.plugins, CPU, rec)
+    assert {c.plugin: c.status for c in ev.checks if c.name == "selected"}["lemyx"] == SKIP
 
 
 def test_config_check_on_cpu_says_the_reference_is_the_implementation():
@@ -201,7 +214,7 @@ def test_config_check_refusals(overrides, name):
     checks = by_name(plugin.nam_check_config(config=recipe(*overrides, device="cuda"), device=H100))
     assert checks[name].status == FAIL, checks[name]
     with pytest.raises(PluginActivationError, match=f"lemyx: {name}"):
-        PluginHost().activate(PLUGINS, H100, recipe(*overrides, device="cuda"))
+        PluginHost().activate(PLUGINS, H100, recipe("attention_backend=reference", *overrides, device="cuda"))
 
 
 # --- the strategy inside the model --------------------------------------------------------------------
@@ -246,19 +259,21 @@ def test_hand_over_at_the_configured_step_then_equals_the_wrapped_strategy():
     assert not Lemyx(FullIndexer(), Options(warmup_steps=0)).warming_up()
 
 
-class _Run:
-    def __init__(self, model):
-        self.model, self.notes = model, []
-        self.log = self
+class _Run(StepContext):
+    """The StepContext an engine builds, around ``backends`` (and the model's parameters, if any)."""
 
-    def note(self, message):
-        self.notes.append(message)
+    def __init__(self, backends, model=None, spec=None):
+        self.notes = []
+        super().__init__(step=0, spec=spec or recipe(), backends=backends.as_mapping(),
+                         parameters=model.named_parameters if model is not None else (lambda: iter(())),
+                         note=self.notes.append)
 
 
 def test_freeze_main_trains_only_the_indexers_until_the_hand_over():
     lemyx = Lemyx(FullIndexer(), Options(warmup_steps=2, freeze_main=True))
-    model = build_model(TINY, dataclasses.replace(Backends.reference(), indexer=lemyx))
-    fake = _Run(model)
+    backends = dataclasses.replace(Backends.reference(), indexer=lemyx)
+    model = build_model(TINY, backends)
+    fake = _Run(backends, model)
     plugin.nam_before_step(step=0, run=fake)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".indexer." in n for n in trainable)
@@ -270,16 +285,15 @@ def test_freeze_main_trains_only_the_indexers_until_the_hand_over():
 
 
 def test_on_the_megatron_engine_freezing_is_refused_and_the_hand_over_touches_no_parameter():
-    """The megatron engine's run hands hooks a model description (cfg, backends), not an nn.Module, and its
-    distributed optimizer would keep moving frozen parameters: freeze_main is refused there, and without it
-    the step hook only writes its notes."""
+    """The megatron engine's context hands hooks no parameters to freeze, and its distributed optimizer would
+    keep moving frozen parameters: freeze_main is refused there, and without it the step hook only writes its
+    notes."""
     rec = recipe("lemyx.freeze_main=true", device="cuda")
-    rec = dataclasses.replace(rec, train=rec.train.replace(engine="megatron"))
+    rec = rec.replace(engine="megatron", train=rec.train.replace(engine="megatron"))
     check = by_name(plugin.nam_check_config(config=rec, device=H100))["freeze_main"]
     assert check.status == FAIL and check.hint == "--set lemyx.freeze_main=false"
     lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1))
-    described = types.SimpleNamespace(cfg=TINY, backends=dataclasses.replace(Backends.reference(), indexer=lemyx))
-    fake = _Run(described)
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=lemyx))
     plugin.nam_before_step(step=0, run=fake)
     plugin.nam_before_step(step=1, run=fake)
     assert fake.notes[1].startswith("lemyx: step 1: indexer warm-up over after 1 steps")
@@ -297,8 +311,8 @@ def corpus(tmp_path_factory):
 def test_nam_train_refuses_a_bad_option_before_making_a_run_folder(tmp_path, corpus, capsys):
     code = run(["train", "--plugins", "lemyx", "--set", "lemyx.backend=cuda-magic", "--max-steps", "1",
                 "--data", str(corpus), "--run-dir", str(tmp_path / "run")])
-    assert code == 3
-    assert "lemyx.backend='cuda-magic'" in capsys.readouterr().err
+    assert code == 2
+    assert "--set lemyx.backend=cuda-magic: expected one of triton, reference" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

@@ -132,7 +132,7 @@ def assert_matches_reference(ce, *inputs):
 # --- declaration --------------------------------------------------------------------------------------
 def test_declaration_entry_point_and_gpu_extra():
     info = plugin.PLUGIN
-    assert info.provides == {"ce_heads": ["liger"], "patches": ["liger-none-reduction-bwd"]}
+    assert info.provides == {"ce": ["liger"], "patches": ["liger-none-reduction-bwd"]}
     assert info.selects == {"ce_backend": "liger"}
     assert [(r.title, r.needed) for r in info.requires] == [
         ("CUDA device", "a CUDA device"), ("CUDA capability", ">= sm_80"),
@@ -163,7 +163,7 @@ def test_activation_is_refused_on_the_cpu_profile(liger_release):
     }
     assert "liger: CUDA device: needs a CUDA device, found no CUDA device" in e.value.message
     assert "run on a machine that has it" in e.value.hint and e.value.exit_code == 3
-    assert "liger" not in host.registry("ce_heads") and host.active == {}
+    assert "liger" not in host.registry("ce") and host.active == {}
 
 
 def test_activation_without_liger_kernel_names_the_gpu_extra(liger_release):
@@ -194,8 +194,8 @@ def test_activates_on_an_h100_profile_with_0_8_5(liger_release):
     liger_release("0.8.5")
     host = PluginHost()
     ev = host.activate(["liger"], H100)
-    assert host.registry("ce_heads").get("liger") is LigerCEHead
-    assert host.registry("ce_heads").plugin_of("liger") == "liger"
+    assert host.registry("ce").get("liger") is LigerCEHead
+    assert host.registry("ce").plugin_of("liger") == "liger"
     [launch] = [c for c in ev.checks if c.name == "launch checks"]
     assert launch.status == SKIP and launch.found == "profile h100"  # kernels never launch on a fake
     [report] = apply_all(host.registry("patches"))
@@ -308,15 +308,25 @@ def test_reproducer_tells_the_bug_from_the_fix():
 
 
 # --- config check and preflight -----------------------------------------------------------------------
-def test_config_check_wants_cuda_and_says_when_the_head_is_unused():
-    rec = get_recipe("nam56r")  # ce_backend=liger, train.device=cuda
-    assert plugin.nam_check_config(config=rec, device=H100) == []
-    on_cpu = dataclasses.replace(rec, train=rec.train.replace(device="cpu"))
-    [fail] = plugin.nam_check_config(config=on_cpu, device=CPU)
+def test_the_host_wants_cuda_when_the_head_is_used_and_says_when_it_is_unused(liger_release):
+    """liger declares ``train_device="cuda"``; the host writes the rows (the plugin has no config hook)."""
+    from nam56r.run import spec_for
+
+    liger_release("0.8.5")
+
+    def rows(spec, device):
+        return {c.name: c for c in PluginHost().evaluate(["reference", "liger"], device, spec).checks
+                if c.plugin == "liger"}
+
+    used = rows(spec_for("nam56r-tiny", "attention_backend=reference", plugins=["liger"], device="cuda"), H100)
+    assert used["selected"].status == PASS and used["selected"].found == "ce_backend=liger"
+    assert "train.device" not in used
+    on_cpu = rows(spec_for("nam56r-tiny", plugins=["liger"]), H100)
+    fail = on_cpu["train.device"]
     assert fail.status == FAIL and fail.found == "train.device=cpu" and "--device cuda" in fail.hint
-    [skip] = plugin.nam_check_config(config=get_recipe("nam56r-tiny"), device=CPU)  # ce_backend=reference
+    assert "--set ce_backend=reference" in fail.hint
+    skip = rows(spec_for("nam56r-tiny", "ce_backend=reference", plugins=["liger"]), H100)["selected"]
     assert skip.status == SKIP and skip.hint == "--set ce_backend=liger"
-    assert plugin.nam_check_config(config=None, device=CPU) == []
 
 
 @pytest.mark.parametrize("device", [H100, DeviceInfo(kind="cpu", name="cpu")], ids=["fake-h100", "real-cpu"])

@@ -111,7 +111,7 @@ def fake_tree(tmp_path, monkeypatch):
 # --- declaration --------------------------------------------------------------------------------------
 def test_declaration_entry_point_and_gpu_extra():
     info = plugin.PLUGIN
-    assert info.provides == {"ssm_mixers": ["mamba-ssm"], "patches": list(patches.NAMES)}
+    assert info.provides == {"ssm": ["mamba-ssm"], "patches": list(patches.NAMES)}
     assert info.selects == {"ssm_backend": "mamba-ssm"}
     assert all(r.install_hint == HINT for r in info.requires if r.kind == "package")
     [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "mamba-ssm"]
@@ -129,9 +129,13 @@ def test_plugin_module_imports_neither_torch_nor_kernels():
 
 
 # --- activation and config: fail closed ----------------------------------------------------------------
-def recipe(*overrides, base="nam56r"):
-    return apply_overrides(get_recipe(base), list(overrides),
-                           plugin_infos={"mamba-ssm": plugin.PLUGIN})
+def recipe(*overrides, base="nam56r", device="cuda"):
+    """The RunSpec of `--plugins mamba-ssm` on ``base``, every other kind on the reference (a fake H100)."""
+    from nam56r.run import spec_for
+
+    others = ("attention_backend=reference", "indexer_kernels_backend=reference", "ce_backend=reference")
+    return spec_for(base, *others, *overrides, plugins=["mamba-ssm"], device=device).replace(
+        plugins=("reference", "mamba-ssm"))
 
 
 def failures(device, config=None, names=("mamba-ssm",)):
@@ -143,8 +147,8 @@ def test_activates_on_an_h100_profile_and_registers_the_scan(releases):
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
 
     host = PluginHost()
-    ev = host.activate(["mamba-ssm"], H100, recipe())
-    assert host.registry("ssm_mixers").get("mamba-ssm") is MambaSSMScan
+    ev = host.activate(recipe().plugins, H100, recipe())
+    assert host.registry("ssm").get("mamba-ssm") is MambaSSMScan
     assert [c.status for c in ev.checks if c.plugin == "mamba-ssm" and c.name == "launch checks"] == [SKIP]
     assert [e.name for e in host.registry("patches")] == list(patches.NAMES)  # the order they must apply in
 
@@ -190,7 +194,8 @@ def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
     assert recipe(base="nam56r-tiny").model.ssm_backend == "mamba-ssm"
     rec = recipe("ssm_backend=reference")
     assert rec.model.ssm_backend == "reference"
-    [check] = plugin.nam_check_config(config=rec, device=H100)
+    [check] = [c for c in PluginHost().evaluate(rec.plugins, H100, rec).checks
+               if c.plugin == "mamba-ssm" and c.name == "selected"]
     assert check.status == SKIP and "active but unused" in check.found
 
 
@@ -199,7 +204,6 @@ def test_config_check_passes_nam56r():
     assert checks["kernel shapes"].status == PASS
     assert checks["kernel shapes"].found == "d_state 128, headdim 64, rank 4, chunk 16, ngroups 8"
     assert set(checks) == {"kernel shapes"}
-    assert plugin.nam_check_config(config=None, device=H100) == []
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -214,9 +218,9 @@ def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment
     assert "ssm_backend=reference" in bad.hint
 
 
-def test_config_check_wants_cuda_and_bf16():
-    checks = {c.name: c for c in plugin.nam_check_config(
-        config=recipe("train.device=cpu", "train.dtype=float32"), device=CPU)}
+def test_the_host_wants_cuda_and_bf16_from_the_declaration():
+    rec = recipe("train.dtype=float32", device="cpu")
+    checks = {c.name: c for c in PluginHost().evaluate(rec.plugins, H100, rec).checks if c.plugin == "mamba-ssm"}
     assert checks["train.device"].status == FAIL and checks["train.device"].found == "train.device=cpu"
     assert checks["train.dtype"].status == FAIL and checks["train.dtype"].found == "train.dtype=float32"
     assert "ssm_backend=reference" in checks["train.dtype"].hint
@@ -245,7 +249,7 @@ def test_on_a_release_tree_every_patch_is_needed_and_mamba3_does_not_import(rele
 def test_the_lane_applies_in_order_and_binds_nam_drivers(releases, fake_tree):
     fake_tree()
     host = PluginHost()
-    host.activate(["mamba-ssm"], H100, recipe())
+    host.activate(recipe().plugins, H100, recipe())
     reports = apply_all(host.registry("patches"))
     assert [(r.name, r.state) for r in reports] == [(n, APPLIED) for n in patches.NAMES]
     mimo_module = sys.modules[upstream.MIMO_MODULE]

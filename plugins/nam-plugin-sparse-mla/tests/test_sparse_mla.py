@@ -176,9 +176,10 @@ PLUGINS = ["reference", "sparse-mla"]
 
 
 def recipe(*overrides, device="cuda"):
-    infos = {n: PluginHost().info(n) for n in PLUGINS}
-    rec = apply_overrides(get_recipe("nam56r-tiny"), list(overrides), plugin_names=PLUGINS, plugin_infos=infos)
-    return dataclasses.replace(rec, train=rec.train.replace(device=device))
+    """The RunSpec of `--plugins sparse-mla` on the tiny recipe on an H100 (fake)."""
+    from nam56r.run import spec_for
+
+    return spec_for("nam56r-tiny", *overrides, plugins=PLUGINS, device=device)
 
 
 def by_name(checks):
@@ -188,31 +189,38 @@ def by_name(checks):
 def test_requesting_the_plugin_selects_and_registers_the_backend():
     from nam_plugin_sparse_mla.attention import SparseMLA
 
+    from nam56r.backends import IndexerKernels
+    from nam_plugin_sparse_mla.attention import SparseMLAIndexerKernels
+
     rec = recipe()
-    assert rec.model.attention_backend == "sparse-mla"
+    assert rec.model.attention_backend == rec.model.indexer_kernels_backend == "sparse-mla"
     assert any("attention_backend=sparse-mla" in note for note in rec.notes), rec.notes
     host = PluginHost()
     host.activate(PLUGINS, H100, rec)  # a fake H100: declared needs are checked, launches are skipped
-    assert host.registry("attention_backends").get("sparse-mla") is SparseMLA
-    assert isinstance(SparseMLA(), AttentionCore)
-    assert plugin.PLUGIN.selects == {"attention_backend": "sparse-mla"}
-    assert plugin.PLUGIN.provides == {"attention_backends": ["sparse-mla"]}
+    assert host.registry("attention").get("sparse-mla") is SparseMLA
+    assert host.registry("indexer_kernels").get("sparse-mla") is SparseMLAIndexerKernels
+    assert isinstance(SparseMLA(), AttentionCore) and isinstance(SparseMLAIndexerKernels(), IndexerKernels)
+    assert not isinstance(SparseMLAIndexerKernels(), AttentionCore)  # the kinds are apart
 
 
 def test_an_explicit_choice_wins_and_the_check_says_the_plugin_is_unused():
-    rec = recipe("attention_backend=reference")
+    rec = recipe("attention_backend=reference", "indexer_kernels_backend=reference")
     assert rec.model.attention_backend == "reference"
-    checks = by_name(plugin.nam_check_config(config=rec, device=H100))
+    checks = by_name(c for c in PluginHost().evaluate(PLUGINS, H100, rec).checks if c.plugin == "sparse-mla")
     assert checks["selected"].status == SKIP and "active but unused" in checks["selected"].found
+    checks = by_name(c for c in PluginHost().evaluate(PLUGINS, H100, recipe("attention_backend=reference")).checks
+                     if c.plugin == "sparse-mla")
+    assert checks["selected"].status == PASS and checks["selected"].found == "indexer_kernels_backend=sparse-mla"
 
 
 def test_config_check_passes_nam56r_and_tiny_widths():
     checks = by_name(plugin.nam_check_config(config=recipe(), device=H100))
     assert checks["kernel shapes"].status == PASS
     assert checks["kernel shapes"].found == "dk 32 (kv_lora_rank 16 + qk_rope_dim 16), dv 16, 4 heads, top-k 16"
-    found = by_name(plugin.nam_check_config(config=get_recipe("nam56r"), device=H100))["kernel shapes"].found
+    from nam56r.run import spec_for
+
+    found = by_name(plugin.nam_check_config(config=spec_for("nam56r"), device=H100))["kernel shapes"].found
     assert found == "dk 128 (kv_lora_rank 64 + qk_rope_dim 64), dv 64, 32 heads, top-k 256"
-    assert plugin.nam_check_config(config=None, device=H100) == []
 
 
 @pytest.mark.parametrize("overrides, fragment", [

@@ -8,11 +8,11 @@ from nam_core import PluginInfo, Requirement, hookimpl
 
 PLUGIN = PluginInfo(
     summary="__NAME__: say in one line what it offers.",
-    provides={"indexers": ["__NAME__"]},
+    provides={"indexer": ["__NAME__"]},
     requires=(),  # e.g. Requirement.cuda_capability(at_least=(9, 0)), Requirement.package("triton>=3.4")
 )
 
 
 @hookimpl
-def nam_register_indexers(register):
+def nam_register_indexer_backends(register):
     register("__NAME__", object)  # replace `object` with the implementing class

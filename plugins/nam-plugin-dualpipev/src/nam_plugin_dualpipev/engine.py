@@ -1,14 +1,20 @@
 """``DualPipeV``: the schedule the megatron engine calls when ``train.schedule=dualpipev``.
 
-The engine calls a schedule as it calls Megatron's forward-backward functions (nam_core/engine/megatron.py,
-module docstring)::
+It implements the engine's schedule protocol (``nam_core.engine.megatron.schedule.PipelineSchedule``):
+
+* the V's layout: ``chunks_per_rank = 2`` and ``stage_of`` (rank ``r`` holds stage ``r`` and stage
+  ``2P-1-r``), which the lowering reads (``nam56r.megatron.lower(..., schedule=DualPipeV())``), so the engine
+  builds both chunks; ``check_layout`` refuses what the V cannot run (expert parallelism, pp < 2, too few
+  micro-batches);
+* what the V changes in Megatron's machinery: the embedding group (``embedding_ranks``: rank 0 alone holds
+  both copies of the token embedding), their gradients (``reduce_shared_copies``), and the bf16 wrapper
+  (``float16``: no fp32 upcast of a middle stage's output);
+* the step, called as Megatron's forward-backward functions are::
 
     losses = schedule(forward_step_func=..., data_iterator=..., model=[chunk 0, chunk 1], num_microbatches=n,
                       seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
 
-DualPipeV needs *two* chunks per pipeline rank, ``model = [stage r, stage 2P-1-r]``. ``chunks_per_rank = 2``
-tells the engine so; it then builds both (the model must be lowered with ``schedule="dualpipev"``), and this
-class refuses (NamError, exit 3) anything but a pair: no fallback to another schedule.
+This class refuses (NamError, exit 3) anything but a pair of chunks: no fallback to another schedule.
 
 Given two chunks it drives the executor with Megatron's contract, kept to what nam's forward step uses:
 
@@ -41,10 +47,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from nam_core.errors import NamError
+from nam_core.engine.megatron.schedule import PipelineSchedule
+from nam_core.errors import ConfigError, NamError
 
 NOT_BUILT = ("dualpipev runs two model chunks per pipeline rank (the V: stage r and stage 2P-1-r); the engine "
-             "builds them when the model is lowered with schedule='dualpipev' (nam56r.megatron.lower)")
+             "builds them when the model is lowered for this schedule "
+             "(nam56r.megatron.lower(..., schedule=DualPipeV()))")
 NOT_BUILT_HINT = ("run through `nam train --engine megatron --set train.schedule=dualpipev`, which lowers the model "
                   "for the V, or train with Megatron's 1F1B: --set train.schedule=1f1b")
 
@@ -56,7 +64,7 @@ def _unwrapped(chunk: Any, attribute: str) -> Any:
     return getattr(chunk, attribute, None)
 
 
-class DualPipeV:
+class DualPipeV(PipelineSchedule):
     """Registered as ``schedules: dualpipev``; the engine instantiates it with no arguments.
 
     ``group``: the pipeline process group (default: Megatron's, from ``parallel_state``). ``hidden_size`` /
@@ -64,11 +72,73 @@ class DualPipeV:
     ``hidden_size`` and ``pipeline_dtype``). Tests pass all three to run without Megatron.
     """
 
+    name = "dualpipev"
     chunks_per_rank = 2
-    """Model chunks the engine must build on each pipeline rank (read by nam_core.engine.megatron.train)."""
+    """Model chunks the engine must build on each pipeline rank."""
 
     def __init__(self, *, group=None, hidden_size: int | None = None, dtype: torch.dtype | None = None):
         self.group, self.hidden_size, self.dtype = group, hidden_size, dtype
+
+    # --- the layout (PipelineSchedule) ------------------------------------------------------------------
+
+    def stage_of(self, rank: int, chunk: int, pp: int) -> int:
+        """Chunk 0 is stage ``rank`` on the way down, chunk 1 stage ``2 pp - 1 - rank`` on the way back, so rank
+        0 holds the first and the last stage."""
+        if not (0 <= rank < pp and chunk in (0, 1)):
+            raise ValueError(f"no stage for rank {rank}, chunk {chunk} of pp={pp} x 2 chunks")
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+
+    def check_layout(self, *, tp: int, pp: int, ep: int, num_microbatches: int) -> None:
+        from nam_plugin_dualpipev.schedule import min_microbatches
+
+        if ep != 1:  # an expert all-to-all desynchronises across the V's rank pairs
+            raise ConfigError(f"schedule dualpipev runs only with expert parallelism 1, found ep={ep}",
+                              hint="use --ep 1, or --set train.schedule=1f1b")
+        if pp < 2:
+            raise ConfigError(f"schedule dualpipev needs pipeline parallelism > 1, found pp={pp}",
+                              hint="use --pp 2 (or more), or --set train.schedule=single")
+        if num_microbatches < min_microbatches(pp):
+            raise ConfigError(f"schedule dualpipev needs train.grad_accum >= 2 x pp = {min_microbatches(pp)}, found "
+                              f"{num_microbatches}", hint=f"--set train.grad_accum={min_microbatches(pp)}")
+
+    def embedding_ranks(self):
+        """The first pipeline rank alone: it holds the token embedding (stage 0, chunk 0) and its copy for MTP
+        (the last stage, chunk 1); ``reduce_shared_copies`` sums the two copies' gradients there."""
+        return lambda ranks, *_: list(ranks[:1])
+
+    def float16(self, config, module, chunk: int):
+        """Float16Module for one chunk of the V, whose outputs stay as the chunk returns them.
+
+        Float16Module upcasts the outputs of the last virtual stage of the last pipeline rank to fp32: the last
+        stage in Megatron's interleaved order. In a V that chunk (chunk 1 on rank pp - 1) is a middle stage,
+        whose bf16 activations the schedule sends on, and the last stage (chunk 1 on rank 0) returns the
+        model's losses, which a bf16 model computes in fp32 itself. The inputs' downcast on stage 0 (chunk 0
+        on rank 0) is the same in both orders and stays."""
+        from megatron.core.transformer.module import Float16Module
+
+        class VChunkFloat16Module(Float16Module):
+            def forward(self, *inputs, fp32_output=True, **kwargs):
+                return super().forward(*inputs, fp32_output=False, **kwargs)
+
+        return VChunkFloat16Module(config, module)
+
+    def reduce_shared_copies(self, models: list) -> None:
+        """Give the copies of one weight that this rank holds in both chunks the sum of their gradients.
+
+        Megatron flags the token embedding of the first stage and its copy on the MTP stage ``shared_embedding``
+        and all-reduces their gradients over the embedding group. In the V both are chunks of pipeline rank 0,
+        whose embedding group is itself alone (``embedding_ranks``): the sum is taken here, before the
+        data-parallel reduction, so both copies take the same update."""
+        if len(models) < 2:  # one chunk holds at most one copy; Megatron's embedding group does the rest
+            return
+        copies = [p for m in models for p in m.parameters() if getattr(p, "shared_embedding", False)]
+        if len(copies) < 2:
+            return
+        total = torch.stack([p.main_grad for p in copies]).sum(0)
+        for p in copies:
+            p.main_grad.copy_(total)
+
+    # --- the step ---------------------------------------------------------------------------------------
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Iterator | None, model: Sequence,
                  num_microbatches: int, seq_length: int, micro_batch_size: int,

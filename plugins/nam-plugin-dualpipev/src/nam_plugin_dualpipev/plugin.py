@@ -2,8 +2,8 @@
 
 Requesting the plugin does not select the schedule: ``PluginInfo.selects`` sets model-config fields only
 (``nam56r.recipes.apply_plugin_selections`` refuses any other), and the schedule is ``train.schedule``. The
-user sets it: ``--set train.schedule=dualpipev``; while it is not set, preflight shows the plugin as active
-but unused.
+user sets it: ``--set train.schedule=dualpipev``; while it is not set, the host shows the plugin as active
+but unused (the kind ``schedules`` is picked by ``train.schedule``).
 
 Keep this module light: torch and the executor are imported inside hook bodies, so ``nam plugins list``
 reads ``PLUGIN`` without them.
@@ -12,7 +12,7 @@ reads ``PLUGIN`` without them.
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, hookimpl
-from nam_core.requirements import FAIL, PASS, unused
+from nam_core.requirements import FAIL, PASS
 
 NAME = "dualpipev"
 ENABLE = f"nam train --engine megatron --nproc N --pp N --plugins {NAME} --set train.schedule={NAME}"
@@ -33,8 +33,6 @@ def _row(name: str, ok: bool, needed: str, found: str, hint: str) -> Check:
 def nam_check_config(config, device):
     from nam_plugin_dualpipev.schedule import min_microbatches
 
-    if config is None:
-        return []
     train = config.train
     checks = [
         _row("engine", train.engine == "megatron", "the megatron engine (pipeline ranks under torchrun)",
@@ -56,8 +54,6 @@ def nam_check_config(config, device):
         checks.append(_row("V stages", layers % (2 * train.pp) == 0,
                            f"2 x pp = {2 * train.pp} equal stages (two chunks per pipeline rank) dividing num_layers",
                            f"num_layers={layers}", f"choose --pp so that 2 x pp divides {layers}"))
-    if train.schedule != NAME:
-        checks.append(unused(NAME, "train.schedule", train.schedule))
     return checks
 
 

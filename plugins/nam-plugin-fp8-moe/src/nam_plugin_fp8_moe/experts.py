@@ -157,7 +157,7 @@ class _Grouped(torch.autograd.Function):
 
 
 class FP8Experts:
-    """``moe_experts`` backend ``fp8`` (see the module docstring). ``cast`` is the elementwise FP8 cast:
+    """Kind ``moe`` backend ``fp8`` (see the module docstring). ``cast`` is the elementwise FP8 cast:
     ``triton_cast`` on a GPU (``build`` picks it for ``train.device=cuda``), ``torch_cast`` otherwise."""
 
     def __init__(self, *, amax_history: int = 16, precision: str = "fp8", cast=torch_cast):
@@ -167,9 +167,9 @@ class FP8Experts:
 
     @classmethod
     def build(cls, ctx) -> "FP8Experts":
-        from nam_plugin_fp8_moe.options import parse_options
+        from nam_plugin_fp8_moe.plugin import NAME, PLUGIN
 
-        opts = parse_options(ctx.options)
+        opts = ctx.options.get(NAME) or PLUGIN.parse_options(NAME)  # no entry: built without a run
         cast = torch_cast
         if ctx.device == "cuda":
             from nam_plugin_fp8_moe.kernel import triton_cast

@@ -1,9 +1,10 @@
 """Entry point of the hopper-ce plugin: what it declares and the hooks it implements.
 
-Requesting the plugin selects ``ce_backend=hopper-ce`` (an explicit ``--set ce_backend=...`` wins). It proves
-itself before a run uses it: on a real GPU, activation runs ``selftest.compare`` (three heads sharing one
-weight, masked bf16 tokens, against the reference head) and refuses to activate if any gradient is off, a
-masked token gets a gradient, or anything is not finite.
+Requesting the plugin selects ``ce_backend=hopper-ce`` (an explicit ``--set ce_backend=...`` wins). The host
+checks its requirements and, when the head is used, ``train.device``/``train.dtype``. It proves itself before a
+run uses it: on a real GPU, activation runs ``selftest.compare`` (three heads sharing one weight, masked bf16
+tokens, against the reference head) and refuses to activate if any gradient is off, a masked token gets a
+gradient, or anything is not finite (a self-test that raises is a failed check, with the exception).
 
 This module stays light (no torch, no triton at import) so ``nam plugins list`` can read ``PLUGIN``.
 """
@@ -11,40 +12,25 @@ This module stays light (no torch, no triton at import) so ``nam plugins list`` 
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, unused
+from nam_core.requirements import FAIL, PASS
 
 NAME = "hopper-ce"
 GPU_HINT = "pip install 'nam-plugin-hopper-ce[gpu]'"
-REFERENCE_HINT = "or the reference head: --set ce_backend=reference --plugins reference"
+REFERENCE_HINT = "or the reference head: --set ce_backend=reference"
 
 PLUGIN = PluginInfo(
     summary="hopper-ce: LM + MTP heads as chunked fused linear CE on Hopper (fp32 logits from cuBLAS, fp32 dW, "
             "Triton row kernels); gradient self-test at activation",
-    provides={"ce_heads": [NAME]},
+    provides={"ce": [NAME]},
     requires=(
         Requirement.cuda_capability((9, 0), reason="built and measured for Hopper (sm_90): cuBLAS bf16 GEMMs with "
                                                    "fp32 output, Triton row kernels"),
         Requirement.package("triton>=3.3", install_hint=GPU_HINT),
     ),
     selects={"ce_backend": NAME},
+    train_device="cuda", train_dtypes=("bfloat16", "float16"),
+    train_needs_reason="CUDA kernels whose GEMMs take 16-bit inputs",
 )
-
-
-@hookimpl
-def nam_check_config(config, device):
-    if config is None:
-        return []
-    model, train = config.model, config.train
-    if model.ce_backend != NAME:
-        return [unused(NAME, "ce_backend", model.ce_backend)]
-    checks = []
-    if train.device != "cuda":
-        checks.append(Check(NAME, "train.device", FAIL, "train.device=cuda", f"train.device={train.device}",
-                            hint=f"--device cuda, {REFERENCE_HINT}"))
-    if train.dtype not in ("bfloat16", "float16"):
-        checks.append(Check(NAME, "train.dtype", FAIL, "train.dtype=bfloat16 (or float16): the GEMMs take 16-bit "
-                            "inputs", f"train.dtype={train.dtype}", hint=f"--set train.dtype=bfloat16, {REFERENCE_HINT}"))
-    return checks
 
 
 @hookimpl
@@ -55,11 +41,7 @@ def nam_preflight(device, config):
 
     needed = (f"loss, every dL/dhidden and the shared dL/dW within {selftest.TOLERANCE:g} of the reference head, "
               "0 on masked tokens, all finite (3 heads sharing one weight, bf16)")
-    try:
-        r = selftest.compare(HopperCEHead(chunk_tokens=128), device="cuda")
-    except Exception as e:  # a compile or launch failure is this check's failure, with what happened
-        return [Check(NAME, "gradient self-test", FAIL, needed, f"{type(e).__name__}: {e}".splitlines()[0],
-                      hint=f"python -m pytest plugins/nam-plugin-hopper-ce -m gpu -v; meanwhile {REFERENCE_HINT}")]
+    r = selftest.compare(HopperCEHead(chunk_tokens=128), device="cuda")
     ok = selftest.passed(r)
     found = (f"loss {r['loss']:.1e}, dhidden {r['dhidden']:.1e}, dweight {r['dweight']:.1e}, masked dh "
              f"{r['masked_dh']:g} (300 tokens x 256 x vocab 1000, chunks of 128; seed {r['seed']})")
@@ -68,7 +50,7 @@ def nam_preflight(device, config):
 
 
 @hookimpl
-def nam_register_ce_heads(register):
+def nam_register_ce_backends(register):
     from nam_plugin_hopper_ce.head import HopperCEHead
 
     register(NAME, HopperCEHead)

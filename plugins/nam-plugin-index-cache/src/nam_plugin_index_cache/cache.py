@@ -100,8 +100,8 @@ def _key(layer: nn.Module, rank: int) -> tuple[str, int]:
 class IndexCache:
     """Indexer strategy ``index-cache``. ``IndexCache()`` uses the default rule (Full every third DSA rank).
 
-    The engine builds it with ``IndexCache.build(ctx)``, which reads the ``index-cache.pattern`` option the
-    plugin's config check has already accepted.
+    The engine builds it with ``IndexCache.build(ctx)``, which reads the ``index-cache.pattern`` option (parsed
+    by the host, its pattern checked by the plugin's config check).
     """
 
     name = "index-cache"
@@ -117,9 +117,11 @@ class IndexCache:
 
     @classmethod
     def build(cls, ctx) -> "IndexCache":
-        """From the run's options (``nam56r.backends.BackendContext``): ``index-cache.pattern`` or the default."""
-        raw = ctx.options.get(OPTION_PATTERN)
-        return cls(None if raw is None else str(raw).strip())
+        """From the run's parsed options (``nam56r.backends.BackendContext``): ``index-cache.pattern`` or the
+        default rule (no entry: built without a run)."""
+        options = ctx.options.get(CACHE_KEY)
+        raw = options.pattern if options is not None else None
+        return cls(None if raw is None else raw.strip())
 
     def pattern_for(self, n_dsa: int) -> str:
         return self.pattern if self.pattern is not None else default_pattern(n_dsa)

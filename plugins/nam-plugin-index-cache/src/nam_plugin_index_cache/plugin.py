@@ -1,40 +1,30 @@
-"""Entry point of the index-cache plugin: what it declares and the hooks it implements.
-
-Requesting the plugin selects its strategy (``PluginInfo.selects``: ``indexer=index-cache``) unless the user
-sets ``indexer`` themselves; with lemyx requested too, lemyx wraps it and runs it after its warm-up. The
-config check validates ``index-cache.pattern``; the engine builds the strategy with ``IndexCache.build(ctx)``,
-which reads the accepted option.
-
-Keep this module light: torch and the model are imported inside hook bodies, so ``nam plugins list`` reads
-``PLUGIN`` without them.
-"""
+"""Entry point of the index-cache plugin: declarations and hooks (the host parses the option and writes the
+selected row). Requesting it selects ``indexer_backend=index-cache``; with lemyx requested too, lemyx wraps it
+and runs it after its warm-up. Torch and the model are imported inside hook bodies."""
 
 from __future__ import annotations
 
-from nam_core import Check, PluginInfo, hookimpl
-from nam_core.requirements import FAIL, PASS, unused
+from nam_core import Check, NamError, PluginInfo, hookimpl
+from nam_core.options import Option
 
 NAME = "index-cache"
-OPTION_PATTERN = f"{NAME}.pattern"  # same string as cache.OPTION_PATTERN
-OPTIONS = (OPTION_PATTERN,)
-
 PLUGIN = PluginInfo(
     summary="index-cache: Shared DSA layers reuse the nearest earlier Full layer's top-k "
             "(FSSFSSFSS: 67% of indexer work saved); pure PyTorch",
-    provides={"indexers": [NAME]},
-    requires=(),  # pure PyTorch: runs wherever the model runs, CPU or GPU
-    selects={"indexer": NAME},
+    provides={"indexer": [NAME]},
+    selects={"indexer_backend": NAME},
+    options=(Option("pattern", str, None, "F (computes its top-k) or S (reuses the nearest earlier F's) per DSA "
+                    "layer, the first F; unset: Full every third DSA layer (FSSFSSFSS)"),),
 )
 
 
-def dsa_layer_count(model_cfg) -> int:
+def dsa_layers(model) -> int:
     from nam56r.pattern import resolve
 
-    return resolve(model_cfg.pattern, model_cfg.num_layers, model_cfg.mla_attention_ranks).counts()["dsa"]
+    return resolve(model.pattern, model.num_layers, model.mla_attention_ranks).counts()["dsa"]
 
 
 def describe(pattern: str) -> str:
-    """``FSSFSSFSS: 6 of 9 DSA layers reuse a Full layer's top-k; indexer work saved 67%``."""
     from nam_plugin_index_cache.cache import SHARED, saved_fraction
 
     return (f"{pattern}: {pattern.count(SHARED)} of {len(pattern)} DSA layers reuse a Full layer's top-k; "
@@ -45,64 +35,42 @@ def describe(pattern: str) -> str:
 def nam_check_config(config, device):
     from nam_plugin_index_cache.cache import default_pattern, pattern_problem
 
-    if config is None:
-        return []
-    checks = []
-    options = config.train.plugin_options
-    unknown = sorted(k for k in options if k.startswith(f"{NAME}.") and k not in OPTIONS)
-    if unknown:
-        checks.append(Check(NAME, "options", FAIL, f"options {', '.join(OPTIONS)}", f"{', '.join(unknown)}",
-                            hint=f"--set {OPTION_PATTERN}=FSSFSSFSS"))
-    n_dsa = dsa_layer_count(config.model)
-    raw = options.get(OPTION_PATTERN)
-    pattern = default_pattern(n_dsa) if raw is None else str(raw).strip()
-    needed = f"one F or S per DSA layer ({n_dsa}), the first F"
-    problem = pattern_problem(pattern, n_dsa)
-    if problem is not None:
-        checks.append(Check(NAME, "pattern", FAIL, needed, f"{OPTION_PATTERN}={pattern!r}: {problem}",
-                            hint=f"--set {OPTION_PATTERN}={default_pattern(n_dsa)}  (the default)"))
-        return checks
-    checks.append(Check(NAME, "pattern", PASS, needed, describe(pattern)))
-    # Used directly, or through a strategy that wraps it (lemyx: ``lemyx.sparse=index-cache``).
-    if config.model.indexer != NAME and NAME not in options.values():
-        checks.append(unused(NAME, "indexer", config.model.indexer))
-    return checks
+    n, given = dsa_layers(config.model), config.options[NAME].pattern
+    pattern = default_pattern(n) if given is None else given.strip()
+    problem = pattern_problem(pattern, n)
+    return [Check(NAME, "pattern", "fail" if problem else "pass", f"one F or S per DSA layer ({n}), the first F",
+                  f"{NAME}.pattern={pattern!r}: {problem}" if problem else describe(pattern),
+                  f"--set {NAME}.pattern={default_pattern(n)}  (the default)" if problem else None)]
 
 
 @hookimpl
-def nam_register_indexers(register):
+def nam_register_indexer_backends(register):
     from nam_plugin_index_cache.cache import IndexCache
 
     register(NAME, IndexCache)
 
 
 def _strategy(run):
+    """The run's IndexCache (directly, or wrapped); None only when the run does not use index-cache."""
     from nam_plugin_index_cache.cache import IndexCache
 
-    backends = getattr(run.model, "backends", None)
-    indexer = getattr(backends, "indexer", None)
-    indexer = getattr(indexer, "sparse", indexer)  # wrapped by another strategy (lemyx runs it after warm-up)
-    return indexer if isinstance(indexer, IndexCache) else None
+    strategy = run.find("indexer", IndexCache)
+    if strategy is None and run.spec.runs("indexer", NAME):
+        raise NamError(f"{NAME} is selected but the run's indexer backends are "
+                       f"{[type(b).__name__ for b in run.backends_of('indexer')]}", hint="report it")
+    return strategy
 
 
 @hookimpl
 def nam_before_step(step, run):
     strategy = _strategy(run)
-    if strategy is None or strategy.announced or run.log is None:
-        return
-    strategy.announced = True
-    from nam56r.pattern import resolve
-
-    cfg = run.model.cfg  # the nam model (local engine) or NamMegatronModel (megatron engine): both carry it
-    n_dsa = sum(1 for layer in resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks).layers
-                if layer.symbol == "D")
-    run.log.note(f"{NAME}: {describe(strategy.pattern_for(n_dsa))}")
+    if strategy is not None and not strategy.announced:
+        strategy.announced = True
+        run.note(f"{NAME}: {describe(strategy.pattern_for(dsa_layers(run.spec.model)))}")
 
 
 @hookimpl
 def nam_after_step(step, run, metrics):
     strategy = _strategy(run)
-    if strategy is None or run.log is None:
-        return
-    while strategy.notes:
-        run.log.note(strategy.notes.pop(0))
+    while strategy is not None and strategy.notes:
+        run.note(strategy.notes.pop(0))

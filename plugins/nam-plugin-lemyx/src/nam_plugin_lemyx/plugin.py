@@ -1,8 +1,9 @@
 """Entry point of the lemyx plugin: what it declares and the hooks it implements.
 
-Requesting the plugin selects the indexer strategy ``lemyx`` and *wraps* whatever strategy the indexer
-field would otherwise hold (``full``, or ``index-cache`` when that plugin is requested too): lemyx runs the
-dense warm-up, then hands the DSA layers to that strategy (``PluginInfo.wraps`` -> ``lemyx.sparse``).
+Requesting the plugin selects the indexer strategy ``lemyx`` and *wraps* whatever strategy ``indexer_backend``
+would otherwise hold (``full``, or ``index-cache`` when that plugin is requested too): lemyx runs the dense
+warm-up, then hands the DSA layers to that strategy (``PluginInfo.wraps`` -> ``lemyx.sparse``). The host
+parses the ``lemyx.*`` options (``PLUGIN.options``) and writes the selected row.
 
 Backend choice is explicit and per device, never by what happens to be installed: on a CPU device the
 reference path *is* the implementation (and preflight and the run log say so); on a CUDA device the fused
@@ -17,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, unused
+from nam_core.options import Option
+from nam_core.requirements import FAIL, PASS
 
 NAME = "lemyx"
 GPU_HINT = f"pip install 'nam-plugin-lemyx[gpu]' on a Hopper GPU, or choose the unfused path: --set {NAME}.backend=reference"
@@ -29,30 +31,34 @@ KERNEL_NEEDS = (
 PLUGIN = PluginInfo(
     summary="lemyx: DSA indexer warm-up, dense attention + indexer KL in one fused Triton pass "
             "(reference path on CPU), then hand-over to sparse",
-    provides={"indexers": [NAME]},
+    provides={"indexer": [NAME]},
     requires=(),  # per backend: the Triton kernel's needs are checked by nam_check_config (KERNEL_NEEDS)
-    selects={"indexer": NAME},
-    wraps={"indexer": f"{NAME}.sparse"},
+    selects={"indexer_backend": NAME},
+    wraps={"indexer_backend": f"{NAME}.sparse"},
+    options=(
+        Option("warmup_steps", int, 1000, "optimizer steps of dense attention + indexer KL before the hand-over "
+               "to sparse (DeepSeek-V3.2 trains the indexer densely for its first 1000 steps)", min=0),
+        Option("backend", str, None, "triton: the fused kernel; reference: the unfused pure-PyTorch path; unset: "
+               "triton on a CUDA device, reference on a CPU", choices=("triton", "reference")),
+        Option("target", str, "head-sum", "the KL teacher: head-sum (DeepSeek-V3.2) or per-head (reference "
+               "backend only)", choices=("head-sum", "per-head")),
+        Option("freeze_main", bool, False, "train only the DSA indexers during the warm-up (local engine)"),
+        Option("sparse", str, "full", "the indexer strategy that runs after the warm-up (set by requesting it: "
+               "--plugins index-cache)"),
+    ),
 )
-
-
-def _train_device(config, device) -> str:
-    if config is not None:
-        return config.train.device
-    return "cuda" if device.is_cuda else "cpu"
 
 
 @hookimpl
 def nam_check_config(config, device):
-    from nam_plugin_lemyx.strategy import OptionError, parse_options, shape_problem
+    from nam_plugin_lemyx.strategy import option_problem, options_for, shape_problem
 
-    options = dict(config.train.plugin_options) if config is not None else {}
-    train_device = _train_device(config, device)
-    try:
-        opts = parse_options(options, train_device)
-    except OptionError as e:
-        return [Check(NAME, "options", FAIL, e.expected, f"{e.option}={e.found!r}",
-                      hint=f"--set {e.option}=... with {e.expected}")]
+    train_device = config.train.device
+    opts = options_for(config.options[NAME], train_device)
+    problem = option_problem(opts)
+    if problem is not None:
+        option, found, expected = problem
+        return [Check(NAME, "options", FAIL, expected, f"{option}={found!r}", hint=f"--set {option}=... with {expected}")]
     checks = []
     if opts.backend == "reference":
         why = ("a CPU device: the pure-PyTorch path is the implementation" if train_device == "cpu"
@@ -65,8 +71,6 @@ def nam_check_config(config, device):
         for req in KERNEL_NEEDS:
             check = req.check(NAME, device)
             checks.append(check if check.ok else dataclasses.replace(check, hint=GPU_HINT))
-    if config is None:
-        return checks
     model = config.model
     if opts.backend == "triton":
         problem = shape_problem(model.kv_lora_rank + model.qk_rope_dim, model.kv_lora_rank, model.index_head_dim)
@@ -79,7 +83,7 @@ def nam_check_config(config, device):
         checks.append(Check(NAME, "target", FAIL, "index heads == attention heads for the per-head target",
                             f"{model.index_heads} index heads, {model.attn_heads} attention heads",
                             hint=f"--set {NAME}.target=head-sum"))
-    if opts.freeze_main and config.train.engine == "megatron":
+    if opts.freeze_main and config.engine == "megatron":
         checks.append(Check(NAME, "freeze_main", FAIL,
                             "freeze_main=false on the megatron engine (its DDP buffers and distributed optimizer "
                             "keep updating parameters whose requires_grad is turned off)",
@@ -87,9 +91,7 @@ def nam_check_config(config, device):
     if model.dsa_dense_warmup:
         checks.append(Check(NAME, "dense warm-up", FAIL, "dsa_dense_warmup=false (lemyx runs the dense stage)",
                             "dsa_dense_warmup=true", hint="--set dsa_dense_warmup=false"))
-    if model.indexer != NAME:
-        checks.append(unused(NAME, "indexer", model.indexer))
-    else:
+    if model.indexer_backend == NAME:
         checks.append(Check(NAME, "schedule", PASS, "warm-up steps >= 0",
                             f"{opts.warmup_steps} dense steps, then '{opts.sparse}'"))
     return checks
@@ -98,14 +100,12 @@ def nam_check_config(config, device):
 @hookimpl
 def nam_preflight(device, config):
     """On a real CUDA device with the Triton backend: a tiny fused-vs-reference parity launch."""
-    from nam_plugin_lemyx.strategy import TRITON, OptionError, parse_options
+    from nam_plugin_lemyx.strategy import TRITON, options_for
 
-    options = dict(config.train.plugin_options) if config is not None else {}
-    try:
-        if parse_options(options, _train_device(config, device)).backend != TRITON:
-            return []
-    except OptionError:
-        return []  # already a failed config check
+    values = config.options[NAME] if config is not None else PLUGIN.parse_options(NAME)
+    train_device = config.train.device if config is not None else ("cuda" if device.is_cuda else "cpu")
+    if options_for(values, train_device).backend != TRITON:
+        return []
     from nam_plugin_lemyx.selftest import parity
 
     worst, tolerance = parity(device="cuda", seq=80, block=(16, 16))
@@ -116,10 +116,15 @@ def nam_preflight(device, config):
 
 
 def _strategy(run):
+    """The run's Lemyx strategy; None only when the run does not use lemyx (fail closed otherwise)."""
+    from nam_core import NamError
     from nam_plugin_lemyx.strategy import Lemyx
 
-    indexer = getattr(getattr(run.model, "backends", None), "indexer", None)
-    return indexer if isinstance(indexer, Lemyx) else None
+    strategy = run.find("indexer", Lemyx)
+    if strategy is None and run.spec.runs("indexer", NAME):
+        raise NamError(f"{NAME} is selected but the run's indexer backend is {type(run.backend('indexer')).__name__}",
+                       hint="report it")
+    return strategy
 
 
 @hookimpl
@@ -127,39 +132,36 @@ def nam_before_step(step, run):
     strategy = _strategy(run)
     if strategy is None:
         return
-    note = run.log.note if run.log is not None else (lambda _msg: None)
     if not strategy.announced:
         strategy.announced = True
-        note(f"{NAME}: {strategy.describe()}")
+        run.note(f"{NAME}: {strategy.describe()}")
     if strategy.at_step(step):
-        _unfreeze(run.model, strategy)
-        note(f"{NAME}: step {step}: indexer warm-up over after {strategy.options.warmup_steps} steps; DSA layers "
-             f"now attend to their top-{run.model.cfg.index_topk} keys chosen by '{strategy.options.sparse}'")
+        _unfreeze(dict(run.parameters()), strategy)
+        run.note(f"{NAME}: step {step}: indexer warm-up over after {strategy.options.warmup_steps} steps; DSA layers "
+                 f"now attend to their top-{run.spec.model.index_topk} keys chosen by '{strategy.options.sparse}'")
     elif strategy.warming_up() and strategy.options.freeze_main:
-        _freeze(run.model, strategy)
+        _freeze(dict(run.parameters()), strategy)
 
 
-def _freeze(model, strategy) -> None:
+def _freeze(params, strategy) -> None:
     """Everything but the DSA indexers stops training (requires_grad off) until the hand-over."""
     if getattr(strategy, "frozen", None):
         return
-    strategy.frozen = [n for n, p in model.named_parameters() if p.requires_grad and ".indexer." not in n]
-    params = dict(model.named_parameters())
+    strategy.frozen = [n for n, p in params.items() if p.requires_grad and ".indexer." not in n]
     for n in strategy.frozen:
         params[n].requires_grad_(False)
 
 
-def _unfreeze(model, strategy) -> None:
+def _unfreeze(params, strategy) -> None:
     if not getattr(strategy, "frozen", None):  # nothing frozen (always so on the megatron engine)
         return
-    params = dict(model.named_parameters())
     for n in getattr(strategy, "frozen", None) or []:
         params[n].requires_grad_(True)
     strategy.frozen = []
 
 
 @hookimpl
-def nam_register_indexers(register):
+def nam_register_indexer_backends(register):
     from nam_plugin_lemyx.strategy import Lemyx
 
     register(NAME, Lemyx)

@@ -49,61 +49,26 @@ class Options:
     sparse: str = "full"
 
 
-class OptionError(ValueError):
-    """A ``lemyx.*`` option that does not parse: ``(option, found, expected)``."""
-
-    def __init__(self, option: str, found: str, expected: str):
-        super().__init__(f"{option}={found!r}: expected {expected}")
-        self.option, self.found, self.expected = option, found, expected
-
-
-OPTION_NAMES = ("warmup_steps", "backend", "target", "freeze_main", "sparse")
-
-
-def parse_options(raw: dict, device: str) -> Options:
-    """``lemyx.*`` entries of ``train.plugin_options`` -> Options. ``device``: ``cpu`` or ``cuda``.
-
-    The backend is never chosen by what is installed: unset, it is ``reference`` on a CPU device and
-    ``triton`` on a CUDA device; whether the Triton kernel can run there is the config check's business.
-    """
-    def get(name: str):
-        return raw.get(f"{NAME}.{name}")
-
-    unknown = sorted(k for k in raw if k.startswith(f"{NAME}.") and k.split(".", 1)[1] not in OPTION_NAMES)
-    if unknown:
-        raise OptionError(unknown[0], raw[unknown[0]], f"one of {', '.join(f'{NAME}.{n}' for n in OPTION_NAMES)}")
-    kwargs = {}
-    if (v := get("warmup_steps")) is not None:
-        try:
-            kwargs["warmup_steps"] = int(v)
-        except ValueError:
-            raise OptionError(f"{NAME}.warmup_steps", v, "an integer >= 0") from None
-        if kwargs["warmup_steps"] < 0:
-            raise OptionError(f"{NAME}.warmup_steps", v, "an integer >= 0")
-    if (v := get("backend")) is not None:
-        if v not in BACKENDS:
-            raise OptionError(f"{NAME}.backend", v, f"one of {', '.join(BACKENDS)}")
-        kwargs["backend"], kwargs["backend_source"] = v, "set by you"
+def options_for(values, device: str) -> Options:
+    """The host-parsed ``lemyx.*`` values (``nam_core.options.OptionValues``) with the backend resolved for
+    ``device`` (``cpu`` or ``cuda``): never chosen by what is installed; unset, it is ``reference`` on a CPU
+    device and ``triton`` on a CUDA device (whether the kernel can run there is the config check's business)."""
+    if values.backend is not None:
+        backend, source = values.backend, "set by you"
     else:
-        kwargs["backend"] = TRITON if device == "cuda" else REFERENCE
-        kwargs["backend_source"] = f"default for {device}"
-    if (v := get("target")) is not None:
-        if v not in TARGETS:
-            raise OptionError(f"{NAME}.target", v, f"one of {', '.join(TARGETS)}")
-        kwargs["target"] = v
-    if (v := get("freeze_main")) is not None:
-        if str(v).lower() not in ("true", "false", "1", "0"):
-            raise OptionError(f"{NAME}.freeze_main", v, "true or false")
-        kwargs["freeze_main"] = str(v).lower() in ("true", "1")
-    if (v := get("sparse")) is not None:
-        if v == NAME:
-            raise OptionError(f"{NAME}.sparse", v, "another indexer strategy (full, index-cache, ...)")
-        kwargs["sparse"] = v
-    options = Options(**kwargs)
+        backend, source = (TRITON if device == "cuda" else REFERENCE), f"default for {device}"
+    return Options(warmup_steps=values.warmup_steps, backend=backend, backend_source=source, target=values.target,
+                   freeze_main=values.freeze_main, sparse=values.sparse)
+
+
+def option_problem(options: Options) -> tuple[str, str, str] | None:
+    """``(option, found, expected)`` for a combination of options that cannot run, or None."""
+    if options.sparse == NAME:
+        return f"{NAME}.sparse", options.sparse, "another indexer strategy (full, index-cache, ...)"
     if options.backend == TRITON and options.target != HEAD_SUM:
-        raise OptionError(f"{NAME}.target", options.target,
-                          f"{HEAD_SUM} with the fused kernel (per-head runs on {NAME}.backend={REFERENCE} only)")
-    return options
+        return (f"{NAME}.target", options.target,
+                f"{HEAD_SUM} with the fused kernel (per-head runs on {NAME}.backend={REFERENCE} only)")
+    return None
 
 
 def shape_problem(dk: int, dv: int, di: int) -> str | None:
@@ -134,12 +99,18 @@ class Lemyx:
     def build(cls, ctx) -> "Lemyx":
         """From the run (``nam56r.backends.BackendContext``): parsed options and the wrapped strategy built."""
         from nam56r.backends import build_backend
+        from nam_plugin_lemyx.plugin import PLUGIN
 
-        options = parse_options(dict(ctx.options), ctx.device)
-        inner = build_backend(ctx.registries["indexers"].get(options.sparse), ctx)
+        options = options_for(ctx.options.get(NAME) or PLUGIN.parse_options(NAME), ctx.device)
+        inner = build_backend(ctx.registries["indexer"].get(options.sparse), ctx)
         if options.backend == TRITON:
             from nam_plugin_lemyx import kernel  # noqa: F401  (import errors surface at build, not mid-step)
         return cls(inner, options)
+
+    @property
+    def wrapped(self):
+        """The backend this one wraps (``nam_core.run.StepContext.backends_of`` follows it)."""
+        return self.sparse
 
     # --- lifecycle --------------------------------------------------------------------------------
     def warming_up(self) -> bool:

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from nam_core.errors import NamError
+from nam_core.errors import CannotRunHere, NamError
 from nam_core.requirements import version_in
 
 DISTRIBUTION = "liger-kernel"
@@ -108,18 +108,17 @@ def reset_workaround() -> None:
 def formulation_for(version: str | None) -> str:
     """The formulation that is exact with ``version`` of liger-kernel; raises where none is allowed yet."""
     if version is None:
-        raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FLOOR}; found it not installed",
-                       hint=INSTALL_HINT, exit_code=3)
+        raise CannotRunHere(f"the liger CE head needs {DISTRIBUTION}>={FLOOR}; found it not installed",
+                       hint=INSTALL_HINT)
     if not has_none_reduction_bug(version):
         return NONE_TIMES_MASK
     if _mean_workaround:
         return MEAN_TIMES_LIVE
-    raise NamError(
+    raise CannotRunHere(
         f"{DISTRIBUTION} {version} has the reduction='none' backward bug (Liger issue #968, fixed in "
         f"{FIXED_IN}) and the patch lane has not switched the liger head to its workaround",
         hint=f"upgrade: {INSTALL_HINT}; or activate through nam (`nam train --plugins liger`), which applies "
              "the patch (`nam patches --plugins liger` shows it)",
-        exit_code=3,
     )
 
 
@@ -129,8 +128,8 @@ def liger_flce() -> FusedLinearCE:
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError as e:
-        raise NamError(f"the liger CE head needs {DISTRIBUTION}>={FLOOR}; importing it failed: {e}",
-                       hint=INSTALL_HINT, exit_code=3) from None
+        raise CannotRunHere(f"the liger CE head needs {DISTRIBUTION}>={FLOOR}; importing it failed: {e}",
+                       hint=INSTALL_HINT) from None
     signature = inspect.signature(LigerFusedLinearCrossEntropyFunction.forward)
     options = dict(
         ignore_index=IGNORE_INDEX,

@@ -1,10 +1,11 @@
-"""The attention backend ``sparse-mla`` (registry ``attention_backends``): a ``nam56r.backends.AttentionCore``.
+"""The ``sparse-mla`` backends of kinds ``attention`` (``SparseMLA``, a ``nam56r.backends.AttentionCore``) and
+``indexer_kernels`` (``SparseMLAIndexerKernels``, a ``nam56r.backends.IndexerKernels``).
 
 * ``sparse``: the Triton kernels of ``kernel.py`` (DSA layers after the indexer warm-up).
 * ``dense``: torch's fused attention, ``scaled_dot_product_attention`` (MLA layers, and DSA layers during the
   dense warm-up), as one MQA call: every query head against the single shared KV row (``enable_gqa``).
-* ``index_scores`` and ``sparse_teacher``: the DSA lightning indexer's scores (with backward) and its sparse
-  KL teacher, the Triton kernels of ``indexer.py``.
+* ``SparseMLAIndexerKernels.index_scores`` and ``sparse_teacher``: the DSA lightning indexer's scores (with
+  backward) and its sparse KL teacher, the Triton kernels of ``indexer.py``.
 
 Why ``dense`` passes the *full* key row as the value and keeps the first ``d_v`` output channels, instead of
 passing ``kv[..., :d_v]``: torch's flash kernel (the one that takes ``enable_gqa`` on every sm80+ build)
@@ -39,9 +40,21 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int
     return o[..., :d_v].transpose(1, 2)  # [b, s, h, d_v]
 
 
-class SparseMLA:
-    """``AttentionCore`` whose sparse path and indexer loops are the sparse-mla Triton kernels and whose dense
-    path is torch's fused SDPA."""
+class SparseMLAIndexerKernels:
+    """``IndexerKernels``: the lightning indexer's scores and sparse teacher on the sparse-mla Triton kernels."""
+
+    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return indexer.index_scores(q, k, w)
+
+    def sparse_teacher(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                       scale: float) -> torch.Tensor:
+        return indexer.sparse_teacher(q, kv, indices, scale=scale)
+
+
+class SparseMLA(SparseMLAIndexerKernels):
+    """``AttentionCore`` whose sparse path is the sparse-mla Triton kernel and whose dense path is torch's fused
+    SDPA. It inherits the indexer kernels only for DSA blocks built without ``indexer_kernels`` (the megatron
+    slot, until it passes them)."""
 
     def __init__(self, block_n: int = BLOCK_N):
         self.block_n = block_n
@@ -53,10 +66,3 @@ class SparseMLA:
                d_v: int) -> torch.Tensor:
         o, _lse = sparse_mla(q, kv, indices, scale=scale, d_v=d_v, block_n=self.block_n)
         return o
-
-    def index_scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return indexer.index_scores(q, k, w)
-
-    def sparse_teacher(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
-                       scale: float) -> torch.Tensor:
-        return indexer.sparse_teacher(q, kv, indices, scale=scale)

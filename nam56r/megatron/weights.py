@@ -1,0 +1,137 @@
+"""nam56r's state dict in Megatron's names: every nam parameter renamed (and sliced: pipeline stage, experts)
+for one rank's ``NamHybridModel``, CPU-testable. The local and the megatron engine start from the same weights."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from nam_core.errors import ConfigError, NamError
+
+KIND = {"M": "mamba", "E": "moe", "A": "mla", "D": "dsa"}
+"""nam layer symbol -> the kind ``nam_state_to_megatron`` maps."""
+
+
+def _mtp_positions(mtp_pattern: str) -> tuple[int, int]:
+    """Stack positions of the MLA and the MLP layer inside one MTP depth (nam's MTPDepth: attention, MLP)."""
+    if sorted(mtp_pattern) != sorted("+-"):
+        raise ConfigError(f"MTP depth pattern {mtp_pattern!r}: the weight map knows nam's MTPDepth ('+-') only",
+                          hint="the lowering's MTP_DEPTH and nam56r.model.MTPDepth must change together")
+    return mtp_pattern.index("+"), mtp_pattern.index("-")
+
+
+def nam_state_to_megatron(
+    state: Mapping[str, torch.Tensor],
+    kinds: tuple[str, ...],
+    *,
+    mtp_pattern: str = "+-",
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    first: int = 0,
+    stop: int | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    mtp_process: bool = True,
+) -> dict[str, torch.Tensor]:
+    """nam56r.model.NAM56R's ``state_dict`` renamed (and sliced) for one rank's ``NamHybridModel``.
+
+    ``kinds``: per stack layer, ``mamba``/``moe``/``mla``/``dsa``; this rank holds layers ``[first, stop)``
+    and, of every MoE layer, experts ``[ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)``. Embedding,
+    n-gram and structure tables go to the first stage; final norm, head and MTP to the last (the last stage
+    keeps its own copy of the token embedding for MTP, as HybridModel does). Unknown keys raise.
+    """
+    stop = len(kinds) if stop is None else stop
+    attn_pos, mlp_pos = _mtp_positions(mtp_pattern)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        head, _, rest = key.partition(".")
+        if head == "embed":
+            if pre_process or mtp_process:
+                out[f"embedding.word_embeddings.{rest}"] = value
+        elif head in ("ngram", "structure"):
+            if pre_process:
+                out[key] = value
+        elif head in ("final_norm", "head"):
+            if post_process:
+                out["output_layer.weight" if head == "head" else key] = value
+        elif head == "layers":
+            index, _, name = rest.partition(".")
+            i = int(index)
+            if first <= i < stop:
+                out.update(_layer_weights(kinds[i], f"decoder.layers.{i - first}.", name, value, ep_rank, ep_size))
+        elif head == "mtp":
+            if mtp_process:
+                depth, _, name = rest.partition(".")
+                out.update(_mtp_weights(int(depth), name, value, attn_pos, mlp_pos))
+        else:
+            raise NamError(f"nam parameter {key!r} has no place in the Megatron model",
+                           hint="nam_state_to_megatron must learn it (nam56r/megatron/weights.py)")
+    return out
+
+
+def _layer_weights(kind: str, prefix: str, name: str, value: torch.Tensor, ep_rank: int, ep_size: int) -> dict:
+    norm = {"mamba": "norm", "moe": "pre_mlp_layernorm", "mla": "input_layernorm", "dsa": "input_layernorm"}
+    if name.startswith("norm."):
+        return {prefix + norm[kind] + name[len("norm"):]: value}
+    sub = name[len("mixer."):]
+    if kind == "mamba":
+        return {f"{prefix}mixer.block.{sub}": value}
+    if kind in ("mla", "dsa"):
+        return {f"{prefix}self_attention.block.{sub}": value}
+    if sub in ("w_gate_up", "w_down"):  # [E, 2f, d] / [E, d, f] -> this rank's SequentialMLP experts
+        local = value.shape[0] // ep_size
+        fc = "linear_fc1" if sub == "w_gate_up" else "linear_fc2"
+        return {f"{prefix}mlp.experts.local_experts.{j}.{fc}.weight": value[ep_rank * local + j]
+                for j in range(local)}
+    shared = {"shared.w_gate_up.weight": "shared_experts.linear_fc1.weight",
+              "shared.w_down.weight": "shared_experts.linear_fc2.weight", "router.weight": "router.weight"}
+    if sub not in shared:
+        raise NamError(f"MoE parameter {name!r} has no place in Megatron's MoELayer",
+                       hint="nam_state_to_megatron must learn it (nam56r/megatron/weights.py)")
+    return {f"{prefix}mlp.{shared[sub]}": value}
+
+
+def _mtp_weights(depth: int, name: str, value: torch.Tensor, attn_pos: int, mlp_pos: int) -> dict:
+    prefix = f"mtp.layers.{depth}."
+    inner = f"{prefix}mtp_model_layer.layers."
+    if name == "eh_proj.weight":
+        # nam projects cat(norm_h(h), norm_e(e)); Megatron cat(enorm(e), hnorm(h)): swap the column halves.
+        h = value.shape[1] // 2
+        return {prefix + name: torch.cat([value[:, h:], value[:, :h]], dim=1)}
+    renamed = {"norm_h.weight": prefix + "hnorm.weight", "norm_e.weight": prefix + "enorm.weight",
+               "attn.norm.weight": f"{inner}{attn_pos}.input_layernorm.weight",
+               "mlp_norm.weight": f"{inner}{mlp_pos}.pre_mlp_layernorm.weight",
+               "mlp.w_gate_up.weight": f"{inner}{mlp_pos}.mlp.linear_fc1.weight",
+               "mlp.w_down.weight": f"{inner}{mlp_pos}.mlp.linear_fc2.weight",
+               "final_norm.weight": f"mtp_norms.{depth}.weight"}
+    if name in renamed:
+        return {renamed[name]: value}
+    if name.startswith("attn.mixer."):
+        return {f"{inner}{attn_pos}.self_attention.block.{name[len('attn.mixer.'):]}": value}
+    raise NamError(f"MTP parameter {name!r} has no place in Megatron's MTP layer",
+                   hint="nam_state_to_megatron must learn it (nam56r/megatron/weights.py)")
+
+
+def for_this_rank(model, nam_tensors: Mapping[str, torch.Tensor], lowering, pg_collection) -> dict:
+    """``nam_tensors`` (keyed by nam56r parameter names: weights, or their gradients) renamed and sliced for
+    one rank's (unwrapped) NamHybridModel: its pipeline stage, its experts."""
+    numbers = [layer.layer_number for layer in model.decoder.layers]  # 1-based, global
+    kinds = tuple(KIND[layer["nam"]] for layer in lowering.layers)
+    return nam_state_to_megatron(
+        nam_tensors, kinds, mtp_pattern=lowering.mtp_pattern or "+-", ep_rank=pg_collection.ep.rank(),
+        ep_size=pg_collection.ep.size(), first=numbers[0] - 1 if numbers else 0,
+        stop=numbers[-1] if numbers else 0, pre_process=model.pre_process, post_process=model.post_process,
+        mtp_process=model.mtp_process)
+
+
+def load_nam_weights(model, nam_state: Mapping[str, torch.Tensor], lowering, pg_collection) -> None:
+    """Copy a nam56r state dict into one rank's (unwrapped) NamHybridModel; every parameter and persistent
+    buffer must be written exactly once, or nothing trains."""
+    mapped = for_this_rank(model, nam_state, lowering, pg_collection)
+    missing, unexpected = model.load_state_dict(mapped, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]  # Megatron linears' (empty) extra state
+    if missing or unexpected:
+        raise NamError(f"the nam weights do not fill the Megatron model: missing {missing[:8]}, unexpected "
+                       f"{unexpected[:8]}", hint="nam_state_to_megatron and the spec disagree; fix the map")
+

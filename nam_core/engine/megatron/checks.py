@@ -1,0 +1,162 @@
+"""Checks that fail closed before the megatron engine starts (all CPU-testable): the megatron-core version,
+CUDA, torch.distributed, psutil, the MoE dispatcher, the CUDA allocator setting and the parallel layout.
+``nam preflight --engine megatron`` prints ``runtime_checks``; ``check_runtime`` raises on the failed ones."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+from nam_core.engine.config import TrainConfig
+from nam_core.engine.megatron.schedule import resolve_schedule
+from nam_core.errors import ConfigError, NamError
+
+MIN_MEGATRON = (0, 19)
+"""`+` (MLA layer) and the hybrid MTP hand-over this engine builds on arrived in core_v0.19.0 (§1.2)."""
+
+ALLOC_CONF = "expandable_segments:True"
+"""NAM56R runs out of memory from fragmentation before capacity (issue 8): the allocator must grow segments."""
+ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""torch reads both names (the second is the newer, device-neutral one); either may override the other."""
+
+def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bool) -> str:
+    """Make sure the CUDA caching allocator runs with expandable segments; return the setting in force.
+
+    Sets ``PYTORCH_CUDA_ALLOC_CONF`` when neither allocator variable is set and CUDA has not initialised
+    yet (the allocator reads it once, at initialisation). Raises when the environment sets either variable
+    without ``expandable_segments:True``, or when it is unset and CUDA is already up.
+    """
+    found = {name: environ[name] for name in ALLOC_VARS if name in environ}
+    for name, value in found.items():
+        options = {}
+        for part in value.split(","):
+            key, _, setting = part.partition(":")
+            options[key.strip()] = setting.strip()
+        if options.get("expandable_segments", "").lower() != "true":
+            raise NamError(
+                f"the environment sets {name}={value!r}, which overrides what the megatron engine needs "
+                f"({ALLOC_CONF}: NAM56R runs out of memory from fragmentation before capacity)",
+                hint=f"unset {name}, or add the setting: export {name}={value},{ALLOC_CONF}", exit_code=3)
+    if found:
+        return next(iter(found.values()))
+    if cuda_initialized:
+        raise NamError(
+            f"CUDA was initialised before the megatron engine could set PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF}; "
+            "the allocator reads it only once, at initialisation",
+            hint=f"export PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} before torchrun, or call prepare_allocator "
+                 "before anything touches CUDA", exit_code=3)
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return ALLOC_CONF
+
+
+def megatron_version() -> tuple[int, ...] | None:
+    """The (major, minor, patch) of the megatron-core that ``import megatron.core`` loads; None if absent."""
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return None
+    return tuple(int(v) for v in package_info.VERSION[:3])
+
+
+def runtime_facts() -> dict:
+    """What ``runtime_checks`` needs to know about this process (imports megatron-core if installed)."""
+    import importlib.util
+    import sys
+
+    return {
+        "megatron": megatron_version(),
+        "python": sys.version_info[:2],
+        "cuda": torch.cuda.is_available(),
+        "distributed": torch.distributed.is_available(),
+        "world_size": int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None,
+        "psutil": importlib.util.find_spec("psutil") is not None,
+        "deep_ep": importlib.util.find_spec("deep_ep") is not None,
+        "fused_adam": next((name for name in ("transformer_engine", "apex")
+                            if importlib.util.find_spec(name) is not None), None),
+    }
+
+
+DISPATCHERS = ("alltoall", "flex")
+"""``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
+
+
+def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True) -> list:
+    """One ``Check`` row per thing the megatron engine needs from this process (``nam preflight --engine
+    megatron`` prints them; ``check_runtime`` raises on the failed ones). ``launched=False`` skips the
+    torchrun row (preflight runs outside torchrun)."""
+    from nam_core.requirements import FAIL, PASS, SKIP, Check
+
+    def row(name, ok, needed, found, hint):
+        return Check("megatron engine", name, PASS if ok else FAIL, needed, found, None if ok else hint)
+
+    version = facts["megatron"]
+    found = "not installed" if version is None else ".".join(map(str, version))
+    want = ".".join(map(str, MIN_MEGATRON))
+    py = ".".join(map(str, facts["python"]))
+    rows = [
+        row("megatron-core", version is not None and tuple(version[:2]) >= MIN_MEGATRON, f">= {want}",
+            f"{found} (Python {py})", "pip install 'megatron-core>=0.19' on Python >= 3.12 (its wheels require 3.12)"),
+        row("CUDA", facts["cuda"], "a CUDA device", "available" if facts["cuda"] else "torch.cuda.is_available() is False",
+            "run on a GPU host; the local engine trains on the CPU: nam train --engine local"),
+        row("torch.distributed", facts["distributed"], "available", "yes" if facts["distributed"] else "no",
+            "install a torch build with distributed support"),
+        row("psutil", facts["psutil"], "installed (Megatron's checkpoint writer needs it; without it a save hangs, §9.2)",
+            "yes" if facts["psutil"] else "no", "pip install psutil"),
+    ]
+    if launched:
+        rows.append(row("torchrun launch", facts["world_size"] is not None, "WORLD_SIZE set by torchrun",
+                        "not set" if facts["world_size"] is None else f"WORLD_SIZE={facts['world_size']}",
+                        "torchrun --nproc-per-node N -m nam_cli train --engine megatron ..., or nam train --nproc N"))
+    if dispatcher not in DISPATCHERS:
+        rows.append(row("MoE dispatcher", False, " or ".join(DISPATCHERS), dispatcher, "--set train.moe_dispatcher=alltoall"))
+    elif dispatcher == "flex" or facts["deep_ep"]:
+        rows.append(row("DeepEP (flex dispatcher)", facts["deep_ep"], f"installed for train.moe_dispatcher={dispatcher}"
+                        if dispatcher == "flex" else "installed", "yes" if facts["deep_ep"] else "not installed",
+                        "install DeepEP, or --set train.moe_dispatcher=alltoall"))
+    else:
+        rows.append(Check("megatron engine", "DeepEP (flex dispatcher)", SKIP, "only for train.moe_dispatcher=flex",
+                          "not installed: MoE tokens move through Megatron's all-to-all dispatcher"))
+    fused = facts.get("fused_adam")
+    rows.append(Check("megatron engine", "optimizer", PASS if fused else SKIP,
+                      "Transformer Engine's or Apex's fused Adam, which Megatron uses when importable",
+                      f"{fused}'s fused Adam" if fused else
+                      "neither installed: Megatron builds torch.optim.AdamW, which the engine switches to torch's "
+                      "fused implementation; Megatron's gradient norm and scaling run as per-tensor Python loops "
+                      "(slower; bench/README.md, the megatron engine's profile)"))
+    return rows
+
+
+def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall") -> None:
+    """One NamError (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
+    failed = [c for c in runtime_checks(facts, dispatcher=dispatcher) if not c.ok]
+    if failed:
+        raise NamError("the megatron engine cannot run here; missing: "
+                       + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in failed),
+                       hint="; ".join(dict.fromkeys(c.hint for c in failed if c.hint)), exit_code=3)
+
+
+def check_layout(*, world_size: int, tp: int, pp: int, ep: int, train: TrainConfig,
+                 registered_schedules: Mapping[str, Any]) -> int:
+    """Refuse a parallel layout or a train config this engine cannot run; return the data-parallel size."""
+    for name, size in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if size < 1:
+            raise ConfigError(f"--{name} {size}: parallel sizes start at 1", hint=f"--{name} 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} GPUs do not split into tp={tp} x pp={pp} groups",
+                          hint=f"launch a multiple of {tp * pp} processes: torchrun --nproc-per-node {tp * pp} ...")
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ConfigError(f"ep={ep} must divide the data-parallel size {dp} (= {world_size} GPUs / (tp={tp} x pp={pp}))",
+                          hint=f"choose --ep among the divisors of {dp}, or launch {ep * tp * pp} GPUs")
+    if train.dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"train.dtype={train.dtype!r}: the megatron engine trains in bfloat16 or float32",
+                          hint="--set train.dtype=bfloat16")
+    if train.device != "cuda":
+        raise ConfigError(f"train.device={train.device!r}: the megatron engine runs on CUDA devices only",
+                          hint="--device cuda, or --engine local on the CPU")
+    schedule = resolve_schedule(train.schedule, pp=pp, registered=registered_schedules)
+    if schedule is not None:
+        schedule.check_layout(tp=tp, pp=pp, ep=ep, num_microbatches=train.grad_accum)
+    return dp

@@ -1,0 +1,46 @@
+"""Process groups (TP, PP, EP; the rest is data parallel), seeds and this rank's device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nam_core.engine.megatron.schedule import PipelineSchedule
+
+
+def init_distributed() -> None:
+    """This rank's GPU (from LOCAL_RANK) and the NCCL default group; idempotent. ``nam train`` calls it early
+    (rank 0 prepares data and writes the run folder while the others wait)."""
+    if torch.distributed.is_initialized():
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+
+
+def init_parallel(*, tp: int, pp: int, ep: int, seed: int, schedule: PipelineSchedule | None = None):
+    """NCCL process groups for tp x pp x ep, with the embedding group the schedule's layout needs; Megatron's
+    RNG trackers. Returns Megatron's ``ProcessGroupCollection``."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    init_distributed()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        get_embedding_ranks=schedule.embedding_ranks() if schedule is not None else None)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def device() -> torch.device:
+    """This rank's GPU (``init_distributed`` selects it from LOCAL_RANK)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def shutdown() -> None:
+    """Tear the process groups down at the end of a successful run (NCCL warns at exit otherwise). Never on
+    an error path: its barrier would wait for ranks that are stuck in a collective."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,343 @@
+"""The megatron engine's patch-lane entries: what Megatron-Core's optimizer gets wrong or leaves slow without
+Transformer Engine or Apex (our GPU hosts have neither), each fixed for the run only (``train`` applies them
+with ``nam_core.patches.applied`` and reverts them at the end), and listed by ``nam patches``.
+
+* ``megatron-optimizer-fp32-groups``: DistributedOptimizer numbers a parameter group's parameters in
+  grad-buffer order but hands them to the inner optimizer fp32-first (distrib_optimizer.py:328-337 against
+  :486-490 in 0.19.2); in a group that mixes fp32 and bf16 parameters (Mamba-3's D, dt_bias, B_bias, C_bias
+  next to bf16 vectors) checkpoint save and load read the wrong parameter's state, and the dp_reshardable save
+  fails its shape assertion (:1958). Fix: Megatron's standard group overrides give fp32 parameters groups of
+  their own (``start_wd`` only tells them apart; the engine sets the decay itself).
+* ``megatron-distopt-adam-state-before-step``: with torch's AdamW, DistributedOptimizer.state_dict asserts one
+  ``step`` across the inner optimizer's state (:839), which torch creates at the first step only, so a
+  checkpoint cannot be loaded into a fresh optimizer. Fix: before a loading ``sharded_state_dict``, one step
+  on zero gradients at lr 0 and no weight decay creates the state and moves no weight (the load overwrites it).
+* ``megatron-distopt-adam-step-on-load``: DistributedOptimizer.load_state_dict hands one shared ``step`` tensor
+  to every parameter's state (:1025-1032), which AdamW then increments once per parameter, and the
+  dp_reshardable load writes back the step the load template held (a LocalNonpersistentObject, :1956). Fix:
+  after the load, every parameter gets its own ``step`` holding the checkpoint's (every step of this engine
+  steps every parameter), where torch's AdamW reads it (the parameter's device for fused or capturable groups).
+* ``megatron-torch-adamw-fused``: Megatron builds ``torch.optim.AdamW`` with torch's default implementation
+  (on CUDA the multi-tensor ``foreach`` one: 52 ms of a 1,485 ms step at 2x H200, MBS 2, bench/README.md).
+  Fix: each inner torch Adam(W) runs torch's ``fused`` implementation (the same update in one kernel per
+  device and dtype), also after a load replaces its parameter groups.
+
+Each ``detect()`` reads what is installed (no Transformer Engine or Apex, the code line that carries the bug)
+and whether the fix is in place, so an upstream that changes the line retires the patch by itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, Patch
+from nam_core.registry import Entry
+
+OWNER = "megatron engine"
+"""What ``nam patches`` and the run's reports name as these patches' owner (the ``plugin`` column)."""
+TARGET, VERSIONS = "megatron-core", ">=0.19"
+"""The engine runs on 0.19 and later; each ``detect`` decides by the installed code, not the number."""
+FP32_GROUPS, STATE_BEFORE_STEP, STEP_ON_LOAD, FUSED = (
+    "megatron-optimizer-fp32-groups", "megatron-distopt-adam-state-before-step",
+    "megatron-distopt-adam-step-on-load", "megatron-torch-adamw-fused")
+
+
+# --- wrapping upstream attributes, revertibly --------------------------------------------------------------
+
+
+def _wrap(owner, name: str, patch: str, make) -> None:
+    """Replace ``owner.name`` by ``make(original)``, marked with the patch's name; idempotent."""
+    original = getattr(owner, name)
+    if getattr(original, "__nam_patch__", None) == patch:
+        return
+    wrapper = make(original)
+    wrapper.__nam_patch__, wrapper.__wrapped__ = patch, original
+    setattr(owner, name, wrapper)
+
+
+def _unwrap(owner, name: str, patch: str) -> None:
+    current = getattr(owner, name)
+    if getattr(current, "__nam_patch__", None) == patch:
+        setattr(owner, name, current.__wrapped__)
+
+
+def _wrapped(owner, name: str, patch: str) -> bool:
+    return getattr(getattr(owner, name), "__nam_patch__", None) == patch
+
+
+def _source(function) -> str:
+    """The function's source without whitespace (a feature check that survives reformatting)."""
+    return "".join(inspect.getsource(inspect.unwrap(function)).split())
+
+
+def _torch_optimizers() -> bool:
+    """Megatron builds torch's optimizers: neither Transformer Engine nor Apex is importable."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _inner_adams(optimizer) -> list:
+    """The torch Adam(W) inside each of Megatron's (chained) optimizers."""
+    inners = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o for o in inners if type(o) in (torch.optim.AdamW, torch.optim.Adam)]
+
+
+def _distopt():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer
+
+
+# --- megatron-optimizer-fp32-groups -----------------------------------------------------------------------
+
+
+def _optimizer_module():
+    import megatron.core.optimizer as module
+
+    return module
+
+
+def fp32_group_overrides(original):
+    """``get_standard_config_overrides`` with fp32 parameters (in a bf16 model) in groups of their own."""
+
+    @functools.wraps(original)
+    def overrides(config):
+        from megatron.core.optimizer import ParamKey, ParamPredicate
+
+        result = original(config)
+        fp32 = ParamKey(predicate=ParamPredicate(name="fp32_in_bf16", fn=lambda p: p.dtype == torch.float32))
+        result[fp32] = {"start_wd": config.weight_decay}
+        return result
+
+    return overrides
+
+
+def _fp32_groups_detect() -> bool:
+    lists_fp32_first = "[*shard_fp32_params_this_group,*shard_fp32_from_float16_params_this_group,]" in _source(
+        _distopt()._build_model_and_main_param_groups)
+    return lists_fp32_first and not _wrapped(_optimizer_module(), "get_standard_config_overrides", FP32_GROUPS)
+
+
+def _fp32_groups_reproduce() -> str:
+    """Whether a bf16 and an fp32 no-decay vector get the same overrides (one group: the bug's precondition)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    overrides = _optimizer_module().get_standard_config_overrides(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, bf16=True))
+    fp32, bf16 = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    groups = [sorted(str(o) for key, o in overrides.items() if key.matches(p, name))
+              for name, p in (("mixer.block.D", fp32), ("norm.weight", bf16))]
+    return BUG_REPRODUCED if groups[0] == groups[1] else FIX_VALIDATED
+
+
+# --- megatron-distopt-adam-state-before-step --------------------------------------------------------------
+
+
+def materialise_adam_state(optimizer) -> None:
+    """Give each inner torch AdamW its per-parameter state (with ``step``): one step on zero gradients at lr 0
+    and no weight decay, which moves no weight."""
+    for inner in _inner_adams(optimizer):
+        saved = [(group["lr"], group["weight_decay"]) for group in inner.param_groups]
+        for group in inner.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        for group, (lr, wd) in zip(inner.param_groups, saved):
+            group["lr"], group["weight_decay"] = lr, wd
+
+
+def _state_before_step(original):
+    @functools.wraps(original)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, *args, **kwargs):
+        if is_loading and any(len(inner.state) == 0 for inner in _inner_adams(self)):
+            materialise_adam_state(self)
+        model_sd = {} if model_sharded_state_dict is None else model_sharded_state_dict
+        return original(self, model_sd, is_loading, *args, **kwargs)
+
+    return sharded_state_dict
+
+
+def _state_before_step_detect() -> bool:
+    asserts_state = 'forsininner_state_dict["state"].values()' in _source(_distopt().state_dict)
+    return (_torch_optimizers() and asserts_state
+            and not _wrapped(_distopt(), "sharded_state_dict", STATE_BEFORE_STEP))
+
+
+def _state_before_step_reproduce() -> str:
+    """DistributedOptimizer.state_dict on a torch AdamW that has not stepped (CPU, no process group)."""
+    from types import SimpleNamespace
+
+    param = torch.nn.Parameter(torch.ones(4))
+    holder = SimpleNamespace(optimizer=torch.optim.AdamW([param], lr=1e-3), grad_scaler=None)
+    holder.chained_optimizers = [holder]
+    if not _wrapped(_distopt(), "sharded_state_dict", STATE_BEFORE_STEP):
+        try:
+            _distopt().state_dict(holder)
+        except AssertionError:
+            return BUG_REPRODUCED
+        return FIX_VALIDATED
+    materialise_adam_state(holder)
+    _distopt().state_dict(holder)
+    return FIX_VALIDATED if torch.equal(param.detach(), torch.ones(4)) else BUG_REPRODUCED
+
+
+# --- megatron-distopt-adam-step-on-load -------------------------------------------------------------------
+
+
+def own_adam_steps(optimizer, step: float) -> None:
+    """Every parameter's AdamW ``step`` its own tensor holding ``step``, where the group keeps it."""
+    for inner in _inner_adams(optimizer):
+        for group in inner.param_groups:
+            on_param = group.get("fused") or group.get("capturable")  # where torch's AdamW keeps ``step`` then
+            for p in group["params"]:
+                state = inner.state.get(p, {})
+                if "step" in state:
+                    old = state["step"]
+                    state["step"] = torch.full((), float(step), dtype=torch.float32 if on_param else old.dtype,
+                                               device=p.device if on_param else old.device)
+
+
+def _step_on_load(original):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        steps = {g["step"] for g in state_dict.get("optimizer", {}).get("param_groups", []) if "step" in g}
+        original(self, state_dict)
+        if len(steps) == 1:
+            own_adam_steps(self, float(next(iter(steps))))
+
+    return load_state_dict
+
+
+def _step_on_load_detect() -> bool:
+    source = _source(_distopt().load_state_dict)
+    shares_one = "forsinstate_dict_state.values():" in source and 's["step"]=step' in source
+    return _torch_optimizers() and shares_one and not _wrapped(_distopt(), "load_state_dict", STEP_ON_LOAD)
+
+
+def _step_on_load_reproduce() -> str:
+    """One ``step`` tensor shared by two parameters' states, as the load leaves it: a torch AdamW step then
+    advances it once per parameter (2 instead of 1). With the fix each parameter advances by one."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    shared = torch.tensor(1.0)
+    for p in params:
+        opt.state[p]["step"] = shared
+    if _wrapped(_distopt(), "load_state_dict", STEP_ON_LOAD):
+        own_adam_steps(type("Chained", (), {"optimizer": opt})(), 1)
+    opt.step()
+    steps = [float(opt.state[p]["step"]) for p in params]
+    return FIX_VALIDATED if steps == [2.0, 2.0] else BUG_REPRODUCED
+
+
+# --- megatron-torch-adamw-fused ---------------------------------------------------------------------------
+
+
+def use_fused_adamw(optimizer) -> list[str]:
+    """Run each inner torch AdamW of Megatron's optimizer on torch's fused implementation; returns what it set.
+    AdamW reads ``fused`` and ``foreach`` from each parameter group at every step, so they are set on the
+    groups; ``fused`` also makes ``load_state_dict`` keep each ``step`` on its parameter's device."""
+    changed = []
+    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        inner = opt.optimizer
+        if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
+            continue
+        for group in (inner.defaults, *inner.param_groups):
+            group["fused"], group["foreach"] = True, False
+        changed.append(f"optimizer {i}: torch.optim.{type(inner).__name__}(fused=True)")
+    return changed
+
+
+def _fused(original):
+    @functools.wraps(original)
+    def get_megatron_optimizer(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        use_fused_adamw(optimizer)
+        for inner in _inner_adams(optimizer):  # a load replaces the groups with the checkpoint's
+            inner.register_load_state_dict_post_hook(lambda opt: use_fused_adamw(type("Chained", (), {
+                "optimizer": opt})()))
+        return optimizer
+
+    return get_megatron_optimizer
+
+
+def _fused_detect() -> bool:
+    from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups as build
+
+    builds_unfused = "adam_cls=torch.optim.AdamW" in _source(build) and '"fused"' not in _source(build)
+    return (_torch_optimizers() and builds_unfused
+            and not _wrapped(_optimizer_module(), "get_megatron_optimizer", FUSED))
+
+
+def _fused_reproduce() -> str:
+    """The same three AdamW steps fused and not (fp32, CPU): equal to rounding when the switch is sound."""
+    gen = torch.Generator().manual_seed(5)
+    weight, grads = torch.randn(16, 8, generator=gen), [torch.randn(16, 8, generator=gen) for _ in range(3)]
+    results = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(weight.clone())
+        opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1)
+        if fused:
+            use_fused_adamw(type("Chained", (), {"optimizer": opt})())
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        results.append(p.detach())
+    if not torch.allclose(*results, rtol=1e-6, atol=1e-7):
+        return BUG_REPRODUCED
+    return BUG_REPRODUCED if _fused_detect() else FIX_VALIDATED
+
+
+# --- the lane ---------------------------------------------------------------------------------------------
+
+
+def make_patches() -> list[Patch]:
+    """The engine's entries, in the order they apply."""
+    opt, distopt = _optimizer_module, _distopt
+    return [
+        Patch(FP32_GROUPS, TARGET, VERSIONS,
+              summary="DistributedOptimizer mis-orders groups that mix fp32 and bf16 parameters (checkpoint state "
+                      "read for the wrong parameter); fp32 parameters get optimizer groups of their own",
+              retire_when="a megatron-core release whose DistributedOptimizer lists a group's parameters in the "
+                          "order it numbers them (detection reads _build_model_and_main_param_groups)",
+              detect=_fp32_groups_detect, reproduce=_fp32_groups_reproduce,
+              apply=lambda: _wrap(opt(), "get_standard_config_overrides", FP32_GROUPS, fp32_group_overrides),
+              revert=lambda: _unwrap(opt(), "get_standard_config_overrides", FP32_GROUPS)),
+        Patch(STATE_BEFORE_STEP, TARGET, VERSIONS,
+              summary="without TE/Apex, loading a checkpoint into a fresh optimizer asserts on torch AdamW's "
+                      "missing state; one zero-gradient, lr-0 step creates it first",
+              retire_when="a megatron-core release whose DistributedOptimizer.state_dict accepts an optimizer "
+                          "that has not stepped (detection reads state_dict)",
+              detect=_state_before_step_detect, reproduce=_state_before_step_reproduce,
+              apply=lambda: _wrap(distopt(), "sharded_state_dict", STATE_BEFORE_STEP, _state_before_step),
+              revert=lambda: _unwrap(distopt(), "sharded_state_dict", STATE_BEFORE_STEP)),
+        Patch(STEP_ON_LOAD, TARGET, VERSIONS,
+              summary="without TE/Apex, a load gives every parameter one shared AdamW step (advanced once per "
+                      "parameter) or the template's; each parameter gets its own, the checkpoint's",
+              retire_when="a megatron-core release whose load_state_dict gives each state its own step "
+                          "(detection reads load_state_dict)",
+              detect=_step_on_load_detect, reproduce=_step_on_load_reproduce,
+              apply=lambda: _wrap(distopt(), "load_state_dict", STEP_ON_LOAD, _step_on_load),
+              revert=lambda: _unwrap(distopt(), "load_state_dict", STEP_ON_LOAD)),
+        Patch(FUSED, TARGET, VERSIONS,
+              summary="without TE/Apex, Megatron builds torch AdamW on its foreach implementation (52 of 1,485 ms "
+                      "a step at 2x H200); the inner AdamW runs fused",
+              retire_when="a megatron-core release that asks torch for fused=True (detection reads "
+                          "_get_megatron_optimizer_based_on_param_groups), or TE/Apex on the GPU hosts",
+              detect=_fused_detect, reproduce=_fused_reproduce,
+              apply=lambda: _wrap(opt(), "get_megatron_optimizer", FUSED, _fused),
+              revert=lambda: _unwrap(opt(), "get_megatron_optimizer", FUSED)),
+    ]
+
+
+def lane() -> list[Entry]:
+    """The entries as the patch lane takes them (``nam_core.patches.applied``, ``nam patches``)."""
+    return [Entry(p.name, p, OWNER) for p in make_patches()]

@@ -1,0 +1,355 @@
+"""The Triton kernels of the MIMO scan: two passes over chunks in order, three over chunks in parallel.
+
+A tile is ``T`` tokens of one (batch, head); its rows are the ``T * RP`` (token, rank) pairs, row ``i`` =
+token ``i // RP``, rank ``i % RP`` (``RP``: the rank padded to a power of two; padded ranks are masked to 0).
+``n`` is split in halves ``[0, n/2)`` and ``[n/2, n)`` so rotate_half's pairs ``(i, i + n/2)`` are the same
+column of two register tiles. Every ``tl.dot`` takes the dtype of ``q`` (bf16 on the GPU) and accumulates in
+fp32; states, decays, weights and every gradient reduction stay fp32 in registers. No atomics: every output
+element has exactly one writer, so the result is deterministic.
+
+Per (batch, head), with ``cs`` the chunk-local inclusive cumsum of ``adt``, ``c_u`` and ``gamma_t`` the
+trapezoid weights (scan.py) and ``S_in[c]`` the state carried into chunk ``c``::
+
+    y_tr     = sum_{u<=t in chunk, r'} exp(cs_t - cs_u) w[t,u] (q~_tr . k~_ur') v_ur' + exp(cs_t) S_in q~_tr
+    S_in[c+1] = exp(cs_end) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
+    """Token, rank and validity of the tile's ``T * RP`` rows in chunk ``c``."""
+    rows = tl.arange(0, T * RP)
+    tok = c * T + rows // RP
+    rank = rows % RP
+    return tok, rank, (tok < L) & (rank < R)
+
+
+@triton.jit
+def _load_rotated(x_ptr, bias_ptr, ph_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, ph_base, ph_sl, S,
+                  HALF: tl.constexpr):
+    """(x + bias) rotated by the phase, as its two halves ``[M, n/2]`` fp32, plus cos and sin."""
+    cols = tl.arange(0, HALF)
+    m = valid[:, None]
+    ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
+    bptr = bias_ptr + bias_base + rank[:, None] * (2 * HALF) + cols[None, :]
+    lo = tl.where(m, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + tl.load(bptr, mask=m, other=0.0), 0.0)
+    hi = tl.where(m, tl.load(ptr + HALF, mask=m, other=0.0).to(tl.float32)
+                  + tl.load(bptr + HALF, mask=m, other=0.0), 0.0)
+    phi = tl.load(ph_ptr + ph_base + tok[:, None] * ph_sl + cols[None, :], mask=m & (cols[None, :] < S), other=0.0)
+    cos = tl.cos(phi)
+    sin = tl.sin(phi)
+    return lo * cos - hi * sin, lo * sin + hi * cos, cos, sin
+
+
+@triton.jit
+def _load_rows(ptr, base, tok, sl, valid, pcols):
+    """``[M, BP]`` fp32: row i reads token ``tok[i]`` (a per-token tensor repeated over the ranks)."""
+    return tl.load(ptr + base + tok[:, None] * sl + pcols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_proj(ptr, h, rank, valid, R, P, pcols):
+    """``[M, BP]`` fp32: row i reads ``mimo_*[h, rank[i], pcols]``."""
+    return tl.load(ptr + (h * R + rank[:, None]) * P + pcols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decay_weights(tok, cs, gam, cc, T: tl.constexpr, RP: tl.constexpr):
+    """``A [M, M]``: exp(cs_t - cs_u) * (gamma_t on the token diagonal, c_u below it), 0 above; and the
+    bare decay ``exp(cs_t - cs_u)`` on and below the diagonal."""
+    ti = tok[:, None]
+    tj = tok[None, :]
+    decay = tl.exp(tl.where(ti >= tj, cs[:, None] - cs[None, :], float("-inf")))
+    return decay * tl.where(ti == tj, gam[None, :], cc[None, :]), decay
+
+
+@triton.jit
+def _dy(dout, mo, z, mz):
+    """dL/dy_tr = dout_t * mimo_o_r * silu(z_t mimo_z_r)."""
+    zm = z * mz
+    return dout * mo * zm * tl.sigmoid(zm)
+
+
+@triton.jit
+def chunk_state_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
+                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
+                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*h): chunk c's own end-state contribution sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T,
+    ``[b*h, nc, p, n]`` fp32 (``state_pass_kernel`` then turns it into ``S_in`` in place)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    LP = NC * T
+    DT = k_ptr.dtype.element_ty
+    pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
+    tok, rank, valid = _rows(c, L, R, T, RP)
+    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + (h // HPG) * k_sg,
+                                   k_sl, k_sr, h * R * 2 * HALF, (b * L * H + h) * S, H * S, S, HALF)
+    cs = tl.load(cs_ptr + bh * LP + tok)
+    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+    w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
+    v = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
+                                                                                      pcols)
+    vw = tl.trans((v * w[:, None]).to(DT))  # [p, M]
+    sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+    tl.store(sp, tl.dot(vw, klo.to(DT)))
+    tl.store(sp + HALF, tl.dot(vw, khi.to(DT)))
+
+
+@triton.jit
+def chunk_dstate_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
+                        L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
+                        T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*h): dL/dS_in[c] from chunk c's own outputs, sum_t exp(cs_t) sum_r dy_tr q~_tr^T,
+    ``[b*h, nc, p, n]`` fp32 (``state_pass_kernel`` in reverse then makes it ``dS_out``)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
+    tok, rank, valid = _rows(c, L, R, T, RP)
+    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + (h // HPG) * q_sg,
+                                   q_sl, q_sr, h * R * 2 * HALF, (b * L * H + h) * S, H * S, S, HALF)
+    cs = tl.load(cs_ptr + bh * LP + tok)
+    dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+             _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+             _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+             _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+    dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [p, M]
+    sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+    tl.store(sp, tl.dot(dyt, qlo.to(DT)))
+    tl.store(sp + HALF, tl.dot(dyt, qhi.to(DT)))
+
+
+@triton.jit
+def state_pass_kernel(s_ptr, cs_ptr, NC, PN, T: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """Grid (b*h, p*n / BLOCK), in place over ``[b*h, nc, p*n]`` fp32, the carry in fp32 registers.
+    Forward: chunk c's own contribution -> ``S_in[c]``, S_in[c+1] = exp(cs_end[c]) S_in[c] + own[c].
+    Reverse: chunk c's own dL/dS_in[c] -> ``dS_out[c]`` = dL/dS_in[c+1] (0 for the last chunk)."""
+    bh = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    carry = tl.zeros((BLOCK,), tl.float32)
+    for i in range(NC):
+        c = i
+        if REVERSE:
+            c = NC - 1 - i
+        ptr = s_ptr + (bh * NC + c) * PN + cols
+        own = tl.load(ptr)
+        tl.store(ptr, carry)
+        carry = carry * tl.exp(tl.load(cs_ptr + (bh * NC + c) * T + T - 1)) + own
+
+
+@triton.jit
+def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+                     cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
+                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
+                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*h): one chunk's output, intra-chunk plus ``S_in[c]``'s, gated and summed over ranks."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    g = h // HPG
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
+    tok, rank, valid = _rows(c, L, R, T, RP)
+    ph_base = (b * L * H + h) * S
+    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr,
+                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
+                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    qlo = qlo.to(DT)
+    qhi = qhi.to(DT)
+    cs = tl.load(cs_ptr + bh * LP + tok)
+    amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), tl.load(c_ptr + bh * LP + tok), T, RP)
+    qk = tl.dot(qlo, tl.trans(klo.to(DT))) + tl.dot(qhi, tl.trans(khi.to(DT)))  # [M, M]
+    x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+    v = x * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
+    y = tl.dot((qk * amat).to(DT), v.to(DT))
+    sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
+    y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
+    zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols) * _load_proj(mz_ptr, h, rank, valid, R, P,
+                                                                                       pcols)
+    o = (y + tl.load(d_ptr + h) * v) * zm * tl.sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
+    out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)  # [T, p]
+    toks = c * T + tl.arange(0, T)
+    tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(toks < L)[:, None])
+
+
+@triton.jit
+def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+                     cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
+                     dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
+                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
+                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*h): everything but dq and dk. Recomputes y, then writes dx, dz ``[b, l, h, p]``; per token
+    (``[b*h, nc*T]`` fp32) the gradient of the diagonal weight gamma_t, of c_u, and of the log-decay
+    ``Lambda_t`` (= sum_r dy.y - sum_r v.dv, reverse-cumsummed into d adt by scan.py); per chunk the fp32
+    partial sums of d mimo_x, d mimo_z, d mimo_o ``[b, nc, h, r, p]`` and d D ``[b, nc, h]``."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    g = h // HPG
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
+    tok, rank, valid = _rows(c, L, R, T, RP)
+    ph_base = (b * L * H + h) * S
+    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr,
+                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
+                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    qlo = qlo.to(DT)
+    qhi = qhi.to(DT)
+    klo = klo.to(DT)
+    khi = khi.to(DT)
+    cs = tl.load(cs_ptr + bh * LP + tok)
+    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+    cc = tl.load(c_ptr + bh * LP + tok)
+    x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+    mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
+    v = x * mx
+    vd = v.to(DT)
+    z = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols)
+    mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
+    dout = _load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols)
+    d_o = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
+    zm = z * mz
+    sg = tl.sigmoid(zm)
+    dy = d_o * zm * sg
+    dyd = dy.to(DT)
+
+    # only two [M, M] tiles live at once: M = qk * A and qk * decay (for the weights' gradients)
+    qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))  # [M, M]
+    amat, decay = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
+    mmat = (qk * amat).to(DT)
+    qkd = qk * decay
+    sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
+    y = tl.dot(mmat, vd) + tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT))
+                                                  + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
+
+    # dv (scan part): intra-chunk M^T dy, and from later chunks exp(cs_end - cs_u) c_u dS_out k~_u
+    dsp = ds_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # dS_out^T halves
+    dvi = tl.dot(klo, tl.load(dsp).to(DT)) + tl.dot(khi, tl.load(dsp + HALF).to(DT))  # [M, p]
+    to_end = tl.exp(cs_end - cs)
+    dv = tl.dot(tl.trans(mmat), dyd) + (to_end * cc)[:, None] * dvi
+
+    # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below it
+    e = tl.dot(dyd, tl.trans(vd)) * qkd
+    same = tok[:, None] == tok[None, :]
+    dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
+    dc_col = tl.sum(tl.where(same, 0.0, e), axis=0) + to_end * tl.sum(v * dvi, axis=1)
+    toks = c * T + tl.arange(0, T)
+    tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+    tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
+    dcs_row = tl.sum(dy * y - v * dv, axis=1)
+    tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
+
+    # gating, skip and the MIMO projections
+    dskip = tl.load(d_ptr + h)
+    ypd = y + dskip * v
+    dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
+    dvt = dv + dskip * dy
+    tmask = (toks < L)[:, None]
+    out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
+    tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty),
+             mask=tmask)
+    tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty),
+             mask=tmask)
+    ranks = tl.arange(0, RP)
+    part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
+    rmask = (ranks < R)[:, None]
+    tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
+    tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
+    tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
+    tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
+
+
+@triton.jit
+def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
+                  cs_ptr, gam_ptr, c_ptr, st_ptr, out_ptr, dbias_ptr, dph_ptr,
+                  L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+                  x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
+                  WHICH: tl.constexpr, T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*g): dq (WHICH 0) or dk (WHICH 1) of one chunk of one group, summed over the group's heads
+    in fp32 registers (no per-head copy, no atomics), un-rotated; per head the bias-gradient partial
+    ``[b, nc, h, r, n]`` and the phase gradient ``[b, l, h, s]`` (WHICH 1 adds to what WHICH 0 wrote).
+    ``st_ptr``: ``S_in`` for dq, ``dS_out`` for dk."""
+    c = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = bg // G
+    g = bg % G
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
+    tok, rank, valid = _rows(c, L, R, T, RP)
+    toks = c * T + tl.arange(0, T)
+    ranks = tl.arange(0, RP)
+    acc_lo = tl.zeros((T * RP, HALF), tl.float32)
+    acc_hi = tl.zeros((T * RP, HALF), tl.float32)
+    for j in range(HPG):
+        h = g * HPG + j
+        bh = b * H + h
+        ph_base = (b * L * H + h) * S
+        qlo, qhi, cos, sin = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl,
+                                           q_sr, h * R * 2 * HALF, ph_base, H * S, S, HALF)
+        klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
+                                       h * R * 2 * HALF, ph_base, H * S, S, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cc = tl.load(c_ptr + bh * LP + tok)
+        amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
+        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols)).to(DT)
+        dqk = (tl.dot(dy, tl.trans(v)) * amat).to(DT)  # dL/d(q~.k~) [M, M]
+        sp = st_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
+        if WHICH == 0:
+            inter = tl.exp(cs)[:, None]
+            d_lo = tl.dot(dqk, klo.to(DT)) + inter * tl.dot(dy, tl.load(sp).to(DT))
+            d_hi = tl.dot(dqk, khi.to(DT)) + inter * tl.dot(dy, tl.load(sp + HALF).to(DT))
+            dphi = d_hi * qlo - d_lo * qhi
+        else:
+            inter = (tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1) - cs) * cc)[:, None]
+            dqkt = tl.trans(dqk)
+            d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(v, tl.load(sp).to(DT))
+            d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(v, tl.load(sp + HALF).to(DT))
+            dphi = d_hi * klo - d_lo * khi
+        u_lo = d_lo * cos + d_hi * sin  # the rotation's transpose
+        u_hi = d_hi * cos - d_lo * sin
+        acc_lo += u_lo
+        acc_hi += u_hi
+        part = dbias_ptr + (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
+        rmask = (ranks < R)[:, None]
+        tl.store(part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+        tl.store(part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
+        pmask = (toks < L)[:, None] & (hcols < S)[None, :]
+        dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
+        if WHICH == 1:
+            dphi_t += tl.load(dph, mask=pmask, other=0.0)
+        tl.store(dph, dphi_t, mask=pmask)
+    out = out_ptr + ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
+    m = valid[:, None]
+    tl.store(out, acc_lo.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out + HALF, acc_hi.to(out_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,246 @@
+"""nam's Mamba-3 MIMO scan: the ``SSMScan`` backend ``mimo-scan`` (a ``torch.autograd.Function``).
+
+The math is ``nam56r/reference/mamba3.py``'s (kernels-and-math.md section 1.2); the kernels are in kernels.py.
+Chunk-parallel, as Mamba-2's SSD::
+
+    forward   chunk_state   grid (nc, b*h)          each chunk's own end state, in parallel: [b*h, nc, p, n] fp32
+              state_pass    grid (b*h, p*n/2048)    in place, chunks in order: own state -> S_in[c], fp32 carry
+              fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
+    backward  chunk_state + state_pass again (S_in is recomputed, not saved: 1 GiB fp32 at NAM56R's shape)
+              chunk_dstate  grid (nc, b*h)          each chunk's own dL/dS_in, in parallel
+              state_pass    reverse, in place       -> dS_out[c] = dL/dS_in[c+1]
+              bwd_chunk     grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*
+              bwd_qk x 2    grid (nc, b*g)          dq, dk summed over the group's heads in registers; d phase; d bias
+
+Cheap [b, h, l] / [b, l, h, s] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt,
+the rotary phase (a cumsum over time), and in backward the reverse cumsums that turn d Lambda into d adt and d
+phase into d angles, plus the chain rule through sigmoid / tanh. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
+sum_r v_tr.dv_tr (row minus column sums of dA*A over the whole causal matrix; the diagonal cancels), so no
+kernel needs a segment-sum of its own.
+
+The kernels' tile is ``tile_tokens(r)`` tokens (16 at rank 4: 64 (token, rank) rows per tile), whatever the
+model's ``chunk_size`` (the chunking is exact for any tile, so ``chunk_size`` does not change the result).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from nam56r.reference.mamba3 import angle_phase
+
+TILE_ROWS = 64
+"""(token, rank) rows per tile: 16 tokens at rank 4. On the H100, 128-row tiles (32 tokens) ran 3x slower
+(fp32 [128, 128] score tiles and [128, 64] row tiles spill registers)."""
+PASS_BLOCK = 2048
+"""State elements per program of the pass over chunks (p*n = 8192 at NAM56R: 4 programs per (b, h))."""
+NUM_WARPS = {"chunk_state": 4, "state_pass": 4, "fwd_chunk": 4, "chunk_dstate": 4, "bwd_chunk": 8, "bwd_qk": 8}
+NUM_STAGES = {"bwd_qk": 1}
+"""bwd_qk loops over heads: Triton's default 3-stage pipelining of its gathered row loads (rotated q/k, phase,
+x, ...) would multiply their shared memory (a 3-stage loop of that kind asked 313,352 B on the H100)."""
+
+SHARED_BYTES: dict[str, int] = {}
+"""Shared memory per block (``.metadata.shared``) of each kernel as compiled by its last launch on a GPU."""
+
+
+def tile_tokens(rank: int) -> int:
+    """Tokens per tile at this rank: ``TILE_ROWS`` rows, at least 8 tokens."""
+    return max(8, TILE_ROWS // _pow2(rank))
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(name, kernel, grid, *args, **meta):
+    if name in NUM_STAGES:
+        meta["num_stages"] = NUM_STAGES[name]
+    compiled = kernel[grid](*args, num_warps=NUM_WARPS[name], **meta)
+    shared = getattr(getattr(compiled, "metadata", None), "shared", None)
+    if isinstance(shared, int):
+        SHARED_BYTES[name] = shared
+    return compiled
+
+
+class _Geometry:
+    """Shapes and the torch-side coefficients both passes need."""
+
+    def __init__(self, q, v, adt, dt, trap, angles, block_t):
+        self.b, self.l, self.r, self.g, self.n = q.shape
+        self.h, self.p = v.shape[2], v.shape[3]
+        self.s = angles.shape[-1]
+        self.rp = _pow2(self.r)
+        self.t = block_t or tile_tokens(self.r)
+        self.nc = -(-self.l // self.t)
+        pad = self.nc * self.t - self.l
+        dt = dt.float()
+        self.lam = torch.sigmoid(trap.float())  # [b, h, l]
+        gamma = self.lam * dt
+        shifted = F.pad((1 - self.lam[..., 1:]) * dt[..., 1:], (0, 1))
+        self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
+        self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
+        self.cs = F.pad(adt.float(), (0, pad)).unflatten(-1, (self.nc, self.t)).cumsum(-1).flatten(-2).contiguous()
+        self.phase = angle_phase(angles.float(), dt).contiguous()  # [b, l, h, s]
+
+    def meta(self):
+        return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
+
+    def states(self, q, k, q_bias, k_bias, v, mimo_x):
+        """``S_in`` [b*h, nc, p, n] fp32: each chunk's own end state in parallel, then the pass over chunks."""
+        from nam_plugin_mimo_scan.kernels import chunk_state_kernel
+
+        s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=torch.float32)
+        _launch("chunk_state", chunk_state_kernel, (self.nc, self.b * self.h),
+                k, k_bias, self.phase, v, mimo_x, self.cs, self.c, s_in,
+                self.l, self.h, self.h // self.g, self.r, self.s, self.nc,
+                *k.stride()[:4], *v.stride()[:3], **self.meta())
+        self.state_pass(s_in, reverse=False)
+        return s_in
+
+    def state_pass(self, buf, *, reverse: bool):
+        from nam_plugin_mimo_scan.kernels import state_pass_kernel
+
+        pn = self.p * self.n
+        block = min(PASS_BLOCK, pn)
+        _launch("state_pass", state_pass_kernel, (self.b * self.h, pn // block), buf, self.cs, self.nc, pn,
+                T=self.t, BLOCK=block, REVERSE=reverse)
+
+
+class _MimoScanFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, block_t):
+        from nam_plugin_mimo_scan.kernels import fwd_chunk_kernel
+
+        q, k, v, z = (_lastdim_contiguous(t) for t in (q, k, v, z))
+        params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
+        qb, kb, dd, mx, mz, mo = params
+        geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
+        s_in = geo.states(q, k, qb, kb, v, mx)
+        out = torch.empty(geo.b, geo.l, geo.h, geo.p, device=v.device, dtype=v.dtype)
+        _launch("fwd_chunk", fwd_chunk_kernel, (geo.nc, geo.b * geo.h),
+                q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, out,
+                geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc,
+                *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *out.stride()[:3],
+                **geo.meta())
+        ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
+        ctx.block_t = block_t
+        ctx.dtypes = [t.dtype for t in (q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z,
+                                        mimo_o)]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from nam_plugin_mimo_scan.kernels import bwd_chunk_kernel, bwd_qk_kernel, chunk_dstate_kernel
+
+        q, k, v, adt, dt, trap, angles, z, qb, kb, dd, mx, mz, mo = ctx.saved_tensors
+        dout = _lastdim_contiguous(dout)
+        geo = _Geometry(q, v, adt, dt, trap, angles, ctx.block_t)
+        b, l, h, p, r, g, n, nc = geo.b, geo.l, geo.h, geo.p, geo.r, geo.g, geo.n, geo.nc
+        common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc)
+        dev, f32 = q.device, torch.float32
+        s_in = geo.states(q, k, qb, kb, v, mx)
+
+        ds_out = torch.empty_like(s_in)
+        _launch("chunk_dstate", chunk_dstate_kernel, (nc, b * h),
+                q, qb, geo.phase, z, dout, mz, mo, geo.cs, ds_out, *common,
+                *q.stride()[:4], *z.stride()[:3], *dout.stride()[:3], **geo.meta())
+        geo.state_pass(ds_out, reverse=True)
+
+        dx = torch.empty(b, l, h, p, device=dev, dtype=v.dtype)
+        dz = torch.empty(b, l, h, p, device=dev, dtype=z.dtype)
+        dgam, dc, dcs = (torch.empty(b, h, nc * geo.t, device=dev, dtype=f32) for _ in range(3))
+        dmx, dmz, dmo = (torch.empty(b, nc, h, r, p, device=dev, dtype=f32) for _ in range(3))
+        dd_part = torch.empty(b, nc, h, device=dev, dtype=f32)
+        _launch("bwd_chunk", bwd_chunk_kernel, (nc, b * h),
+                q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
+                dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *common,
+                *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3],
+                **geo.meta())
+
+        dq = torch.empty(b, l, r, g, n, device=dev, dtype=q.dtype)
+        dk = torch.empty(b, l, r, g, n, device=dev, dtype=k.dtype)
+        dqb, dkb = (torch.empty(b, nc, h, r, n, device=dev, dtype=f32) for _ in range(2))
+        dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
+        for which, (out, dbias, states) in enumerate(((dq, dqb, s_in), (dk, dkb, ds_out))):
+            _launch("bwd_qk", bwd_qk_kernel, (nc, b * g),
+                    q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, geo.cs, geo.gamma, geo.c, states, out, dbias,
+                    dphase, *common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3],
+                    *dout.stride()[:3], g, WHICH=which, **geo.meta())
+
+        # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
+        dt32, lam = dt.float(), geo.lam
+        dshift = dc[..., :l]
+        dgamma = dgam[..., :l] + dshift
+        dlam = dgamma * dt32
+        dlam[..., 1:] -= dshift[..., :-1] * dt32[..., 1:]
+        ddt = dgamma * lam
+        ddt[..., 1:] += dshift[..., :-1] * (1 - lam[..., 1:])
+        dtrap = dlam * lam * (1 - lam)
+        dadt = _reverse_cumsum(dcs[..., :l], -1)  # adt_i is in Lambda_t for every t >= i
+        # rotary phase: phi_t = sum_{i<=t} pi tanh(angle_i) dt_i
+        drate = _reverse_cumsum(dphase, 1)  # [b, l, h, s]
+        th = torch.tanh(angles.float())
+        dangles = drate * (math.pi * (1 - th * th)) * dt32.transpose(1, 2).unsqueeze(-1)
+        ddt = ddt + (drate * (math.pi * th)).sum(-1).transpose(1, 2)
+        grads = (dq, dk, dx, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_part.sum((0, 1)), dz,
+                 dmx.sum((0, 1)), dmz.sum((0, 1)), dmo.sum((0, 1)))
+        return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None)
+
+
+def _reverse_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.flip(dim).cumsum(dim).flip(dim)
+
+
+def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
+              block_t: int | None = None) -> torch.Tensor:
+    """The MIMO scan, differentiable in every input. Arguments as ``nam56r.backends.SSMScan``; ``block_t``:
+    tokens per kernel tile (a power of two; default ``tile_tokens(r)``). Returns ``[b, l, h, p]`` in v's dtype."""
+    problem = input_problem(q, v, angles, mimo_x)
+    if problem:
+        raise ValueError(f"mimo-scan: {problem}")
+    return _MimoScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
+                             block_t)
+
+
+def input_problem(q, v, angles, mimo_x) -> str | None:
+    """Why the kernels cannot take these inputs, or None."""
+    if mimo_x is None or q.shape[2] < 2:
+        return "MIMO only (rank >= 2); for rank 1 use --set ssm_backend=reference or mamba-ssm"
+    n, p, s = q.shape[-1], v.shape[-1], angles.shape[-1]
+    if n < 32 or n & (n - 1):
+        return f"d_state {n} must be a power of two >= 32 (two halves of >= 16 for tl.dot)"
+    if p < 16 or p & (p - 1):
+        return f"headdim {p} must be a power of two >= 16"
+    if 2 * s > n:
+        return f"{s} angles rotate {2 * s} > d_state {n} dims"
+    return None
+
+
+class MimoScan:
+    """``SSMScan`` backend ``mimo-scan``: nam's Triton MIMO kernels (CUDA; any device under TRITON_INTERPRET=1).
+
+    ``chunk_size`` is accepted and ignored: the kernels tile ``tile_tokens(r)`` tokens (16 at rank 4), and the
+    chunked math is exact for any tile, so the result does not depend on it.
+    """
+
+    def __call__(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
+                 chunk_size: int) -> torch.Tensor:
+        return mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o)
+
+
+def forward_backward(inputs: dict, dout: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+    """One forward and backward (for benchmarks): ``inputs`` by ``SSMScan`` name, leaves with requires_grad
+    where a gradient is wanted; returns the output (gradients land in ``.grad``)."""
+    out = mimo_scan(*(inputs[k] for k in INPUT_NAMES), block_t=block_t)
+    out.backward(dout)
+    return out
+
+
+INPUT_NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "d", "z", "mimo_x", "mimo_z",
+               "mimo_o")

@@ -1,0 +1,199 @@
+"""nam-plugin-mimo-scan on CPU: the Triton kernels under Triton's interpreter against the reference (output and
+every input gradient, each checked by name), the declaration, registration, selection, and activation and
+config refusals. bf16 parity at NAM56R's widths, host syncs and CUDA-graph capture are in
+test_mimo_scan_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import nam_plugin_mimo_scan.plugin as plugin
+from nam56r.recipes import apply_overrides, get_recipe
+from nam_core.device import DeviceInfo
+from nam_core.errors import PluginActivationError
+from nam_core.host import PluginHost
+from nam_core.requirements import FAIL, PASS, SKIP
+
+CPU = DeviceInfo.profile("cpu")
+H100 = DeviceInfo.profile("h100")
+GB10 = DeviceInfo.profile("gb10")
+FP32_TOLERANCE = 1e-4  # selftest.TOLERANCE[float32]: fp32 inputs, only summation order differs (measured ~5e-7)
+GRADS = ("dq", "dk", "dv", "dadt", "ddt", "dtrap", "dq_bias", "dk_bias", "dangles", "dd", "dz", "dmimo_x",
+         "dmimo_z", "dmimo_o")
+
+# --- the Triton kernels under the interpreter -------------------------------------------------------
+# fp32 inputs: Triton's CPU interpreter gets bf16 wrong (see nam-plugin-sparse-mla's README), so bf16 runs on
+# the GPU host only. l=37 is no multiple of any tile; 8-token tiles give 5 chunks (4 state hand-overs).
+INTERPRETED = """
+import json, torch
+from nam_plugin_mimo_scan.selftest import compare
+f32 = dict(device="cpu", dtype=torch.float32)
+cases = {
+    # rank 2, one group for all 4 heads (the dq/dk head loop sums 4 heads), 8-token tiles of 16 rows
+    "r2_g1": compare(2, 37, 4, 1, 32, 16, 2, block_t=8, **f32),
+    # rank 3: padded to 4 rows per token, the padded rank masked; 2 heads per group
+    "r3_g2": compare(2, 37, 4, 2, 32, 16, 3, block_t=8, **f32),
+    # rank 4, a group per head; the default tile (16 tokens: 3 chunks, the last ragged)
+    "r4_g4": compare(1, 37, 4, 4, 32, 16, 4, **f32),
+}
+print(json.dumps(cases))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted(run_interpreted):
+    return run_interpreted(INTERPRETED)
+
+
+@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4"])
+def test_kernels_match_the_reference_in_output_and_every_gradient(interpreted, case):
+    errors = dict(interpreted[case])
+    seed = errors.pop("seed")
+    print(case, seed, errors)
+    assert set(errors) == {"out", *GRADS}
+    bad = {k: v for k, v in errors.items() if not v < FP32_TOLERANCE}  # NaN fails here too
+    assert not bad, f"{case} seed {seed}: over {FP32_TOLERANCE}: {bad}"
+
+
+WRONG_GRADIENT = """
+import json, torch
+import nam_plugin_mimo_scan.scan as scan
+from nam_plugin_mimo_scan.selftest import compare
+real = scan._reverse_cumsum
+scan._reverse_cumsum = lambda x, dim: x  # drop the reverse cumsums: d adt and d angles must go wrong
+print(json.dumps(compare(1, 20, 2, 1, 32, 16, 2, block_t=8, device="cpu", dtype=torch.float32, seed=3)))
+"""
+
+
+def test_the_parity_check_catches_a_wrong_gradient(run_interpreted):
+    """The harness can fail: with the reverse cumsums removed, exactly d adt and d angles are off."""
+    errors = run_interpreted(WRONG_GRADIENT)
+    errors.pop("seed")
+    assert {k for k, v in errors.items() if v > 0.1} == {"dadt", "dangles"}, errors
+
+
+# --- declaration, registration --------------------------------------------------------------------
+def test_declaration_entry_point_and_extras():
+    info = plugin.PLUGIN
+    assert info.provides == {"ssm": ["mimo-scan"]}
+    assert info.selects == {"ssm_backend": "mimo-scan"}
+    assert [(r.title, r.needed) for r in info.requires] == [
+        ("CUDA capability", ">= sm_90"),
+        ("shared memory per block", f">= {plugin.SMEM_BYTES:,} B ({plugin.SMEM_BYTES / 1024:.0f} KiB)"),
+        ("package triton", "triton>=3.5"),
+    ]
+    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "mimo-scan"]
+    assert ep.value == "nam_plugin_mimo_scan.plugin"
+    extras = [r.split(";")[0].strip() for r in importlib.metadata.requires("nam-plugin-mimo-scan") if "extra" in r]
+    assert sorted(extras) == ["numpy<2.4", "triton>=3.3", "triton>=3.5"]
+
+
+def test_plugin_module_imports_neither_torch_nor_triton():
+    code = "import sys, nam_plugin_mimo_scan.plugin; print([m for m in ('torch', 'triton') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_scan_satisfies_the_protocol_and_refuses_siso():
+    import torch
+
+    from nam56r.backends import SSMScan
+    from nam_plugin_mimo_scan.scan import MimoScan, mimo_scan
+
+    assert isinstance(MimoScan(), SSMScan)
+    q = torch.zeros(1, 4, 1, 1, 32)
+    v = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="MIMO only"):
+        mimo_scan(q, q, v, None, None, None, None, None, torch.zeros(1, 4, 2, 8), None, v, None, None, None)
+
+
+# --- activation and config: fail closed ----------------------------------------------------------------
+def recipe(*overrides, base="nam56r", device="cuda"):
+    """The RunSpec of `--plugins mimo-scan --set ssm_backend=mimo-scan` on ``base`` (the nam56r recipes request
+    mamba-ssm, which selects the same field: the explicit --set settles it), every other kind on the reference."""
+    from nam56r.run import spec_for
+
+    others = ("ssm_backend=mimo-scan", "attention_backend=reference", "indexer_kernels_backend=reference",
+              "ce_backend=reference")
+    return spec_for(base, *others, *overrides, plugins=["mimo-scan"], device=device).replace(
+        plugins=("reference", "mimo-scan"))
+
+
+def checks_of(spec, device=H100):
+    """The mimo-scan rows of the host's evaluation (requirements, the host's rows, the plugin's config check)."""
+    return {c.name: c for c in PluginHost().evaluate(spec.plugins, device, spec).checks if c.plugin == "mimo-scan"}
+
+
+def failures(device, config=None):
+    ev = PluginHost().evaluate(["mimo-scan"], device, config)
+    return {c.name: c for c in ev.failures if c.plugin == "mimo-scan"}
+
+
+def test_activates_on_an_h100_profile_and_registers_the_scan():
+    from nam_plugin_mimo_scan.scan import MimoScan
+
+    host = PluginHost()
+    host.activate(recipe().plugins, H100, recipe())
+    assert host.registry("ssm").get("mimo-scan") is MimoScan
+
+
+def test_activation_is_refused_on_the_cpu_profile():
+    bad = failures(CPU)
+    assert set(bad) == {"CUDA capability", "shared memory per block"}
+    assert bad["CUDA capability"].found.startswith("no CUDA device")
+    with pytest.raises(PluginActivationError, match="mimo-scan: CUDA capability"):
+        PluginHost().activate(["mimo-scan"], CPU)
+
+
+def test_activation_is_refused_before_hopper():
+    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
+    assert set(failures(a100)) == {"CUDA capability"}
+
+
+def test_gb10_shared_memory_is_enough():
+    """sm_121 offers 101,376 B per block; the largest kernel's measured need is below it."""
+    assert plugin.SMEM_BYTES <= 101_376
+    assert "shared memory per block" not in failures(GB10)
+
+
+def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
+    from nam56r.run import spec_for
+
+    assert spec_for("nam56r-tiny", plugins=["mimo-scan"], device="cuda").model.ssm_backend == "mimo-scan"
+    rec = recipe("ssm_backend=reference")
+    assert rec.model.ssm_backend == "reference"
+    assert checks_of(rec)["selected"].status == SKIP and "active but unused" in checks_of(rec)["selected"].found
+    assert "kernel shapes" not in checks_of(rec)  # an unused plugin's config check is not asked
+
+
+def test_config_check_passes_nam56r():
+    checks = checks_of(recipe())
+    assert checks["kernel shapes"].status == PASS
+    assert checks["kernel shapes"].found == "d_state 128, headdim 64, rank 4, ngroups 8"
+    assert not [c for c in checks.values() if c.status == FAIL]
+
+
+@pytest.mark.parametrize("overrides, fragment, hint", [
+    (("mamba_mimo_rank=1",), "rank 1 (SISO): this backend runs MIMO only", "--set ssm_backend=mamba-ssm"),
+    (("d_state=96",), "d_state 96 is not a power of two in [32, 256]", "NAM56R's widths"),
+    (("mamba_headdim=48",), "headdim 48 is not a power of two in [16, 128]", "NAM56R's widths"),
+])
+def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment, hint):
+    check = checks_of(recipe(*overrides))["kernel shapes"]
+    assert check.status == FAIL and fragment in check.found, check.found
+    assert hint in check.hint
+
+
+def test_the_host_wants_cuda_and_bf16_from_the_declaration():
+    checks = checks_of(recipe("train.dtype=float32", device="cpu"))
+    assert checks["train.device"].status == FAIL and checks["train.device"].found == "train.device=cpu"
+    assert checks["train.dtype"].status == FAIL and checks["train.dtype"].found == "train.dtype=float32"
+
+
+def test_preflight_launch_is_not_attempted_on_a_config_it_refuses():
+    assert plugin.nam_preflight(device=H100, config=recipe("mamba_mimo_rank=1")) == []

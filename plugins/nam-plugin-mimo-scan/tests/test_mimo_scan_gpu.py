@@ -1,0 +1,96 @@
+"""mimo-scan on the GPU host: bf16 parity of the output and every input gradient against the fp32 reference at
+NAM56R's widths (ngroups 1, 8, 128; a length that is not a multiple of the tile), CUDA-graph capture, no host
+syncs, the preflight launch. Marked gpu: skipped with a reason where CUDA is absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+N, P, R = 128, 64, 4  # NAM56R: d_state 128, headdim 64, rank 4
+TOLERANCE = 2e-2  # ||a - ref|| / ||ref|| per tensor, bf16
+MAX_TOLERANCE = 5e-2  # max |a - ref| / max |ref| per tensor, bf16
+
+
+@pytest.mark.parametrize("g, block_t", [(1, None), (8, None), (128, None), (8, 32)])
+def test_matches_the_reference_in_bf16_at_nam56r_widths(g, block_t):
+    """h=128 heads of 64, l=1000 (not a multiple of the 16- or 32-token tile), b=1; every gradient by name.
+
+    Bound: ||a - ref|| / ||ref|| <= 2e-2 per tensor (bf16 dot operands, ~4e-3 per rounding, two or three on a
+    gradient's path) and max |a - ref| / max |ref| <= 5e-2 (a single element; d angles, a reverse cumsum over
+    l of products with cancellation, measured 1.4e-2..1.9e-2; upstream's MIMO tests accept 0.10)."""
+    from nam_plugin_mimo_scan.selftest import compare
+
+    errors = compare(1, 1000, 128, g, N, P, R, device="cuda", dtype=torch.bfloat16, block_t=block_t, norms=True)
+    seed, norm = errors.pop("seed"), errors.pop("norm")
+    print(f"g={g} block_t={block_t} seed={seed} max: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    print("  norm: " + " ".join(f"{k}={v:.2e}" for k, v in norm.items()))
+    bad = {k: v for k, v in norm.items() if not v <= TOLERANCE}
+    assert not bad, f"seed {seed}: norm error over {TOLERANCE}: {bad}"
+    bad = {k: v for k, v in errors.items() if not v <= MAX_TOLERANCE}
+    assert not bad, f"seed {seed}: max error over {MAX_TOLERANCE}: {bad}"
+
+
+def _inputs(b=1, l=256, h=16, g=2):
+    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+
+    x = random_inputs(b, l, h, g, N, P, R, device="cuda", seed=7)
+    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
+    args = [leaves[k] if k != "angles" else leaves[k].expand(b, l, h, -1) for k in INPUT_NAMES]
+    return leaves, args
+
+
+def test_forward_and_backward_make_no_host_sync():
+    from nam_core.testing import no_host_sync
+    from nam_plugin_mimo_scan.scan import mimo_scan
+
+    leaves, args = _inputs()
+    mimo_scan(*args).float().sum().backward()  # compile outside the checks
+    torch.cuda.synchronize()
+    with no_host_sync():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mimo_scan(*args).float().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves.values())
+
+
+@pytest.mark.xfail(strict=True, reason="capture ends in cudaErrorStreamCaptureInvalidated on the H100 host "
+                   "(2026-11-23, torch 2.11, Triton 3.6); not debugged yet. strict: a fix turns this into a failure "
+                   "until the mark goes")
+def test_forward_and_backward_capture_in_a_cuda_graph():
+    """Capture forward + backward once (warmed up on a side stream), replay, compare with an eager run:
+    bit-identical, since no kernel uses atomics."""
+    from nam_plugin_mimo_scan.scan import mimo_scan
+
+    leaves, args = _inputs()
+    wrt = list(leaves.values())
+    dout = torch.randn(1, 256, 16, P, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return torch.autograd.grad(mimo_scan(*args), wrt, dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile and warm up off the capture stream
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, e, gr in zip(leaves, eager, static):
+        assert torch.equal(e, gr), name
+
+
+def test_preflight_launch_passes():
+    import nam_plugin_mimo_scan.plugin as plugin
+
+    [row] = plugin.nam_preflight(device=None, config=None)
+    print(row.found)
+    assert row.status == "pass", row

@@ -5,11 +5,11 @@ Rows:
 * ``index_scores fwd+bwd``   the lightning indexer's causal scores ``[b, s, s]`` fp32 from q ``[b, s, 32, 64]``,
                              k ``[b, s, 64]`` (bf16) and w ``[b, s, 32]`` (fp32), then dq, dk, dw from a random
                              incoming gradient. Reference: ``nam56r.blocks.indexer.index_scores`` (fp32 bmm per
-                             head, recomputing backward); Triton: ``SparseMLA().index_scores``.
+                             head, recomputing backward); Triton: ``SparseMLAIndexerKernels().index_scores``.
 * ``sparse_teacher``         the KL teacher over the top-k keys ``[b, s, 256]`` from MLA's q ``[b, s, 32, 128]``
                              and kv ``[b, s, 128]`` (bf16), no gradient. Reference:
                              ``nam56r.blocks.indexer.teacher_sparse`` (gathers ``[b, s, 256, 128]`` keys, fp32
-                             einsum per head); Triton: ``SparseMLA().sparse_teacher`` (gathers in the kernel).
+                             einsum per head); Triton: ``SparseMLAIndexerKernels().sparse_teacher`` (gathers in the kernel).
 
 Shapes: b=1, s=4096, NAM56R's widths; indices are the causal top-k of random scores
 (``selftest.random_inputs``), so rows before 255 have empty slots. Time: CUDA events, median of ``--iters``
@@ -43,8 +43,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from nam56r.reference.attention import ReferenceAttention
-    from nam_plugin_sparse_mla.attention import SparseMLA
+    from nam56r.reference.attention import ReferenceIndexerKernels
+    from nam_plugin_sparse_mla.attention import SparseMLAIndexerKernels
     from nam_plugin_sparse_mla.selftest import random_inputs
 
     b, s, hi, d = args.batch, args.seq, args.index_heads, args.index_dim
@@ -62,7 +62,7 @@ def main() -> None:
 
     results = {}
     for op in ("index_scores fwd+bwd", "sparse_teacher"):
-        for path, core in (("reference", ReferenceAttention()), ("triton", SparseMLA())):
+        for path, core in (("reference", ReferenceIndexerKernels()), ("triton", SparseMLAIndexerKernels())):
             if op == "sparse_teacher":
                 def step(core=core):
                     core.sparse_teacher(tq, kv, indices, scale=scale)

@@ -33,14 +33,15 @@ parameters do.
 Megatron's 1F1B (``pp`` stages) at pp = gpus and EP 1, from one initial state on the same rows: per-step loss
 and gradient norm, the floor (1F1B from the perturbed state), and DualPipeV resumed from ``steps / 2``.
 
-``throughput``: the full-width NAM56R (fast plugins mamba-ssm, sparse-mla, liger; bf16, sequence 4096), per
-GPU count with EP = GPUs, and the local engine on one GPU as the baseline row: tokens/s per GPU, model
-TFLOP/s per GPU by nam56r/flops.py and at the published record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250
-tokens/s per GPU, 8x H200, issue 8), and peak memory. Step time is the median after ``--warmup`` steps of the
-engines' own ``step_time_s`` (the slowest rank's, for megatron). ``--profile DIR`` adds one profiled step
-per run, outside the medians, and writes rank 0's operator table to ``DIR/<engine>-<N>gpu.txt``.
-``--engines local`` runs the baseline row alone. Each row is printed, and the JSON rewritten (``complete``
-false until the last), as its run ends, so a run cut short by a time limit keeps the rows it finished.
+``throughput``: the full-width NAM56R (fast plugins: the scan ``--ssm`` names, mamba-ssm by default or nam's
+mimo-scan; sparse-mla, liger; bf16, sequence 4096), per GPU count with EP = GPUs, and the local engine on
+one GPU as the baseline row: tokens/s per GPU, model TFLOP/s per GPU by nam56r/flops.py and at the published
+record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step
+time is the median after ``--warmup`` steps of the engines' own ``step_time_s`` (the slowest rank's, for
+megatron). ``--profile DIR`` adds one profiled step per run, outside the medians, and writes rank 0's
+operator table to ``DIR/<engine>-<N>gpu.txt``. ``--engines local`` runs the baseline row alone. Each row is
+printed, and the JSON rewritten (``complete`` false until the last), as its run ends, so a run cut short by a
+time limit keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -104,19 +105,62 @@ def model_config(spec: dict):
     return get_recipe(spec["recipe"]).model.replace(**spec.get("model", {}))
 
 
-def backends_for(name: str):
+SSM_BACKENDS = ("mamba-ssm", "mimo-scan")
+"""``throughput --ssm``: the Mamba-3 scan of the fast backends (kind ``ssm``, by its plugin's name)."""
+FAST = {"attention_backend": "sparse-mla", "indexer_kernels_backend": "sparse-mla", "ce_backend": "liger"}
+"""The fast backends besides the scan, by config field (what the nam56r recipe selects)."""
+
+
+def ssm_scan(name: str):
+    """The ``ssm`` backend ``name`` of SSM_BACKENDS, built directly (mamba-ssm with its patches applied)."""
+    if name == "mamba-ssm":
+        from nam_plugin_mamba_ssm import patches, upstream
+        from nam_plugin_mamba_ssm.scan import MambaSSMScan
+
+        upstream.install_shim()
+        patches.apply_needed()
+        return MambaSSMScan()
+    if name == "mimo-scan":
+        from nam_plugin_mimo_scan.scan import MimoScan
+
+        return MimoScan()
+    raise ValueError(f"ssm backend {name!r}: expected one of {', '.join(SSM_BACKENDS)}")
+
+
+def backends_for(name: str, ssm: str = "mamba-ssm"):
+    """``reference``: every kind's reference; ``fast``: the scan ``ssm``, sparse-mla's attention core and
+    indexer kernels, liger's CE head (the nam56r recipe's choices), the reference for the rest."""
     from nam56r.model import Backends
 
     if name == "reference":
         return Backends.reference()
     from nam_plugin_liger.head import LigerCEHead
-    from nam_plugin_mamba_ssm import patches, upstream
-    from nam_plugin_mamba_ssm.scan import MambaSSMScan
-    from nam_plugin_sparse_mla.attention import SparseMLA
+    from nam_plugin_sparse_mla.attention import SparseMLA, SparseMLAIndexerKernels
 
-    upstream.install_shim()
-    patches.apply_needed()
-    return dataclasses.replace(Backends.reference(), ssm=MambaSSMScan(), attention=SparseMLA(), ce=LigerCEHead())
+    return dataclasses.replace(Backends.reference(), ssm=ssm_scan(ssm), attention=SparseMLA(),
+                               indexer_kernels=SparseMLAIndexerKernels(), ce=LigerCEHead())
+
+
+def run_spec(spec: dict, train):
+    """This run's ``RunSpec`` from the composition root (``nam56r.run.spec_for``), which the engines hand the
+    lifecycle hooks: the recipe with the bench's model and train changes as ``--set`` overrides, and the fast
+    backends' plugins by name. The backends themselves are built directly (``backends_for``), not activated, so
+    no plugin self-test runs in a timed process; the spec's device is a profile (nothing touches CUDA here)."""
+    from nam56r.recipes import get_recipe
+    from nam56r.run import spec_for
+
+    base = get_recipe(spec["recipe"]).train
+    overrides = [f"{k}={v}" for k, v in spec.get("model", {}).items()]
+    overrides += [f"train.{f.name}={getattr(train, f.name)}" for f in dataclasses.fields(train)
+                  if f.name not in ("engine", "device", "tp", "pp", "ep", "plugin_options")
+                  and getattr(train, f.name) != getattr(base, f.name)]
+    plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
+    if spec["backends"] == "fast":
+        ssm = spec.get("ssm", "mamba-ssm")
+        overrides += [f"ssm_backend={ssm}", *(f"{k}={v}" for k, v in FAST.items())]
+        plugins += [ssm, *dict.fromkeys(FAST.values())]
+    return spec_for(spec["recipe"], *overrides, plugins=plugins, device=train.device, engine=train.engine,
+                    tp=train.tp, pp=train.pp, ep=train.ep)
 
 
 def packed_rows(seq_len: int, seed: int):
@@ -186,7 +230,7 @@ def run_worker(spec: dict) -> None:
 
     cfg = model_config(spec)
     train = TrainConfig(**spec["train"])
-    backends = backends_for(spec["backends"])
+    backends = backends_for(spec["backends"], spec.get("ssm", "mamba-ssm"))
     packed = packed_rows(cfg.seq_len, train.seed)
     run_dir = Path(spec["run_dir"])
     init = Path(spec["init"]) if spec.get("init") else None
@@ -213,8 +257,8 @@ def run_worker(spec: dict) -> None:
 
             schedules["dualpipev"] = DualPipeV
         run = megatron.MegatronRun(
-            run_dir=run_dir, train=train, model=NamMegatronModel(cfg, backends, lowering, seed=train.seed,
-                                                                 init_from=init),
+            run_dir=run_dir, spec=run_spec(spec, train), train=train, backends=backends.as_mapping(),
+            model=NamMegatronModel(cfg, backends, lowering, seed=train.seed, init_from=init),
             host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops,
             batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
             resume_from=Path(spec["resume"]) if spec.get("resume") else None, quiet=True,
@@ -240,7 +284,8 @@ def run_worker(spec: dict) -> None:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     local_train(LocalRun(run_dir=run_dir, train=train, model=model, forward=forward, batch_at=batch_at,
-                         host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops, quiet=True))
+                         host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops, quiet=True,
+                         spec=run_spec(spec, train.replace(engine="local")), backends=backends.as_mapping()))
 
 
 def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]:
@@ -569,14 +614,14 @@ def throughput(args) -> int:
     rows = []
     runs = ([("local", 1)] if "local" in args.engines else []) + \
         ([("megatron", n) for n in args.gpus] if "megatron" in args.engines else [])
-    print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, mamba-ssm + sparse-mla + "
+    print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
     print("| engine | GPUs | topology | MBS | tokens/s per GPU | TFLOP/s per GPU | TFLOP/s per GPU at 31.2 GF/token "
           "| peak GiB | vs local |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for engine, n in runs:
         name = f"{engine}-{n}gpu"
-        spec = {"recipe": recipe.name, "model": model, "backends": "fast", "engine": engine,
+        spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "engine": engine,
                 "run_dir": str(work / name), "steps": steps, "ep": n, "train": train, "checkpoints": False}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
@@ -596,7 +641,7 @@ def throughput(args) -> int:
               f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} |",
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
-            write_json(args.json, {"meta": meta(layers=args.layers, mbs=args.mbs, warmup=args.warmup,
+            write_json(args.json, {"meta": meta(layers=args.layers, ssm=args.ssm, mbs=args.mbs, warmup=args.warmup,
                                                 iters=args.iters, flops_per_token=flops),
                                    "complete": len(rows) == len(runs), "rows": rows}, announce=False)
     if args.json:
@@ -655,6 +700,8 @@ def main() -> int:
     t.add_argument("--engines", type=lambda s: s.split(","), default=["local", "megatron"],
                    help="comma-separated: local (the baseline row, 1 GPU), megatron (one row per --gpus entry)")
     t.add_argument("--layers", type=int, default=52)
+    t.add_argument("--ssm", choices=SSM_BACKENDS, default="mamba-ssm",
+                   help="the Mamba-3 scan of the fast backends (mimo-scan: nam's Triton MIMO kernels)")
     t.add_argument("--mbs", type=int, default=1)
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--iters", type=int, default=4)

@@ -48,7 +48,8 @@ def config(groups: int, **backends):
     from nam56r.config import NAM56RConfig
 
     # Attention slot 0 is MLA as in the full model (ranks 0, 4, 8, 12 of 13); slots 1 and 2 are DSA.
-    return NAM56RConfig(num_layers=12, mla_attention_ranks=(0,), mamba_ngroups=groups, indexer="full", **backends)
+    return NAM56RConfig(num_layers=12, mla_attention_ranks=(0,), mamba_ngroups=groups, indexer_backend="full",
+                        **backends)
 
 
 def measure(cfg, backends, *, batch: int, warmup: int, iters: int, baseline: bool = False) -> dict:
@@ -102,7 +103,7 @@ def main() -> None:
     from nam_plugin_liger.head import LigerCEHead
     from nam_plugin_mamba_ssm import patches, upstream
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
-    from nam_plugin_sparse_mla.attention import SparseMLA
+    from nam_plugin_sparse_mla.attention import SparseMLA, SparseMLAIndexerKernels
 
     upstream.install_shim()
     ref = Backends.reference()
@@ -115,9 +116,10 @@ def main() -> None:
                                                   iters=min(args.iters, 3), baseline=True)
     print(f"patch lane applied: {patches.apply_needed()}", flush=True)
     print("[nam] ...", flush=True)
-    ours = Backends(ssm=MambaSSMScan(), attention=SparseMLA(), ce=LigerCEHead(), indexer=ref.indexer, moe=ref.moe)
-    rows["nam"] = measure(config(8, ssm_backend="mamba-ssm", attention_backend="sparse-mla", ce_backend="liger",
-                                 mamba_compile_prelude=True),
+    ours = Backends(ssm=MambaSSMScan(), attention=SparseMLA(), indexer_kernels=SparseMLAIndexerKernels(),
+                    ce=LigerCEHead(), indexer=ref.indexer, moe=ref.moe)
+    rows["nam"] = measure(config(8, ssm_backend="mamba-ssm", attention_backend="sparse-mla",
+                                 indexer_kernels_backend="sparse-mla", ce_backend="liger", mamba_compile_prelude=True),
                           ours, batch=args.batch, warmup=args.warmup, iters=args.iters)
     if "reference" not in skip:
         print("[reference] ...", flush=True)

@@ -146,7 +146,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) 
     flops = flops_per_token(rec.model).total
     provider = None
     if mega is not None:
-        provider = _megatron_model(rec, backends, host, mega)
+        provider = _megatron_model(run, backends, host)
 
     if dry_run:
         model = build_model(rec.model, backends, device="meta")
@@ -194,11 +194,10 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) 
 
         schedules = host.registry("schedules")
         mrun = megatron_engine.MegatronRun(
-            run_dir=run_dir, train=rec.train, model=provider, host=host, max_steps=steps, flops_per_token=flops,
-            batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
-            schedules={n: schedules.get(n) for n in schedules.names()}, record=record, resume_from=resume_from,
-            quiet=quiet or json_out, notes=notes)
-        mrun.spec = run.spec  # the host builds the lifecycle hooks' StepContext from it (nam_core.host._step_context)
+            run_dir=run_dir, spec=run.spec, train=rec.train, model=provider, host=host, max_steps=steps,
+            flops_per_token=flops, batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
+            schedules={n: schedules.get(n) for n in schedules.names()}, backends=backends.as_mapping(), record=record,
+            resume_from=resume_from, quiet=quiet or json_out, notes=notes)
         summary = megatron_engine.train(mrun)
     else:
         summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
@@ -277,14 +276,14 @@ def _megatron_start(run, *, dry_run) -> dict:
     """Before anything touches CUDA: the allocator, the runtime; then the process group. The layout and the
     lowering were checked by the composition root (``nam56r.run.resolve``).
 
-    Returns ``{"rank", "world_size", "lowering"}``. With ``--nproc`` and no torchrun around this process, it
+    Returns ``{"rank", "world_size"}``. With ``--nproc`` and no torchrun around this process, it
     replaces itself with torchrun running the same command (so this never returns there).
     """
     from nam_core.engine import megatron as meg
 
     lay, train = run.spec.layout, run.spec.train
     if dry_run:
-        return {"rank": 0, "world_size": lay.world_size, "lowering": run.lowering}
+        return {"rank": 0, "world_size": lay.world_size}
     if "WORLD_SIZE" not in os.environ and lay.nproc is not None:
         argv = _torchrun_argv(sys.argv[1:], lay.nproc)
         os.execv(argv[0], argv)  # noqa: the same command, once per GPU
@@ -293,18 +292,17 @@ def _megatron_start(run, *, dry_run) -> dict:
     meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
     meg.check_runtime(meg.runtime_facts(), dispatcher=train.moe_dispatcher)
     meg.init_distributed()
-    return {"rank": torch.distributed.get_rank(), "world_size": lay.world_size, "lowering": run.lowering}
+    return {"rank": torch.distributed.get_rank(), "world_size": lay.world_size}
 
 
-def _megatron_model(rec, backends, host, mega: dict):
-    """NAM56R for the megatron engine from ``_megatron_start``'s lowering, checked against the schedules the
-    activated plugins registered (before anything is written; ``nam56r.run.activate`` checked the layout)."""
-    from nam56r.megatron_model import NamMegatronModel
+def _megatron_model(run, backends, host):
+    """NAM56R for the megatron engine from the activated run's lowering (``nam56r.run.activate`` lowered it
+    with the registered schedule and checked the layout), checked before anything is written."""
+    from nam56r.megatron import NamMegatronModel
 
     schedules = host.registry("schedules")
-    registered = {n: schedules.get(n) for n in schedules.names()}
-    model = NamMegatronModel(rec.model, backends, mega["lowering"], seed=rec.train.seed)
-    model.check(registered_schedules=registered)
+    model = NamMegatronModel(run.spec.model, backends, run.lowering, seed=run.spec.train.seed)
+    model.check(registered_schedules={n: schedules.get(n) for n in schedules.names()})
     return model
 
 

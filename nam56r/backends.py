@@ -28,10 +28,10 @@ class BackendContext:
 
     model: NAM56RConfig
     options: Mapping[str, Any] = field(default_factory=dict)
-    """Plugin -> its parsed options (``nam_core.options.OptionValues``: ``ctx.options["lemyx"].warmup_steps``),
+    """Plugin -> its parsed options (``nam_core.options.OptionValues``: ``ctx.options[<plugin>].warmup_steps``),
     for the requested plugins; a backend built without a run (tests) finds no entry and uses its defaults."""
     registries: Mapping[str, Any] = field(default_factory=dict)
-    """The active registries by kind, for a backend that wraps another (lemyx runs ``lemyx.sparse`` after it)."""
+    """The active registries by kind, for a backend that wraps another (a warm-up strategy runs the one it wraps after its warm-up)."""
     device: str = "cpu"
     """``train.device``: ``cpu`` or ``cuda``."""
 

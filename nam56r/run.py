@@ -109,7 +109,8 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
         backends=_backends(rec.model, train), options=options, explicit=rec.explicit, notes=tuple(rec.notes),
         wrapped=_wrapped(rec.model, infos, options),
     )
-    lowering = _check_megatron(spec) if request.engine == "megatron" else None
+    declared = [n for info in infos.values() for n in info.provides.get("schedules", ())]
+    lowering = _check_megatron(spec, declared=declared) if request.engine == "megatron" else None
     return Run(spec=spec, max_steps=steps, lowering=lowering)
 
 
@@ -137,12 +138,13 @@ def evaluate(run: Run, host: PluginHost, device: DeviceInfo) -> tuple[RunSpec, E
 
 def activate(run: Run, host: PluginHost, device: DeviceInfo) -> Run:
     """Stage 4: activate the run's plugins on ``device`` (PluginActivationError listing every failure), then the
-    megatron layout against the schedules they registered. Returns the run with its device set."""
+    megatron layout against the schedules they registered. Returns the run with its device set and, on the
+    megatron engine, the lowering made from the registered schedule object (its chunks and stages: what the
+    engine builds)."""
     spec = run.spec.replace(device=device)
     host.activate(spec.plugins, device, spec)
-    if spec.engine == "megatron":
-        _check_megatron(spec, registered=_schedules(host))
-    return dataclasses.replace(run, spec=spec)
+    lowering = _check_megatron(spec, registered=_schedules(host)) if spec.engine == "megatron" else None
+    return dataclasses.replace(run, spec=spec, lowering=lowering)
 
 
 def refuse(ev: Evaluation) -> None:
@@ -182,7 +184,8 @@ def _backends(model: NAM56RConfig, train) -> dict[str, str]:
 
 
 def _wrapped(model: NAM56RConfig, infos, options) -> dict[str, str]:
-    """Kind -> the name a selected wrapping plugin runs inside it (lemyx: ``{"indexer": lemyx.sparse}``)."""
+    """Kind -> the name a selected wrapping plugin runs inside it (a warm-up strategy: ``{"indexer": <the value
+    of its wrapping option>}``)."""
     by_field = {k.field: k.name for k in BACKEND_KINDS}
     wrapped = {}
     for name, info in infos.items():
@@ -222,18 +225,21 @@ def _schedules(host: PluginHost) -> dict[str, Any]:
     return {n: reg.get(n) for n in reg.names()}
 
 
-def _check_megatron(spec: RunSpec, *, registered: dict | None = None):
-    """The megatron engine's layout and lowering checks; before activation a plugin schedule is taken on trust
-    if a requested plugin declares it (``registered`` None), after it against what was registered."""
+def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):
+    """The megatron engine's layout and lowering checks, and the lowering. Before activation (``registered``
+    None) a plugin schedule is taken on trust if a requested plugin declares it (``declared``) and lowered
+    with Megatron's layout; after it, the lowering is made from the registered schedule's instance, so its
+    chunks and stages are the schedule's."""
     from nam56r.megatron.lowering import check_lowering, lower
     from nam_core.engine import megatron as meg
 
     train, lay = spec.train, spec.layout
+    schedule = (meg.schedule_for(train.schedule, pp=lay.pp, registered=registered) if registered is not None
+                else train.schedule)
     lowering = lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
-                     schedule=train.schedule, bf16=train.dtype == "bfloat16", dispatcher=train.moe_dispatcher)
-    schedules = registered if registered is not None else {train.schedule: None}
+                     schedule=schedule, bf16=train.dtype == "bfloat16", dispatcher=train.moe_dispatcher)
     meg.check_layout(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, ep=lay.ep, train=train,
-                     registered_schedules=schedules)
+                     registered_schedules=registered if registered is not None else {train.schedule: None})
     check_lowering(lowering, registered_schedules=registered if registered is not None
-                   else {n: None for n in spec.plugins})
+                   else dict.fromkeys(declared))
     return lowering

@@ -55,7 +55,7 @@ def nam_register_schedules(register: "Registry") -> None:
 
 @hookspec
 def nam_register_patches(register: "Registry") -> None:
-    """Offer patch-lane entries: ``register("liger-none-reduction-bwd", Patch(...))``.
+    """Offer patch-lane entries: ``register("<library>-<bug>", Patch(...))``.
 
     Each value is a ``nam_core.patches.Patch``. After activation every registered patch whose bug is
     present is applied; one that fails to apply stops the run. ``nam patches`` lists them.
@@ -74,8 +74,8 @@ def nam_check_config(config: "RunSpec", device: "DeviceInfo") -> "list[Check] | 
     Called once per activation for each plugin that implements it, and only when there is a run (``nam
     preflight`` without ``--recipe`` judges the device alone): ``config`` is the resolved ``RunSpec`` (model
     and train config, engine, layout, the plugin's parsed options in ``config.options[<plugin>]``), ``device``
-    the device it runs on. Return a list of ``Check`` (failures included) or None. Example: DualPipeV refuses
-    expert parallelism > 1.
+    the device it runs on. Return a list of ``Check`` (failures included) or None. Example: a pipeline
+    schedule refuses a layout it cannot run.
 
     .. versionchanged:: 0.2 ``config`` is a ``RunSpec``; never None.
     .. versionadded:: 0.1
@@ -105,7 +105,7 @@ def nam_before_step(step: int, run: "StepContext") -> None:
 
     ``run`` is the engine's ``StepContext``: ``run.spec`` (the RunSpec), ``run.backend(kind)`` /
     ``run.find(kind, cls)`` (the backend objects, through wrappers), ``run.parameters()`` (the trainable
-    parameters by name), ``run.note(line)`` (the run log). Example: lemyx ends its indexer warmup here.
+    parameters by name), ``run.note(line)`` (the run log). Example: an indexer strategy ends its warm-up here.
 
     .. versionchanged:: 0.2 ``run`` is a ``StepContext``.
     .. versionadded:: 0.1

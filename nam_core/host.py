@@ -10,12 +10,11 @@ share this code, so preflight shows exactly what training would refuse.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import pluggy
 
@@ -332,11 +331,11 @@ class PluginHost:
             reg._close()
         return list(reg)
 
-    def before_step(self, step: int, run: StepContext | Any) -> None:
-        self.pm.hook.nam_before_step(step=step, run=_step_context(step, run))
+    def before_step(self, step: int, run: StepContext) -> None:
+        self.pm.hook.nam_before_step(step=step, run=_context(run))
 
-    def after_step(self, step: int, run: StepContext | Any, metrics: dict) -> None:
-        self.pm.hook.nam_after_step(step=step, run=_step_context(step, run), metrics=metrics)
+    def after_step(self, step: int, run: StepContext, metrics: dict) -> None:
+        self.pm.hook.nam_after_step(step=step, run=_context(run), metrics=metrics)
 
     def _new_manager(self) -> pluggy.PluginManager:
         pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -346,22 +345,12 @@ class PluginHost:
         return pm
 
 
-def _step_context(step: int, run: StepContext | Any) -> StepContext:
-    """``run`` itself, or for an engine that still passes its run object (the megatron engine's
-    ``MegatronRun``, until it builds a ``StepContext``), one built from it: its ``spec`` (set by the
-    composition root), its model's backends and its log."""
-    if isinstance(run, StepContext):
-        return run
-    spec = getattr(run, "spec", None)
-    if not isinstance(spec, RunSpec):
-        raise TypeError(f"lifecycle hooks need a nam_core.run.StepContext; the engine passed a "
-                        f"{type(run).__name__} without a RunSpec")
-    backends = getattr(run.model, "backends", None)
-    by_kind = ({f.name: getattr(backends, f.name) for f in dataclasses.fields(backends)}
-               if dataclasses.is_dataclass(backends) else dict(backends or {}))
-    log = run.log
-    return StepContext(step=step, spec=spec, backends=by_kind, parameters=lambda: iter(()),
-                       note=log.note if log is not None else (lambda line: None))
+def _context(run: StepContext) -> StepContext:
+    """Lifecycle hooks receive a ``StepContext``, which every engine builds (``LocalRun.context``,
+    ``MegatronRun.context``); anything else is an engine bug, refused before a plugin reads it."""
+    if not isinstance(run, StepContext):
+        raise TypeError(f"lifecycle hooks need a nam_core.run.StepContext; the engine passed a {type(run).__name__}")
+    return run
 
 
 def _only(pm: pluggy.PluginManager, module, hook_name: str):

@@ -1,7 +1,7 @@
 """Kinds of implementation a plugin can provide: one ``Kind`` per registry, declared once.
 
 A kind has one name, used everywhere: the registry (``host.registry("ssm")``), the key of
-``PluginInfo.provides`` (``{"ssm": ["mamba-ssm"]}``) and, for a model backend, the attribute of the model's
+``PluginInfo.provides`` (``{"ssm": ["my-scan"]}``) and, for a model backend, the attribute of the model's
 backends object (``backends.ssm``). The provider hook and the config field that picks an implementation
 follow from it (``Kind.backend``: ``nam_register_ssm_backends``, ``ssm_backend``).
 

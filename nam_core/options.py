@@ -2,7 +2,7 @@
 
 A user sets them with ``--set <plugin>.<option>=VALUE``; the composition root hands the raw strings of every
 requested plugin to ``parse_options`` before anything is activated, and a bad one is a ``ConfigError`` (exit
-2) that quotes the option's doc. Plugins read typed values (``spec.options["lemyx"].warmup_steps``), never
+2) that quotes the option's doc. Plugins read typed values (``spec.options[<plugin>].warmup_steps``), never
 the raw strings.
 """
 

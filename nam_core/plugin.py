@@ -14,7 +14,7 @@ class PluginInfo:
     summary: str
     """One line: what the plugin does."""
     provides: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    """Kind -> names it registers, e.g. ``{"indexer": ["index-cache"]}`` (kinds: ``nam_core.kinds``, and the
+    """Kind -> names it registers, e.g. ``{"indexer": ["my-strategy"]}`` (kinds: ``nam_core.kinds``, and the
     model's table, e.g. ``nam56r/kinds.py``; the host refuses a kind it does not know)."""
     requires: Sequence[Requirement] = ()
     """Declarative needs, evaluated at activation and shown by ``nam plugins list``."""
@@ -33,17 +33,17 @@ class PluginInfo:
     train_needs_reason: str = ""
     """Why (shown in the refusal)."""
     selects: Mapping[str, str] = field(default_factory=dict)
-    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer_backend": "lemyx"}``.
+    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer_backend": "my-strategy"}``.
 
-    Naming a plugin is the user's choice of what it provides, so ``--plugins index-cache`` alone selects the
-    ``index-cache`` indexer. An explicit ``--set field=...`` always wins; two requested plugins selecting
+    Naming a plugin is the user's choice of what it provides, so ``--plugins my-strategy`` alone selects the
+    ``my-strategy`` indexer. An explicit ``--set field=...`` always wins; two requested plugins selecting
     different values for one field is a config error unless one of them ``wraps`` the field.
     """
     wraps: Mapping[str, str] = field(default_factory=dict)
     """Field -> option of this plugin that receives the value its selection displaced.
 
-    ``{"indexer_backend": "lemyx.sparse"}``: lemyx takes the ``indexer_backend`` field and runs the strategy it would
-    otherwise have held (``full``, or ``index-cache`` when that plugin is requested too) after its warm-up.
+    ``{"indexer_backend": "my-warmup.sparse"}``: a warm-up strategy takes the ``indexer_backend`` field and runs the
+    strategy it would otherwise have held (``full``, or another requested plugin's) after its warm-up.
     """
 
     def __post_init__(self) -> None:

@@ -3,6 +3,10 @@
 A plugin states what it needs in ``PluginInfo.requires`` as data, so ``nam plugins list`` and ``nam
 preflight`` can show it without importing any kernel. Each ``Requirement`` evaluates to a ``Check`` against
 a ``DeviceInfo``: pass, fail (with what was needed, what was found and the next command), or skip.
+
+An engine states what it needs from its process the same way (``nam_core.engine.megatron.checks``), and
+evaluates it against facts it gathered itself (``runtime_facts``, or a test's): a package against the version
+found there (``check_installed``), a ``fact`` requirement against a yes/no and what was found (``check_fact``).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, field
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.specifiers import SpecifierSet
 from packaging.requirements import InvalidRequirement, Requirement as PkgRequirement
 from packaging.version import Version
 
@@ -70,6 +74,10 @@ class Requirement:
     known_bad: tuple[tuple[str, str], ...] = field(default=())
     reason: str = ""
     install_hint: str | None = None
+    label: str | None = None
+    """The row's name, when not the kind's (``title``); a ``fact`` requirement always has one."""
+    text: str | None = None
+    """What a ``fact`` requirement needs, in words (``needed``)."""
 
     # --- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -89,11 +97,13 @@ class Requirement:
 
     @classmethod
     def package(
-        cls, spec: str, *, known_bad: dict[str, str] | None = None, install_hint: str | None = None
+        cls, spec: str, *, known_bad: dict[str, str] | None = None, install_hint: str | None = None,
+        reason: str = "", label: str | None = None,
     ) -> "Requirement":
         """An installed distribution matching ``spec`` (PEP 508, e.g. ``"liger-kernel>=0.8.2"``).
 
-        ``known_bad`` maps exact versions to the reason they must not be used.
+        ``known_bad`` maps exact versions to the reason they must not be used; ``reason`` (why it is needed)
+        is shown with what is needed.
         """
         try:
             PkgRequirement(spec)
@@ -101,12 +111,20 @@ class Requirement:
             raise ValueError(f"invalid package requirement {spec!r}: {e}") from None
         return cls(
             kind="package", spec=spec, known_bad=tuple(sorted((known_bad or {}).items())),
-            install_hint=install_hint,
+            install_hint=install_hint, reason=reason, label=label,
         )
+
+    @classmethod
+    def fact(cls, label: str, needed: str, *, hint: str, reason: str = "") -> "Requirement":
+        """A need that is neither a device nor a package (a launch, a torch feature, a setting). It has no
+        probe of its own: its owner gathers the facts and evaluates it with ``check_fact``."""
+        return cls(kind="fact", label=label, text=needed, install_hint=hint, reason=reason)
 
     # --- description ------------------------------------------------------------------------------
     @property
     def title(self) -> str:
+        if self.label is not None:
+            return self.label
         if self.kind == "cuda_device":
             return "CUDA device"
         if self.kind == "cuda_capability":
@@ -123,17 +141,51 @@ class Requirement:
             return f">= sm_{self.capability[0]}{self.capability[1]}"
         if self.kind == "smem_per_block":
             return f">= {_fmt_bytes(self.nbytes)}"
+        if self.kind == "fact":
+            return self.text
         bad = f", not {', '.join(v for v, _ in self.known_bad)}" if self.known_bad else ""
-        return f"{self.spec}{bad}"
+        why = f" ({self.reason})" if self.reason else ""
+        return f"{self.spec}{bad}{why}"
 
     def to_dict(self) -> dict:
         return {"check": self.title, "needed": self.needed, "reason": self.reason}
 
     # --- evaluation -------------------------------------------------------------------------------
     def check(self, plugin: str, device: DeviceInfo) -> Check:
+        if self.kind == "fact":
+            raise TypeError(f"requirement {self.title!r} is a fact its owner gathers: evaluate it with check_fact")
         if self.kind == "package":
             return self._check_package(plugin)
         return self._check_device(plugin, device)
+
+    def check_fact(self, plugin: str, ok: bool, found: str) -> Check:
+        """This ``fact`` requirement against what its owner found: ``ok`` and, in words, ``found``."""
+        if self.kind != "fact":
+            raise TypeError(f"requirement {self.title!r} is a {self.kind} requirement, not a fact")
+        return self._result(plugin, bool(ok), found, self.install_hint)
+
+    def check_installed(self, plugin: str, installed: str | bool | None, *, note: str | None = None) -> Check:
+        """This package requirement against a version found elsewhere than this environment's metadata (another
+        process's facts, a module on ``PYTHONPATH`` without metadata, a test): ``installed`` is the version
+        found, True for installed at an unknown version, None or False for not installed. ``note`` is added to
+        what was found, in parentheses (``"Python 3.11"``)."""
+        if self.kind != "package":
+            raise TypeError(f"requirement {self.title!r} is a {self.kind} requirement, not a package")
+        req = PkgRequirement(self.spec)
+        hint = self.install_hint or f"pip install '{self.spec}'"
+        if installed is None or installed is False:
+            ok, found = False, "not installed"
+        elif installed is True:  # no version to compare: enough only for a requirement without one
+            ok = not str(req.specifier)
+            found = "installed" if ok else "installed, version unknown"
+        else:
+            bad = dict(self.known_bad)
+            why = next((w for v, w in bad.items() if Version(installed) == Version(v)), None)
+            ok = why is None and req.specifier.contains(installed, prereleases=True)
+            found = installed if why is None else f"{installed} (known bad: {why})"
+        if note:
+            found = f"{found} ({note})"
+        return self._result(plugin, ok, found, hint)
 
     def _result(self, plugin: str, ok: bool, found: str, hint: str | None) -> Check:
         return Check(plugin, self.title, PASS if ok else FAIL, self.needed, found, None if ok else hint)
@@ -153,20 +205,11 @@ class Requirement:
         return self._result(plugin, have >= self.nbytes, _fmt_bytes(have), move)
 
     def _check_package(self, plugin: str) -> Check:
-        req = PkgRequirement(self.spec)
-        hint = self.install_hint or f"pip install '{self.spec}'"
         try:
-            installed = importlib.metadata.version(req.name)
+            installed = importlib.metadata.version(PkgRequirement(self.spec).name)
         except importlib.metadata.PackageNotFoundError:
-            return self._result(plugin, False, "not installed", hint)
-        for bad, why in self.known_bad:
-            if Version(installed) == Version(bad):
-                return self._result(plugin, False, f"{installed} (known bad: {why})", hint)
-        try:
-            ok = req.specifier.contains(installed, prereleases=True)
-        except InvalidSpecifier:  # pragma: no cover - validated at construction
-            ok = False
-        return self._result(plugin, ok, installed, hint)
+            installed = None
+        return self.check_installed(plugin, installed)
 
 
 def version_in(installed: str, specifier: str) -> bool:

@@ -55,7 +55,7 @@ class RunSpec(Generic[M]):
     plugins: tuple[str, ...]
     """Requested plugins, in order (built-in ones included)."""
     backends: Mapping[str, str]
-    """Kind -> the implementation name the run asks for (``{"ssm": "mamba-ssm", ...}``), for every kind the
+    """Kind -> the implementation name the run asks for (``{"ssm": "reference", ...}``), for every kind the
     run picks by a config field, engine-owned names (``train.schedule=single``) left out."""
     options: Mapping[str, OptionValues] = field(default_factory=dict)
     """Plugin -> its parsed options (every declared option, typed, defaults filled)."""
@@ -74,7 +74,7 @@ class RunSpec(Generic[M]):
 
     def runs(self, kind: str, name: str) -> bool:
         """Whether the run uses implementation ``name`` of ``kind``: named by the kind's field, or wrapped by
-        the one that field names (lemyx runs ``index-cache`` after its warm-up)."""
+        the one that field names (a warm-up strategy runs the one it wraps after its warm-up)."""
         return self.backends.get(kind) == name or self.wrapped.get(kind) == name
 
 

@@ -12,16 +12,42 @@ statistic for formats as coarse as FP8.
 data-dependent shapes such as ``nonzero``): on a GPU each of those stalls the stream and breaks CUDA-graph
 capture, so the DSA and Mamba-3 paths must have none. On CPU the check works at the dispatcher, so it runs in
 CI without a GPU.
+
+``model_parity(fn, reference, inputs, activations=..., dout=..., seed=...)`` is the parity harness the kernel
+plugins share (their preflight launch, GPU tests and benchmarks): one forward and backward of the function under
+test and of its fp32 reference on the same values, and the error of the output and of every input gradient;
+``worst(errors)`` is the number a tolerance is held against.
+
+The module is also a pytest plugin (the ``pytest11`` entry point ``nam`` in nam's pyproject.toml), so nam's tests
+and every plugin's tests, in this checkout or out of it, get its fixtures once nam is installed:
+``fake_cpu``, ``fake_h100``, ``fake_h200``, ``fake_gb10`` (``nam_core.device.PROFILES``) and ``fake_a100``
+(a pre-Hopper part: sm_80 with less shared memory) are fake devices; activation evaluates requirements against
+them as against real ones and skips launches. ``fake_device(profile, **changes)`` builds others, also at module
+level (``parametrize`` lists). ``fake_versions(**{"triton": "3.4.0", "mamba-ssm": None})`` makes
+``importlib.metadata.version`` report those releases (``None``: not installed) for one test. Preflight imports
+this module at run time too, where pytest may be missing: the fixtures are then plain functions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib.metadata
 import math
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from nam_core.device import GiB, DeviceInfo
+
+try:
+    from pytest import fixture
+except ModuleNotFoundError:  # a GPU host running preflight without the test extra
+
+    def fixture(fn):
+        return fn
 
 # Ops whose result depends on tensor *values* read back to the host, or whose output shape does.
 HOST_SYNC_OPS = frozenset(
@@ -63,6 +89,68 @@ def rel_norm_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return math.inf
     return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def model_parity(fn: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
+                 inputs: dict[str, torch.Tensor | None], *, dout: torch.Tensor, seed: int,
+                 activations: Iterable[str] = (), dtype: torch.dtype = torch.bfloat16,
+                 norms: bool = False) -> dict:
+    """Errors of ``fn`` against ``reference``, forward and backward, on the same values.
+
+    ``inputs``: the arguments by name, passed to both as keywords. Floating tensors come in fp32 and each side
+    gets its own leaf copy with a gradient; None and integer tensors (indices) reach both sides as they are.
+    ``activations``: the names ``fn`` takes in ``dtype`` (rounded once); the reference gets those rounded values
+    back in fp32, so the comparison measures ``fn``'s arithmetic, not the inputs' rounding. Every other floating
+    input reaches both sides in fp32. ``dout``: the gradient of the output; ``fn``'s output gets it in its own
+    dtype, the reference the same values in fp32.
+
+    Returns ``{"out": e, "d<name>": e for every floating input, "seed": seed}`` with e = ``max_rel_error``; a
+    gradient the reference has and ``fn`` does not is ``inf``. ``norms``: also ``"norm"``, the same pairs'
+    ``rel_norm_error``. ``seed`` is the one the inputs were drawn with, reported so a failure can be replayed.
+    """
+    activations = set(activations)
+    unknown = activations - set(inputs)
+    if unknown:
+        raise ValueError(f"activations {sorted(unknown)} are not among the inputs {sorted(inputs)}")
+
+    def leaves(low: bool) -> dict:
+        out = {}
+        for name, t in inputs.items():
+            if t is None or not t.is_floating_point():
+                out[name] = t
+            elif name in activations:
+                rounded = t.detach().to(dtype)
+                out[name] = (rounded.clone() if low else rounded.to(torch.float32, copy=True)).requires_grad_()
+            else:
+                out[name] = t.detach().to(torch.float32, copy=True).requires_grad_()
+        return out
+
+    ours, theirs = leaves(True), leaves(False)
+    out = fn(**ours)
+    d = dout.detach().to(out.dtype)
+    out.backward(d)
+    ref = reference(**theirs)
+    ref.backward(d.to(ref.dtype))
+
+    pairs = {"out": (out, ref)}
+    for name, t in theirs.items():
+        if t is None or not t.is_floating_point():
+            continue
+        if t.grad is None:
+            raise ValueError(f"the reference gives no gradient for {name!r}: pass it as an integer tensor or leave "
+                             f"it out of the inputs")
+        pairs[f"d{name}"] = (ours[name].grad, t.grad)
+    errors = {k: math.inf if a is None else max_rel_error(a, r) for k, (a, r) in pairs.items()}
+    if norms:
+        errors["norm"] = {k: math.inf if a is None else rel_norm_error(a, r) for k, (a, r) in pairs.items()}
+    errors["seed"] = seed
+    return errors
+
+
+def worst(errors: dict) -> float:
+    """The largest error of a ``model_parity`` result (the seed and the norm table aside); NaN counts as ``inf``."""
+    values = [v for k, v in errors.items() if k != "seed" and isinstance(v, (int, float))]
+    return max((math.inf if math.isnan(v) else v) for v in values)
 
 
 class HostSyncError(AssertionError):
@@ -122,3 +210,70 @@ def prepare_corpus(tmp_path_factory, modules, chars: int):
     if code != 0:
         raise RuntimeError(f"nam data prepare exited {code}")
     return out
+
+
+# --- pytest fixtures: fake devices and package releases -------------------------------------------------
+A100 = DeviceInfo(
+    kind="cuda", name="NVIDIA A100-SXM4-80GB (fake)", capability=(8, 0),
+    # 163 KiB opt-in shared memory per block on sm_80 (CUDA C++ Programming Guide, compute capability 8.0), 108 SMs.
+    smem_per_block_optin=166_912, sm_count=108, memory_bytes=80 * GiB, device_count=1,
+    torch_version="n/a", cuda_version="13.0", profile_name="a100",
+)
+"""A pre-Hopper part for refusals (sm_80 kernels, less shared memory than sm_90); not a ``--device-profile``."""
+
+
+def fake_device(profile: str, **changes) -> DeviceInfo:
+    """A fake device: ``profile`` from ``nam_core.device.PROFILES`` (or ``"a100"``) with ``changes`` to its fields.
+    ``fake_device("h100", profile_name=None)`` is an H100 the host takes for real (its launch checks run)."""
+    base = A100 if profile == "a100" else DeviceInfo.profile(profile)
+    return dataclasses.replace(base, **changes)
+
+
+@fixture
+def fake_cpu() -> DeviceInfo:
+    """The CPU profile: no CUDA device."""
+    return fake_device("cpu")
+
+
+@fixture
+def fake_h100() -> DeviceInfo:
+    """H100 SXM 80GB: sm_90, 232,448 B shared memory per block, 132 SMs."""
+    return fake_device("h100")
+
+
+@fixture
+def fake_h200() -> DeviceInfo:
+    """H200: an H100's SM (sm_90, 232,448 B) with 141 GB."""
+    return fake_device("h200")
+
+
+@fixture
+def fake_gb10() -> DeviceInfo:
+    """sm_121 with 99 KiB (101,376 B) of shared memory per block: what a kernel sized for sm_90 may not fit."""
+    return fake_device("gb10")
+
+
+@fixture
+def fake_a100() -> DeviceInfo:
+    """A100 80GB: sm_80, 166,912 B shared memory per block: refused by whatever needs Hopper."""
+    return A100
+
+
+@fixture
+def fake_versions(monkeypatch):
+    """``fake_versions(**{"triton": "3.4.0", "mamba-ssm": None})``: ``importlib.metadata.version`` reports those
+    releases (``None``: not installed) until the test ends; every other distribution as installed. A second call
+    replaces the first's table."""
+    real = importlib.metadata.version
+
+    def fake(**table: str | None) -> None:
+        def version(name: str) -> str:
+            if name not in table:
+                return real(name)
+            if table[name] is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return table[name]
+
+        monkeypatch.setattr(importlib.metadata, "version", version)
+
+    return fake

@@ -25,7 +25,7 @@ from nam56r.blocks.indexer import (
 from nam56r.blocks.mla import MLA
 from nam56r.blocks.rope import apply_rope_halves, apply_rope_interleaved
 from nam56r.config import NAM56RConfig
-from nam56r.reference.attention import ReferenceAttention
+from nam56r.reference.attention import ReferenceAttention, ReferenceIndexerKernels
 from nam56r.state import ForwardState
 from nam_core.testing import no_host_sync
 
@@ -340,9 +340,9 @@ def test_builds_and_runs_on_meta_device():
     assert mla == 4096 * 64 + 64 + 64 * 32 * 128 + 4096 * 128 + 64 + 64 * 32 * 192 + 32 * 128 * 4096
 
 
-# --- the indexer's hot loops go through the attention core ----------------------------------------
-class _Spy(ReferenceAttention):
-    """The reference core, counting the indexer calls a DSA layer hands it."""
+# --- the indexer's hot loops go through the layer's indexer kernels --------------------------------
+class _Spy(ReferenceIndexerKernels):
+    """The reference indexer kernels, counting the calls a DSA layer hands them."""
 
     def __init__(self):
         self.calls = {"index_scores": 0, "sparse_teacher": 0}
@@ -357,13 +357,13 @@ class _Spy(ReferenceAttention):
 
 
 @pytest.mark.parametrize("warmup", [False, True])
-def test_dsa_runs_its_index_scores_and_sparse_teacher_on_its_core(warmup):
-    """The layer asks its core (so a kernel backend takes over), and the reference core's answers are the
-    module-level reference functions, bit for bit (the path before the hook existed)."""
+def test_dsa_runs_its_index_scores_and_sparse_teacher_on_its_indexer_kernels(warmup):
+    """The layer asks its indexer kernels (so a kernel backend takes over), and the reference kernels' answers
+    are the module-level reference functions, bit for bit (the path before the hook existed)."""
     cfg = CFG.replace(dsa_dense_warmup=warmup)
     spy = _Spy()
     torch.manual_seed(0)
-    dsa = DSA(cfg, spy, FullIndexer(), dsa_rank=0).to(torch.float32)
+    dsa = DSA(cfg, ReferenceAttention(), FullIndexer(), dsa_rank=0, indexer_kernels=spy).to(torch.float32)
     x = make_x(torch.float32)
     state = ForwardState()
     dsa(x, state)

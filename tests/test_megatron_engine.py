@@ -83,7 +83,7 @@ def test_runtime_lists_everything_missing_in_one_error():
         engine.check_runtime(facts)
     msg = str(e.value)
     assert e.value.exit_code == 3
-    for part in ("megatron-core: needs >= 0.19, found 0.16.1 (Python 3.11)", "a CUDA device",
+    for part in ("megatron-core: needs megatron-core>=0.19, found 0.16.1 (Python 3.11)", "a CUDA device",
                  "WORLD_SIZE set by torchrun, found not set", "psutil"):
         assert part in msg
     assert "torchrun --nproc-per-node N -m nam_cli train --engine megatron" in e.value.hint
@@ -96,7 +96,7 @@ def test_runtime_missing_megatron_is_named():
 
 
 def test_flex_dispatcher_needs_deepep_and_is_never_picked_for_being_installed():
-    with pytest.raises(NamError, match=r"DeepEP \(flex dispatcher\): needs installed for train.moe_dispatcher=flex"):
+    with pytest.raises(NamError, match=r"DeepEP \(flex dispatcher\): needs deep_ep \(for train.moe_dispatcher=flex\), found not installed"):
         engine.check_runtime(READY, dispatcher="flex")
     engine.check_runtime({**READY, "deep_ep": True}, dispatcher="flex")
     rows = {c.name: c for c in engine.runtime_checks({**READY, "deep_ep": True})}

@@ -122,8 +122,8 @@ def test_a_schedule_s_stages_drive_the_lowering(cfg):
         lower(cfg, pp=4, schedule=Reversed())
 
 
-def test_a_moe_experts_backend_has_no_megatron_slot(cfg):
-    with pytest.raises(ConfigError, match=r"no moe_experts slot; found moe_backend='fp8'"):
+def test_a_moe_backend_has_no_megatron_slot(cfg):
+    with pytest.raises(ConfigError, match=r"no moe backend slot; found moe_backend='fp8'"):
         lower(cfg.replace(moe_backend="fp8"))
 
 

@@ -14,7 +14,7 @@ indexer. Per forward:
    the layer's indexer kernels (kind ``indexer_kernels``: ``IndexerKernels.index_scores`` /
    ``sparse_teacher``), so a kernel backend speeds up the indexer too.
 
-A ``WarmupStrategy`` that is warming up (lemyx) replaces steps 2-4 with its own dense attention + KL.
+A ``WarmupStrategy`` that is warming up replaces steps 2-4 with its own dense attention + KL.
 
 Freezing everything but the indexer during warm-up (DeepSeek-V3.2 trains only the indexer for its first
 1000 steps) is the optimizer's job, not this block's.
@@ -47,14 +47,13 @@ class DSA(MLA):
         is_mtp: bool = False,
         indexer_kernels: IndexerKernels | None = None,
     ):
+        """``indexer_kernels``: the run's backend of kind ``indexer_kernels`` (``Backends.indexer_kernels``; the
+        model and the megatron slot pass it); None: the reference kernels, the kind's default."""
         super().__init__(cfg, attention, absorbed=True)
         if indexer_kernels is None:
-            # A caller that predates the kind (nam56r/megatron_model.py's slot) passes only the core; that is
-            # accepted where the core implements the kernels too (reference, sparse-mla), and refused otherwise.
-            if not isinstance(attention, IndexerKernels):
-                raise TypeError(f"DSA needs indexer_kernels (Backends.indexer_kernels): the attention core "
-                                f"{type(attention).__name__} does not implement IndexerKernels")
-            indexer_kernels = attention
+            from nam56r.reference.attention import ReferenceIndexerKernels
+
+            indexer_kernels = ReferenceIndexerKernels()
         self.indexer_kernels = indexer_kernels
         self.indexer = LightningIndexer(cfg, indexer_kernels)  # its scores run on the indexer kernels
         self.indexer_strategy = indexer_strategy
@@ -66,7 +65,7 @@ class DSA(MLA):
         qr, q, kv = self.project(x)  # [b, s, q_lora], [b, s, h, kv_lora + rope], [b, s, kv_lora + rope]
         strategy = self.indexer_strategy
         if isinstance(strategy, WarmupStrategy) and strategy.warming_up():
-            # The strategy's own dense stage: attention output and indexer KL from one call (e.g. lemyx).
+            # The strategy's own dense stage: attention output and indexer KL from one call.
             return self.output(strategy.attend_dense(self, q, kv, x.detach(), qr.detach(), state))
         indices, index_scores = self.indexer_strategy.select(self, x.detach(), qr.detach(), state)  # [b, s, k]
 

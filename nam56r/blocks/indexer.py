@@ -19,7 +19,7 @@ Memory: an index score for every (query, head, key) would be ``[b, H, s, s]`` fp
 
 The functions here are the reference. A DSA layer runs its scores and its sparse teacher through its indexer
 kernels (kind ``indexer_kernels``: ``IndexerKernels.index_scores`` / ``sparse_teacher``): the ``reference``
-backend calls ``index_scores`` and ``teacher_sparse`` below, a kernel backend (sparse-mla) fuses the head loops.
+backend calls ``index_scores`` and ``teacher_sparse`` below, a kernel backend fuses the head loops.
 
 The FP8 path's Hadamard rotation of q and k is left out: an orthonormal rotation applied to both sides leaves
 every dot product unchanged, and it exists only to spread outliers before FP8 quantisation (section 2.5).

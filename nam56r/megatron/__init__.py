@@ -12,7 +12,6 @@ Megatron is imported inside functions only, so every part imports on a CPU machi
 """
 
 from nam56r.megatron.lowering import (
-    DISPATCHERS,
     MEGATRON_CORE,
     SYMBOL,
     Gap,
@@ -21,13 +20,11 @@ from nam56r.megatron.lowering import (
     check_lowering,
     lower,
     megatron_args,
-    relower,
 )
 from nam56r.megatron.model import NamMegatronModel, nam_hybrid_model_class
 from nam56r.megatron.weights import KIND, for_this_rank, load_nam_weights, nam_state_to_megatron
 
 __all__ = [
-    "DISPATCHERS", "KIND", "MEGATRON_CORE", "SYMBOL", "Gap", "Lowering", "NamMegatronModel", "Slot", "check_lowering",
+    "KIND", "MEGATRON_CORE", "SYMBOL", "Gap", "Lowering", "NamMegatronModel", "Slot", "check_lowering",
     "for_this_rank", "load_nam_weights", "lower", "megatron_args", "nam_hybrid_model_class", "nam_state_to_megatron",
-    "relower",
 ]

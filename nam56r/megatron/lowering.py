@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from nam56r.config import NAM56RConfig
+from nam56r.kinds import kind
 from nam56r.pattern import LayerPlan, resolve
+from nam_core.engine.config import MOE_DISPATCHERS
 from nam_core.engine.megatron.schedule import MEGATRON_SCHEDULES, MegatronSchedule, PipelineSchedule
 from nam_core.errors import ConfigError
 
@@ -34,10 +36,6 @@ MTP_SEPARATOR = "/"  # one `/`-part per MTP depth, all identical (§1.3 parse_hy
 PIPE = "|"  # pipeline-segment separator, main pattern only (§1.3 select_pipeline_segment)
 MTP_DEPTH = "+-"  # nam's MTPDepth: one full-MLA layer, then one dense SwiGLU (nam56r/model.py)
 
-DISPATCHERS = ("alltoall", "flex")
-"""MoE token dispatchers (§5): Megatron's all-to-all, or its flex dispatcher on DeepEP's kernels. The run's
-``train.moe_dispatcher`` chooses (default all-to-all); the megatron engine refuses ``flex`` without DeepEP and
-``nam preflight --engine megatron`` says whether DeepEP is installed."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ class Slot:
     adapter_params: dict = field(default_factory=dict)
     """Keyword arguments the spec gives the adapter (besides the shared ``Slots``)."""
     backends: dict[str, str] = field(default_factory=dict)
-    """Plugin registry -> backend name the slot's nam block asks for (from the config)."""
+    """Backend kind (``nam56r.kinds``) -> the name the slot's nam block asks for (the kind's config field)."""
     kwargs: dict = field(default_factory=dict)
     """NAM56R dims the slot's module needs (nam config field names for nam blocks; config args otherwise)."""
     notes: tuple[str, ...] = ()
@@ -163,9 +161,9 @@ def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, chunks: int
     # Local experts = num_moe_experts / EP (§5).
     _divides("num_experts", cfg.num_experts, ep, "ep",
              f"choose --ep among the divisors of num_experts={cfg.num_experts}")
-    # `E` is Megatron-Core's MoELayer with its own expert GEMMs (§5): a moe_experts backend has no slot there.
+    # `E` is Megatron-Core's MoELayer with its own expert GEMMs (§5): a moe backend has no slot there.
     if cfg.moe_backend != "reference":
-        raise ConfigError(f"the megatron engine runs Megatron-Core's MoELayer for `E`, which has no moe_experts slot; "
+        raise ConfigError(f"the megatron engine runs Megatron-Core's MoELayer for `E`, which has no moe backend slot; "
                           f"found moe_backend={cfg.moe_backend!r}",
                           hint="--set moe_backend=reference for the megatron engine (the local engine takes fp8)")
     # pp > 1: one `|` segment per stage, segment count divisible by pp (§1.3); uneven splits are not lowered.
@@ -178,8 +176,9 @@ def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, chunks: int
 
 def _schedule(schedule: str | PipelineSchedule) -> PipelineSchedule:
     """The schedule whose stages the lowering lays out: an object as given; a name of Megatron's own as
-    Megatron's layout. Any other name (a plugin's, before the plugins are active) is lowered with Megatron's
-    layout too, and the model is lowered again for the registered schedule (``NamMegatronModel.check``)."""
+    Megatron's layout. Any other name (a plugin's, before the plugins are active: ``nam56r.run.resolve``) is
+    lowered with Megatron's layout too; ``nam56r.run.activate`` lowers again with the registered schedule's
+    instance, and ``NamMegatronModel.check`` refuses a lowering whose stages are not the schedule's."""
     if isinstance(schedule, PipelineSchedule):
         return schedule
     found = MegatronSchedule(schedule)
@@ -233,6 +232,11 @@ SLOTS = "nam56r.megatron.slots"
 MODEL = "nam56r.megatron.model"
 
 
+def _backends(cfg: NAM56RConfig, *kinds: str) -> dict[str, str]:
+    """Kind -> the implementation the config names for it (the kind's field, ``nam56r.kinds``)."""
+    return {k: getattr(cfg, kind(k).field) for k in kinds}
+
+
 def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
     mla = _mla_kwargs(cfg)
     return (
@@ -243,7 +247,7 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
              notes=("the stock spec fuses the norm into a TE in_proj; a plugin mixer needs an explicit norm (§2)",)),
         Slot("M", "mamba_layer.submodules.mixer", "nam56r.blocks.mamba3.Mamba3Mixer", "nam",
              nam_block="nam56r.blocks.mamba3.Mamba3Mixer", adapter=f"{SLOTS}.MambaSlot",
-             backends={"ssm_mixers": cfg.ssm_backend},
+             backends=_backends(cfg, "ssm"),
              kwargs={"hidden": cfg.hidden, "d_state": cfg.d_state, "mamba_expand": cfg.mamba_expand,
                      "mamba_headdim": cfg.mamba_headdim, "mamba_heads": cfg.mamba_heads,
                      "mamba_ngroups": cfg.mamba_ngroups, "mamba_mimo_rank": cfg.mamba_mimo_rank,
@@ -269,7 +273,7 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
              notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
         Slot("D", "dsa_layer.submodules.self_attention", "nam56r.blocks.dsa.DSA", "nam",
              nam_block="nam56r.blocks.dsa.DSA", adapter=f"{SLOTS}.AttentionSlot", adapter_params={"sparse": True},
-             backends={"attention_backends": cfg.attention_backend, "indexers": cfg.indexer},
+             backends=_backends(cfg, "attention", "indexer_kernels", "indexer"),
              kwargs={**mla, "index_heads": cfg.index_heads, "index_head_dim": cfg.index_head_dim,
                      "index_topk": cfg.index_topk, "indexer_loss_coeff": cfg.indexer_loss_coeff,
                      "dsa_dense_warmup": cfg.dsa_dense_warmup},
@@ -278,7 +282,7 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
              notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
         Slot("+", "mla_layer.submodules.self_attention", "nam56r.blocks.mla.MLA", "nam",
              nam_block="nam56r.blocks.mla.MLA", adapter=f"{SLOTS}.AttentionSlot", adapter_params={"sparse": False},
-             backends={"attention_backends": cfg.attention_backend}, kwargs=mla,
+             backends=_backends(cfg, "attention"), kwargs=mla,
              notes=(ADAPTER_NOTE, "Megatron's MLASelfAttention + TEDotProductAttention would fit these dims; "
                     "nam's MLA keeps MLA and DSA on one projection code, one attention backend and "
                     "DeepSeek-V3 parameter names")),
@@ -302,10 +306,10 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
              notes=("HybridStack hard-wires TENorm here (§1.4); the stack is built without it and NamHybridModel "
                     "applies this class (see gaps)",)),
         Slot("model", "output_layer", "megatron.core.tensor_parallel.layers.ColumnParallelLinear", "megatron",
-             backends={"ce_heads": cfg.ce_backend},
+             backends=_backends(cfg, "ce"),
              kwargs={"vocab_size": cfg.vocab_size, "hidden": cfg.hidden},
              notes=("keeps Megatron's weight and checkpoint keys; LM and MTP losses go through the active "
-                    "ce_heads backend instead of compute_language_model_loss (see gaps)",)),
+                    "ce backend instead of compute_language_model_loss (see gaps)",)),
     )
 
 
@@ -392,13 +396,14 @@ def _gaps(cfg: NAM56RConfig, *, tp: int, schedule: PipelineSchedule) -> tuple[Ga
     gaps = [
         Gap("Mamba-3 mixer",
             "no Mamba-3 (SISO or MIMO) in any release 0.16.1-0.19.2, main or dev; only community PR #5038 (§2)",
-            "nam56r.blocks.mamba3.Mamba3Mixer in mamba_layer.submodules.mixer, scan from the ssm_mixers backend "
-            f"({cfg.ssm_backend!r})", f"{SLOTS}:MambaSlot"),
+            "nam56r.blocks.mamba3.Mamba3Mixer in mamba_layer.submodules.mixer, scan from the ssm backend "
+            f"(ssm_backend={cfg.ssm_backend!r})", f"{SLOTS}:MambaSlot"),
         Gap("DSA at NAM56R's MLA dims",
             "the fused TileLang sparse MLA only takes absorbed dims 576/512 and falls back to the O(s^2) "
             f"unfused path; NAM56R's is {cfg.kv_lora_rank + cfg.qk_rope_dim}/{cfg.kv_lora_rank} (§4)",
-            f"nam56r.blocks.dsa.DSA in dsa_layer, core from the attention backend ({cfg.attention_backend!r}) "
-            f"and top-k from the indexer ({cfg.indexer!r})", f"{SLOTS}:AttentionSlot"),
+            f"nam56r.blocks.dsa.DSA in dsa_layer, core from the attention backend ({cfg.attention_backend!r}), "
+            f"indexer scores and teacher from the indexer_kernels backend ({cfg.indexer_kernels_backend!r}), "
+            f"top-k from the indexer backend ({cfg.indexer_backend!r})", f"{SLOTS}:AttentionSlot"),
         Gap("DSA indexer loss scale",
             "0.16-0.18 schedules never call DSAIndexerLossAutoScaler.set_loss_scale; 0.19 does it only for "
             "Megatron's own DSAttention (§4, §10 step 7)",
@@ -413,7 +418,7 @@ def _gaps(cfg: NAM56RConfig, *, tp: int, schedule: PipelineSchedule) -> tuple[Ga
         Gap("CE head",
             "the output layer's loss is compute_language_model_loss (native or te); the fused linear-CE module "
             "exists only on dev, Blackwell only (§6)",
-            f"NamHybridModel computes the LM and MTP losses through the active ce_heads backend ({cfg.ce_backend!r}), "
+            f"NamHybridModel computes the LM and MTP losses through the active ce backend ({cfg.ce_backend!r}), "
             "with the output weight kept in ColumnParallelLinear's checkpoint keys", hybrid),
         Gap("n-gram hash and structure embeddings",
             "LanguageModelEmbedding has the token table only",
@@ -462,8 +467,8 @@ def lower(
     ``stage_of`` lay out ``pp x chunks`` stages; or the run's ``train.schedule`` name, lowered with Megatron's
     layout (one chunk per rank). Raises ConfigError for a parallel layout the model or the lowering cannot take.
     """
-    if dispatcher not in DISPATCHERS:
-        raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(DISPATCHERS)}",
+    if dispatcher not in MOE_DISPATCHERS:  # train.moe_dispatcher (§5): Megatron's all-to-all, or flex on DeepEP
+        raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(MOE_DISPATCHERS)}",
                           hint="--set train.moe_dispatcher=alltoall")
     if micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be >= 1, found {micro_batch_size}", hint="e.g. 1")
@@ -517,14 +522,6 @@ def lower(
         gaps=_gaps(cfg, tp=tp, schedule=sched),
         notes=tuple(notes),
     )
-
-
-def relower(cfg: NAM56RConfig, lowering: Lowering, schedule: PipelineSchedule) -> Lowering:
-    """``lowering`` (made with the same ``cfg``) lowered again for ``schedule``'s stages."""
-    args = lowering.config_args
-    return lower(cfg, tp=args["tensor_model_parallel_size"], pp=args["pipeline_model_parallel_size"],
-                 ep=args["expert_model_parallel_size"], micro_batch_size=lowering.micro_batch_size,
-                 schedule=schedule, bf16=args["bf16"], dispatcher=lowering.moe_dispatcher)
 
 
 def check_lowering(lowering: Lowering, *, registered_schedules: Mapping) -> None:

@@ -30,11 +30,12 @@ import torch
 from torch import nn
 
 from nam56r.megatron import patches
-from nam56r.megatron.lowering import Lowering, check_lowering, relower
+from nam56r.megatron.lowering import Lowering, check_lowering
 from nam56r.megatron.slots import Slots
 from nam56r.megatron.spec import hybrid_stack_spec, slot_class, transformer_config
 from nam56r.megatron.weights import load_nam_weights
 from nam_core.engine.megatron.schedule import resolve_schedule
+from nam_core.errors import ConfigError
 from nam_core.patches import applied
 
 
@@ -150,16 +151,22 @@ class NamMegatronModel:
         return self.cfg.moe_aux_loss_coeff
 
     def check(self, *, registered_schedules: Mapping[str, Any]) -> None:
-        """Refuse what the build cannot run (``check_lowering``). A lowering made from a registered schedule's
-        name before its plugin was active (one chunk per rank) is lowered again here for that schedule's stages."""
-        name, pp = self.lowering.schedule, self.parallel["pp"]
-        if name != "megatron" and registered_schedules.get(name) is not None:
-            schedule = resolve_schedule(name, pp=pp, registered=registered_schedules)
-            if (schedule.chunks_per_rank != self.lowering.chunks
-                    or any(schedule.stage_of(r, c, pp) != s for r, row in enumerate(self.lowering.stage_map)
-                           for c, s in enumerate(row))):
-                self.lowering = relower(self.cfg, self.lowering, schedule)
+        """Refuse what the build cannot run (``check_lowering``), and a lowering whose chunks and stages are not
+        the registered schedule's (one made from the schedule's name before its plugin was active:
+        ``nam56r.run.activate`` lowers with the registered schedule's instance)."""
         check_lowering(self.lowering, registered_schedules=registered_schedules)
+        name, pp = self.lowering.schedule, self.parallel["pp"]
+        if name == "megatron" or registered_schedules.get(name) is None:
+            return
+        schedule = resolve_schedule(name, pp=pp, registered=registered_schedules)
+        stage_map = tuple(tuple(schedule.stage_of(r, c, pp) for c in range(schedule.chunks_per_rank))
+                          for r in range(pp))
+        if stage_map != self.lowering.stage_map:
+            raise ConfigError(f"the model was lowered for stages {[list(r) for r in self.lowering.stage_map]}, the "
+                              f"registered schedule {name!r} runs {[list(r) for r in stage_map]} "
+                              f"({schedule.chunks_per_rank} chunk(s) per pipeline rank)",
+                              hint="lower the model with the registered schedule's instance "
+                                   "(nam56r.megatron.lower(..., schedule=...)); nam56r.run.activate does")
 
     def transformer_config(self):
         return transformer_config(self.lowering)

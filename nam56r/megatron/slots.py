@@ -88,7 +88,8 @@ class AttentionSlot(nn.Module):
                            hint="DSA inside an MTP depth is not lowered; keep the MTP depth '+-'")
         with nam.device:
             if sparse:
-                self.block = DSA(nam.cfg, backends.attention, backends.indexer, dsa_rank=nam.dsa_ranks[layer_number])
+                self.block = DSA(nam.cfg, backends.attention, backends.indexer, dsa_rank=nam.dsa_ranks[layer_number],
+                                 indexer_kernels=backends.indexer_kernels)
             else:
                 self.block = MLA(nam.cfg, backends.attention)
 

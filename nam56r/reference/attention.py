@@ -44,9 +44,8 @@ class ReferenceIndexerKernels:
         return teacher_sparse(q, kv, indices, scale)
 
 
-class ReferenceAttention(ReferenceIndexerKernels):
-    """The ``reference`` backend of kind ``attention``. It also carries the indexer kernels (its base class)
-    only for DSA blocks built without ``indexer_kernels`` (the megatron slot, until it passes them)."""
+class ReferenceAttention:
+    """The ``reference`` backend of kind ``attention``."""
 
     def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor:
         """Causal attention of ``q [b, s, h, dk]`` over ``kv [b, s, dk]``; returns ``[b, s, h, d_v]``."""

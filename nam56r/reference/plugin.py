@@ -39,10 +39,21 @@ def nam_check_config(config, device):
     if "attention_backend" in config.explicit:
         return [Check("reference", "DSA on CUDA", PASS, needed,
                       f"attention_backend=reference, chosen by you: {counts['dsa']} DSA layers run unfused")]
+    providers = _attention_providers()
+    fast = (f"add --plugins {providers[0]}" if providers else
+            "install a plugin that provides an attention backend (`nam plugins list` shows what each provides)")
     return [Check("reference", "DSA on CUDA", FAIL, needed,
                   f"{counts['dsa']} DSA layers on the unfused reference attention (the recipe's default)",
-                  hint="add --plugins sparse-mla (pip install 'nam-plugin-sparse-mla[gpu]'), or choose the slow "
-                       "path by name: --set attention_backend=reference")]
+                  hint=f"{fast}, or choose the slow path by name: --set attention_backend=reference")]
+
+
+def _attention_providers() -> list[str]:
+    """Installed plugins whose declaration provides an attention backend (the host reads their ``PLUGIN``)."""
+    from nam_core.host import PluginHost
+
+    host = PluginHost()
+    return [n for n in host.installed if n != "reference" and (info := host.info(n)) is not None
+            and info.provides.get("attention")]
 
 
 @hookimpl

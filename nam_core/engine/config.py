@@ -62,7 +62,7 @@ class TrainConfig:
     """Newest checkpoints kept; older ones are deleted after a successful save."""
 
     plugin_options: dict = field(default_factory=dict)
-    """Options read by plugins, ``{"lemyx.warmup_steps": 1000, ...}`` (set with --set lemyx.warmup_steps=...)."""
+    """Options read by plugins, ``{"<plugin>.<option>": value, ...}`` (set with --set <plugin>.<option>=...)."""
 
     def __post_init__(self):
         from nam_core.errors import ConfigError

@@ -70,28 +70,36 @@ def _install_double():
 
 
 def megatron_run(args, recipe) -> None:
+    """The run through the composition root, as ``nam train`` builds it: resolve, activate (on an H100 profile:
+    the plugins' checks; nothing touches CUDA), the backends from the registries, the lowering ``activate`` made
+    from the registered schedule, the host's lifecycle hooks."""
     engine = _install_double()
     from nam56r.flops import flops_per_token
-    from nam56r.megatron import NamMegatronModel, lower
+    from nam56r.megatron import NamMegatronModel
     from nam56r.model import Backends
+    from nam56r.run import RunRequest, activate, resolve
+    from nam_core.device import DeviceInfo
+    from nam_core.host import PluginHost
 
-    cfg = recipe.model
     schedule = args.schedule or ("1f1b" if args.pp > 1 else "single")
-    train = recipe.train.replace(
-        engine="megatron", device="cuda", dtype=args.dtype, micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
-        checkpoint_every=2, keep_checkpoints=10, total_steps=20, pp=args.pp, ep=args.ep, schedule=schedule)
-    schedules = {}
-    if schedule == "dualpipev":  # what --plugins dualpipev registers
-        from nam_plugin_dualpipev.engine import DualPipeV
-
-        schedules["dualpipev"] = DualPipeV
-    lowering = lower(cfg, pp=args.pp, ep=args.ep, micro_batch_size=MICRO_BATCH, bf16=args.dtype == "bfloat16",
-                     schedule=schedules[schedule]() if schedule in schedules else schedule)
-    run = engine.MegatronRun(
-        run_dir=args.run_dir, train=train, model=NamMegatronModel(cfg, Backends.reference(), lowering, seed=train.seed),
-        batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps, schedules=schedules,
+    overrides = ["attention_backend=reference",  # by name: the reference core on "cuda" (the double's CPU)
+                 f"train.dtype={args.dtype}", f"train.micro_batch_size={MICRO_BATCH}",
+                 f"train.grad_accum={args.grad_accum}", "train.checkpoint_every=2", "train.keep_checkpoints=10",
+                 "train.total_steps=20", f"train.schedule={schedule}"]
+    host = PluginHost()
+    run = resolve(RunRequest(recipe=recipe.name, plugins=["dualpipev"] if schedule == "dualpipev" else [],
+                             overrides=overrides, engine="megatron", device="cuda", pp=args.pp, ep=args.ep,
+                             env_plugins=False), host)
+    run = activate(run, host, DeviceInfo.profile("h100"))
+    spec, cfg = run.spec, run.spec.model
+    backends = Backends.from_registries(host.registries, cfg, options=spec.options, device=spec.train.device)
+    schedules = host.registry("schedules")
+    mrun = engine.MegatronRun(
+        run_dir=args.run_dir, spec=spec, train=spec.train, host=host, max_steps=args.steps,
+        model=NamMegatronModel(cfg, backends, run.lowering, seed=spec.train.seed), backends=backends.as_mapping(),
+        batch_at=lambda i, b: batch_at(i, b, cfg), schedules={n: schedules.get(n) for n in schedules.names()},
         flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume)
-    engine.train(run)
+    engine.train(mrun)
     engine.shutdown()  # after success only: on an error the other ranks may sit in a collective
 
 
@@ -142,12 +150,12 @@ def local_run(args, recipe) -> None:
 
 def cli_run(args, recipe) -> None:
     engine = _install_double()
+    from nam56r import run as root
     from nam_cli import main as cli_main
-    from nam_cli import train as cli_train
     from nam_core.device import DeviceInfo
 
     engine.init_distributed = lambda: torch.distributed.is_initialized() or torch.distributed.init_process_group("gloo")
-    cli_train._device = lambda name, index=0: DeviceInfo.profile("h100")  # what the plugins' checks see
+    root.run_device = lambda spec, *, profile=None, index=0: DeviceInfo.profile("h100")  # what the plugins' checks see
     code = cli_main.run([*args.command, "--run-dir", str(args.run_dir), "--max-steps", str(args.steps)])
     if code:
         raise SystemExit(code)

@@ -22,7 +22,6 @@ refer to ``shared/reference/megatron-core.md``.
 
 from nam_core.engine.megatron.checks import (
     ALLOC_CONF,
-    DISPATCHERS,
     MIN_MEGATRON,
     check_layout,
     check_runtime,
@@ -50,7 +49,7 @@ from nam_core.engine.megatron.schedule import (
 )
 
 __all__ = [
-    "ALLOC_CONF", "CHECKPOINT_FORMAT", "DISPATCHERS", "MEGATRON_SCHEDULES", "MIN_MEGATRON", "MegatronModel",
+    "ALLOC_CONF", "CHECKPOINT_FORMAT", "MEGATRON_SCHEDULES", "MIN_MEGATRON", "MegatronModel",
     "MegatronRun", "MegatronSchedule", "PipelineSchedule", "build_ddp", "check_layout", "check_runtime", "device",
     "good_checkpoints", "init_distributed", "init_parallel", "load_checkpoint", "megatron_version",
     "prepare_allocator", "resolve_resume", "resolve_schedule", "runtime_checks", "runtime_facts", "save_checkpoint",

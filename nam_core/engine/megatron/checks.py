@@ -9,9 +9,10 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from nam_core.engine.config import TrainConfig
+from nam_core.engine.config import MOE_DISPATCHERS, TrainConfig
 from nam_core.engine.megatron.schedule import resolve_schedule
-from nam_core.errors import ConfigError, NamError
+from nam_core.errors import CannotRunHere, ConfigError
+from nam_core.requirements import PASS, SKIP, Check, Requirement
 
 MIN_MEGATRON = (0, 19)
 """`+` (MLA layer) and the hybrid MTP hand-over this engine builds on arrived in core_v0.19.0 (§1.2)."""
@@ -35,18 +36,18 @@ def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bo
             key, _, setting = part.partition(":")
             options[key.strip()] = setting.strip()
         if options.get("expandable_segments", "").lower() != "true":
-            raise NamError(
+            raise CannotRunHere(
                 f"the environment sets {name}={value!r}, which overrides what the megatron engine needs "
                 f"({ALLOC_CONF}: NAM56R runs out of memory from fragmentation before capacity)",
-                hint=f"unset {name}, or add the setting: export {name}={value},{ALLOC_CONF}", exit_code=3)
+                hint=f"unset {name}, or add the setting: export {name}={value},{ALLOC_CONF}")
     if found:
         return next(iter(found.values()))
     if cuda_initialized:
-        raise NamError(
+        raise CannotRunHere(
             f"CUDA was initialised before the megatron engine could set PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF}; "
             "the allocator reads it only once, at initialisation",
             hint=f"export PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} before torchrun, or call prepare_allocator "
-                 "before anything touches CUDA", exit_code=3)
+                 "before anything touches CUDA")
     environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     return ALLOC_CONF
 
@@ -78,48 +79,56 @@ def runtime_facts() -> dict:
     }
 
 
-DISPATCHERS = ("alltoall", "flex")
-"""``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
+WHO = "megatron engine"
+"""The ``plugin`` column of the engine's rows."""
+MEGATRON_CORE = Requirement.package(
+    f"megatron-core>={'.'.join(map(str, MIN_MEGATRON))}", label="megatron-core",
+    install_hint="pip install 'megatron-core>=0.19' on Python >= 3.12 (its wheels require 3.12)")
+CUDA = Requirement.fact("CUDA", "a CUDA device",
+                        hint="run on a GPU host; the local engine trains on the CPU: nam train --engine local")
+DISTRIBUTED = Requirement.fact("torch.distributed", "available", hint="install a torch build with distributed support")
+PSUTIL = Requirement.package("psutil", label="psutil", install_hint="pip install psutil",
+                             reason="Megatron's checkpoint writer needs it; without it a save hangs, §9.2")
+TORCHRUN = Requirement.fact(
+    "torchrun launch", "WORLD_SIZE set by torchrun",
+    hint="torchrun --nproc-per-node N -m nam_cli train --engine megatron ..., or nam train --nproc N")
+DISPATCHER = Requirement.fact("MoE dispatcher", " or ".join(MOE_DISPATCHERS),
+                              hint="--set train.moe_dispatcher=alltoall")
+FLEX = "DeepEP (flex dispatcher)"
+"""``train.moe_dispatcher=flex`` runs Megatron's flex dispatcher on DeepEP's kernels (module ``deep_ep``)."""
 
 
-def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True) -> list:
-    """One ``Check`` row per thing the megatron engine needs from this process (``nam preflight --engine
-    megatron`` prints them; ``check_runtime`` raises on the failed ones). ``launched=False`` skips the
-    torchrun row (preflight runs outside torchrun)."""
-    from nam_core.requirements import FAIL, PASS, SKIP, Check
+def _deep_ep(dispatcher: str) -> Requirement:
+    return Requirement.package("deep_ep", label=FLEX,
+                               install_hint="install DeepEP, or --set train.moe_dispatcher=alltoall",
+                               reason=f"for train.moe_dispatcher={dispatcher}" if dispatcher == "flex" else "")
 
-    def row(name, ok, needed, found, hint):
-        return Check("megatron engine", name, PASS if ok else FAIL, needed, found, None if ok else hint)
 
+def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True) -> list[Check]:
+    """One ``Check`` per thing the megatron engine needs from this process: the requirements above evaluated
+    against ``facts`` (``runtime_facts``: this process's, or a test's). ``nam preflight --engine megatron``
+    prints them; ``check_runtime`` raises on the failed ones. ``launched=False`` skips the torchrun row
+    (preflight runs outside torchrun)."""
     version = facts["megatron"]
-    found = "not installed" if version is None else ".".join(map(str, version))
-    want = ".".join(map(str, MIN_MEGATRON))
-    py = ".".join(map(str, facts["python"]))
     rows = [
-        row("megatron-core", version is not None and tuple(version[:2]) >= MIN_MEGATRON, f">= {want}",
-            f"{found} (Python {py})", "pip install 'megatron-core>=0.19' on Python >= 3.12 (its wheels require 3.12)"),
-        row("CUDA", facts["cuda"], "a CUDA device", "available" if facts["cuda"] else "torch.cuda.is_available() is False",
-            "run on a GPU host; the local engine trains on the CPU: nam train --engine local"),
-        row("torch.distributed", facts["distributed"], "available", "yes" if facts["distributed"] else "no",
-            "install a torch build with distributed support"),
-        row("psutil", facts["psutil"], "installed (Megatron's checkpoint writer needs it; without it a save hangs, §9.2)",
-            "yes" if facts["psutil"] else "no", "pip install psutil"),
+        MEGATRON_CORE.check_installed(WHO, None if version is None else ".".join(map(str, version)),
+                                      note=f"Python {'.'.join(map(str, facts['python']))}"),
+        CUDA.check_fact(WHO, facts["cuda"], "available" if facts["cuda"] else "torch.cuda.is_available() is False"),
+        DISTRIBUTED.check_fact(WHO, facts["distributed"], "yes" if facts["distributed"] else "no"),
+        PSUTIL.check_installed(WHO, facts["psutil"]),
     ]
     if launched:
-        rows.append(row("torchrun launch", facts["world_size"] is not None, "WORLD_SIZE set by torchrun",
-                        "not set" if facts["world_size"] is None else f"WORLD_SIZE={facts['world_size']}",
-                        "torchrun --nproc-per-node N -m nam_cli train --engine megatron ..., or nam train --nproc N"))
-    if dispatcher not in DISPATCHERS:
-        rows.append(row("MoE dispatcher", False, " or ".join(DISPATCHERS), dispatcher, "--set train.moe_dispatcher=alltoall"))
+        world = facts["world_size"]
+        rows.append(TORCHRUN.check_fact(WHO, world is not None, "not set" if world is None else f"WORLD_SIZE={world}"))
+    if dispatcher not in MOE_DISPATCHERS:
+        rows.append(DISPATCHER.check_fact(WHO, False, dispatcher))
     elif dispatcher == "flex" or facts["deep_ep"]:
-        rows.append(row("DeepEP (flex dispatcher)", facts["deep_ep"], f"installed for train.moe_dispatcher={dispatcher}"
-                        if dispatcher == "flex" else "installed", "yes" if facts["deep_ep"] else "not installed",
-                        "install DeepEP, or --set train.moe_dispatcher=alltoall"))
+        rows.append(_deep_ep(dispatcher).check_installed(WHO, facts["deep_ep"]))
     else:
-        rows.append(Check("megatron engine", "DeepEP (flex dispatcher)", SKIP, "only for train.moe_dispatcher=flex",
+        rows.append(Check(WHO, FLEX, SKIP, "only for train.moe_dispatcher=flex",
                           "not installed: MoE tokens move through Megatron's all-to-all dispatcher"))
-    fused = facts.get("fused_adam")
-    rows.append(Check("megatron engine", "optimizer", PASS if fused else SKIP,
+    fused = facts.get("fused_adam")  # a report, not a requirement: Megatron falls back on its own
+    rows.append(Check(WHO, "optimizer", PASS if fused else SKIP,
                       "Transformer Engine's or Apex's fused Adam, which Megatron uses when importable",
                       f"{fused}'s fused Adam" if fused else
                       "neither installed: Megatron builds torch.optim.AdamW, which the engine switches to torch's "
@@ -129,12 +138,12 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
 
 
 def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall") -> None:
-    """One NamError (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
+    """One ``CannotRunHere`` (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
     failed = [c for c in runtime_checks(facts, dispatcher=dispatcher) if not c.ok]
     if failed:
-        raise NamError("the megatron engine cannot run here; missing: "
-                       + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in failed),
-                       hint="; ".join(dict.fromkeys(c.hint for c in failed if c.hint)), exit_code=3)
+        raise CannotRunHere("the megatron engine cannot run here; missing: "
+                            + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in failed),
+                            hint="; ".join(dict.fromkeys(c.hint for c in failed if c.hint)))
 
 
 def check_layout(*, world_size: int, tp: int, pp: int, ep: int, train: TrainConfig,

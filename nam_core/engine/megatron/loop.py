@@ -46,6 +46,9 @@ class MegatronRun:
     host: Any
     max_steps: int
     flops_per_token: float
+    spec: RunSpec
+    """The run the plugins were activated for (``nam56r.run``, the composition root); lifecycle hooks read it
+    through their ``StepContext``."""
     schedules: Mapping[str, Any] = field(default_factory=dict)
     """The ``schedules`` registry (name -> implementation)."""
     record: dict = field(default_factory=dict)
@@ -57,8 +60,6 @@ class MegatronRun:
     step: int = 0
     log: MetricsLog | None = None
     """Rank 0's metrics log while training (None on the other ranks)."""
-    spec: RunSpec | None = None
-    """The run the plugins were activated for; lifecycle hooks read it through their ``StepContext``."""
     backends: Mapping[str, Any] = field(default_factory=dict)
     """Kind -> the backend object the model runs (``StepContext.backend``)."""
     chunks: list = field(default_factory=list)
@@ -66,8 +67,6 @@ class MegatronRun:
 
     def context(self, step: int) -> StepContext:
         """What the lifecycle hooks of step ``step`` receive."""
-        if self.spec is None:
-            raise TypeError("MegatronRun.spec is unset: build the run through nam56r.run (the composition root)")
         return StepContext(step=step, spec=self.spec, backends=self.backends, note=self._note,
                            parameters=lambda: itertools.chain.from_iterable(
                                unwrap(c).named_parameters() for c in self.chunks))
@@ -103,7 +102,7 @@ def train(run: MegatronRun) -> dict:
         try:
             for step in range(s.start, run.max_steps):
                 run.step = step
-                ctx = run.context(step) if run.spec is not None else run
+                ctx = run.context(step)
                 run.host.before_step(step, ctx)
                 t0 = time.perf_counter()
                 for model in s.models:

@@ -9,9 +9,12 @@ import torch
 from nam56r.megatron import NamMegatronModel, check_lowering, lower
 from nam56r.model import Backends
 from nam56r.recipes import get_recipe
+from nam56r.run import RunRequest, activate, resolve
+from nam_core.device import DeviceInfo
 from nam_core.engine import megatron as engine
 from nam_core.engine.config import TrainConfig
 from nam_core.errors import ConfigError
+from nam_core.host import PluginHost
 from nam_plugin_dualpipev.engine import DualPipeV
 
 
@@ -52,17 +55,31 @@ def test_the_v_refuses_expert_parallelism_short_pipelines_and_few_microbatches()
 
 
 def test_the_lowering_needs_the_registered_schedule_and_binds_to_it(cfg):
-    """Lowered from the name before the plugin is active (as the composition root does): one chunk per rank
-    until the model is checked against the registered schedule, which lowers it for the V."""
+    """Lowered from the name before the plugin is active (``nam56r.run.resolve``): one chunk per rank, refused by
+    the model against the registered V; ``nam56r.run.activate`` lowers again with the registered schedule's
+    instance, which the model takes."""
     early = lower(cfg, pp=2, schedule="dualpipev")
     assert (early.schedule, early.chunks) == ("dualpipev", 1)
     assert "dualpipev schedule" in {g.what for g in early.gaps if g.status == "covered"}
     with pytest.raises(ConfigError, match="no registered schedule of that name"):
         check_lowering(early, registered_schedules={})
-    model = NamMegatronModel(cfg, Backends.reference(), early, seed=0)
+    with pytest.raises(ConfigError, match=r"lowered for stages \[\[0\], \[1\]\], the registered schedule 'dualpipev' "
+                                          r"runs \[\[0, 3\], \[1, 2\]\]"):
+        NamMegatronModel(cfg, Backends.reference(), early, seed=0).check(registered_schedules={"dualpipev": DualPipeV})
+
+    host = PluginHost()
+    run = resolve(RunRequest(recipe="nam56r-tiny", plugins=["dualpipev"], engine="megatron", device="cuda", pp=2,
+                             nproc=2, env_plugins=False,
+                             overrides=["attention_backend=reference", "train.schedule=dualpipev",
+                                        "train.grad_accum=4"]), host)
+    assert (run.lowering.schedule, run.lowering.chunks) == ("dualpipev", 1)
+    run = activate(run, host, DeviceInfo.profile("h100"))
+    assert run.lowering.chunks == 2 and run.lowering.stage_map == ((0, 3), (1, 2))
+    tiny = get_recipe("nam56r-tiny").model
+    assert run.lowering.hybrid_layer_pattern == lower(tiny, pp=2, schedule=DualPipeV()).hybrid_layer_pattern
+    model = NamMegatronModel(run.spec.model, Backends.reference(), run.lowering, seed=0)
     model.check(registered_schedules={"dualpipev": DualPipeV})
-    assert model.chunks == 2 and model.lowering.stage_map == ((0, 3), (1, 2))
-    assert model.lowering.hybrid_layer_pattern == lower(cfg, pp=2, schedule=DualPipeV()).hybrid_layer_pattern
+    assert model.chunks == 2
 
 
 def test_the_v_keeps_the_embedding_group_to_the_first_rank_and_sums_the_copies():

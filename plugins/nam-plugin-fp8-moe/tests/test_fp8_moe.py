@@ -6,7 +6,6 @@ shapes and the Triton cast are in test_fp8_moe_gpu.py; the benchmark is bench/fp
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
 from nam_plugin_fp8_moe import experts as ex
-from nam_core.testing import rel_norm_error
+from nam_core.testing import fake_device, rel_norm_error
 from nam_plugin_fp8_moe import quant, selftest
 from nam56r.run import spec_for
 from nam_core.errors import ConfigError
@@ -130,14 +129,6 @@ def rows(s, device=H100):
     return {c.name: c for c in PluginHost().evaluate(s.plugins, device, s).checks if c.plugin == "fp8-moe"}
 
 
-def test_declaration_and_gpu_extra():
-    info = plugin.PLUGIN
-    assert info.provides == {"moe": ["fp8"]} and info.selects == {"moe_backend": "fp8"}
-    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "fp8-moe"]
-    assert ep.value == "nam_plugin_fp8_moe.plugin"
-    assert [r for r in importlib.metadata.requires("nam-plugin-fp8-moe") if "extra" not in r] == ["nam-train"]
-
-
 def test_options_are_parsed_by_the_host_or_refused_with_their_doc():
     assert spec().options["fp8-moe"].amax_history == 16 and spec().options["fp8-moe"].backend == "torch"
     assert spec("fp8-moe.amax_history=4").options["fp8-moe"].amax_history == 4
@@ -174,12 +165,12 @@ def test_te_backend_is_refused_with_the_reason():
     assert checks["backend"].hint == "--set fp8-moe.backend=torch"
 
 
-def test_activation_is_refused_on_cpu_and_before_ada():
+def test_activation_is_refused_on_cpu_and_before_ada(fake_cpu, fake_a100):
     with pytest.raises(PluginActivationError, match="fp8-moe: CUDA capability"):
-        PluginHost().activate(["fp8-moe"], CPU)
-    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
-    ev = PluginHost().evaluate(["fp8-moe"], a100)
+        PluginHost().activate(["fp8-moe"], fake_cpu)
+    ev = PluginHost().evaluate(["fp8-moe"], fake_a100)
     assert [c.found for c in ev.failures] == ["sm_80"]
+    assert PluginHost().evaluate(["fp8-moe"], fake_device("a100", capability=(8, 9))).ok  # Ada's FP8 suffices
 
 
 def test_activates_on_an_h100_profile_without_launching():

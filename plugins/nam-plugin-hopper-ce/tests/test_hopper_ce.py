@@ -5,8 +5,6 @@ the benchmark against Liger are in test_hopper_ce_gpu.py and bench/hopper_ce.py.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -14,7 +12,6 @@ import sys
 
 import pytest
 
-import nam_plugin_hopper_ce.plugin as plugin
 from nam56r.recipes import apply_overrides, get_recipe
 from nam_core.device import DeviceInfo
 from nam_core.errors import NamError, PluginActivationError
@@ -132,16 +129,6 @@ def rows(s, device=H100):
     return {c.name: c for c in PluginHost().evaluate(s.plugins, device, s).checks if c.plugin == "hopper-ce"}
 
 
-def test_declaration_and_gpu_extra():
-    info = plugin.PLUGIN
-    assert info.provides == {"ce": ["hopper-ce"]} and info.selects == {"ce_backend": "hopper-ce"}
-    assert [(r.title, r.needed) for r in info.requires] == [("CUDA capability", ">= sm_90"),
-                                                            ("package triton", "triton>=3.3")]
-    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "hopper-ce"]
-    assert ep.value == "nam_plugin_hopper_ce.plugin"
-    assert [r for r in importlib.metadata.requires("nam-plugin-hopper-ce") if "extra" not in r] == ["nam-train"]
-
-
 def test_requesting_the_plugin_selects_the_head_and_an_explicit_choice_wins():
     assert spec().model.ce_backend == "hopper-ce" and rows(spec())["selected"].status == PASS
     check = rows(spec("ce_backend=reference"))["selected"]
@@ -155,12 +142,20 @@ def test_the_host_wants_cuda_and_16_bit_from_the_declaration():
     assert {n for n, c in rows(spec()).items() if c.status == FAIL} == set()
 
 
-def test_activation_is_refused_on_cpu_and_before_hopper():
+def test_activation_is_refused_on_cpu_and_before_hopper(fake_cpu, fake_a100):
     with pytest.raises(PluginActivationError, match="hopper-ce: CUDA capability"):
-        PluginHost().activate(["hopper-ce"], CPU)
-    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
-    ev = PluginHost().evaluate(["hopper-ce"], a100)
+        PluginHost().activate(["hopper-ce"], fake_cpu)
+    ev = PluginHost().evaluate(["hopper-ce"], fake_a100)
     assert [c.found for c in ev.failures] == ["sm_80"]
+
+
+@pytest.mark.parametrize("triton, found", [(None, "not installed"), ("3.2.0", "3.2.0")])
+def test_activation_without_a_triton_it_can_run_names_the_gpu_extra(fake_versions, fake_h100, triton, found):
+    fake_versions(triton=triton)
+    [bad] = PluginHost().evaluate(["hopper-ce"], fake_h100).failures
+    assert (bad.name, bad.found, bad.hint) == ("package triton", found, "pip install 'nam-plugin-hopper-ce[gpu]'")
+    fake_versions(triton="3.3.0")  # the floor
+    assert PluginHost().evaluate(["hopper-ce"], fake_h100).ok
 
 
 def test_activates_on_an_h100_profile_without_launching():

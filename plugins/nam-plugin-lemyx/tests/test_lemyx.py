@@ -181,23 +181,17 @@ def test_config_check_on_cpu_says_the_reference_is_the_implementation():
     assert all(c.status != FAIL for c in checks.values())
 
 
-def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(monkeypatch):
+def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(fake_versions, fake_a100):
     checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=H100))
     assert checks["backend"].found.startswith("triton (default for cuda)")
     assert checks["CUDA capability"].needed == ">= sm_90"
     assert checks["kernel shapes"].status == PASS
     # A pre-Hopper GPU is refused with the reason and both ways out.
-    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=a100))
+    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=fake_a100))
     bad = checks["CUDA capability"]
     assert bad.status == FAIL and bad.found == "sm_80" and "lemyx.backend=reference" in bad.hint
     # Triton missing: refused, not a quiet switch to the reference path.
-    import importlib.metadata
-
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda n: (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(n))
-                        if n == "triton" else real(n))
+    fake_versions(triton=None)
     checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=H100))
     assert checks["package triton"].status == FAIL and "nam-plugin-lemyx[gpu]" in checks["package triton"].hint
     # The user's explicit choice of the reference path is honoured and named as such.

@@ -1,4 +1,4 @@
-"""liger on the CPU: declaration, fail-closed activation, the patch lane on faked releases, the head's math.
+"""liger on the CPU: fail-closed activation, the patch lane on faked releases, the head's math.
 
 Liger is Triton-only, so the math runs through two pure-torch stand-ins of its function: ``flce_fixed`` (what
 liger-kernel >= 0.8.2 computes) and ``flce_issue968`` (gradients computed in forward and every row scaled by
@@ -6,10 +6,7 @@ liger-kernel >= 0.8.2 computes) and ``flce_issue968`` (gradients computed in for
 ``importlib.metadata.version`` for ``liger-kernel`` only. GPU parity with real Liger: test_liger_gpu.py.
 """
 
-import dataclasses
-import importlib.metadata
 import json
-import subprocess
 import sys
 
 import pytest
@@ -26,6 +23,7 @@ from nam_core.host import PluginHost
 from nam_core.patches import APPLIED, BUG_REPRODUCED, FIX_VALIDATED, NEEDED, NOT_INSTALLED, RETIRED, apply_all
 from nam_core.registry import Entry
 from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.testing import fake_device
 from nam_plugin_liger import head, patch
 from nam_plugin_liger.head import IGNORE_INDEX, MEAN_TIMES_LIVE, NONE_TIMES_MASK, LigerCEHead
 
@@ -36,21 +34,9 @@ HINT = "pip install nam-plugin-liger[gpu]"
 
 # --- fixtures: a faked liger-kernel release, a clean patch state -------------------------------------
 @pytest.fixture
-def liger_release(monkeypatch):
+def liger_release(fake_versions):
     """``liger_release("0.8.1")`` makes liger-kernel look installed at 0.8.1; ``None``: not installed."""
-    real = importlib.metadata.version
-
-    def fake(version):
-        def lookup(name):
-            if name != "liger-kernel":
-                return real(name)
-            if version is None:
-                raise importlib.metadata.PackageNotFoundError(name)
-            return version
-
-        monkeypatch.setattr(importlib.metadata, "version", lookup)
-
-    return fake
+    return lambda version: fake_versions(**{"liger-kernel": version})
 
 
 @pytest.fixture(autouse=True)
@@ -129,29 +115,6 @@ def assert_matches_reference(ce, *inputs):
     assert torch.count_nonzero(dh[mask == 0]) == 0  # masked tokens: exactly zero gradient
 
 
-# --- declaration --------------------------------------------------------------------------------------
-def test_declaration_entry_point_and_gpu_extra():
-    info = plugin.PLUGIN
-    assert info.provides == {"ce": ["liger"], "patches": ["liger-none-reduction-bwd"]}
-    assert info.selects == {"ce_backend": "liger"}
-    assert [(r.title, r.needed) for r in info.requires] == [
-        ("CUDA device", "a CUDA device"), ("CUDA capability", ">= sm_80"),
-        ("package liger-kernel", "liger-kernel>=0.8.0"),
-    ]
-    assert info.requires[2].install_hint == HINT
-    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "liger"]
-    assert ep.value == "nam_plugin_liger.plugin"
-    requires = importlib.metadata.requires("nam-plugin-liger")
-    assert [r for r in requires if "liger-kernel" in r] == ['liger-kernel>=0.8.0; extra == "gpu"']  # never base
-
-
-def test_plugin_module_imports_neither_torch_nor_liger():
-    code = ("import sys, nam_plugin_liger.plugin; "
-            "print([m for m in ('torch', 'triton', 'liger_kernel') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
-
-
 # --- activation: fail closed, with what was needed, found, and the next command -----------------------
 def test_activation_is_refused_on_the_cpu_profile(liger_release):
     liger_release("0.8.5")  # the package is there: only the device is wrong
@@ -182,6 +145,13 @@ def test_a_release_with_issue_968_activates_and_the_patch_lane_applies_the_worka
     host.activate(["liger"], H100)
     [report] = apply_all(host.registry("patches"))
     assert report.name == "liger-none-reduction-bwd" and report.state == APPLIED, report
+
+
+def test_activation_needs_ampere_or_newer(liger_release, fake_a100):
+    liger_release("0.8.5")
+    assert PluginHost().evaluate(["liger"], fake_a100).ok  # sm_80: Triton's floor
+    [fail] = PluginHost().evaluate(["liger"], fake_device("a100", capability=(7, 5))).failures  # a Turing part
+    assert (fail.name, fail.needed, fail.found) == ("CUDA capability", ">= sm_80", "sm_75")
 
 
 def test_activation_refuses_a_release_below_the_floor(liger_release):

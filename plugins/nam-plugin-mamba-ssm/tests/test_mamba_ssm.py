@@ -1,14 +1,11 @@
-"""nam-plugin-mamba-ssm on CPU: declaration, activation and config refusals, the patch lane on fake mamba-ssm
+"""nam-plugin-mamba-ssm on CPU: activation and config refusals, the patch lane on fake mamba-ssm
 trees (2.3.2.post1-like and fixed), the grouped reduction against autograd, the drivers' kernel calls against
 the kernels' declared signatures, the scan's argument mapping against upstream's entry points, and the parity
 harness against nam's two pure-PyTorch scans. Kernel parity on the GPU is in test_mamba_ssm_gpu.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
 import json
-import subprocess
 import sys
 import types
 
@@ -35,22 +32,12 @@ RELEASES = {"mamba-ssm": "2.3.2.post1", "tilelang": "0.1.8", "triton": "3.6.0"}
 
 # --- fixtures: installed releases, a fake mamba-ssm tree ------------------------------------------------
 @pytest.fixture
-def releases(monkeypatch):
+def releases(fake_versions):
     """``releases(**{"mamba-ssm": None})``: the distributions the plugin needs look installed at RELEASES, with
     overrides (``None``: not installed)."""
-    real = importlib.metadata.version
 
     def fake(**overrides):
-        table = {**RELEASES, **overrides}
-
-        def lookup(name):
-            if name not in table:
-                return real(name)
-            if table[name] is None:
-                raise importlib.metadata.PackageNotFoundError(name)
-            return table[name]
-
-        monkeypatch.setattr(importlib.metadata, "version", lookup)
+        fake_versions(**{**RELEASES, **overrides})
 
     fake()
     return fake
@@ -108,26 +95,6 @@ def fake_tree(tmp_path, monkeypatch):
             del sys.modules[name]
 
 
-# --- declaration --------------------------------------------------------------------------------------
-def test_declaration_entry_point_and_gpu_extra():
-    info = plugin.PLUGIN
-    assert info.provides == {"ssm": ["mamba-ssm"], "patches": list(patches.NAMES)}
-    assert info.selects == {"ssm_backend": "mamba-ssm"}
-    assert all(r.install_hint == HINT for r in info.requires if r.kind == "package")
-    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "mamba-ssm"]
-    assert ep.value == "nam_plugin_mamba_ssm.plugin"
-    gpu = [r for r in importlib.metadata.requires("nam-plugin-mamba-ssm") if "extra ==" in r]
-    assert sorted(r.split(";")[0] for r in gpu) == ["mamba-ssm>=2.3.2", "tilelang>=0.1.8", "triton>=3.5"]
-    assert [r for r in importlib.metadata.requires("nam-plugin-mamba-ssm") if "extra" not in r] == ["nam-train"]
-
-
-def test_plugin_module_imports_neither_torch_nor_kernels():
-    code = ("import sys, nam_plugin_mamba_ssm.plugin; "
-            "print([m for m in ('torch', 'triton', 'tilelang', 'mamba_ssm') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
-
-
 # --- activation and config: fail closed ----------------------------------------------------------------
 def recipe(*overrides, base="nam56r", device="cuda"):
     """The RunSpec of `--plugins mamba-ssm` on ``base``, every other kind on the reference (a fake H100)."""
@@ -161,9 +128,10 @@ def test_activation_is_refused_on_the_cpu_profile(releases):
         PluginHost().activate(["mamba-ssm"], CPU)
 
 
-def test_activation_is_refused_before_hopper(releases):
-    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
-    assert set(failures(a100)) == {"CUDA capability"}
+def test_activation_is_refused_before_hopper(releases, fake_a100):
+    bad = failures(fake_a100)  # sm_80, and 163 KiB per block: short of the MIMO kernels' shared memory too
+    assert set(bad) == {"CUDA capability", "shared memory per block"}
+    assert bad["CUDA capability"].found == "sm_80" and bad["shared memory per block"].found == "166,912 B (163 KiB)"
 
 
 def test_activation_is_refused_where_shared_memory_is_short_with_the_number(releases):
@@ -179,6 +147,14 @@ def test_activation_without_a_kernel_package_names_the_gpu_extra(releases, missi
     bad = failures(H100)
     assert set(bad) == {f"package {missing}"}
     assert bad[f"package {missing}"].found == "not installed" and bad[f"package {missing}"].hint == HINT
+
+
+@pytest.mark.parametrize("package, below", [("mamba-ssm", "2.3.1"), ("tilelang", "0.1.7"), ("triton", "3.4.0")])
+def test_activation_refuses_a_kernel_package_below_its_floor(releases, package, below):
+    releases(**{package: below})
+    bad = failures(H100)
+    assert set(bad) == {f"package {package}"} and bad[f"package {package}"].found == below
+    assert bad[f"package {package}"].hint == HINT
 
 
 def test_activation_refuses_tilelang_0_1_15_which_cannot_build_the_mimo_forward(releases):

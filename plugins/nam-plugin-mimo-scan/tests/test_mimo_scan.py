@@ -1,14 +1,9 @@
 """nam-plugin-mimo-scan on CPU: the Triton kernels under Triton's interpreter against the reference (output and
-every input gradient, each checked by name), the declaration, registration, selection, and activation and
+every input gradient, each checked by name), registration, selection, and activation and
 config refusals. bf16 parity at NAM56R's widths, host syncs and CUDA-graph capture are in
 test_mimo_scan_gpu.py."""
 
 from __future__ import annotations
-
-import dataclasses
-import importlib.metadata
-import subprocess
-import sys
 
 import pytest
 
@@ -77,28 +72,7 @@ def test_the_parity_check_catches_a_wrong_gradient(run_interpreted):
     assert {k for k, v in errors.items() if v > 0.1} == {"dadt", "dangles"}, errors
 
 
-# --- declaration, registration --------------------------------------------------------------------
-def test_declaration_entry_point_and_extras():
-    info = plugin.PLUGIN
-    assert info.provides == {"ssm": ["mimo-scan"]}
-    assert info.selects == {"ssm_backend": "mimo-scan"}
-    assert [(r.title, r.needed) for r in info.requires] == [
-        ("CUDA capability", ">= sm_90"),
-        ("shared memory per block", f">= {plugin.SMEM_BYTES:,} B ({plugin.SMEM_BYTES / 1024:.0f} KiB)"),
-        ("package triton", "triton>=3.5"),
-    ]
-    [ep] = [ep for ep in importlib.metadata.entry_points(group="nam.plugins") if ep.name == "mimo-scan"]
-    assert ep.value == "nam_plugin_mimo_scan.plugin"
-    extras = [r.split(";")[0].strip() for r in importlib.metadata.requires("nam-plugin-mimo-scan") if "extra" in r]
-    assert sorted(extras) == ["numpy<2.4", "triton>=3.3", "triton>=3.5"]
-
-
-def test_plugin_module_imports_neither_torch_nor_triton():
-    code = "import sys, nam_plugin_mimo_scan.plugin; print([m for m in ('torch', 'triton') if m in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
-
-
+# --- registration ------------------------------------------------------------------------------
 def test_the_scan_satisfies_the_protocol_and_refuses_siso():
     import torch
 
@@ -150,9 +124,17 @@ def test_activation_is_refused_on_the_cpu_profile():
         PluginHost().activate(["mimo-scan"], CPU)
 
 
-def test_activation_is_refused_before_hopper():
-    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
-    assert set(failures(a100)) == {"CUDA capability"}
+def test_activation_is_refused_before_hopper(fake_a100):
+    bad = failures(fake_a100)
+    assert set(bad) == {"CUDA capability"} and bad["CUDA capability"].found == "sm_80"
+
+
+@pytest.mark.parametrize("triton, found", [(None, "not installed"), ("3.4.0", "3.4.0")])
+def test_activation_without_a_triton_it_can_run_names_the_gpu_extra(fake_versions, triton, found):
+    fake_versions(triton=triton)
+    bad = failures(H100)
+    assert set(bad) == {"package triton"}
+    assert bad["package triton"].found == found and bad["package triton"].hint == plugin.GPU_HINT
 
 
 def test_gb10_shared_memory_is_enough():

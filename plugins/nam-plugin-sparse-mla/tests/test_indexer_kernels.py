@@ -87,11 +87,11 @@ import json, torch
 from nam56r.blocks.dsa import DSA
 from nam56r.blocks.indexer import FullIndexer
 from nam56r.recipes import get_recipe
-from nam56r.reference.attention import ReferenceAttention
+from nam56r.reference.attention import ReferenceAttention, ReferenceIndexerKernels
 from nam56r.state import ForwardState
 from nam_core.testing import max_rel_error
 from nam_plugin_sparse_mla import indexer
-from nam_plugin_sparse_mla.attention import SparseMLA
+from nam_plugin_sparse_mla.attention import SparseMLA, SparseMLAIndexerKernels
 
 launches = []
 for name in ("index_scores", "sparse_teacher"):  # count the kernel entry points the core reaches
@@ -104,9 +104,9 @@ for name in ("index_scores", "sparse_teacher"):  # count the kernel entry points
 cfg = get_recipe("nam56r-tiny").model.replace(seq_len=40, init_std=0.2)
 x = torch.randn(2, 40, cfg.hidden, generator=torch.Generator().manual_seed(3)).half()
 runs = []
-for core in (SparseMLA(), ReferenceAttention()):
+for core, kernels in ((SparseMLA(), SparseMLAIndexerKernels()), (ReferenceAttention(), ReferenceIndexerKernels())):
     torch.manual_seed(0)
-    dsa = DSA(cfg, core, FullIndexer(), dsa_rank=0).half()
+    dsa = DSA(cfg, core, FullIndexer(), dsa_rank=0, indexer_kernels=kernels).half()
     state = ForwardState()
     dsa(x, state)
     kl = state.aux_losses["indexer_kl"][0]

@@ -71,10 +71,10 @@ def test_index_scores_never_hold_heads_x_seq_x_seq():
 
 def test_indexer_kernels_read_no_tensor_value_on_the_host():
     from nam_core.testing import no_host_sync
-    from nam_plugin_sparse_mla.attention import SparseMLA
+    from nam_plugin_sparse_mla.attention import SparseMLAIndexerKernels
     from nam_plugin_sparse_mla.selftest import random_inputs
 
-    core = SparseMLA()
+    core = SparseMLAIndexerKernels()
     q, k, w = _score_inputs(512)
     tq, kv, indices = random_inputs(1, 512, TEACHER["h"], TEACHER["dk"], TOPK, dtype=torch.bfloat16,
                                     device="cuda", seed=2)

@@ -5,8 +5,6 @@ test_sparse_mla_gpu.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -252,17 +250,13 @@ def test_activation_is_refused_on_the_cpu_profile():
         PluginHost().activate(["sparse-mla"], CPU)
 
 
-def test_activation_is_refused_before_hopper():
-    a100 = dataclasses.replace(H100, name="A100 (fake)", capability=(8, 0), profile_name="a100")
-    bad = failures(["sparse-mla"], a100)
+def test_activation_is_refused_before_hopper(fake_a100):
+    bad = failures(["sparse-mla"], fake_a100)
     assert set(bad) == {"CUDA capability"} and bad["CUDA capability"].found == "sm_80"
 
 
-def test_activation_is_refused_without_triton(monkeypatch):
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda n: (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(n))
-                        if n == "triton" else real(n))
+def test_activation_is_refused_without_triton(fake_versions):
+    fake_versions(triton=None)
     bad = failures(["sparse-mla"], H100)
     assert set(bad) == {"package triton"}
     assert bad["package triton"].found == "not installed"

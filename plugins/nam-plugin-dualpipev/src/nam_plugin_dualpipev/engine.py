@@ -14,7 +14,7 @@ It implements the engine's schedule protocol (``nam_core.engine.megatron.schedul
     losses = schedule(forward_step_func=..., data_iterator=..., model=[chunk 0, chunk 1], num_microbatches=n,
                       seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
 
-This class refuses (NamError, exit 3) anything but a pair of chunks: no fallback to another schedule.
+This class refuses (CannotRunHere, exit 3) anything but a pair of chunks: no fallback to another schedule.
 
 Given two chunks it drives the executor with Megatron's contract, kept to what nam's forward step uses:
 
@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from nam_core.engine.megatron.schedule import PipelineSchedule
-from nam_core.errors import ConfigError, NamError
+from nam_core.errors import CannotRunHere, ConfigError
 
 NOT_BUILT = ("dualpipev runs two model chunks per pipeline rank (the V: stage r and stage 2P-1-r); the engine "
              "builds them when the model is lowered for this schedule "
@@ -146,23 +146,22 @@ class DualPipeV(PipelineSchedule):
         from nam_plugin_dualpipev.executor import PipelineRank, device_of, plan_for
 
         if len(model) != 2:
-            raise NamError(f"{NOT_BUILT}; found {len(model)} chunk(s) on this rank", hint=NOT_BUILT_HINT,
-                           exit_code=3)
+            raise CannotRunHere(f"{NOT_BUILT}; found {len(model)} chunk(s) on this rank", hint=NOT_BUILT_HINT)
         config = _unwrapped(model[0], "config")
         self._refuse_unwired(config)
         setters = [_unwrapped(chunk, "set_input_tensor") for chunk in model]
         if None in setters:
-            raise NamError(f"model chunk {setters.index(None)} has no set_input_tensor: dualpipev hands each chunk "
-                           "the previous stage's output through it, as Megatron's schedules do",
-                           hint="pass Megatron model chunks (or modules with set_input_tensor)", exit_code=3)
+            raise CannotRunHere(f"model chunk {setters.index(None)} has no set_input_tensor: dualpipev hands each "
+                                "chunk the previous stage's output through it, as Megatron's schedules do",
+                                hint="pass Megatron model chunks (or modules with set_input_tensor)")
         group = self.group if self.group is not None else self._pipeline_group()
         pp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         hidden = self.hidden_size or getattr(config, "hidden_size", None)
         dtype = self.dtype or getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
         if hidden is None or dtype is None:
-            raise NamError("dualpipev needs the hidden size and dtype of the [s, b, h] tensors between stages; the "
-                           f"chunk has no Megatron config that gives them (found {type(config).__name__})",
-                           hint="DualPipeV(hidden_size=..., dtype=...)", exit_code=3)
+            raise CannotRunHere("dualpipev needs the hidden size and dtype of the [s, b, h] tensors between stages; "
+                                f"the chunk has no Megatron config that gives them (found {type(config).__name__})",
+                                hint="DualPipeV(hidden_size=..., dtype=...)")
         device = device_of(model[0])
         self._set_aux_loss_scales(config, device, num_microbatches)
         batches = [next(data_iterator) for _ in range(num_microbatches)] if data_iterator is not None else None
@@ -180,9 +179,9 @@ class DualPipeV(PipelineSchedule):
         def loss(microbatch: int, output: torch.Tensor) -> torch.Tensor:
             result = loss_funcs.pop(microbatch)(output)
             if len(result) != 2:
-                raise NamError(f"loss_func returned {len(result)} values; dualpipev takes (loss, logs) and does not "
-                               "wire Megatron's per-token form (loss, num_tokens, logs)",
-                               hint="return (loss, logs) from loss_func", exit_code=3)
+                raise CannotRunHere(f"loss_func returned {len(result)} values; dualpipev takes (loss, logs) and does "
+                                    "not wire Megatron's per-token form (loss, num_tokens, logs)",
+                                    hint="return (loss, logs) from loss_func")
             value, logs[microbatch] = result
             value = value / num_microbatches
             scale = getattr(config, "grad_scale_func", None)
@@ -202,9 +201,10 @@ class DualPipeV(PipelineSchedule):
         if (getattr(config, "context_parallel_size", 1) or 1) > 1:
             unwired.append(f"context_parallel_size={config.context_parallel_size}")
         if unwired:
-            raise NamError(f"the model config sets {', '.join(unwired)}, which dualpipev does not wire (per-token loss "
-                           "normalisation and context parallelism change how Megatron's schedules scale the loss)",
-                           hint=NOT_BUILT_HINT, exit_code=3)
+            raise CannotRunHere(f"the model config sets {', '.join(unwired)}, which dualpipev does not wire (per-token "
+                                "loss normalisation and context parallelism change how Megatron's schedules scale the "
+                                "loss)",
+                                hint=NOT_BUILT_HINT)
 
     @staticmethod
     def _set_aux_loss_scales(config: Any, device: torch.device, num_microbatches: int) -> None:

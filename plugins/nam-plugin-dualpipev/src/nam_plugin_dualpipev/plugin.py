@@ -31,30 +31,26 @@ def _row(name: str, ok: bool, needed: str, found: str, hint: str) -> Check:
 
 @hookimpl
 def nam_check_config(config, device):
-    from nam_plugin_dualpipev.schedule import min_microbatches
+    """The run against the V's layout rules, which ``DualPipeV.check_layout`` states once (the megatron engine
+    calls it too), and the stages the V needs from the model."""
+    from nam_core.errors import ConfigError
+    from nam_plugin_dualpipev.engine import DualPipeV
 
     train = config.train
-    checks = [
-        _row("engine", train.engine == "megatron", "the megatron engine (pipeline ranks under torchrun)",
-             f"engine={train.engine}", f"{ENABLE}, or drop --plugins {NAME}"),
-        _row("pipeline size", train.pp >= 2, "pp >= 2 (the V folds 2 x pp stages over pp ranks)",
-             f"pp={train.pp}: nothing to pipeline" if train.pp < 2 else f"pp={train.pp}",
-             f"use --pp 2 or more, or drop --plugins {NAME}"),
-        _row("expert parallelism", train.ep == 1,
-             "ep = 1 (an expert all-to-all desynchronises across the V-shape's rank pairs)", f"ep={train.ep}",
-             f"use --ep 1, or drop --plugins {NAME}"),
-    ]
-    if train.pp >= 2:
-        need = min_microbatches(train.pp)
-        checks.append(_row("micro-batches", train.grad_accum >= need,
-                           f"train.grad_accum >= 2 x pp = {need} (rank 0 starts {need - 1} forwards before its "
-                           "first loss returns round the V)", f"grad_accum={train.grad_accum}",
-                           f"--set train.grad_accum={need}"))
-        layers = config.model.num_layers
-        checks.append(_row("V stages", layers % (2 * train.pp) == 0,
-                           f"2 x pp = {2 * train.pp} equal stages (two chunks per pipeline rank) dividing num_layers",
-                           f"num_layers={layers}", f"choose --pp so that 2 x pp divides {layers}"))
-    return checks
+    if train.engine != "megatron":
+        return [_row("engine", False, "the megatron engine (pipeline ranks under torchrun)", f"engine={train.engine}",
+                     f"{ENABLE}, or drop --plugins {NAME}")]
+    needed = "a layout the V runs (DualPipeV.check_layout: pp >= 2, ep = 1, train.grad_accum >= 2 x pp)"
+    found = f"pp={train.pp}, ep={train.ep}, grad_accum={train.grad_accum}"
+    try:
+        DualPipeV().check_layout(tp=train.tp, pp=train.pp, ep=train.ep, num_microbatches=train.grad_accum)
+    except ConfigError as e:
+        return [_row("layout", False, needed, f"{found}: {e.message}", f"{e.hint}, or drop --plugins {NAME}")]
+    layers = config.model.num_layers
+    return [_row("layout", True, needed, found, ""),
+            _row("V stages", layers % (2 * train.pp) == 0,
+                 f"2 x pp = {2 * train.pp} equal stages (two chunks per pipeline rank) dividing num_layers",
+                 f"num_layers={layers}", f"choose --pp so that 2 x pp divides {layers}")]
 
 
 @hookimpl

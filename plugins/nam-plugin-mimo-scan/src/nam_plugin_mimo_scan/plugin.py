@@ -83,6 +83,8 @@ def nam_preflight(device, config):
     from nam56r.config import NAM56RConfig
 
     model = config.model if config is not None else NAM56RConfig()
+    if config is not None and model.ssm_backend != NAME:
+        return []  # active but unused (the host's row says so): nothing of it will run
     if shape_problem(model) is not None:
         return []  # already a failed config check
     from nam_plugin_mimo_scan import selftest

@@ -51,10 +51,9 @@ class SparseMLAIndexerKernels:
         return indexer.sparse_teacher(q, kv, indices, scale=scale)
 
 
-class SparseMLA(SparseMLAIndexerKernels):
+class SparseMLA:
     """``AttentionCore`` whose sparse path is the sparse-mla Triton kernel and whose dense path is torch's fused
-    SDPA. It inherits the indexer kernels only for DSA blocks built without ``indexer_kernels`` (the megatron
-    slot, until it passes them)."""
+    SDPA."""
 
     def __init__(self, block_n: int = BLOCK_N):
         self.block_n = block_n

@@ -10,10 +10,11 @@ inputs' rounding. Error per tensor: ``max |kernel - reference| / max |reference|
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
-from nam_core.testing import max_rel_error, new_seed
+from nam_core.testing import max_rel_error, model_parity, new_seed, worst
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Max relative-to-max error per tensor. The kernel's own arithmetic is ~fp32 (module docstring of kernel.py);
@@ -73,21 +74,21 @@ def compare(b: int, s: int, h: int, dk: int, dv: int, topk: int, *, dtype=torch.
                                    future_slots=future_slots, empty_rows=empty_rows)
     scale = dk**-0.5
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    do = torch.randn(b, s, h, dv, generator=g).to(device=device, dtype=dtype)
+    do = torch.randn(b, s, h, dv, generator=g).to(device)
+    outputs = []
 
-    qk, kvk = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out, _lse = sparse_mla(qk, kvk, indices, scale=scale, d_v=dv, block_n=block_n or BLOCK_N)
-    out.backward(do)
+    def kernel(q, kv, indices):
+        out, _lse = sparse_mla(q, kv, indices, scale=scale, d_v=dv, block_n=block_n or BLOCK_N)
+        outputs.append(out)
+        return out
 
-    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
-    ref = ReferenceAttention().sparse(qr, kvr, indices, scale=scale, d_v=dv)
-    ref.backward(do.float())
-
-    errors = _errors(out, ref, (qk, kvk), (qr, kvr))
+    errors = model_parity(kernel, partial(ReferenceAttention().sparse, scale=scale, d_v=dv),
+                          {"q": q, "kv": kv, "indices": indices}, activations=("q", "kv"), dtype=dtype,
+                          dout=do, seed=seed)
+    [out] = outputs
     if empty_rows:
         rows = sorted({(1 + 7 * n) % s for n in range(empty_rows)})
         errors["empty_row_out"] = out[:, rows].float().abs().max().item()
-    errors["seed"] = seed
     return errors
 
 
@@ -101,15 +102,10 @@ def compare_dense(b: int, s: int, h: int, dk: int, dv: int, *, dtype=torch.bfloa
     q, kv, _ = random_inputs(b, s, h, dk, 1, dtype=dtype, device=device, seed=seed)
     scale = dk**-0.5
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    do = torch.randn(b, s, h, dv, generator=g).to(device=device, dtype=dtype)
-
-    qk, kvk = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out = dense_attention(qk, kvk, scale=scale, d_v=dv)
-    out.backward(do)
-    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
-    ref = ReferenceAttention().dense(qr, kvr, scale=scale, d_v=dv)
-    ref.backward(do.float())
-    return {**_errors(out, ref, (qk, kvk), (qr, kvr)), "seed": seed}
+    do = torch.randn(b, s, h, dv, generator=g).to(device)
+    return model_parity(partial(dense_attention, scale=scale, d_v=dv),
+                        partial(ReferenceAttention().dense, scale=scale, d_v=dv), {"q": q, "kv": kv},
+                        activations=("q", "kv"), dtype=dtype, dout=do, seed=seed)
 
 
 FP32_OUTPUT_TOLERANCE = 1e-4
@@ -168,18 +164,6 @@ def compare_teacher(b: int, s: int, h: int, dk: int, topk: int, *, dtype=torch.b
     ref = teacher_sparse(q.float(), kv.float(), indices, scale)
     dead = ours.masked_fill(live_slots(indices), 0.0).abs().max().item()
     return {"teacher": max_rel_error(ours, ref), "dead": dead, "seed": seed}
-
-
-def _errors(out, ref, ours: tuple, theirs: tuple) -> dict[str, float]:
-    """``out``, ``dq``, ``dkv`` errors; ``ours`` / ``theirs`` are the (q, kv) leaves of each side."""
-    (q, kv), (q_ref, kv_ref) = ours, theirs
-    return {"out": max_rel_error(out, ref), "dq": max_rel_error(q.grad, q_ref.grad),
-            "dkv": max_rel_error(kv.grad, kv_ref.grad)}
-
-
-def worst(errors: dict[str, float]) -> float:
-    """The largest error of a ``compare`` result; NaN counts as infinitely bad."""
-    return max((v if not math.isnan(v) else math.inf) for k, v in errors.items() if k != "seed")
 
 
 def parity(*, h: int = 32, dk: int = 128, dv: int = 64, index_heads: int = 32, index_dim: int = 64,

@@ -239,6 +239,25 @@ def test_the_lane_applies_in_order_and_binds_nam_drivers(releases, fake_tree):
     assert patches.apply_needed() == []  # idempotent: nothing left to do
 
 
+def test_the_lane_applied_for_a_scope_is_taken_back_on_the_way_out(releases, fake_tree):
+    """Every entry has a revert: inside the block nam's drivers build static kernels; after it, upstream's own
+    drivers are bound again, the stand-in extension is gone and every entry is needed again."""
+    from nam_core.patches import applied
+
+    fake_tree()
+    host = PluginHost()
+    host.activate(recipe().plugins, H100, recipe())
+    with applied(host.registry("patches")):
+        assert upstream.load(upstream.MIMO_MODULE).mamba_mimo_forward is mimo.forward and mimo.STATIC
+        assert upstream.shim_installed()
+    mimo_module = sys.modules[upstream.MIMO_MODULE]
+    assert mimo_module.mamba_mimo_forward() == "upstream forward"
+    with pytest.raises(ValueError, match="G value of 8"):
+        sys.modules[upstream.MIMO_BWD_MODULE].mamba_mimo_bwd_combined()
+    assert not mimo.STATIC and not upstream.shim_installed()
+    assert states() == dict.fromkeys(patches.NAMES, NEEDED)
+
+
 def test_the_stand_in_extension_refuses_mamba1_use_by_name(releases, fake_tree):
     fake_tree()
     patches.apply_needed()

@@ -14,7 +14,9 @@
 
 The two MIMO patches swap upstream's module-level drivers (in ``mamba3_mimo`` and the modules that define
 them) for ``mimo.forward`` / ``mimo.backward``; upstream's autograd function, Triton helpers and kernels stay.
-Apply the shim first: the others import mamba-ssm. The registry keeps this order.
+Apply the shim first: the others import mamba-ssm. The registry keeps this order. Every entry can be taken
+back (``revert``: upstream's own drivers bound again, ``mimo.STATIC`` off, the stand-in removed), so
+``nam_core.patches.applied`` can apply the lane for a scope only.
 """
 
 from __future__ import annotations
@@ -56,14 +58,36 @@ def _bound(module: str, name: str, driver: str) -> bool:
     return loaded is not None and getattr(loaded, name, None) is getattr(mimo, driver)
 
 
+_UPSTREAM: dict[tuple[str, str], object] = {}
+"""(module, name) -> upstream's own driver, kept when nam's is bound there so a revert can put it back."""
+
+
 def _bind(driver: str) -> None:
     from nam_plugin_mamba_ssm import mimo
 
     for module, names in _DRIVERS.items():
         loaded = upstream.load(module)
         for name, ours in names.items():
-            if ours == driver:
+            if ours == driver and getattr(loaded, name, None) is not getattr(mimo, ours):
+                _UPSTREAM[(module, name)] = getattr(loaded, name, None)
                 setattr(loaded, name, getattr(mimo, ours))
+
+
+def _unbind(driver: str) -> None:
+    """Put upstream's own driver back wherever nam's ``driver`` is bound (the revert of ``_bind``)."""
+    from nam_plugin_mamba_ssm import mimo
+
+    for module, names in _DRIVERS.items():
+        loaded = sys.modules.get(module)
+        for name, ours in names.items():
+            if ours == driver and loaded is not None and getattr(loaded, name, None) is getattr(mimo, ours):
+                setattr(loaded, name, _UPSTREAM.pop((module, name)))
+
+
+def revert_static() -> None:
+    from nam_plugin_mamba_ssm import mimo
+
+    mimo.STATIC = False
 
 
 # --- detection --------------------------------------------------------------------------------------------
@@ -220,7 +244,8 @@ def make_patches() -> dict[str, Patch]:
                     "from a MAMBA_SKIP_CUDA_BUILD install; a stand-in selective_scan_cuda (raises on use)",
             retire_when="the first mamba-ssm release with PR #977 (commit f577286, on main since 2026-07-07: the "
                         "import is guarded); detection reads the source, so it retires itself there",
-            detect=shim_needed, apply=upstream.install_shim, reproduce=reproduce_shim, needs_gpu=False,
+            detect=shim_needed, apply=upstream.install_shim, revert=upstream.remove_shim, reproduce=reproduce_shim,
+            needs_gpu=False,
         ),
         GROUPED: Patch(
             name=GROUPED, target=upstream.DISTRIBUTION, versions=VERSIONS,
@@ -228,7 +253,8 @@ def make_patches() -> dict[str, Patch]:
                     "nheads; nam's driver reduces per-head dQ/dK per group, bias grads from the per-head tensors",
             retire_when="the first mamba-ssm release with PR #967 (commit 33e2849, grouped_head_reduction.py, on "
                         "main since 2026-06-07); detection looks for that file",
-            detect=grouped_needed, apply=lambda: _bind("backward"), reproduce=reproduce_grouped, needs_gpu=True,
+            detect=grouped_needed, apply=lambda: _bind("backward"), revert=lambda: _unbind("backward"),
+            reproduce=reproduce_grouped, needs_gpu=True,
         ),
         HOST: Patch(
             name=HOST, target=upstream.DISTRIBUTION, versions=VERSIONS,
@@ -237,7 +263,8 @@ def make_patches() -> dict[str, Patch]:
             retire_when=f"a mamba-ssm (or TileLang) release whose warm MIMO call costs under {HOST_MS_BUG:g} ms of "
                         "host time: `nam patches --plugins mamba-ssm --verify` then reports FIX_VALIDATED "
                         "for upstream's own drivers",
-            detect=host_needed, apply=lambda: (_bind("forward"), _bind("backward")), reproduce=reproduce_host,
+            detect=host_needed, apply=lambda: (_bind("forward"), _bind("backward")),
+            revert=lambda: (_unbind("forward"), _unbind("backward")), reproduce=reproduce_host,
             needs_gpu=True,
         ),
         STATIC: Patch(
@@ -246,7 +273,7 @@ def make_patches() -> dict[str, Patch]:
                     "slower at NAM56R's shape; nam's drivers build them for each call's exact sizes (mimo.compiled)",
             retire_when="the first mamba-ssm release with PR #968 (B, S, H, G static again); detection reads the "
                         "forward driver's source for T.dynamic('B'), so it retires itself there",
-            detect=static_needed, apply=apply_static, reproduce=reproduce_static,
+            detect=static_needed, apply=apply_static, revert=revert_static, reproduce=reproduce_static,
             needs_gpu=True,
         ),
     }

@@ -110,6 +110,12 @@ def install_shim() -> None:
     sys.modules[EXTENSION] = stub
 
 
+def remove_shim() -> None:
+    """Take the stand-in out of ``sys.modules`` (the revert of ``install_shim``; a real extension stays)."""
+    if shim_installed():
+        del sys.modules[EXTENSION]
+
+
 def has_grouped_backward(root: Path | None = None) -> bool:
     """The installed mamba-ssm reduces MIMO dQ/dK per B/C group itself (the file PR #967 added)."""
     root = root if root is not None else package_dir()

@@ -39,25 +39,6 @@ BASELINE = ROWS[0]
 KERNELS = ("fwd", "bwd_fwd", "bwd_bwd")
 
 
-class _Timed:
-    """A mamba-ssm kernel whose launches are bracketed by CUDA events while ``switch["on"]``."""
-
-    def __init__(self, kernel, log: list, switch: dict):
-        self.kernel, self.log, self.switch = kernel, log, switch
-
-    def __call__(self, *args):
-        if not self.switch["on"]:
-            return self.kernel(*args)
-        import torch
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.kernel(*args)
-        end.record()
-        self.log.append((start, end))
-        return out
-
-
 def _scan(row: str, logs: dict, switch: dict):
     """The ``SSMScan`` of ``row``; mamba-ssm's kernels wrapped so each launch can be timed."""
     if row == "mimo-scan":
@@ -66,6 +47,7 @@ def _scan(row: str, logs: dict, switch: dict):
         return MimoScan()
     from nam_plugin_mamba_ssm import mimo, patches, upstream
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
+    from timing import TimedLaunches
 
     upstream.install_shim()
     if row == BASELINE:  # the lane without its static-shapes entry, which the scan would otherwise insist on
@@ -80,7 +62,7 @@ def _scan(row: str, logs: dict, switch: dict):
 
     def compiled(*a, **kw):
         kernels = real(*a, **kw)
-        return mimo.Kernels(*(_Timed(getattr(kernels, k), logs[k], switch) for k in KERNELS))
+        return mimo.Kernels(*(TimedLaunches(getattr(kernels, k), logs[k], switch) for k in KERNELS))
 
     mimo.compiled = compiled
     return MambaSSMScan()

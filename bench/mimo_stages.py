@@ -43,25 +43,6 @@ def _stages(text: str) -> tuple[int, int, int]:
     return parts
 
 
-class _Timed:
-    """A kernel whose launches are bracketed by CUDA events while ``switch["on"]``."""
-
-    def __init__(self, kernel, log: list, switch: dict):
-        self.kernel, self.log, self.switch = kernel, log, switch
-
-    def __call__(self, *args):
-        if not self.switch["on"]:
-            return self.kernel(*args)
-        import torch
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.kernel(*args)
-        end.record()
-        self.log.append((start, end))
-        return out
-
-
 def variant(args) -> int:
     """One variant, in this process: build, check against the baseline's tensors, time; write ``args.out``."""
     import torch
@@ -69,7 +50,7 @@ def variant(args) -> int:
     from nam_plugin_mamba_ssm import mimo, patches, upstream
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
     from nam_plugin_mamba_ssm.selftest import INPUT_NAMES, random_inputs
-    from timing import median_ms
+    from timing import TimedLaunches, median_ms
 
     upstream.install_shim()
     patches.apply_needed()
@@ -80,7 +61,7 @@ def variant(args) -> int:
 
     def compiled(*a, **kw):  # the drivers look the kernels up on every call
         kernels = real(*a, **kw)
-        return mimo.Kernels(*(_Timed(getattr(kernels, k), logs[k], switch) for k in KERNELS))
+        return mimo.Kernels(*(TimedLaunches(getattr(kernels, k), logs[k], switch) for k in KERNELS))
 
     mimo.compiled = compiled
     scan = MambaSSMScan()

@@ -1,4 +1,5 @@
-"""What every benchmark here measures the same way: CUDA-event time and peak memory of one training step."""
+"""What every benchmark here measures the same way: CUDA-event time and peak memory of one training step, and
+CUDA-event time of single kernel launches."""
 
 from __future__ import annotations
 
@@ -36,3 +37,22 @@ def time_and_peak(step: Callable[[], None], clear: Callable[[], None], *, warmup
     step()
     torch.cuda.synchronize()
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+class TimedLaunches:
+    """Wraps a kernel launcher: while ``switch["on"]``, each launch is bracketed by CUDA events appended to
+    ``log`` (read them after a synchronize); otherwise it only launches. For timing the kernels inside a larger
+    call, such as mamba-ssm's three MIMO kernels inside a scan forward + backward."""
+
+    def __init__(self, kernel, log: list, switch: dict):
+        self.kernel, self.log, self.switch = kernel, log, switch
+
+    def __call__(self, *args):
+        if not self.switch["on"]:
+            return self.kernel(*args)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.kernel(*args)
+        end.record()
+        self.log.append((start, end))
+        return out

@@ -24,7 +24,9 @@ and every plugin's tests, in this checkout or out of it, get its fixtures once n
 (a pre-Hopper part: sm_80 with less shared memory) are fake devices; activation evaluates requirements against
 them as against real ones and skips launches. ``fake_device(profile, **changes)`` builds others, also at module
 level (``parametrize`` lists). ``fake_versions(**{"triton": "3.4.0", "mamba-ssm": None})`` makes
-``importlib.metadata.version`` report those releases (``None``: not installed) for one test. Preflight imports
+``importlib.metadata.version`` report those releases (``None``: not installed) for one test.
+``run_interpreted(code)`` runs a snippet under Triton's CPU interpreter in its own process (the plugins' kernel
+tests in CI). Preflight imports
 this module at run time too, where pytest may be missing: the fixtures are then plain functions.
 """
 
@@ -33,8 +35,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
+import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -46,8 +52,8 @@ try:
     from pytest import fixture
 except ModuleNotFoundError:  # a GPU host running preflight without the test extra
 
-    def fixture(fn):
-        return fn
+    def fixture(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
 
 # Ops whose result depends on tensor *values* read back to the host, or whose output shape does.
 HOST_SYNC_OPS = frozenset(
@@ -277,3 +283,26 @@ def fake_versions(monkeypatch):
         monkeypatch.setattr(importlib.metadata, "version", version)
 
     return fake
+
+
+# --- pytest fixture: Triton kernels on the CPU ------------------------------------------------------------
+
+
+@fixture(scope="module")
+def run_interpreted():
+    """``run(code) -> dict``: ``code`` runs in a fresh process with ``TRITON_INTERPRET=1`` (Triton reads it at
+    import, hence the process) and prints one JSON line last, which ``run`` returns. The test is skipped, with
+    the reason, where Triton is not installed (a plugin's ``[test]`` extra brings it)."""
+    if importlib.util.find_spec("triton") is None:
+        import pytest
+
+        pytest.skip("Triton is not installed: install the plugin with its test extra, "
+                    "pip install -e './plugins/nam-plugin-<name>[test]'")
+
+    def run(code: str) -> dict:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run

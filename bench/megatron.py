@@ -166,7 +166,7 @@ def run_spec(spec: dict, train):
 def packed_rows(seq_len: int, seed: int):
     """The embedded default corpus (built once into the nam cache), as ``nam train`` reads it."""
     from nam56r.blocks.structure import char_structure_ids
-    from nam_cli.train import cache_dir
+    from nam_core.cache import cache_dir
     from nam_core.data.dataset import PackedSequences, open_dataset
     from nam_core.data.prepare import build_stdlib_corpus
     from nam_core.data.tokenizer import ByteTokenizer

@@ -72,6 +72,7 @@ def one_row(args) -> int:
     """One row, in this process: build, time, compare with the baseline's tensors; write ``args.out``."""
     import torch
 
+    from nam_core.testing import max_rel_error
     from nam_plugin_mamba_ssm.selftest import INPUT_NAMES, random_inputs
     from timing import median_ms
 
@@ -113,8 +114,7 @@ def one_row(args) -> int:
             diff = {k: 0.0 for k in tensors}
         else:
             ref = torch.load(ref_path)
-            diff = {k: ((tensors[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item()
-                    for k in tensors}
+            diff = {k: max_rel_error(tensors[k], ref[k]) for k in tensors}
         del out
         fwd_ms = median_ms(forward, warmup=args.warmup, iters=args.iters)
         total_ms = median_ms(step, warmup=args.warmup, iters=args.iters)

@@ -50,6 +50,7 @@ def variant(args) -> int:
     from nam_plugin_mamba_ssm import mimo, patches, upstream
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
     from nam_plugin_mamba_ssm.selftest import INPUT_NAMES, random_inputs
+    from nam_core.testing import max_rel_error
     from timing import TimedLaunches, median_ms
 
     upstream.install_shim()
@@ -95,8 +96,7 @@ def variant(args) -> int:
             diff = {k: 0.0 for k in tensors}
         else:
             ref = torch.load(ref_path)
-            diff = {k: ((tensors[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item()
-                    for k in tensors}
+            diff = {k: max_rel_error(tensors[k], ref[k]) for k in tensors}
         total = median_ms(step, warmup=args.warmup, iters=args.iters)
         for k in KERNELS:
             logs[k].clear()

@@ -24,7 +24,8 @@ import typer
 
 from nam_cli.console import out, print_json
 from nam_cli.options import DeviceOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt
-from nam_core.errors import ConfigError, NamError
+from nam_core.cache import cache_dir
+from nam_core.errors import ConfigError
 
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (`nam recipe list`).")]
 MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many steps (the LR "
@@ -40,10 +41,6 @@ EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, build on the meta device, "
                       "print the plan; train nothing, write nothing.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NAM_CACHE_DIR", Path.home() / ".cache" / "nam"))
 
 
 def _dataset(data: Path | None, seq_len: int, vocab: int, seed: int, quiet: bool):

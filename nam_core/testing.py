@@ -18,42 +18,25 @@ plugins share (their preflight launch, GPU tests and benchmarks): one forward an
 test and of its fp32 reference on the same values, and the error of the output and of every input gradient;
 ``worst(errors)`` is the number a tolerance is held against.
 
-The module is also a pytest plugin (the ``pytest11`` entry point ``nam`` in nam's pyproject.toml), so nam's tests
-and every plugin's tests, in this checkout or out of it, get its fixtures once nam is installed:
-``fake_cpu``, ``fake_h100``, ``fake_h200``, ``fake_gb10`` (``nam_core.device.PROFILES``) and ``fake_a100``
-(a pre-Hopper part: sm_80 with less shared memory) are fake devices; activation evaluates requirements against
-them as against real ones and skips launches. ``fake_device(profile, **changes)`` builds others, also at module
-level (``parametrize`` lists). ``fake_versions(**{"triton": "3.4.0", "mamba-ssm": None})`` makes
-``importlib.metadata.version`` report those releases (``None``: not installed) for one test.
-``run_interpreted(code)`` runs a snippet under Triton's CPU interpreter in its own process (the plugins' kernel
-tests in CI). Preflight imports
-this module at run time too, where pytest may be missing: the fixtures are then plain functions.
+``fake_device(profile, **changes)`` builds a fake device (``nam_core.device.PROFILES``, or ``"a100"``: a
+pre-Hopper part, sm_80 with less shared memory); activation evaluates requirements against it as against a real
+one and skips launches. The fixtures built on these (``fake_h100``, ``fake_versions``, ``run_interpreted``, ...)
+are in ``nam_core.pytest_plugin``, so this module imports no pytest: preflight uses its parity harness at run
+time on hosts without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
-import importlib.util
-import json
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nam_core.device import GiB, DeviceInfo
-
-try:
-    from pytest import fixture
-except ModuleNotFoundError:  # a GPU host running preflight without the test extra
-
-    def fixture(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
 
 # Ops whose result depends on tensor *values* read back to the host, or whose output shape does.
 HOST_SYNC_OPS = frozenset(
@@ -218,7 +201,7 @@ def prepare_corpus(tmp_path_factory, modules, chars: int):
     return out
 
 
-# --- pytest fixtures: fake devices and package releases -------------------------------------------------
+# --- fake devices (the fixtures in nam_core.pytest_plugin build on these) ------------------------------
 A100 = DeviceInfo(
     kind="cuda", name="NVIDIA A100-SXM4-80GB (fake)", capability=(8, 0),
     # 163 KiB opt-in shared memory per block on sm_80 (CUDA C++ Programming Guide, compute capability 8.0), 108 SMs.
@@ -233,76 +216,3 @@ def fake_device(profile: str, **changes) -> DeviceInfo:
     ``fake_device("h100", profile_name=None)`` is an H100 the host takes for real (its launch checks run)."""
     base = A100 if profile == "a100" else DeviceInfo.profile(profile)
     return dataclasses.replace(base, **changes)
-
-
-@fixture
-def fake_cpu() -> DeviceInfo:
-    """The CPU profile: no CUDA device."""
-    return fake_device("cpu")
-
-
-@fixture
-def fake_h100() -> DeviceInfo:
-    """H100 SXM 80GB: sm_90, 232,448 B shared memory per block, 132 SMs."""
-    return fake_device("h100")
-
-
-@fixture
-def fake_h200() -> DeviceInfo:
-    """H200: an H100's SM (sm_90, 232,448 B) with 141 GB."""
-    return fake_device("h200")
-
-
-@fixture
-def fake_gb10() -> DeviceInfo:
-    """sm_121 with 99 KiB (101,376 B) of shared memory per block: what a kernel sized for sm_90 may not fit."""
-    return fake_device("gb10")
-
-
-@fixture
-def fake_a100() -> DeviceInfo:
-    """A100 80GB: sm_80, 166,912 B shared memory per block: refused by whatever needs Hopper."""
-    return A100
-
-
-@fixture
-def fake_versions(monkeypatch):
-    """``fake_versions(**{"triton": "3.4.0", "mamba-ssm": None})``: ``importlib.metadata.version`` reports those
-    releases (``None``: not installed) until the test ends; every other distribution as installed. A second call
-    replaces the first's table."""
-    real = importlib.metadata.version
-
-    def fake(**table: str | None) -> None:
-        def version(name: str) -> str:
-            if name not in table:
-                return real(name)
-            if table[name] is None:
-                raise importlib.metadata.PackageNotFoundError(name)
-            return table[name]
-
-        monkeypatch.setattr(importlib.metadata, "version", version)
-
-    return fake
-
-
-# --- pytest fixture: Triton kernels on the CPU ------------------------------------------------------------
-
-
-@fixture(scope="module")
-def run_interpreted():
-    """``run(code) -> dict``: ``code`` runs in a fresh process with ``TRITON_INTERPRET=1`` (Triton reads it at
-    import, hence the process) and prints one JSON line last, which ``run`` returns. The test is skipped, with
-    the reason, where Triton is not installed (a plugin's ``[test]`` extra brings it)."""
-    if importlib.util.find_spec("triton") is None:
-        import pytest
-
-        pytest.skip("Triton is not installed: install the plugin with its test extra, "
-                    "pip install -e './plugins/nam-plugin-<name>[test]'")
-
-    def run(code: str) -> dict:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    return run

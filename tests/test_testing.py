@@ -90,7 +90,7 @@ def test_the_caller_keeps_its_inputs_untouched():
     assert not x["x"].requires_grad and x["x"].grad is None and x["x"].dtype == torch.float32
 
 
-# --- the fixtures (nam_core.testing as a pytest plugin) --------------------------------------------------
+# --- the fixtures (nam_core.pytest_plugin) --------------------------------------------------
 def test_fake_devices_are_fake_and_differ_where_requirements_look(fake_cpu, fake_h100, fake_gb10, fake_a100):
     assert all(d.is_fake for d in (fake_cpu, fake_h100, fake_gb10, fake_a100))
     hopper, smem = Requirement.cuda_capability((9, 0)), Requirement.shared_memory_per_block(200_000)
@@ -137,7 +137,7 @@ def test_preflight_can_import_the_harness_where_pytest_is_not_installed():
     import sys
 
     code = ("import sys; sys.modules['pytest'] = None; import nam_core.testing as t; "  # None: import fails
-            "print(t.fake_h100().label, callable(t.model_parity))")
+            "print(t.fake_device('h100').label, callable(t.model_parity))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "NVIDIA H100 80GB HBM3 sm_90 (profile h100) True"

@@ -157,6 +157,16 @@ class MoEExperts(Protocol):
         state      what ``layer_state`` returned for this layer (None for a stateless backend)
         returns    [t, d]      sum_j gates[:, j] * down_e(silu(gate_e x) * up_e x) with e = chosen[:, j]
 
+    ``sorted`` is the same computation on rows already sorted by expert (``nam56r.experts``), the layout
+    Megatron's token dispatcher hands its experts slot::
+
+        x          [r, d]      one row per (token, slot), sorted by expert
+        counts     [E]         int64 rows per expert, on the device (reading it on the host is a sync)
+        probs      [r]         each row's gate
+        returns    [r, d]      per row: probs * down_e(silu(gate_e x) * up_e x), e the row's expert
+
+    A dispatching backend implements ``sorted`` and gets ``__call__`` from ``nam56r.experts.routed``.
+
     ``layer_state(cfg)`` is called once per MoE layer when the model is built; a module it returns becomes
     the layer's ``expert_state`` submodule (so it follows ``.to(device)``), e.g. FP8 amax histories. Its
     buffers must be non-persistent: a checkpoint holds the same keys whichever backend wrote it.
@@ -169,6 +179,16 @@ class MoEExperts(Protocol):
         x: torch.Tensor,
         chosen: torch.Tensor,
         gates: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        state: torch.nn.Module | None,
+    ) -> torch.Tensor: ...
+
+    def sorted(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        probs: torch.Tensor,
         w_gate_up: torch.Tensor,
         w_down: torch.Tensor,
         state: torch.nn.Module | None,

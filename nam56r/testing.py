@@ -52,3 +52,69 @@ def random_scan_inputs(b: int, l: int, h: int, g: int, n: int, p: int, r: int, *
         "mimo_o": 1 / r + 0.1 * randn(h, r, p) if r > 1 else None,
     }
     return {k: None if t is None else t.to(device) for k, t in x.items()}
+
+
+EXPERT_GRADS = ("x", "gates", "w_gate_up", "w_down")
+"""The differentiable ``MoEExperts`` arguments."""
+
+
+def random_expert_inputs(t: int, d: int, num_experts: int, k: int, f: int, *, device, seed: int,
+                         balanced: bool = False) -> dict[str, torch.Tensor]:
+    """The ``MoEExperts`` arguments by name, bf16 on ``device``, plus ``dy`` (an output gradient).
+
+    Tokens N(0, 1) of width ``d``; ``E`` stacked SwiGLU experts at init scale ``d**-0.5`` / ``f**-0.5``; top-k
+    routing from random router logits (scaled 2x, so expert loads differ and some experts may get no row),
+    gates the renormalised top-k softmax. ``balanced``: every expert gets the same number of rows (tokens
+    assigned round-robin), the benchmark's best case.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, num_experts, generator=gen) * 2.0
+    if balanced:
+        first = torch.arange(t).unsqueeze(1) * k + torch.arange(k)  # [t, k] consecutive slots
+        bonus = torch.zeros(t, num_experts).scatter_(1, first % num_experts, 100.0)
+        logits = logits + bonus
+    top_p, chosen = logits.softmax(-1).topk(k, dim=-1)
+    return {
+        "x": torch.randn(t, d, generator=gen).to(device, torch.bfloat16),
+        "chosen": chosen.to(device),
+        "gates": (top_p / top_p.sum(-1, keepdim=True)).to(device, torch.bfloat16),
+        "w_gate_up": (torch.randn(num_experts, 2 * f, d, generator=gen) * d**-0.5).to(device, torch.bfloat16),
+        "w_down": (torch.randn(num_experts, d, f, generator=gen) * f**-0.5).to(device, torch.bfloat16),
+        "dy": torch.randn(t, d, generator=gen).to(device, torch.bfloat16),
+    }
+
+
+def run_experts(experts, inputs: dict, dtype: torch.dtype, state=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and the gradients of ``EXPERT_GRADS`` for one forward + backward of ``experts`` in ``dtype``."""
+    leaves = {n: inputs[n].to(dtype, copy=True).requires_grad_() for n in EXPERT_GRADS}
+    y = experts(leaves["x"], inputs["chosen"], leaves["gates"], leaves["w_gate_up"], leaves["w_down"], state)
+    y.backward(inputs["dy"].to(y.dtype))
+    return y.detach(), [leaves[n].grad for n in EXPERT_GRADS]
+
+
+def compare_experts(experts, *, t: int = 512, d: int = 256, num_experts: int = 8, k: int = 2, f: int = 64,
+                    device="cuda", seed: int | None = None, calls: int = 1) -> dict:
+    """``||ours - ref|| / ||ref||`` of the output and every gradient of ``experts`` (run in bf16) against the
+    reference experts in fp32 on the same bf16 values, worst over ``calls`` calls (a stateful backend, e.g.
+    an amax history, differs between its first call and later ones), plus the ``seed``."""
+    from nam56r.reference.moe import ReferenceExperts
+    from nam_core.testing import new_seed, rel_norm_error
+
+    seed = new_seed() if seed is None else seed
+    inputs = random_expert_inputs(t, d, num_experts, k, f, device=device, seed=seed)
+    state = experts.layer_state(None)
+    if state is not None:
+        state.to(device)
+    ref_y, ref_grads = run_experts(ReferenceExperts(), inputs, torch.float32)
+    names = ("out", *(f"d{n}" for n in EXPERT_GRADS))
+    errors = dict.fromkeys(names, 0.0)
+    for _ in range(calls):
+        y, grads = run_experts(experts, inputs, torch.bfloat16, state)
+        for name, a, r in zip(names, [y, *grads], [ref_y, *ref_grads]):
+            errors[name] = max(errors[name], rel_norm_error(a, r))
+    return {**errors, "seed": seed}
+
+
+def worst_error(errors: dict) -> float:
+    """The largest error of a ``compare_experts`` result."""
+    return max(v for k, v in errors.items() if k != "seed")

@@ -53,7 +53,8 @@ def test_every_slot_class_imports(cfg):
     lowering = lower(cfg)
     nam = [s for s in lowering.slots if s.provider == "nam"]
     assert {s.module for s in nam} == {"nam56r.blocks.mamba3.Mamba3Mixer", "nam56r.blocks.dsa.DSA",
-                                       "nam56r.blocks.mla.MLA", "nam56r.blocks.ngram_hash.NgramHashEmbedding"}
+                                       "nam56r.blocks.mla.MLA", "nam56r.blocks.ngram_hash.NgramHashEmbedding",
+                                       "nam56r.backends.MoEExperts"}  # the experts module in Megatron's MoELayer
     for slot in lowering.slots:
         if slot.nam_block:
             assert isinstance(_import(slot.nam_block), type), slot.nam_block
@@ -122,9 +123,10 @@ def test_a_schedule_s_stages_drive_the_lowering(cfg):
         lower(cfg, pp=4, schedule=Reversed())
 
 
-def test_a_moe_backend_has_no_megatron_slot(cfg):
-    with pytest.raises(ConfigError, match=r"no moe backend slot; found moe_backend='fp8'"):
-        lower(cfg.replace(moe_backend="fp8"))
+def test_the_moe_backend_fills_the_experts_slot_inside_megatrons_moe_layer(cfg):
+    slot = next(s for s in lower(cfg.replace(moe_backend="grouped")).slots if s.path.endswith(".experts"))
+    assert slot.path == "moe_layer.submodules.mlp.submodules.experts" and slot.provider == "nam"
+    assert slot.backends == {"moe": "grouped"} and slot.adapter == "nam56r.megatron.moe.ExpertsSlot"
 
 
 def test_cuda_graphs_note_at_pp1(cfg):

@@ -64,11 +64,10 @@ def test_weight_map_keeps_every_value_once(tiny, tiny_state):
     out = weights.nam_state_to_megatron(tiny_state, _kinds(lowering))
     assert sum(v.numel() for v in out.values()) == sum(v.numel() for v in tiny_state.values())
     moe = [l["index"] for l in lowering.layers if l["nam"] == "E"]
-    # 16 experts split into fc1/fc2 keys: 2 * 16 - 2 keys more per MoE layer than nam's stacked tensors.
-    assert len(out) == len(tiny_state) + len(moe) * (2 * tiny.num_experts - 2)
+    # Experts stay stacked (nam56r.megatron.moe.ExpertsSlot): one key per nam tensor.
+    assert len(out) == len(tiny_state) and moe
     i = moe[0]
-    assert torch.equal(out[f"decoder.layers.{i}.mlp.experts.local_experts.3.linear_fc1.weight"],
-                       tiny_state[f"layers.{i}.mixer.w_gate_up"][3])
+    assert torch.equal(out[f"decoder.layers.{i}.mlp.experts.w_gate_up"], tiny_state[f"layers.{i}.mixer.w_gate_up"])
     assert torch.equal(out[f"decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight"],
                        tiny_state[f"layers.{i}.mixer.shared.w_down.weight"])
     assert torch.equal(out["output_layer.weight"], tiny_state["head"])
@@ -96,11 +95,13 @@ def test_weight_map_splits_experts_over_ep_ranks(tiny, tiny_state):
     for rank in range(4):
         out = weights.nam_state_to_megatron(tiny_state, kinds, ep_rank=rank, ep_size=4)
         local = {k: v for k, v in out.items() if k.startswith(f"decoder.layers.{i}.mlp.experts.")}
-        assert len(local) == 2 * tiny.num_experts // 4
-        for j in range(tiny.num_experts // 4):
-            w = local[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight"]
-            assert torch.equal(w, tiny_state[f"layers.{i}.mixer.w_down"][rank * 4 + j])
-            seen.append(rank * 4 + j)
+        assert sorted(local) == [f"decoder.layers.{i}.mlp.experts.{w}" for w in ("w_down", "w_gate_up")]
+        per_rank = tiny.num_experts // 4
+        w = local[f"decoder.layers.{i}.mlp.experts.w_down"]
+        assert w.shape[0] == per_rank
+        for j in range(per_rank):
+            assert torch.equal(w[j], tiny_state[f"layers.{i}.mixer.w_down"][rank * per_rank + j])
+            seen.append(rank * per_rank + j)
     assert sorted(seen) == list(range(tiny.num_experts))
 
 
@@ -117,8 +118,7 @@ def test_weight_map_splits_pipeline_stages(tiny, tiny_state):
                             "decoder.layers.0.pre_mlp_layernorm.weight"], tiny_state["layers.26.norm.weight"])
     layer_keys = [k for k in tiny_state if k.startswith("layers.")]
     mapped = [k for k in first if k.startswith("decoder.")] + [k for k in last if k.startswith("decoder.")]
-    moe_layers = kinds.count("moe")
-    assert len(mapped) == len(layer_keys) + moe_layers * (2 * tiny.num_experts - 2)
+    assert len(mapped) == len(layer_keys)
 
 
 def test_weight_map_refuses_unknown_keys(tiny, tiny_state):
@@ -184,7 +184,14 @@ def test_config_and_spec_build_from_the_lowering(cfg):
     assert sub.mamba_layer.submodules.mixer.module is slots.MambaSlot
     assert sub.dsa_layer.submodules.self_attention.params["sparse"] is True
     assert sub.mla_layer.submodules.self_attention.params["sparse"] is False
-    assert sub.moe_layer.submodules.mlp.func.__name__ == "MoELayer"
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from nam56r.megatron import moe
+
+    mlp = sub.moe_layer.submodules.mlp
+    assert mlp.func is moe.NamMoELayer and issubclass(mlp.func, MoELayer)
+    assert mlp.keywords["submodules"].experts.func is moe.ExpertsSlot  # SequentialMLP's place
+    assert mlp.keywords["submodules"].shared_experts is not None
 
 
 

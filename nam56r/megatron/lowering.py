@@ -161,11 +161,6 @@ def _check_parallel(cfg: NAM56RConfig, *, tp: int, pp: int, ep: int, chunks: int
     # Local experts = num_moe_experts / EP (§5).
     _divides("num_experts", cfg.num_experts, ep, "ep",
              f"choose --ep among the divisors of num_experts={cfg.num_experts}")
-    # `E` is Megatron-Core's MoELayer with its own expert GEMMs (§5): a moe backend has no slot there.
-    if cfg.moe_backend != "reference":
-        raise ConfigError(f"the megatron engine runs Megatron-Core's MoELayer for `E`, which has no moe backend slot; "
-                          f"found moe_backend={cfg.moe_backend!r}",
-                          hint="--set moe_backend=reference for the megatron engine (the local engine takes fp8)")
     # pp > 1: one `|` segment per stage, segment count divisible by pp (§1.3); uneven splits are not lowered.
     # The schedule's own layout rules (e.g. expert parallelism it cannot run) are its ``check_layout``.
     stages = pp * chunks
@@ -229,6 +224,7 @@ def _mla_kwargs(cfg: NAM56RConfig) -> dict:
 ADAPTER_NOTE = ("nam blocks take (cfg, backend) and [b, s, h]; the slot passes (config, layer_number, "
                 "pg_collection, ...) and [s, b, h] (§1.4): the adapter translates")
 SLOTS = "nam56r.megatron.slots"
+MOE = "nam56r.megatron.moe"
 MODEL = "nam56r.megatron.model"
 
 
@@ -258,7 +254,7 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
         Slot("E", "moe_layer", "megatron.core.transformer.transformer_layer.MoETransformerLayer", "megatron",
              notes=("pre_mlp_layernorm RMSNorm, mlp = MoELayer, mlp_bda (§1.2, 0.19 hybrid_stack_spec)",)),
         Slot("E", "moe_layer.submodules.mlp", "megatron.core.transformer.moe.moe_layer.MoELayer", "megatron",
-             nam_block="nam56r.blocks.moe.MoE",
+             nam_block="nam56r.blocks.moe.MoE", adapter=f"{MOE}.NamMoELayer",
              kwargs={"num_moe_experts": cfg.num_experts, "moe_router_topk": cfg.moe_topk,
                      "moe_ffn_hidden_size": cfg.moe_ffn_hidden,
                      "moe_shared_expert_intermediate_size": cfg.moe_shared_ffn_hidden,
@@ -267,8 +263,13 @@ def _slots(cfg: NAM56RConfig, dispatcher: str) -> tuple[Slot, ...]:
              notes=("softmax over the top-k logits = nam's renormalised top-k gates; aux_loss is the Switch loss "
                     "nam56r.blocks.moe.MoE computes",
                     f"dispatcher {dispatcher!r} (train.moe_dispatcher; 'flex' runs on DeepEP's kernels, §5)",
-                    "experts: SequentialMLP, one GEMM pair per local expert (Megatron's local spec; TEGroupedMLP "
-                    "needs Transformer Engine, absent on our GPU hosts)")),
+                    "NamMoELayer: Megatron's MoELayer; at EP = TP = 1 its dispatcher keeps the per-expert counts "
+                    "on the device (nam56r/megatron/moe.py)")),
+        Slot("E", "moe_layer.submodules.mlp.submodules.experts", "nam56r.backends.MoEExperts", "nam",
+             nam_block="nam56r.blocks.moe.MoE", adapter=f"{MOE}.ExpertsSlot", backends=_backends(cfg, "moe"),
+             kwargs={"num_moe_experts": cfg.num_experts, "moe_ffn_hidden_size": cfg.moe_ffn_hidden},
+             notes=("this rank's experts stacked [E_local, 2f, d] / [E_local, d, f], run by the moe backend on the "
+                    "dispatched rows (MoEExperts.sorted) instead of SequentialMLP's loop over experts",)),
         Slot("D", "dsa_layer", "megatron.core.transformer.transformer_layer.TransformerLayer", "megatron",
              notes=("input_layernorm RMSNorm, self_attention, self_attn_bda",)),
         Slot("D", "dsa_layer.submodules.self_attention", "nam56r.blocks.dsa.DSA", "nam",

@@ -26,6 +26,9 @@ LAYERS = {  # HybridStackSubmodules field -> (its submodules class, fields nam d
 """Where Megatron's layers keep their submodules (0.19 ``hybrid_stack_spec``, §1.4)."""
 MODEL_SLOTS = ("embedding", "final_norm", "output_layer")
 """Slots around the stack: ``NamHybridModel`` builds them (``nam56r.megatron.model``)."""
+MOE_SLOT = "moe_layer.submodules.mlp"
+EXPERTS_SLOT = "moe_layer.submodules.mlp.submodules.experts"
+"""Megatron's MoELayer and, inside it, nam's experts module (built by ``_moe``)."""
 NORM_SLOT = "mamba_layer.submodules.norm"
 """The norm the stack's layers use (the lowering's RMSNorm, Megatron's WrappedTorchNorm)."""
 
@@ -69,7 +72,7 @@ def hybrid_stack_spec(lowering: Lowering, slots: Slots):
 
     by_path = {s.path: s for s in lowering.slots}
     layers = [p for p in by_path if "." not in p and p not in MODEL_SLOTS]
-    children = [p for p in by_path if "." in p]
+    children = [p for p in by_path if p.count(".") == 2]  # <layer>.submodules.<field>; deeper ones: their parent's
     unknown = [p for p in layers if p not in LAYERS] + [p for p in children if p.split(".")[0] not in LAYERS]
     if unknown or NORM_SLOT not in by_path:
         raise ConfigError(f"the lowering's slots {unknown or [NORM_SLOT + ' (missing)']} have no place in "
@@ -79,8 +82,8 @@ def hybrid_stack_spec(lowering: Lowering, slots: Slots):
 
     def child(path: str):
         slot = by_path[path]
-        if path == "moe_layer.submodules.mlp":
-            return _moe(slot, lowering)
+        if path == MOE_SLOT:
+            return _moe(slot, by_path[EXPERTS_SLOT], slots, lowering)
         params = {"nam": slots, **slot.adapter_params} if slot.provider == "nam" else {}
         return ModuleSpec(module=slot_class(slot), params=params)
 
@@ -116,13 +119,20 @@ def _fixed(norm, lowering: Lowering) -> dict:
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))}
 
 
-def _moe(slot: Slot, lowering: Lowering):
-    """Megatron's local MoE spec (router, SequentialMLP experts, shared experts), which builds the slot's class."""
+def _moe(slot: Slot, experts: Slot, slots: Slots, lowering: Lowering):
+    """Megatron's local MoE spec (router, shared expert) with the slot's MoE layer class and nam's experts
+    module in place of ``SequentialMLP`` (``nam56r.megatron.moe``). Megatron's spec is a ``functools.partial``
+    of the layer class; the layer calls its ``experts`` entry as ``(num_local_experts, config, ...)``."""
+    import dataclasses
+    from functools import partial
+
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     moe = get_moe_module_spec(use_te=False, num_experts=lowering.config_args["num_moe_experts"],
                               moe_grouped_gemm=False)
-    if moe.func is not slot_class(slot):
-        raise ConfigError(f"Megatron's local MoE spec builds {moe.func.__name__}, the lowering names {slot.module}",
-                          hint="check megatron-core's get_moe_module_spec")
-    return moe
+    layer = slot_class(slot)
+    if not isinstance(moe, partial) or not issubclass(layer, moe.func):
+        raise ConfigError(f"Megatron's local MoE spec is {moe!r}; the lowering's {slot.adapter} must subclass the "
+                          "layer class it builds", hint="check megatron-core's get_moe_module_spec")
+    submodules = dataclasses.replace(moe.keywords["submodules"], experts=partial(slot_class(experts), nam=slots))
+    return partial(layer, submodules=submodules)

@@ -79,11 +79,9 @@ def _layer_weights(kind: str, prefix: str, name: str, value: torch.Tensor, ep_ra
         return {f"{prefix}mixer.block.{sub}": value}
     if kind in ("mla", "dsa"):
         return {f"{prefix}self_attention.block.{sub}": value}
-    if sub in ("w_gate_up", "w_down"):  # [E, 2f, d] / [E, d, f] -> this rank's SequentialMLP experts
+    if sub in ("w_gate_up", "w_down"):  # [E, 2f, d] / [E, d, f] -> this rank's experts, stacked (ExpertsSlot)
         local = value.shape[0] // ep_size
-        fc = "linear_fc1" if sub == "w_gate_up" else "linear_fc2"
-        return {f"{prefix}mlp.experts.local_experts.{j}.{fc}.weight": value[ep_rank * local + j]
-                for j in range(local)}
+        return {f"{prefix}mlp.experts.{sub}": value[ep_rank * local:(ep_rank + 1) * local]}
     shared = {"shared.w_gate_up.weight": "shared_experts.linear_fc1.weight",
               "shared.w_down.weight": "shared_experts.linear_fc2.weight", "router.weight": "router.weight"}
     if sub not in shared:

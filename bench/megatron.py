@@ -39,7 +39,10 @@ one GPU as the baseline row: tokens/s per GPU, model TFLOP/s per GPU by nam56r/f
 record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step
 time is the median after ``--warmup`` steps of the engines' own ``step_time_s`` (the slowest rank's, for
 megatron). ``--profile DIR`` adds one profiled step per run, outside the medians, and writes rank 0's
-operator table to ``DIR/<engine>-<N>gpu.txt``. ``--engines local`` runs the baseline row alone. Each row is
+operator table to ``DIR/<engine>-<N>gpu[-overlap-<name>].txt``. ``--overlap none,grad,param,grad+param,shared,all``
+runs one megatron row per GPU count and entry, with the engine's communication overlaps that entry names on
+(``OVERLAPS``: train.overlap_grad_reduce, overlap_param_gather, moe_shared_expert_overlap); the default is
+``none``, the engine's defaults. ``--engines local`` runs the baseline row alone. Each row is
 printed, and the JSON rewritten (``complete`` false until the last), as its run ends, so a run cut short by a
 time limit keeps the rows it finished.
 """
@@ -91,6 +94,11 @@ is GPU run-to-run variation, not a mis-scaled gradient: ``grads`` at EP 2 on 2 H
 step-1 gradient within 6.6e-6 of the local model's, and two identical 1F1B runs at pp 2 (``pipeline``) gave
 step-1 grad norms 6.4e-5 and 2.8e-7 away from DualPipeV's, while the floor run's sat 6.2e-5 away. The
 gradient norm is therefore allowed ``max(STEP1_RTOL, FLOOR_FACTOR x its step-1 floor)``; the loss STEP1_RTOL."""
+OVERLAPS = {"none": {}, "grad": {"overlap_grad_reduce": True}, "param": {"overlap_param_gather": True},
+            "grad+param": {"overlap_grad_reduce": True, "overlap_param_gather": True},
+            "shared": {"moe_shared_expert_overlap": True},
+            "all": {"overlap_grad_reduce": True, "overlap_param_gather": True, "moe_shared_expert_overlap": True}}
+"""``throughput --overlap``: the megatron engine's communication overlaps (TrainConfig fields) each row turns on."""
 PUBLISHED_FLOP_PER_TOKEN = 31.2e9
 """NAM56R's record: 289 TFLOP/s per GPU at ~9,250 tokens/s per GPU (issue 8)."""
 KEYS = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
@@ -127,9 +135,26 @@ def ssm_scan(name: str):
     raise ValueError(f"ssm backend {name!r}: expected one of {', '.join(SSM_BACKENDS)}")
 
 
-def backends_for(name: str, ssm: str = "mamba-ssm"):
+MOE_BACKENDS = {"grouped": "grouped-moe", "reference": "reference"}
+"""``throughput --moe``: the routed experts (kind ``moe``) by backend name -> the plugin providing it."""
+
+
+def experts(name: str):
+    if name == "grouped":
+        from nam_plugin_grouped_moe.experts import GroupedExperts
+
+        return GroupedExperts()
+    if name == "reference":
+        from nam56r.reference.moe import ReferenceExperts
+
+        return ReferenceExperts()
+    raise ValueError(f"moe backend {name!r}: expected one of {', '.join(MOE_BACKENDS)}")
+
+
+def backends_for(name: str, ssm: str = "mamba-ssm", moe: str = "grouped"):
     """``reference``: every kind's reference; ``fast``: the scan ``ssm``, sparse-mla's attention core and
-    indexer kernels, liger's CE head (the nam56r recipe's choices), the reference for the rest."""
+    indexer kernels, liger's CE head, the routed experts ``moe`` (the nam56r recipe's choices), the reference
+    for the rest."""
     from nam56r.model import Backends
 
     if name == "reference":
@@ -138,7 +163,7 @@ def backends_for(name: str, ssm: str = "mamba-ssm"):
     from nam_plugin_sparse_mla.attention import SparseMLA, SparseMLAIndexerKernels
 
     return dataclasses.replace(Backends.reference(), ssm=ssm_scan(ssm), attention=SparseMLA(),
-                               indexer_kernels=SparseMLAIndexerKernels(), ce=LigerCEHead())
+                               indexer_kernels=SparseMLAIndexerKernels(), ce=LigerCEHead(), moe=experts(moe))
 
 
 def run_spec(spec: dict, train):
@@ -156,9 +181,9 @@ def run_spec(spec: dict, train):
                   and getattr(train, f.name) != getattr(base, f.name)]
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
     if spec["backends"] == "fast":
-        ssm = spec.get("ssm", "mamba-ssm")
-        overrides += [f"ssm_backend={ssm}", *(f"{k}={v}" for k, v in FAST.items())]
-        plugins += [ssm, *dict.fromkeys(FAST.values())]
+        ssm, moe = spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped")
+        overrides += [f"ssm_backend={ssm}", f"moe_backend={moe}", *(f"{k}={v}" for k, v in FAST.items())]
+        plugins += [ssm, MOE_BACKENDS[moe], *dict.fromkeys(FAST.values())]
     return spec_for(spec["recipe"], *overrides, plugins=plugins, device=train.device, engine=train.engine,
                     tp=train.tp, pp=train.pp, ep=train.ep)
 
@@ -177,6 +202,9 @@ def packed_rows(seq_len: int, seed: int):
 
 class NoHooks:
     """A host with no active plugin hooks (the backends are built directly, as bench/period.py does)."""
+
+    def transform_model(self, model, spec):
+        return []
 
     def before_step(self, step, run):
         pass
@@ -215,7 +243,73 @@ class ProfileStep(NoHooks):
         self.prof = None
 
 
+class SyncCheck(NoHooks):
+    """Counts the host syncs inside the MoE layers during one training step (0-based ``step``), forward and
+    backward: ``torch.cuda.set_sync_debug_mode("warn")`` is on while a MoE layer runs forward (its forward
+    pre-hook to its forward hook) and while it runs backward (from the gradient of its output to the gradient
+    of its input, tensor hooks), and every warning it raises is recorded. Rank 0 writes
+    ``{"syncs": N, "first": [...]}`` to ``out``. ``stock_dispatcher`` keeps Megatron's own dispatcher at EP = 1
+    (the control: it reads the per-expert counts on the host, so the check must find syncs there)."""
+
+    def __init__(self, step: int, out: Path):
+        self.step, self.out, self.armed, self.caught, self.log = step, out, False, None, []
+
+    def transform_model(self, model, spec):
+        import torch
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        def on(*_):
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def off(*_):
+            torch.cuda.set_sync_debug_mode("default")
+
+        def enter(module, args):
+            if self.armed:
+                on()
+
+        def leave(module, args, output):
+            off()
+            out = output[0] if isinstance(output, tuple) else output
+            if self.armed and out.requires_grad and args[0].requires_grad:
+                out.register_hook(on)
+                args[0].register_hook(off)
+
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        for m in layers:
+            m.register_forward_pre_hook(enter)
+            m.register_forward_hook(leave)
+        return [f"sync check: {len(layers)} MoE layers hooked"]
+
+    def before_step(self, step, run):
+        import warnings
+
+        if step == self.step:
+            self.armed, self.caught = True, warnings.catch_warnings(record=True)
+            self.log = self.caught.__enter__()
+            warnings.simplefilter("always")
+
+    def after_step(self, step, run, metrics):
+        import torch
+
+        if step != self.step:
+            return
+        self.armed = False
+        self.caught.__exit__(None, None, None)
+        syncs = [str(w.message) for w in self.log if "synchroniz" in str(w.message)]
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            self.out.write_text(json.dumps({"syncs": len(syncs), "first": syncs[:3]}) + "\n")
+
+
 def hooks_for(spec: dict):
+    if spec.get("sync_check_out"):
+        if spec.get("stock_dispatcher"):
+            from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+            from nam56r.megatron import moe
+
+            moe.LocalDispatcher = MoEAlltoAllTokenDispatcher  # the control run only
+        return SyncCheck(spec["warmup_steps"], Path(spec["sync_check_out"]))
     if spec.get("profile_step") is None:
         return NoHooks()
     return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
@@ -230,7 +324,7 @@ def run_worker(spec: dict) -> None:
 
     cfg = model_config(spec)
     train = TrainConfig(**spec["train"])
-    backends = backends_for(spec["backends"], spec.get("ssm", "mamba-ssm"))
+    backends = backends_for(spec["backends"], spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped"))
     packed = packed_rows(cfg.seq_len, train.seed)
     run_dir = Path(spec["run_dir"])
     init = Path(spec["init"]) if spec.get("init") else None
@@ -612,17 +706,19 @@ def throughput(args) -> int:
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
                                                     warmup_steps=1, checkpoint_every=steps + 1, schedule="single"))
     rows = []
-    runs = ([("local", 1)] if "local" in args.engines else []) + \
-        ([("megatron", n) for n in args.gpus] if "megatron" in args.engines else [])
+    runs = ([("local", 1, "none")] if "local" in args.engines else []) + \
+        ([("megatron", n, o) for n in args.gpus for o in args.overlap] if "megatron" in args.engines else [])
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
-    print("| engine | GPUs | topology | MBS | tokens/s per GPU | TFLOP/s per GPU | TFLOP/s per GPU at 31.2 GF/token "
-          "| peak GiB | vs local |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    for engine, n in runs:
-        name = f"{engine}-{n}gpu"
-        spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "engine": engine,
-                "run_dir": str(work / name), "steps": steps, "ep": n, "train": train, "checkpoints": False}
+    print("| engine | GPUs | topology | overlap | MBS | tokens/s per GPU | TFLOP/s per GPU "
+          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs local |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for engine, n, overlap in runs:
+        name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "")
+        spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
+                "engine": engine,
+                "run_dir": str(work / name), "steps": steps, "ep": n, "train": {**train, **OVERLAPS[overlap]},
+                "checkpoints": False}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
             spec.update(profile_step=steps - 1, profile_out=str(args.profile / f"{name}.txt"))
@@ -630,14 +726,15 @@ def throughput(args) -> int:
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
         rows.append({"engine": engine, "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
-                     "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
+                     "overlap": overlap, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics)})
         shutil.rmtree(work / name, ignore_errors=True)  # the local engine saves at its end; nothing to keep
         r = rows[-1]
         vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x" if runs[0][0] == "local" else "-"
-        print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['mbs']} | {r['tokens_per_s_per_gpu']:,.0f} "
+        print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['mbs']} "
+              f"| {r['tokens_per_s_per_gpu']:,.0f} "
               f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} |",
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
@@ -648,6 +745,37 @@ def throughput(args) -> int:
         print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def syncs(args) -> int:
+    """The megatron engine at EP = 1 on one GPU, full-width NAM56R layers with the fast backends: host syncs
+    inside the MoE layers during one step (after ``--warmup`` steps; micro-batch 2, the shape whose MIMO
+    kernels the GPU host's cache holds), with nam's dispatcher and, as the control, with Megatron's own."""
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe("nam56r")
+    model = {"num_layers": args.layers}
+    packed_rows(recipe.model.seq_len, recipe.train.seed)
+    work = Path(tempfile.mkdtemp(prefix="nam-megatron-syncs-", dir=args.work))
+    steps = args.warmup + 1
+    train = dataclasses.asdict(recipe.train.replace(micro_batch_size=2, grad_accum=1, total_steps=steps,
+                                                    warmup_steps=1, checkpoint_every=steps + 1, schedule="single"))
+    rows = []
+    for name, stock in (("nam dispatcher (LocalDispatcher)", False), ("Megatron's dispatcher (control)", True)):
+        out = work / f"syncs-{int(stock)}.json"
+        spec = {"recipe": recipe.name, "model": model, "backends": "fast", "moe": args.moe, "engine": "megatron",
+                "run_dir": str(work / f"run-{int(stock)}"), "steps": steps, "ep": 1, "train": train,
+                "checkpoints": False, "sync_check_out": str(out), "stock_dispatcher": stock,
+                "warmup_steps": args.warmup}
+        launch(spec, work, 1)
+        found = json.loads(out.read_text())
+        rows.append({"dispatcher": name, "moe": args.moe, "layers": args.layers, **found})
+        print(f"| {name} | moe {args.moe} | {args.layers} layers | host syncs in MoE layers, one step: "
+              f"{found['syncs']} | {found['first'][:1]}", flush=True)
+    if args.json:
+        write_json(args.json, {"meta": meta(layers=args.layers, moe=args.moe), "rows": rows})
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if rows[0]["syncs"] == 0 and rows[1]["syncs"] > 0 else 1
 
 
 # --- shared -----------------------------------------------------------------------------------------------
@@ -703,11 +831,20 @@ def main() -> int:
     t.add_argument("--ssm", choices=SSM_BACKENDS, default="mamba-ssm",
                    help="the Mamba-3 scan of the fast backends (mimo-scan: nam's Triton MIMO kernels)")
     t.add_argument("--mbs", type=int, default=1)
+    t.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
+                   help=f"comma-separated, one megatron row each per GPU count: {', '.join(OVERLAPS)} (train."
+                        "overlap_grad_reduce, overlap_param_gather, moe_shared_expert_overlap; default none)")
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
                    help="folder: profile one extra step per engine run (torch.profiler, operators by device time)")
-    for p in (c, pl, g, t):
+    sy = sub.add_parser("syncs", help="full-width layers, megatron engine, EP 1: host syncs in the MoE layers")
+    sy.add_argument("--layers", type=int, default=52, help="the first N layers of the pattern (52, or fewer with "
+                    "mla_attention_ranks inside them)")
+    sy.add_argument("--warmup", type=int, default=1)
+    for p in (t, sy):
+        p.add_argument("--moe", choices=list(MOE_BACKENDS), default="grouped", help="the routed experts' backend")
+    for p in (c, pl, g, t, sy):
         p.add_argument("--json", type=Path, default=None)
         p.add_argument("--work", type=Path, default=None, help="where run folders go (default: the temp dir)")
     w = sub.add_parser("_worker", help=argparse.SUPPRESS)
@@ -716,12 +853,15 @@ def main() -> int:
     if args.command == "_worker":
         run_worker(json.loads(args.spec.read_text()))
         return 0
+    if set(getattr(args, "overlap", [])) - set(OVERLAPS):
+        ap.error(f"--overlap: among {', '.join(OVERLAPS)}, found {','.join(args.overlap)}")
     if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
         ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
     if args.command in ("check", "pipeline") and args.steps % 2:
         ap.error("--steps must be even")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every engine run, same allocator
-    return {"check": check, "pipeline": pipeline, "grads": grads, "throughput": throughput}[args.command](args)
+    return {"check": check, "pipeline": pipeline, "grads": grads, "throughput": throughput,
+            "syncs": syncs}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def backends() -> dict:
     return rows
 
 
-def measure(experts, inp: dict, *, warmup: int, iters: int) -> dict:
+def measure(experts, inp: dict, *, warmup: int, iters: int, profile: str | None = None,
+            profile_title: str = "") -> dict:
     from nam56r.reference.moe import ReferenceExperts
     from nam_core.testing import rel_norm_error
 
@@ -79,6 +80,12 @@ def measure(experts, inp: dict, *, warmup: int, iters: int) -> dict:
             t.grad = None
 
     ms, peak = time_and_peak(step, clear, warmup=warmup, iters=iters)
+    if profile is not None:  # one more step, outside the median: where the time goes, by kernel
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        with open(profile, "a") as f:
+            f.write(f"\n{profile_title}\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     with torch.no_grad():
         y = experts(*(inp[n] for n in ("x", "chosen", "gates", "w_gate_up", "w_down")), state)
         ref = ReferenceExperts()(inp["x"].float(), inp["chosen"], inp["gates"].float(), inp["w_gate_up"].float(),
@@ -97,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--profile", default=None, help="file: append each row's kernel table (one extra step)")
     args = ap.parse_args(argv)
 
     paths = backends()
@@ -106,7 +114,8 @@ def main(argv=None) -> int:
         row = {"tokens": t}
         for name, experts in paths.items():
             row[name] = {"skipped": experts} if isinstance(experts, str) else measure(
-                experts, inp, warmup=args.warmup, iters=args.iters)
+                experts, inp, warmup=args.warmup, iters=args.iters, profile=args.profile,
+                profile_title=f"{name}, {t} tokens")
         results.append(row)
         del inp
         torch.cuda.empty_cache()

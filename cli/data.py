@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,7 +20,8 @@ app = typer.Typer(
 
 @app.command("prepare")
 def prepare_command(
-    src: Annotated[Path, typer.Argument(help="A folder of text/code files, a .jsonl file, or .parquet token shards.")],
+    src: Annotated[Path, typer.Argument(help="A folder of text/code files, a .jsonl file, or .parquet files (a "
+                                        "'text' column, or token ids in 'tokens'/'input_ids'; needs pyarrow).")],
     out_dir: Annotated[Path, typer.Option("--out", help="The dataset folder to write (created atomically).")],
     tokenizer: Annotated[
         str, typer.Option("--tokenizer", help="'byte' (built in) or the path of a Hugging Face tokenizer.json.")
@@ -46,7 +48,8 @@ def prepare_command(
         from nam56r.blocks.structure import char_structure_ids
 
         annotate = char_structure_ids
-    summary = prepare(src, out_dir, tok, annotate=annotate, overwrite=overwrite, progress=not json_out)
+    with _sigterm_as_exit():
+        summary = prepare(src, out_dir, tok, annotate=annotate, overwrite=overwrite, progress=not json_out)
     if json_out:
         print_json(summary.to_dict())
         return
@@ -57,6 +60,28 @@ def prepare_command(
     out.print(f"  tokens     {summary.tokens:,} (tokenizer {tok.name}, vocab {tok.vocab_size}, "
               f"max id {summary.max_token_id})")
     out.print(f"  structure  {'yes' if summary.structure else 'no'} ({summary.structure_note})")
+    out.print(f"  checksums  sha256 of every file in dataset.json (`nam data inspect {summary.out} --verify`)")
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM (``kill``, a scheduler's stop) as an exit of 143 through Python while preparing, so the
+    half-written ``<out>.tmp-<pid>`` is removed on the way out, as on Ctrl-C; SIGKILL leaves it to the next
+    prepare. The previous handler comes back afterwards."""
+    import signal
+    import threading
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _sample(dataset, count: int) -> dict:
@@ -78,12 +103,14 @@ def _sample(dataset, count: int) -> dict:
 def inspect_command(
     path: Annotated[Path, typer.Argument(help="A dataset folder written by `nam data prepare`.")],
     sample: Annotated[int, typer.Option("--sample", help="Decode this many tokens of the first document.")] = 64,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every .bin against its sha256 in dataset.json, "
+                      "even when it is unchanged since its last check (which training trusts).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Check a prepared dataset against its manifest and show its size, vocabulary and a decoded sample."""
     from nam_core.data.dataset import open_dataset
 
-    dataset = open_dataset(path)
+    dataset = open_dataset(path, verify_all=verify, progress=True if verify else None)
     m = dataset.manifest
     info = {
         "path": str(dataset.path),
@@ -95,6 +122,8 @@ def inspect_command(
         "structure": m["structure"],
         "source": m.get("source"),
         "files_skipped": m.get("files_skipped"),
+        "checksums": {name: {"sha256": c["sha256"], "ok": True, "hashed": c["hashed"], "seconds": c["seconds"]}
+                      for name, c in dataset.integrity.items()},
         "sample": _sample(dataset, sample),
     }
     if json_out:
@@ -108,9 +137,30 @@ def inspect_command(
               f"max id {info['max_token_id']}")
     present = m["structure"].get("present")
     out.print(f"structure  {'yes' if present else 'no'} ({m['structure'].get('note', '')})")
+    for name, c in info["checksums"].items():
+        how = (f"hashed in {c['seconds']:.1f} s" if c["hashed"]
+               else "unchanged since it was last hashed; --verify re-hashes it")
+        out.print(f"checksum   {name} ok: sha256 {c['sha256'][:16]}... ({how})")
     s = info["sample"]
     out.print(f"sample     first {len(s['ids'])} tokens of document 0:")
     if s["text"] is not None:
         out.print(s["text"], markup=False, highlight=False)
     else:
         out.print(f"{s['ids']}\n({s['note']})", markup=False, highlight=False)
+
+
+@app.command("checksum")
+def checksum_command(
+    path: Annotated[Path, typer.Argument(help="A dataset folder prepared by an older nam (no .bin checksums).")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Record the sha256 of each .bin in an older dataset.json, trusting the files as they are now."""
+    from nam_core.data.dataset import add_checksums
+
+    added = add_checksums(path)
+    if json_out:
+        print_json({"path": str(path), "sha256": added})
+        return
+    for name, digest in added.items():
+        out.print(f"recorded   {name}: sha256 {digest[:16]}...")
+    out.print(f"{path} opens with its checksums now; `nam data inspect {path} --verify` re-checks them")

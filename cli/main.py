@@ -11,7 +11,7 @@ import typer
 from nam_cli import data, patches, plugins, preflight, recipe, train
 from nam_cli.console import err
 from nam_core import __version__
-from nam_core.errors import NamError
+from nam_core.errors import Interrupted, NamError
 
 app = typer.Typer(
     name="nam",
@@ -44,7 +44,8 @@ def _root(
 
 
 def report(error: NamError) -> None:
-    err.print(f"[bold red]error:[/bold red] {error.message}", markup=True, highlight=False)
+    label = "stopped" if isinstance(error, Interrupted) else "error"  # a stop asked for is not a failure
+    err.print(f"[bold red]{label}:[/bold red] {error.message}", markup=True, highlight=False)
     if error.hint:
         err.print(f"[bold]hint:[/bold] {error.hint}", highlight=False)
     err.print("set NAM_DEBUG=1 for the full traceback", style="dim")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from nam_cli.console import out, print_json
 from nam_cli.options import JsonOpt, PluginsOpt
@@ -69,11 +68,12 @@ def _print(rows, verify: bool) -> None:
     if not rows:
         out.print("no patches registered by the selected plugins")
         return
-    table = Table(title="patch lane")
-    cols = ["patch", "plugin", "target", "state", "detail", "retire when"] + (["verify"] if verify else [])
-    for col in cols:
-        table.add_column(col)
+    # One block per patch, not a table: its name and its retire condition are long, and a table of six columns
+    # at 80 columns would fold them; these lines are never wrapped (the terminal wraps them, whole).
+    out.print("patch lane")
     for r in rows:
-        cells = [r["name"], r["plugin"], f"{r['target']} {r['versions']}", r["state"], r["detail"], r["retire_when"]]
-        table.add_row(*cells, *([r["verify"]] if verify else []))
-    out.print(table)
+        out.print(f"{r['name']}  ({r['plugin']}; {r['target']} {r['versions']}): {r['state']}", markup=False)
+        out.print(f"  {r['detail']}", markup=False)
+        out.print(f"  retire when: {r['retire_when']}", markup=False)
+        if verify:
+            out.print(f"  verify: {r['verify']}", markup=False)

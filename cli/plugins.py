@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from rich.table import Table
 import typer
 
-from nam_cli.console import STATUS_STYLE, out, print_json
+from nam_cli.console import STATUS_STYLE, out, print_json, table
 from nam_cli.options import DeviceProfileOpt, JsonOpt, resolve_device
 from nam_core.host import PluginHost
 
@@ -41,13 +40,12 @@ def list_plugins(json_out: JsonOpt = False, device_profile: DeviceProfileOpt = N
     if not rows:
         out.print("no nam plugins installed; `pip install ./plugins/nam-plugin-<name>` adds one")
         return
-    table = Table(title=f"nam plugins (checked against {device.label})", show_lines=True)
-    for col in ("plugin", "distribution", "provides", "requires", "here"):
-        table.add_column(col)
+    t = table("plugin", "distribution", "provides", "requires", "here",
+              title=f"nam plugins (checked against {device.label})", show_lines=True, names=("plugin", "distribution", "here"))
     for row in rows:
         provides = "\n".join(f"{k}: {', '.join(v)}" for k, v in row["provides"].items()) or "-"
         requires = "\n".join(f"{r['check']} {r['needed']}: {STATUS_STYLE[r['status']]} ({r['found']})"
                              for r in row["requires"]) or "-"
         here = "[green]yes[/green]" if row["meets_requirements"] else "[red]no[/red]"
-        table.add_row(row["name"], f"{row['distribution']} {row['version']}", provides, requires, here)
-    out.print(table)
+        t.add_row(row["name"], f"{row['distribution']}\n{row['version']}", provides, requires, here)
+    out.print(t)

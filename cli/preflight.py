@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
-from nam_cli.console import STATUS_STYLE, out, print_json
+from nam_cli.console import STATUS_STYLE, out, print_hints, print_json, table
 from nam_cli.options import (
     DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt, resolve_device,
 )
@@ -75,21 +74,18 @@ def preflight(
 
 
 def _print_rows(title: str, rows) -> None:
-    table = Table(title=title)
-    for col in ("check", "status", "needed", "found", "hint"):
-        table.add_column(col)
+    t = table("check", "status", "needed", "found", title=title, names=("check", "status"))
     for c in rows:
-        table.add_row(c.name, STATUS_STYLE[c.status], c.needed, c.found, c.hint or "")
-    out.print(table)
+        t.add_row(c.name, STATUS_STYLE[c.status], c.needed, c.found)
+    out.print(t)
     failed = [c for c in rows if not c.ok]
+    print_hints([(c.name, c.hint) for c in failed])
     out.print("[green]megatron engine ready[/green]" if not failed
               else f"[red]megatron engine cannot run here[/red]: {', '.join(c.name for c in failed)}")
 
 
 def _print(device, names, ev) -> None:
-    facts = Table(title="device", show_header=False)
-    facts.add_column("fact")
-    facts.add_column("value")
+    facts = table("fact", "value", title="device", show_header=False, names=("fact",))
     for key, value in device.to_dict().items():
         if value not in (None, ""):
             facts.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
@@ -97,12 +93,12 @@ def _print(device, names, ev) -> None:
     if not names:
         out.print("no plugins requested (--plugins a,b or NAM_PLUGINS)")
         return
-    table = Table(title=f"preflight: {', '.join(names)}")
-    for col in ("plugin", "check", "status", "needed", "found", "hint"):
-        table.add_column(col)
+    t = table("plugin", "check", "status", "needed", "found", title=f"preflight: {', '.join(names)}",
+              names=("plugin", "status"))
     for c in ev.checks:
-        table.add_row(c.plugin, c.name, STATUS_STYLE[c.status], c.needed, c.found, c.hint or "")
-    out.print(table)
+        t.add_row(c.plugin, c.name, STATUS_STYLE[c.status], c.needed, c.found)
+    out.print(t)
+    print_hints([(c.plugin, c.hint) for c in ev.checks if c.status != "pass"])  # skips may say how to use it
     n_fail = len(ev.failures)
     out.print("[green]ready[/green]: every check passed" if ev.ok
               else f"[red]cannot run here[/red]: {n_fail} check{'s' if n_fail != 1 else ''} failed")

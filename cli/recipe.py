@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from nam_cli.console import out, print_json
+from nam_cli.console import out, print_json, table
 
 app = typer.Typer(help="Model recipes.", no_args_is_help=True)
 
@@ -59,12 +58,10 @@ def list_recipes(json_out: JsonOpt = False) -> None:
     if json_out:
         print_json({"recipes": rows})
         return
-    table = Table(title="recipes")
-    for col in ("name", "summary", "plugins"):
-        table.add_column(col)
+    t = table("name", "summary", "plugins", title="recipes", names=("name",))
     for r in rows:
-        table.add_row(r["name"], r["summary"], ", ".join(r["plugins"]))
-    out.print(table)
+        t.add_row(r["name"], r["summary"], ", ".join(r["plugins"]))
+    out.print(t)
 
 
 def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
@@ -89,9 +86,7 @@ def _print_megatron(m: dict) -> None:
         backends = "".join(f"; {k}: {v}" for k, v in slot["backends"].items())
         out.print(f"  {slot['symbol']:5} {slot['path']} -> {slot['module']} ({slot['provider']}{backends})")
     for title, key in (("MLATransformerConfig", "config_args"), ("HybridModel", "model_args")):
-        t = Table(title=title)
-        t.add_column("argument")
-        t.add_column("value")
+        t = table("argument", "value", title=title, names=("argument",))
         for k, v in m[key].items():
             t.add_row(k, str(v))
         out.print(t)
@@ -131,16 +126,13 @@ def show(
     out.print(f"pattern {d['pattern']} -> {d['resolved_pattern']}  ({d['counts']})")
     out.print(f"parameters: {p['total']:,} total, {p['active_per_token']:,} active per token")
     out.print(f"model FLOPs per token (training, fwd+bwd): {d['flops_per_token'] / 1e9:.2f} G")
-    table = Table(title="parameters by group")
-    table.add_column("group")
-    table.add_column("parameters", justify="right")
+    t = table("group", "parameters", title="parameters by group", names=("group", "parameters"),
+              right=("parameters",))
     for k, v in p["by_kind"].items():
-        table.add_row(k, f"{v:,}")
-    out.print(table)
+        t.add_row(k, f"{v:,}")
+    out.print(t)
     for section in ("model", "train"):
-        t = Table(title=section)
-        t.add_column("field")
-        t.add_column("value")
+        t = table("field", "value", title=section, names=("field",))
         for k, v in d["config"][section].items():
             t.add_row(k, str(v))
         out.print(t)

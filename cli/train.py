@@ -12,20 +12,26 @@ rank 0 alone prepares the data and writes the run folder's files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
+import shlex
 import sys
+import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
+from nam_cli import plan
 from nam_cli.console import out, print_json
-from nam_cli.options import DeviceOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt
+from nam_cli.options import (
+    DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt,
+)
 from nam_core.cache import cache_dir
-from nam_core.errors import ConfigError
+from nam_core.engine import rundir
 
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (`nam recipe list`).")]
 MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many steps (the LR "
@@ -34,7 +40,8 @@ RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="Prepared dataset folder (`nam data prepare`); "
                     "default: the Python standard library corpus, prepared once into the cache.")]
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="'auto' (newest good checkpoint of "
-                      "--run-dir) or a checkpoint folder.")]
+                      "--run-dir; none yet: start afresh) or a checkpoint folder of this config. A resume may "
+                      f"change {', '.join(rundir.RESUMABLE)} (recorded in history.jsonl).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Overrides train.seed.")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or megatron (Megatron-Core, one "
                       "process per GPU under torchrun or --nproc).")]
@@ -64,30 +71,51 @@ def _record(recipe, plugins: list[str], host, data: Path) -> dict:
             "plugins": {n: host.installed[n].version for n in plugins}, "data": str(Path(data).resolve())}
 
 
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    keys = sorted(set(a) | set(b))
-    changed = []
-    for k in keys:
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            changed += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            changed.append(f"{prefix}{k}: {va!r} -> {vb!r}")
-    return changed
+def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
+    """``again(resume="auto", sets={"train.lr": "3e-05"})``: this very command (``ctx``) again, with
+    ``--run-dir`` and ``--resume`` set and those ``--set`` overrides replaced; the hints of a refused start, a
+    stop and the NaN guard print it, so it must be a command that works as written."""
+    params = ctx.params if ctx is not None else {}
+    base: list[str] = []
+    for param in ctx.command.params if ctx is not None else []:
+        value = params.get(param.name)
+        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out") or value in (None, False) \
+                or value == param.default:
+            continue
+        flag = max((o for o in param.opts if o.startswith("--")), key=len)
+        base += [flag] if value is True else [flag, str(value)]
+    given = list(params.get("set_") or [])
+
+    def again(*, resume: str | None = "auto", sets: dict | None = None) -> str:
+        sets = sets or {}
+        kept = [s for s in given if s.split("=", 1)[0].strip() not in sets]
+        overrides = [*kept, *(f"{k}={v}" for k, v in sets.items())]
+        return shlex.join(["nam", "train", *base, "--run-dir", str(run_dir),
+                           *(a for o in overrides for a in ("--set", o)), *(["--resume", resume] if resume else [])])
+
+    return again
 
 
-def _check_run_dir(run_dir: Path, record: dict, resume: str | None) -> None:
-    config_path = run_dir / "config.json"
-    if run_dir.exists() and any(run_dir.iterdir()) and resume is None:
-        raise ConfigError(f"run folder {run_dir} already holds a run",
-                          hint="continue it with --resume auto, or choose another --run-dir")
-    if resume is not None and config_path.exists():
-        previous = json.loads(config_path.read_text())
-        changed = _diff(previous, json.loads(json.dumps(record)))
-        if changed:
-            raise ConfigError(f"--resume: run folder {run_dir} belongs to a different config: "
-                              + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else ""),
-                              hint="resume with the same recipe and overrides, or start a new --run-dir")
+def _claim(run_dir: Path, record: dict, resume: str | None, *, held, rank0: bool, megatron: bool, again):
+    """The run folder for this run: usable, locked for the run's life (rank 0, which writes), and how the run
+    starts in it (``rundir.plan``: fresh, restart or resume; refusals before anything is written)."""
+    rundir.check_usable(run_dir)
+    folder = None
+    if rank0:
+        folder = held.enter_context(rundir.RunFolder(run_dir))
+        held.enter_context(rundir.readable_filesystem_errors(run_dir))
+    if megatron:
+        from nam_core.engine import megatron as meg
+
+        good, resolve = meg.good_checkpoints, lambda spec, root, warn: meg.resolve_resume(spec, root)
+    else:
+        from nam_core.engine import checkpoint
+
+        good, resolve = checkpoint.good_checkpoints, checkpoint.resolve_resume
+    start = rundir.plan(run_dir, record, resume, good=good, resolve=resolve, again=again)
+    if folder is not None and folder.stale:
+        start.notes.insert(0, folder.stale)
+    return start
 
 
 def _write_json_atomic(path: Path, obj) -> None:
@@ -97,34 +125,38 @@ def _write_json_atomic(path: Path, obj) -> None:
 
 
 def train(
-    recipe: RecipeOpt = "nam56r-tiny", plugins: PluginsOpt = None, max_steps: MaxStepsOpt = None,
+    ctx: typer.Context, recipe: RecipeOpt = "nam56r-tiny", plugins: PluginsOpt = None, max_steps: MaxStepsOpt = None,
     run_dir: RunDirOpt = None, data: DataOpt = None, resume: ResumeOpt = None, seed: SeedOpt = None,
     set_: SetOpt = None, device: DeviceOpt = None, engine: EngineOpt = "local", nproc: NprocOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, ep: EpOpt = None, dry_run: DryRunOpt = False, quiet: QuietOpt = False,
-    json_out: JsonOpt = False,
+    json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
     from nam56r.run import RunRequest, resolve
     from nam_core.host import PluginHost
 
+    plan.check_profile_flag(device_profile, dry_run)
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe, plugins=plugins, overrides=list(set_ or []), engine=engine,
                              device=device, seed=seed, tp=tp, pp=pp, ep=ep, nproc=nproc, max_steps=max_steps), host)
+    if device_profile is not None:  # a GPU run planned on a machine without that GPU: no engine, no CUDA
+        return plan.show(plan.on_profile(run, host, device_profile, run_dir=run_dir, data=data), json_out=json_out)
     mega = None
     if engine == "megatron":
         mega = _megatron_start(run, dry_run=dry_run)
-    if mega is None:
-        return _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run,
-                      quiet=quiet, json_out=json_out)
+    with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
+        if mega is None:
+            return _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run,
+                          quiet=quiet, json_out=json_out, held=held, ctx=ctx)
+        _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet,
+               json_out=json_out, held=held, ctx=ctx)
     from nam_core.engine.megatron import shutdown
 
-    _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet,
-           json_out=json_out)
     shutdown()  # on success only: after an error on one rank, the others may sit in a collective (torchrun
     # then stops them), and a barrier here would wait for them forever
 
 
-def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) -> None:
+def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, held, ctx=None) -> None:
     """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
     import torch
 
@@ -146,17 +178,11 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) 
         provider = _megatron_model(run, backends, host)
 
     if dry_run:
-        model = build_model(rec.model, backends, device="meta")
-        plan = {"recipe": rec.name, "engine": engine, "plugins": names, "selected_by_plugins": rec.notes,
-                "device": dev.label, "max_steps": steps,
-                "parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops,
-                "layers": "".join(l.spec.symbol for l in model.layers),
-                "backends": {k: type(b).__name__ for k, b in backends.as_mapping().items()},
-                "patches": [r.to_dict() for r in patch_reports]}
-        if provider is not None:
-            plan["megatron"] = {"world_size": mega["world_size"], **provider.parallel,
-                                "hybrid_layer_pattern": provider.lowering.hybrid_layer_pattern}
-        print_json(plan) if json_out else out.print(plan)
+        build_model(rec.model, backends, device="meta")  # the model builds with these backends; allocates nothing
+        megatron = ({"world_size": mega["world_size"], **provider.parallel,
+                     "hybrid_layer_pattern": provider.lowering.hybrid_layer_pattern} if provider is not None else None)
+        plan.show(plan.build(run, host, dev, run_dir=run_dir, data=data, backends=backends, patches=patch_reports,
+                             megatron=megatron), json_out=json_out)
         return
 
     rank0 = mega is None or mega["rank"] == 0
@@ -167,15 +193,16 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) 
         _barrier()
     run_dir = run_dir or Path("runs") / rec.name
     record = _record(rec, names, host, data_path)
-    _check_run_dir(run_dir, record, resume)
+    again = _again(run_dir, ctx)
+    start = _claim(run_dir, record, resume, held=held, rank0=rank0, megatron=mega is not None, again=again)
     if mega is not None:
         _barrier()  # every rank has looked at the run folder before rank 0 writes into it
-    resume_from = _resume_from(resume, run_dir, megatron=mega is not None)
+    resume_from = start.resume_from
 
     keys = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
-    notes = list(rec.notes)
+    notes = [*start.notes, *rec.notes]
     if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.begin(run_dir, start)
         _write_json_atomic(run_dir / "config.json", record)
         _write_json_atomic(run_dir / "plugins.json", {
             "active": {n: {"distribution": host.installed[n].distribution, "version": host.installed[n].version}
@@ -186,6 +213,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) 
             **({"megatron": {"world_size": mega["world_size"], **provider.parallel}} if mega else {}),
         })
 
+    started = time.monotonic()  # the summary's wall time: training, checkpoints included
     if mega is not None:
         from nam_core.engine import megatron as megatron_engine
 
@@ -198,24 +226,24 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out) 
         summary = megatron_engine.train(mrun)
     else:
         summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
-                               notes, quiet or json_out)
+                               notes, quiet or json_out, again=again)
     if not rank0:
         return
     from nam_core.engine.metrics import read_metrics
+    from nam_core.engine.summary import describe, summarize
 
-    metrics = read_metrics(run_dir)
-    summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names,
-                   first_loss=metrics[0]["loss"] if metrics else None,
-                   last_loss=metrics[-1]["loss"] if metrics else None)
+    summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names, **summarize(
+        read_metrics(run_dir), wall_s=time.monotonic() - started, steps_run=summary["steps"] - summary["started_at_step"],
+        tokens_per_step=summary["tokens_per_step"]))
     _write_json_atomic(run_dir / "summary.json", summary)
     if json_out:
         print_json(summary)
     elif not quiet:
-        out.print(f"done: {steps} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
-                  f"run folder {run_dir}")
+        out.print(describe(summary), markup=False, highlight=False)
 
 
-def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet) -> dict:
+def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet,
+                 again=None) -> dict:
     """``rec``: the RunSpec."""
     import torch
 
@@ -240,19 +268,7 @@ def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, recor
     return local_train(LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
                                 host=host, max_steps=steps, flops_per_token=flops, record=record,
                                 resume_from=resume_from, quiet=quiet, notes=notes, spec=rec,
-                                backends=backends.as_mapping()))
-
-
-def _resume_from(resume: str | None, run_dir: Path, *, megatron: bool) -> Path | None:
-    if resume is None:
-        return None
-    if megatron:
-        from nam_core.engine.megatron import resolve_resume
-
-        return resolve_resume(resume, run_dir / "checkpoints")
-    from nam_core.engine import checkpoint
-
-    return checkpoint.resolve_resume(resume, run_dir / "checkpoints")
+                                backends=backends.as_mapping(), again=again))
 
 
 def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:

@@ -58,15 +58,49 @@ def expert_of_rows(counts: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(experts, counts, output_size=rows)
 
 
+class _Dispatch(torch.autograd.Function):
+    """Token rows to sorted rows (``x[tokens]``); backward gathers each slot's gradient back into slot order
+    and sums a token's ``k`` slots (a gather and a reshape-sum, where ``index_select``'s own backward would
+    scatter-add with atomics)."""
+
+    @staticmethod
+    def forward(ctx, x, tokens, slots, topk):
+        ctx.save_for_backward(slots)
+        ctx.topk = topk
+        return x.index_select(0, tokens)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (slots,) = ctx.saved_tensors
+        t = slots.numel() // ctx.topk
+        return grad_rows.index_select(0, slots).view(t, ctx.topk, -1).sum(dim=1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Sorted rows to tokens: each token's ``k`` rows, gathered in slot order, summed; backward hands every row
+    its token's gradient (a gather)."""
+
+    @staticmethod
+    def forward(ctx, rows, tokens, slots, topk):
+        ctx.save_for_backward(tokens)
+        t = slots.numel() // topk
+        return rows.index_select(0, slots).view(t, topk, -1).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (tokens,) = ctx.saved_tensors
+        return grad_out.index_select(0, tokens), None, None, None
+
+
 def routed(sorted_experts, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, w_gate_up: torch.Tensor,
            w_down: torch.Tensor, state) -> torch.Tensor:
     """The ``MoEExperts.__call__`` contract through a backend's ``sorted`` method: sort the slots, run the
-    experts on the sorted rows, and sum each token's ``k`` rows back in slot order (a gather and a
-    reshape-sum: deterministic, no atomics)."""
-    t, k = chosen.shape
+    experts on the sorted rows, and sum each token's ``k`` rows back in slot order. Every move of rows, forward
+    and backward, is a gather: deterministic, no atomics."""
     by = sort_by_expert(chosen, w_gate_up.shape[0])
-    rows = sorted_experts(x.index_select(0, by.tokens), by.counts, gates.flatten().index_select(0, by.order),
-                          w_gate_up, w_down, state)  # [t*k, d], gates applied
+    tokens, k = by.tokens, by.topk
     slots = torch.empty_like(by.order)
     slots[by.order] = torch.arange(by.order.numel(), device=by.order.device)  # each slot's sorted row
-    return rows.index_select(0, slots).view(t, k, -1).sum(dim=1)
+    rows = sorted_experts(_Dispatch.apply(x, tokens, slots, k), by.counts, gates.flatten().index_select(0, by.order),
+                          w_gate_up, w_down, state)  # [t*k, d], gates applied
+    return _Combine.apply(rows, tokens, slots, k)

@@ -102,3 +102,23 @@ def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: f
     """The largest micro-batch whose plan ``fits`` a GPU of ``capacity_gib`` (0 if not even MBS 1 fits)."""
     base = megatron_plan(dense, routed, world=world, ep=ep, mbs=1, other_gib_per_sequence=0).total_gib
     return max(0, math.floor((capacity_gib - OUTSIDE_ALLOCATOR_GIB - base) / OTHER_GIB_PER_SEQUENCE))
+
+
+MEASURED_SHAPE = {"hidden": 4096, "seq_len": 4096, "num_layers": 52}
+"""The model shape ``OTHER_GIB_FIXED`` and ``OTHER_GIB_PER_SEQUENCE`` were measured at (the ``nam56r`` recipe).
+Activations grow with width, length and depth, so at any other shape they are not estimated: only the static
+part is, which is counted exactly."""
+
+
+def activations_measured(cfg) -> bool:
+    """Whether ``cfg`` has the shape the activation constants were measured at (``MEASURED_SHAPE``)."""
+    return all(getattr(cfg, k) == v for k, v in MEASURED_SHAPE.items())
+
+
+def local_static_gib(params: int, dtype_bytes: int) -> dict[str, float]:
+    """The local engine's static memory: weights, gradients and AdamW's two moments, all in the training dtype
+    (the model is cast to it, and torch's AdamW keeps its moments in the parameters' dtype). One process holds
+    everything: nothing is sharded."""
+    weights = params * dtype_bytes / GIB
+    return {"weights_gib": weights, "grads_gib": weights, "optimizer_gib": 2 * weights,
+            "static_gib": 4 * weights}

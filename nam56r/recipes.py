@@ -44,17 +44,17 @@ def nam56r() -> Recipe:
             # (bench/mimo_scan.py, results/mimo_scan.json). mimo-scan stays selectable by name.
             ssm_backend="mamba-ssm", attention_backend="sparse-mla", indexer_kernels_backend="sparse-mla",
             ce_backend="liger", indexer_backend="full",
+            # Routed experts as two grouped GEMMs per layer, no host sync, in both engines: 2.18 ms fwd+bwd at
+            # 4096 tokens against 3.47 ms for the reference's every-expert-on-every-token and 8.77 ms for a
+            # per-expert loop, H100 (issue measurements; bench/moe.py, results/moe.json).
+            moe_backend="grouped",
             # 1.02-1.08x on a Mamba-3 layer fwd+bwd, H100 (bench/mamba3_layer.py, results/mamba3_layer.json)
             mamba_compile_prelude=True,
         ),
         train=TrainConfig(device="cuda", dtype="bfloat16", micro_batch_size=1, lr=3e-4, warmup_steps=2000,
                           total_steps=100_000, checkpoint_every=1000),
-        # reference: the DSA indexer `full` (lemyx and index-cache wrap or replace it when requested) and the
-        # routed experts. The local engine runs the experts densely (nam56r/reference/moe.py: E / k = 4x their
-        # FLOPs, no host sync), which at these widths (16 experts of 160) is no slower than dispatching tokens
-        # to them: bench/results/fp8_moe.json, 32768 tokens on an H100, forward + backward, dense 10.7 ms,
-        # bf16 dispatch 11.2 ms. The megatron engine runs Megatron's MoELayer for them instead.
-        plugins=["mamba-ssm", "sparse-mla", "liger", "reference"],
+        # reference: the DSA indexer `full` (lemyx and index-cache wrap or replace it when requested).
+        plugins=["mamba-ssm", "sparse-mla", "liger", "grouped-moe", "reference"],
     )
 
 
@@ -133,17 +133,43 @@ def _coerce(raw: str, annotation, key: str):
                       hint="change it in a recipe function instead")
 
 
-def _field_type(name: str, types: dict, *, key: str, owner: str, shown_prefix: str, excluded: str,
-                recipe_name: str):
+def _field_type(name: str, types: dict, *, key: str, owner: str, excluded: str, recipe_name: str,
+                plugin_infos: Mapping | None):
     """The declared type of field ``name``; a ConfigError with close matches when there is no such field."""
-    import difflib
-
     if name in types and name != excluded:
         return types[name]
-    close = difflib.get_close_matches(name, types, n=3)
-    did = f" (did you mean {', '.join(shown_prefix + c for c in close)}?)" if close else ""
-    raise ConfigError(f"--set {key}: {owner} has no field {name!r}{did}",
+    raise ConfigError(f"--set {key}: {owner} has no field {name!r}{_did_you_mean(key, plugin_infos)}",
                       hint=f"`nam recipe show {recipe_name}` lists every field")
+
+
+def _settable_keys(plugin_infos: Mapping | None) -> dict[str, str]:
+    """Every key ``--set`` takes, and the names other tools use for them -> the key: model fields, ``train.``
+    fields, the options of the requested plugins (``<plugin>.<option>``)."""
+    from nam_core.bounds import aliases
+
+    keys = {f.name: f.name for f in dataclasses.fields(NAM56RConfig) if f.name != "name"}
+    keys |= {f"train.{f.name}": f"train.{f.name}" for f in dataclasses.fields(TrainConfig)
+             if f.name != "plugin_options"}
+    keys |= {f"{p}.{o.name}": f"{p}.{o.name}" for p, info in (plugin_infos or {}).items() for o in info.options}
+    for alias, fld in aliases(NAM56RConfig).items():
+        keys.setdefault(alias, fld)
+    for alias, fld in aliases(TrainConfig).items():
+        keys.setdefault(f"train.{alias}", f"train.{fld}")
+    return keys
+
+
+def _did_you_mean(key: str, plugin_infos: Mapping | None) -> str:
+    """`` (did you mean train.lr?)`` for ``train.learning_rate``, ``lr``, ``train.lrr`` or ``tarin.lr``; ``""``
+    when nothing is close. The name without its prefix is looked up in every namespace first (a model field
+    set under ``train.``, another tool's name for a field), then the whole key by spelling."""
+    import difflib
+
+    keys = _settable_keys(plugin_infos)
+    bare = key.rpartition(".")[2]
+    exact = [keys[k] for k in (bare, f"train.{bare}") if k in keys]
+    close = exact or [keys[k] for k in difflib.get_close_matches(key, keys, n=3)]
+    close = list(dict.fromkeys(c for c in close if c != key))
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 def apply_overrides(
@@ -169,20 +195,21 @@ def apply_overrides(
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE", hint="e.g. --set hidden=128")
         prefix, dot, rest = key.partition(".")
         if dot and prefix == "train":
-            field_type = _field_type(rest, train_types, key=key, owner="TrainConfig", shown_prefix="train.",
-                                     excluded="plugin_options", recipe_name=recipe.name)
+            field_type = _field_type(rest, train_types, key=key, owner="TrainConfig", excluded="plugin_options",
+                                     recipe_name=recipe.name, plugin_infos=plugin_infos)
             train_changes[rest] = _coerce(raw, field_type, key)
         elif dot:
             if prefix not in plugin_names:
-                raise ConfigError(f"--set {key}: {prefix!r} is neither 'train' nor an active plugin",
+                raise ConfigError(f"--set {key}: {prefix!r} is neither 'train' nor an active plugin"
+                                  f"{_did_you_mean(key, plugin_infos)}",
                                   hint=f"activate it with --plugins {prefix}, or check the key")
             options[key] = raw
         else:
             from nam56r.kinds import FIELD_ALIASES
 
             key = FIELD_ALIASES.get(key, key)
-            field_type = _field_type(key, model_types, key=key, owner="the model config", shown_prefix="",
-                                     excluded="name", recipe_name=recipe.name)
+            field_type = _field_type(key, model_types, key=key, owner="the model config", excluded="name",
+                                     recipe_name=recipe.name, plugin_infos=plugin_infos)
             model_changes[key] = _coerce(raw, field_type, key)
     recipe = dataclasses.replace(
         recipe, model=recipe.model.replace(**model_changes),

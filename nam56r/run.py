@@ -9,7 +9,8 @@ Stages, in order (each raises the one error of its kind, before anything is writ
 1. ``resolve(request, host)`` -> ``RunSpec`` (no CUDA touched): the recipe, the plugins it and the user
    request plus the built-in ``reference`` (always active: its names are the defaults of every kind), the
    overrides and what requested plugins select (``PluginInfo.selects``/``wraps``), every plugin option parsed
-   against ``PluginInfo.options``, the engine, its schedule and layout (the megatron lowering and its gaps
+   against ``PluginInfo.options``, every value against the bound its field declares and every relation
+   between fields (``check_values``), the engine, its schedule and layout (the megatron lowering and its gaps
    included). Usage errors: ``ConfigError``, exit 2.
 2. The engine starts (the megatron engine sets its allocator and process group first, in ``nam train``).
 3. ``run_device(spec, ...)`` probes the device (or takes a ``--device-profile`` fake); no CUDA device for a
@@ -30,14 +31,15 @@ from typing import Any, Sequence
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
+from nam_core import bounds
 from nam_core.device import DeviceInfo
+from nam_core.engine.config import ENGINES, TrainConfig
 from nam_core.errors import CannotRunHere, ConfigError, PluginActivationError
 from nam_core.host import Evaluation, PluginHost, requested_plugins
 from nam_core.run import Layout, RunSpec
 
 BUILTIN_PLUGINS = ("reference",)
 """nam56r's own plugin, active in every run: the provider of every kind's default."""
-ENGINES = ("local", "megatron")
 LOCAL_SCHEDULES = ("single",)
 """The local engine runs micro-batches one after the other and nothing else."""
 
@@ -94,11 +96,10 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
     if request.seed is not None:
         train = train.replace(seed=request.seed)
     if request.device is not None:
-        if request.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device {request.device!r}: expected cpu or cuda", hint="--device cpu")
         train = train.replace(device=request.device)
     flags = {k: v for k, v in (("tp", request.tp), ("pp", request.pp), ("ep", request.ep)) if v is not None}
     train = train.replace(engine=request.engine, **flags)  # the flags beat --set train.*
+    check_values(rec.model, train, reference=base)
     steps = request.max_steps if request.max_steps is not None else train.total_steps
     if steps < 1:
         raise ConfigError(f"--max-steps must be >= 1, found {steps}", hint="--max-steps 80")
@@ -114,6 +115,18 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
     return Run(spec=spec, max_steps=steps, lowering=lowering)
 
 
+def check_values(model: NAM56RConfig, train: TrainConfig, *, reference: Recipe | None = None) -> None:
+    """Every value of the run inside its declared bound, and every relation between fields holding (one
+    ConfigError listing each one that is not, with a ``--set`` from ``reference``, the recipe as written).
+    Runs before anything is built or written: a bad value must not surface as a traceback mid-build."""
+    parts = ((model, "", reference.model if reference else None),
+             (train, "train.", reference.train if reference else None))
+    found = [p for config, prefix, ref in parts for p in bounds.out_of_bounds(config, prefix=prefix, reference=ref)]
+    found = found or [p for config, prefix, ref in parts
+                      for p in bounds.broken_rules(config, prefix=prefix, reference=ref)]
+    bounds.refuse(found)
+
+
 def run_device(spec: RunSpec, *, profile: str | None = None, index: int = 0) -> DeviceInfo:
     """Stage 3: the device the run trains on: a CPU, or the probed CUDA device ``index`` (``profile``: a fake
     in its place). Touches CUDA: on the megatron engine, only after the allocator is set."""
@@ -126,7 +139,8 @@ def run_device(spec: RunSpec, *, profile: str | None = None, index: int = 0) -> 
     info = DeviceInfo.probe(index)
     if not info.is_cuda:
         raise CannotRunHere("--device cuda: no CUDA device is visible to this process",
-                            hint="run on a GPU host, or train on the CPU with --device cpu")
+                            hint="run on a GPU host, train on the CPU with --device cpu, or plan the run "
+                                 "here: nam train --dry-run --device-profile h200 (with the same flags)")
     return info
 
 

@@ -84,7 +84,8 @@ class DeviceInfo:
         except KeyError:
             raise NamError(
                 f"unknown device profile {name!r}; expected one of: {', '.join(sorted(PROFILES))}",
-                hint="run `nam preflight --device-profile h100` (or omit it to probe this machine)",
+                hint="name one of them (`nam preflight --device-profile h100`, `nam train --dry-run "
+                     "--device-profile h200`), or omit it to probe this machine",
                 exit_code=2,
             ) from None
 
@@ -97,15 +98,19 @@ GiB = 1024**3
 
 PROFILES: dict[str, DeviceInfo] = {
     "cpu": _fake("cpu", kind="cpu", name="cpu"),
-    # H100 SXM 80GB: sm_90, 232,448 B opt-in smem per block (read on our H100 host), 132 SMs.
+    # H100 SXM 80GB: sm_90, 232,448 B opt-in smem per block (read on our H100 host), 132 SMs; 79.18 GiB as CUDA
+    # reports it ("a total capacity of 79.18 GiB" in bench/results/period.json's out-of-memory error).
     "h100": _fake(
         "h100", kind="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0),
-        smem_per_block_optin=232_448, sm_count=132, memory_bytes=80 * GiB, device_count=1, cuda_version="13.0",
+        smem_per_block_optin=232_448, sm_count=132, memory_bytes=round(79.18 * GiB), device_count=1,
+        cuda_version="13.0",
     ),
-    # H200 141GB: same SM as H100 (sm_90, 232,448 B), more and faster HBM.
+    # H200 141GB: same SM as H100 (sm_90, 232,448 B), more and faster HBM: 139.80 GiB as CUDA reports it (the
+    # out-of-memory error quoted at nam56r/memory.py's H200_GIB).
     "h200": _fake(
         "h200", kind="cuda", name="NVIDIA H200", capability=(9, 0),
-        smem_per_block_optin=232_448, sm_count=132, memory_bytes=141 * GiB, device_count=1, cuda_version="13.0",
+        smem_per_block_optin=232_448, sm_count=132, memory_bytes=round(139.80 * GiB), device_count=1,
+        cuda_version="13.0",
     ),
     # DGX Spark GB10: sm_121 with 99 KiB = 101,376 B opt-in smem per block; 128 GB unified memory.
     "gb10": _fake(

@@ -2,7 +2,9 @@
 
 The CLI prints ``error: <message>`` and ``hint: <hint>`` on stderr and exits with ``exit_code``
 (``NAM_DEBUG=1`` shows the traceback instead). Exit codes: 1 generic failure, 2 usage (click's), 3 "cannot
-run here" (plugin activation, preflight), 4 bad data, 5 a training run stopped by a guard (NaN/Inf).
+run here" (plugin activation, preflight), 4 bad data, 5 a training run stopped by a guard (NaN/Inf), 6 the run
+folder cannot be used (held by another run, not writable, a file in its place, no space left), 130 / 143 a
+run stopped by SIGINT / SIGTERM after saving a checkpoint (128 + the signal's number, as a shell reports it).
 """
 
 from __future__ import annotations
@@ -69,3 +71,20 @@ class TrainingGuardError(NamError):
     """A run stopped by a guard (non-finite loss or gradient)."""
 
     exit_code = 5
+
+
+class RunFolderError(NamError):
+    """The run folder cannot be used as it is: another live run holds it, it is not writable, a file stands
+    where a folder should be, or its disk is full. Nothing of the run's state was lost."""
+
+    exit_code = 6
+
+
+class Interrupted(NamError):
+    """A run stopped on request (SIGINT, SIGTERM) after finishing its step and saving a checkpoint.
+
+    The exit code is the shell's for that signal (130, 143), so scripts see what they would without nam."""
+
+    def __init__(self, message: str, *, signum: int, hint: str | None = None):
+        super().__init__(message, hint=hint, exit_code=128 + signum)
+        self.signum = signum

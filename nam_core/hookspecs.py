@@ -4,7 +4,7 @@ A plugin is a module with a ``PLUGIN = PluginInfo(...)`` object and some ``@hook
 only loaded when its name is requested (``--plugins``, a recipe, ``NAM_PLUGINS``), and only registered when
 every requested plugin passes every check (``nam_core.host.PluginHost.activate``).
 
-Hooks come in three groups:
+Hooks come in four groups:
 
 * provider hooks, ``nam_register_<...>(register)``: offer named implementations; config picks the name.
   Called once per activation, one plugin at a time; a name must be declared in ``PLUGIN.provides``. The
@@ -17,6 +17,8 @@ Hooks come in three groups:
   failed check stops activation. The host itself writes what every plugin would repeat: the selected /
   "active but unused" row, ``train.device``/``train.dtype`` against ``PluginInfo.train_device``/
   ``train_dtypes``, the parsing of ``PluginInfo.options``, and a FAIL row for a hook that raises.
+* build hooks: ``nam_transform_model``, once per model (chunk) after the engine built it and before it
+  builds the optimizer, in both engines.
 * lifecycle hooks: ``nam_before_step`` / ``nam_after_step`` around every optimizer step, with a
   ``nam_core.run.StepContext`` that both engines build.
 """
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    import torch
+
     from nam_core.device import DeviceInfo
     from nam_core.registry import Registry
     from nam_core.requirements import Check
@@ -93,6 +97,25 @@ def nam_preflight(device: "DeviceInfo", config: "RunSpec | None") -> "list[Check
 
     .. versionchanged:: 0.2 ``config`` is a ``RunSpec``.
     .. versionadded:: 0.1
+    """
+
+
+# --- build hooks ---------------------------------------------------------------------------------
+
+
+@hookspec
+def nam_transform_model(model: "torch.nn.Module", spec: "RunSpec") -> "str | None":
+    """Change the built model in place before the optimizer sees its parameters (e.g. swap ``nn.Linear``
+    modules for FP8 ones).
+
+    Called by both engines once per model after it is built and cast to ``train.dtype``, before the optimizer
+    (and, on the megatron engine, once per model chunk, inside Megatron's ``Float16Module`` and before its DDP
+    wrapper). ``spec`` is the activated run. A transform must keep every parameter object and its name (the
+    optimizer, the checkpoint and Megatron's grad buffers hold them), and must not depend on anything but the
+    model and ``spec``. Return one line saying what it changed (the engine writes it to the run log), or None
+    when it changed nothing.
+
+    .. versionadded:: 0.3
     """
 
 

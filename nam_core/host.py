@@ -69,6 +69,21 @@ def requested_plugins(*sources: Iterable[str] | str | None, env: bool = True) ->
     return names
 
 
+def not_installed_hint(name: str, installed: Iterable[str]) -> str:
+    """What to do about a requested plugin that is not installed. Only a plugin this checkout holds gets an
+    install command (its folder): a guessed ``pip install nam-plugin-<name>`` would name a package that may not
+    exist, or worse, someone else's. Otherwise: the close installed names, and where the list is."""
+    import difflib
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "plugins" / f"nam-plugin-{name}"
+    if (folder / "pyproject.toml").is_file():
+        return f"install it from this checkout: pip install -e {folder}  (then `nam plugins list`)"
+    close = difflib.get_close_matches(name, list(installed), n=3)
+    did = f"did you mean {', '.join(close)}? " if close else ""
+    return f"{did}{name!r} is not a nam plugin known here; `nam plugins list` shows the installed ones"
+
+
 @dataclass
 class Evaluation:
     """The outcome of evaluating a set of requested plugins: every check, and what would be registered."""
@@ -150,7 +165,7 @@ class PluginHost:
             listed = ", ".join(self.installed) or "none"
             ev.checks.append(Check(
                 name, "installed", FAIL, f"an installed plugin named {name!r}", f"installed: {listed}",
-                f"pip install nam-plugin-{name}  (then `nam plugins list`)",
+                not_installed_hint(name, self.installed),
             ))
             return None
         try:
@@ -330,6 +345,12 @@ class PluginHost:
         finally:
             reg._close()
         return list(reg)
+
+    def transform_model(self, model, spec: RunSpec | None) -> list[str]:
+        """Every active plugin's ``nam_transform_model`` on ``model``; the lines they return (what changed)."""
+        if spec is None:
+            raise TypeError("transform_model needs the activated run's RunSpec (nam56r.run builds it)")
+        return [line for line in self.pm.hook.nam_transform_model(model=model, spec=spec) if line]
 
     def before_step(self, step: int, run: StepContext) -> None:
         self.pm.hook.nam_before_step(step=step, run=_context(run))

@@ -9,6 +9,7 @@ the raw strings.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -40,7 +41,7 @@ class Option:
     def expected(self) -> str:
         if self.choices is not None:
             return "one of " + ", ".join(map(str, self.choices))
-        what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.type]
+        what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[self.type]
         if self.min is not None and self.max is not None:
             return f"{what} in [{self.min}, {self.max}]"
         if self.min is not None:
@@ -65,6 +66,8 @@ class Option:
                 value = self.type(text) if not isinstance(raw, self.type) else raw
         except ValueError:
             self._refuse(key, raw)
+        if isinstance(value, float) and not math.isfinite(value):
+            self._refuse(key, raw)  # nan passes every min/max comparison below
         if self.choices is not None and value not in self.choices:
             self._refuse(key, raw)
         if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
@@ -134,7 +137,7 @@ def parse_options(plugin: str, declared: Sequence[Option], raw: Mapping[str, Any
             did = f" (did you mean {plugin}.{close[0]}?)" if close else ""
             listed = "; ".join(f"{plugin}.{o.name}: {o.doc}" for o in declared) or "none"
             raise ConfigError(f"--set {key}: plugin {plugin!r} has no option {name!r}{did}; its options: {listed}",
-                              hint=f"`nam plugins list --json` lists each plugin's options")
+                              hint="`nam plugins list --json` lists each plugin's options")
         values[name] = by_name[name].parse(plugin, value)
         explicit.add(name)
     return OptionValues(plugin, values, frozenset(explicit))

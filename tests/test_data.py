@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import types
@@ -67,7 +68,7 @@ def test_prepare_folder_round_trip_and_structure(code_folder, tmp_path):
     assert summary.skipped == {"binary": 1, "not_utf8": 1, "empty_file": 1}
     assert summary.tokens == sum(len(t.encode()) + 1 for t in texts)
     assert sorted(p.name for p in out.iterdir()) == [
-        "dataset.json", "structure.bin", "structure.idx", "tokens.bin", "tokens.idx"]
+        ".nam-verified.json", "dataset.json", "structure.bin", "structure.idx", "tokens.bin", "tokens.idx"]
 
     ds = open_dataset(out)
     assert ds.documents == 2 and ds.has_structure and ds.max_token_id == 256
@@ -109,7 +110,7 @@ def test_parquet_without_pyarrow_is_a_data_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(DataError, match="pyarrow") as e:
         prepare(shard, tmp_path / "out", BYTE, progress=False)
-    assert e.value.hint == "pip install pyarrow"
+    assert e.value.hint.startswith("pip install pyarrow ") and "'.[data]'" in e.value.hint
     assert no_leftovers(tmp_path / "out")
 
 
@@ -137,7 +138,7 @@ def test_hf_tokenizer_without_package_is_a_data_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(DataError) as e:
         load_tokenizer(str(path))
-    assert e.value.hint == "pip install tokenizers"
+    assert e.value.hint.startswith("pip install tokenizers ") and "'.[data]'" in e.value.hint
     with pytest.raises(DataError, match="not found"):
         load_tokenizer(str(tmp_path / "missing.json"))
 
@@ -370,3 +371,204 @@ def test_cli_prepare_and_inspect_json(code_folder, tmp_path, structure_module):
     # NamErrors propagate to nam's main, which prints them and sets the exit code
     result = runner.invoke(app, ["prepare", str(code_folder), "--out", str(out), "--no-structure"])
     assert isinstance(result.exception, DataError) and result.exception.exit_code == 4
+
+
+# ----------------------------------------------------------------------------------------- integrity
+
+
+def flip_byte(path, at=None) -> None:
+    """Flip one byte of ``path`` in place: same size, new content."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_a_bin_are_caught_even_after_a_clean_open(code_folder, tmp_path):
+    out = tmp_path / "ds"
+    prepare(code_folder, out, BYTE, annotate=fake_structure, progress=False)
+    manifest = json.loads((out / "dataset.json").read_text())
+    assert set(manifest["sha256"]) == {"tokens.bin", "tokens.idx", "structure.bin", "structure.idx"}
+    first = open_dataset(out)
+    assert first.integrity["tokens.bin"]["hashed"] is False  # prepare stamped it: the first open reads no byte
+    assert open_dataset(out, verify_all=True).integrity["tokens.bin"]["hashed"] is True
+
+    before = (out / "tokens.bin").stat()
+    flip_byte(out / "tokens.bin")
+    os.utime(out / "tokens.bin", ns=(before.st_atime_ns, before.st_mtime_ns))  # even with its mtime put back
+    with pytest.raises(DataError, match=r"tokens\.bin is corrupt or was changed since it was prepared") as e:
+        open_dataset(out)
+    assert e.value.exit_code == 4 and e.value.hint == f"prepare it again: nam data prepare SRC --out {out} --overwrite"
+
+    flip_byte(out / "tokens.bin")  # flipped back: good again, and re-stamped
+    assert open_dataset(out).integrity["tokens.bin"]["hashed"] is True
+    assert open_dataset(out).integrity["tokens.bin"]["hashed"] is False
+    flip_byte(out / "structure.bin", at=0)
+    with pytest.raises(DataError, match=r"structure\.bin is corrupt"):
+        open_dataset(out)
+
+
+def test_ids_above_the_manifest_are_a_data_error_not_an_index_error(code_folder, tmp_path):
+    """A .bin whose checksum was recomputed by hand still cannot smuggle in an id past the vocabulary."""
+    from nam_core.data.integrity import file_sha256
+
+    out = tmp_path / "ds"
+    prepare(code_folder, out, BYTE, progress=False)
+    tokens = np.fromfile(out / "tokens.bin", dtype=np.uint16)
+    tokens[3] = 300
+    tokens.tofile(out / "tokens.bin")
+    manifest = json.loads((out / "dataset.json").read_text())
+    manifest["sha256"]["tokens.bin"] = file_sha256(out / "tokens.bin")
+    (out / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"tokens\.bin holds token id 300, above the largest its dataset\.json "
+                                        r"records \(256\)") as e:
+        open_dataset(out)
+    assert e.value.exit_code == 4
+
+
+def test_a_dataset_without_bin_checksums_is_refused_until_they_are_recorded(code_folder, tmp_path):
+    from typer.testing import CliRunner
+
+    from nam_cli.data import app
+
+    out = tmp_path / "ds"
+    prepare(code_folder, out, BYTE, annotate=fake_structure, progress=False)
+    manifest = json.loads((out / "dataset.json").read_text())
+    for name in ("tokens.bin", "structure.bin"):
+        del manifest["sha256"][name]  # the manifest of a nam from before .bin checksums
+    (out / "dataset.json").write_text(json.dumps(manifest))
+    (out / ".nam-verified.json").unlink()
+    with pytest.raises(DataError, match="older nam: its dataset.json has no checksum of tokens.bin") as e:
+        open_dataset(out)
+    assert f"nam data checksum {out}" in e.value.hint and "--overwrite" in e.value.hint
+
+    result = CliRunner().invoke(app, ["checksum", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.stdout)["sha256"]) == {"tokens.bin", "structure.bin"}
+    assert open_dataset(out).integrity["tokens.bin"]["hashed"] is False  # checksum stamped what it hashed
+
+
+def test_inspect_verify_rehashes_and_reports_json(code_folder, tmp_path):
+    from typer.testing import CliRunner
+
+    from nam_cli.data import app
+
+    out = tmp_path / "ds"
+    prepare(code_folder, out, BYTE, progress=False)
+    runner = CliRunner()
+    plain = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)["checksums"]["tokens.bin"]
+    assert plain["ok"] and plain["hashed"] is False
+    result = runner.invoke(app, ["inspect", str(out), "--verify", "--json"])
+    assert result.exit_code == 0, result.output
+    verified = json.loads(result.stdout)["checksums"]["tokens.bin"]
+    assert verified["hashed"] is True and verified["sha256"] == plain["sha256"]
+
+    flip_byte(out / "tokens.bin")
+    result = runner.invoke(app, ["inspect", str(out), "--verify"])
+    assert isinstance(result.exception, DataError) and "tokens.bin is corrupt" in result.exception.message
+
+
+def test_stamp_of_a_read_only_folder_goes_to_the_cache(code_folder, tmp_path, monkeypatch):
+    from nam_core.data import integrity
+
+    out = tmp_path / "ds"
+    prepare(code_folder, out, BYTE, progress=False)
+    (out / ".nam-verified.json").unlink()
+    monkeypatch.setenv("NAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(integrity.os, "access", lambda path, mode: False)  # as if read-only (tests run as root)
+    assert open_dataset(out).integrity["tokens.bin"]["hashed"] is True
+    assert open_dataset(out).integrity["tokens.bin"]["hashed"] is False
+    assert len(list((tmp_path / "cache" / "verified").iterdir())) == 1 and not (out / ".nam-verified.json").exists()
+
+
+# ----------------------------------------------------------------------------------------- leftovers
+
+
+def dead_pid() -> int:
+    """A pid that belongs to no process: a child that has exited and been reaped."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_a_killed_prepare_are_removed_by_the_next(code_folder, tmp_path, capsys):
+    out = tmp_path / "ds"
+    dead = dead_pid()
+    for name in (f"ds.tmp-{dead}", f"ds.tmp-{os.getppid()}"):  # a killed prepare's, and a live process's
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokens.bin").write_bytes(b"half")
+    summary = prepare(code_folder, out, BYTE, progress=False)
+    assert not (tmp_path / f"ds.tmp-{dead}").exists() and (tmp_path / f"ds.tmp-{os.getppid()}").exists()
+    assert summary.cleaned == [f"removed {tmp_path / f'ds.tmp-{dead}'}, left by a prepare (pid {dead}) that was killed"]
+    assert f"note: removed {tmp_path / f'ds.tmp-{dead}'}" in capsys.readouterr().err
+
+
+def test_a_prepare_killed_mid_replace_gets_its_old_dataset_back(code_folder, tmp_path):
+    """Killed between renaming the old dataset aside and the new one in: the old one is the only copy."""
+    out = tmp_path / "ds"
+    prepare(code_folder, out, BYTE, progress=False)
+    dead = dead_pid()
+    out.rename(tmp_path / f"ds.old-{dead}")
+    with pytest.raises(DataError, match="exists and is not empty"):  # restored, so not overwritten silently
+        prepare(code_folder, out, BYTE, progress=False)
+    assert open_dataset(out).documents == 2 and not (tmp_path / f"ds.old-{dead}").exists()
+
+
+def test_sigterm_while_preparing_exits_through_python(monkeypatch):
+    """So the except-clause of the writer removes its temp folder (SIGKILL is left to the next prepare)."""
+    import signal
+
+    from nam_cli.data import _sigterm_as_exit
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e, _sigterm_as_exit():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == before
+
+
+# ----------------------------------------------------------------------------------------- text parquet
+
+
+def test_text_parquet_is_tokenized_like_jsonl(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = ["def f():\n    return 1\n", "", None, "second ✓ doc"]
+    pq.write_table(pa.table({"id": [1, 2, 3, 4], "text": texts}), tmp_path / "t.parquet")
+    write_jsonl(tmp_path / "t.jsonl", [t for t in texts if t])
+    a = prepare(tmp_path / "t.parquet", tmp_path / "a", BYTE, annotate=fake_structure, progress=False)
+    prepare(tmp_path / "t.jsonl", tmp_path / "b", BYTE, annotate=fake_structure, progress=False)
+    pa_ds, js_ds = open_dataset(tmp_path / "a"), open_dataset(tmp_path / "b")
+    assert a.source_kind == "parquet-text" and a.documents == 2 and a.skipped == {"empty_record": 2}
+    assert pa_ds.has_structure
+    for i in range(2):
+        assert pa_ds.document(i).tolist() == js_ds.document(i).tolist()
+        assert pa_ds.document(i, structure=True).tolist() == js_ds.document(i, structure=True).tolist()
+
+    # a folder of text parquet and code files is one text corpus
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["x = 1\n"]}), folder / "a.parquet")
+    (folder / "b.py").write_text("y = 2\n")
+    assert prepare(folder, tmp_path / "c", BYTE, progress=False).source_kind == "parquet-text+text"
+
+
+def test_parquet_without_a_known_column_names_what_it_expects(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"content": ["a"], "lang": ["py"]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError) as e:
+        prepare(tmp_path / "c.parquet", tmp_path / "out", BYTE, progress=False)
+    assert ("expected a list-of-int column 'tokens' or 'input_ids' (token ids) or a string column 'text' "
+            "(text, tokenized with --tokenizer), found columns ['content', 'lang']") in e.value.message
+    assert "'text'" in e.value.hint and no_leftovers(tmp_path / "out")
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(DataError, match=r"n\.parquet row 0: column 'text' holds int, expected a string"):
+        prepare(tmp_path / "n.parquet", tmp_path / "out", BYTE, progress=False)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"bad\.parquet is not a readable parquet file"):
+        prepare(tmp_path / "bad.parquet", tmp_path / "out", BYTE, progress=False)
+    assert no_leftovers(tmp_path / "out")

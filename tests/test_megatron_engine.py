@@ -329,10 +329,46 @@ def test_a_schedule_refuses_its_layouts_through_the_engine_check():
     assert _layout(4, pp=2, ep=2, train=train, schedules={"v": None}) == 2  # before activation: on trust
 
 
+def test_overlapped_grad_reduce_is_refused_where_chunks_share_weights():
+    """Two chunks per rank (DualPipeV's V) sum their copies of one weight after the backward pass, when an
+    overlapped reduce-scatter has already started: refused; one chunk per rank takes it."""
+    class TwoChunks(PipelineSchedule):
+        chunks_per_rank = 2
+
+    train = GPU_TRAIN.replace(schedule="v", overlap_grad_reduce=True)
+    with pytest.raises(ConfigError, match="overlap_grad_reduce with train.schedule='v'") as e:
+        _layout(4, pp=2, train=train, schedules={"v": TwoChunks})
+    assert e.value.hint == "--set train.overlap_grad_reduce=false"
+    assert _layout(4, pp=2, train=train.replace(overlap_grad_reduce=False), schedules={"v": TwoChunks}) == 2
+    assert _layout(4, pp=2, train=train.replace(schedule="1f1b")) == 2
+
+
+def test_shared_expert_overlap_is_set_where_megatron_takes_it():
+    """``train.moe_shared_expert_overlap`` reaches Megatron's TransformerConfig before the chunks are built, with
+    Megatron's own dispatcher check (which TransformerConfig runs at construction only); a model without a
+    shared expert is left alone."""
+    from nam_core.engine.megatron.model import overlap_shared_experts
+
+    def config(**changes):
+        return types.SimpleNamespace(**{"num_moe_experts": 16, "moe_shared_expert_intermediate_size": 64,
+                                        "moe_token_dispatcher_type": "alltoall", "moe_shared_expert_overlap": False,
+                                        **changes})
+
+    for dispatcher in ("alltoall", "flex"):
+        c = config(moe_token_dispatcher_type=dispatcher)
+        overlap_shared_experts(c)
+        assert c.moe_shared_expert_overlap is True
+    for c in (config(moe_shared_expert_intermediate_size=None), config(num_moe_experts=None)):
+        overlap_shared_experts(c)
+        assert c.moe_shared_expert_overlap is False
+    with pytest.raises(ConfigError, match="needs the alltoall or flex MoE dispatcher"):
+        overlap_shared_experts(config(moe_token_dispatcher_type="allgather"))
+
+
 def test_the_engine_lane_lists_its_patches_with_revert_and_retirement():
     entries = patches.lane()
     assert [e.name for e in entries] == [patches.FP32_GROUPS, patches.STATE_BEFORE_STEP, patches.STEP_ON_LOAD,
-                                         patches.FUSED]
+                                         patches.FUSED, patches.GRAD_NORM, patches.GRAD_CLIP]
     for entry in entries:
         p = entry.impl
         assert entry.plugin == "megatron engine" and p.target == "megatron-core" and p.revert is not None
@@ -346,22 +382,28 @@ def test_the_engine_lane_applies_for_a_scope_and_reverts():
     """On 0.19 without TE or Apex each bug is detected, reproduced, fixed inside the scope, and upstream's code
     is back after it (also when the scope raises)."""
     import megatron.core.optimizer as mopt
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from nam_core.patches import applied
 
-    upstream = (mopt.get_standard_config_overrides, mopt.get_megatron_optimizer,
-                DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict)
+    def current():
+        return (mopt.get_standard_config_overrides, mopt.get_megatron_optimizer,
+                DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict,
+                clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, clip_grads.multi_tensor_scale_tensor_impl)
+
+    upstream = current()
+    assert upstream[4:] == (utils.local_multi_tensor_l2_norm, utils.local_multi_tensor_scale, None)  # no TE, no Apex
     entries = patches.lane()
     assert all(e.impl.state()[0] == "needed" for e in entries)
     assert all(e.impl.reproduce() == "BUG_REPRODUCED" for e in entries)
     with pytest.raises(RuntimeError, match="inside"), applied(entries) as reports:
-        assert [r.state for r in reports] == ["applied"] * 4
+        assert [r.state for r in reports] == ["applied"] * 6
         assert all(e.impl.reproduce() == "FIX_VALIDATED" for e in entries)
-        assert mopt.get_megatron_optimizer is not upstream[1]
+        assert all(a is not b for a, b in zip(current(), upstream))
         raise RuntimeError("inside")
-    assert (mopt.get_standard_config_overrides, mopt.get_megatron_optimizer,
-            DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict) == upstream
+    assert current() == upstream
     assert all(e.impl.state()[0] == "needed" for e in entries)
 
 
@@ -372,4 +414,119 @@ def test_nam_patches_lists_the_megatron_lanes():
     rows = {e.name: e.plugin for e in _builtin()}
     assert rows == {patches.FP32_GROUPS: "megatron engine", patches.STATE_BEFORE_STEP: "megatron engine",
                     patches.STEP_ON_LOAD: "megatron engine", patches.FUSED: "megatron engine",
+                    patches.GRAD_NORM: "megatron engine", patches.GRAD_CLIP: "megatron engine",
                     "megatron-hybrid-stage-choice": "nam56r"}
+
+
+# --- the gradient norm and clip without TE/Apex (megatron-grad-norm-foreach, megatron-grad-clip-foreach) -------
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-rank gloo group for ``get_grad_norm_fp32``'s all-reduce."""
+    if torch.distributed.is_initialized():
+        yield None
+        return
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield None
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+GRAD_SHAPES = [(4096,), (64, 33), (3, 5, 7), (1,), (257, 129)]
+
+
+def _grads(dtype, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(scale * torch.randn(shape, generator=gen)).to(dtype) for shape in GRAD_SHAPES]
+
+
+def _grad_norm(grads, patched: bool):
+    """Megatron's ``get_grad_norm_fp32`` (its ``cuda`` tensors on the CPU), upstream or inside the two patches."""
+    from megatron.core.optimizer import clip_grads
+
+    from nam_core.patches import applied
+
+    lane = [e for e in patches.lane() if e.name in (patches.GRAD_NORM, patches.GRAD_CLIP)]
+    with applied(lane if patched else []), patches._CudaOnCpu():
+        return clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=torch.distributed.group.WORLD)
+
+
+@needs_019
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_norm_on_the_device_equals_megatron_s(dtype, one_process_group):
+    """The patched norm is a [1] fp32 tensor (no host read) equal to Megatron's float: fp32 gradients (what the
+    distributed optimizer passes) to 1e-6, and within 1e-5 of the fp64 norm (fp32 accumulation over ~50k
+    elements). In bf16/fp16 Megatron rounds each tensor's norm to the gradient dtype and the patch accumulates in
+    fp32: within that dtype's rounding of each other (8e-3 bf16, 1e-3 fp16), the patch still within 1e-5 of
+    fp64."""
+    for seed in range(3):
+        grads = _grads(dtype, seed, scale=10.0 ** (seed - 1))
+        exact = float(torch.cat([g.double().flatten() for g in grads]).norm())
+        upstream, ours = _grad_norm(grads, patched=False), _grad_norm(grads, patched=True)
+        assert isinstance(upstream, float)
+        assert isinstance(ours, torch.Tensor) and ours.shape == (1,) and ours.dtype == torch.float32
+        assert abs(float(ours) - exact) <= 1e-5 * exact
+        rtol = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        assert abs(float(ours) - upstream) <= rtol * exact, (seed, float(ours), upstream)
+
+
+@needs_019
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_grad_clip_on_the_device_equals_megatron_s(max_norm, one_process_group, monkeypatch):
+    """``clip_grad_by_total_norm_fp32`` on fresh fp32 gradients, with Megatron's Python-float norm and loop and
+    with the patches' device norm and one foreach multiply: equal to 1e-6 when it clips (the coefficient is
+    computed in fp32 on the device instead of in Python's float64), bit-equal when it does not (x 1.0)."""
+    from megatron.core.optimizer import clip_grads
+
+    from nam_core.patches import applied
+
+    real_type = torch.Tensor.type
+    monkeypatch.setattr(torch.Tensor, "type", lambda self, *a, **k: "torch.cuda.FloatTensor"  # Megatron's assert
+                        if not a and not k and self.dtype == torch.float32 else real_type(self, *a, **k))
+    lane = [e for e in patches.lane() if e.name in (patches.GRAD_NORM, patches.GRAD_CLIP)]
+    clipped = []
+    for patched in (False, True):
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in GRAD_SHAPES]
+        for p, g in zip(params, _grads(torch.float32, seed=11)):
+            p.grad = g
+        with applied(lane if patched else []), patches._CudaOnCpu():
+            norm = clip_grads.get_grad_norm_fp32([p.grad for p in params],
+                                                 grad_stats_parallel_group=torch.distributed.group.WORLD)
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, norm)
+        clipped.append([p.grad for p in params])
+    upstream, ours = clipped
+    for a, b in zip(ours, upstream):
+        if max_norm > 1e3:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    total = float(torch.cat([g.flatten() for g in ours]).norm())
+    assert total == pytest.approx(min(max_norm, total), rel=1e-5)
+
+
+@needs_019
+def test_the_grad_norm_reproducer_counts_one_host_read_per_tensor():
+    """The reproducer's counter on this CPU machine: Megatron's fallback norm reads n + 1 values to the host for
+    n tensors (each tensor's norm, then the total), the patch's none."""
+    from megatron.core import utils
+
+    def reads(fn, n):
+        tensors = [torch.randn(5, 3) for _ in range(n)]
+        return patches.host_syncs(lambda: fn(0, None, [tensors], False))
+
+    assert [reads(utils.local_multi_tensor_l2_norm, n) for n in (2, 9)] == [3, 10]
+    assert [reads(patches.foreach_l2_norm, n) for n in (2, 9)] == [0, 0]
+
+
+def test_foreach_scale_writes_src_times_scale_into_dst():
+    """The two call shapes Megatron uses: in place ([grads, grads]) and into other tensors, by a number or a
+    one-element tensor."""
+    src = [torch.randn(4, 3), torch.randn(7)]
+    dst = [torch.empty(4, 3), torch.empty(7)]
+    patches.foreach_scale(0, None, [src, dst], torch.tensor([0.5]))
+    assert all(torch.equal(d, s * 0.5) for s, d in zip(src, dst))
+    want = [s * 3.0 for s in src]
+    patches.foreach_scale(0, None, [src, src], 3.0)
+    assert all(torch.equal(s, w) for s, w in zip(src, want))

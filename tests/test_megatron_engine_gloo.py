@@ -74,13 +74,51 @@ def _assert_close(megatron: list[dict], local: list[dict], floor: list[dict]) ->
         assert _rel(m["loss"], l["loss"]) <= allowed, (m["step"], m["loss"], l["loss"], allowed)
 
 
-def test_expert_parallel_matches_local_and_resumes_bit_exact(tmp_path, local):
-    full = _run(tmp_path, "ep2", "megatron", "--ep", "2", nproc=2)
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    """The megatron engine at EP 2 on 2 ranks (the dense weights data-parallel over both), no overlap; its run
+    folder and metrics."""
+    tmp = tmp_path_factory.mktemp("ep2")
+    return tmp / "ep2", _run(tmp, "ep2", "megatron", "--ep", "2", nproc=2)
+
+
+def test_expert_parallel_matches_local_and_resumes_bit_exact(tmp_path, local, ep2):
+    run_dir, full = ep2
     _assert_close(full, *local[4])
-    resumed = _run(tmp_path, "ep2", "megatron", "--ep", "2", "--resume",
-                   str(tmp_path / "ep2" / "checkpoints" / "step-00000002"), nproc=2)
+    assert "overlap: none" in (run_dir / "run.log").read_text()
+    resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--resume",
+                   str(run_dir / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
+
+
+def test_overlapped_grad_reduce_and_param_gather_are_bit_exact_and_resume(tmp_path, ep2):
+    """train.overlap_grad_reduce and overlap_param_gather at EP 2: the dense weights' gradients reduce-scattered
+    during the backward pass and their updated shards all-gathered inside the next forward pass, asynchronously
+    on gloo. The same sums in the same order, so the same losses and gradient norms bit for bit; and resumed from
+    step 2 bit-exact (the checkpoint needs the gathered weights, ``loop._gather_params``)."""
+    overlap = ["--set=train.overlap_grad_reduce=true", "--set=train.overlap_param_gather=true"]
+    full = _run(tmp_path, "overlap", "megatron", "--ep", "2", *overlap, nproc=2)
+    assert "overlap: grad reduce, param gather (" in (tmp_path / "overlap" / "run.log").read_text()
+    assert [(m["loss"], m["grad_norm"]) for m in full] == [(m["loss"], m["grad_norm"]) for m in ep2[1]]
+    resumed = _run(tmp_path, "overlap", "megatron", "--ep", "2", *overlap, "--resume",
+                   str(tmp_path / "overlap" / "checkpoints" / "step-00000002"), nproc=2)
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
+           [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
+
+
+def test_shared_expert_overlap_agrees_at_step_1(tmp_path, ep2):
+    """train.moe_shared_expert_overlap at EP 2: the shared expert runs inside the dispatcher (on a side stream on
+    a GPU; one stream here). Step 1, from the same weights, agrees with the run without it to 1e-6 in loss and
+    gradient norm: only the order in which the hidden state's gradient terms are summed changes (the shared
+    expert runs after the router, Megatron's moe_shared_expert_overlap docstring). Later steps are not compared:
+    Adam's sign-like first update carries that rounding on (measured: loss 1.7e-6 and 2.3e-5 apart at steps 2
+    and 3, gradient norm 8.7e-4 at step 2; each communication overlap alone: bit-exact)."""
+    one = _run(tmp_path, "shared", "megatron", "--ep", "2", "--set=train.moe_shared_expert_overlap=true", nproc=2,
+               steps=1)
+    assert "overlap: shared expert (" in (tmp_path / "shared" / "run.log").read_text()
+    plain = ep2[1][0]
+    assert _rel(one[0]["loss"], plain["loss"]) <= 1e-6 and _rel(one[0]["grad_norm"], plain["grad_norm"]) <= 1e-6
 
 
 def test_pipeline_1f1b_matches_local(tmp_path, local):
@@ -139,9 +177,9 @@ def test_step1_gradients_per_parameter_at_ep2(tmp_path):
     _worker("grads", tmp_path, 1, "--ep", "2", nproc=2)
     for rank in (0, 1):
         rows = json.loads((tmp_path / f"grads_rank{rank}.json").read_text())["rows"]
-        assert len(rows) > 800 and all(r["rel"] is not None for r in rows)
+        assert len(rows) > 500 and all(r["rel"] is not None for r in rows)  # experts stacked: 2 tensors per MoE layer
         assert max(r["rel"] for r in rows) <= 1e-4, rows[0]
-        assert any(".mlp.experts.local_experts." in r["param"] for r in rows)
+        assert any(r["param"].endswith(".mlp.experts.w_gate_up") for r in rows)
 
 
 def test_dualpipev_matches_1f1b_and_local_and_resumes_bit_exact(tmp_path, local):

@@ -97,7 +97,7 @@ def test_non_finite_loss_stops_with_step_layer_and_checkpoint(tmp_path, corpus, 
         (["--engine", "deepspeed"], 2, "expected local or megatron"),
         (["--tp", "2"], 2, "a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine options"),
         (["--set", "train.ep=2"], 2, "the local engine runs one process on one device (found nproc=None"),
-        (["--set", "train.checkpoint_every=-1"], 2, "train.checkpoint_every must be >= 0 (0: no checkpoints)"),
+        (["--set", "train.checkpoint_every=-1"], 2, "train.checkpoint_every=-1: expected an integer >= 0 (0: no checkpoints)"),
     ],
 )
 def test_bad_input_fails_cleanly_and_writes_nothing(tmp_path, corpus, capsys, args, code, message):

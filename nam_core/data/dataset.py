@@ -2,13 +2,15 @@
 
 A prepared dataset (written by ``nam_core.data.prepare``) is a folder:
 
-    dataset.json             manifest: format version, tokenizer, counts, sha256 of every .idx
+    dataset.json             manifest: format version, tokenizer, counts, sha256 of every .idx and .bin
     tokens.bin / tokens.idx  Megatron-Core indexed dataset, one sequence per document, eod appended
     structure.bin / .idx     optional: one structure id per token, same lengths as tokens
 
-``open_dataset`` refuses anything it cannot trust: a missing or unparseable manifest, a missing file, an
-.idx whose sha256 differs from the manifest, a .bin whose size does not match the token count. The .bin is
-checked by size, not by hash: it is the large file, and hashing it on every open would cost a full read.
+``open_dataset`` refuses anything it cannot trust: a missing or malformed manifest, a missing file, an .idx
+or .bin whose sha256 differs from the manifest, a .bin whose size does not match the token count, ids above
+the manifest's largest. A .bin is hashed in full once, then only when its stat changes
+(``nam_core.data.integrity``); a manifest from before .bin checksums is refused with the command that adds
+them (``nam data checksum``).
 
 Reading goes through Megatron-Core's ``IndexedDataset`` with mmap, so a corpus never has to fit in RAM. The
 documents are concatenated in file order into one token stream; ``PreparedDataset.read(start, stop)``
@@ -30,8 +32,8 @@ but the step number to continue the same order.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from nam_core.data.integrity import file_sha256, verify
 from nam_core.errors import DataError
 
 MANIFEST = "dataset.json"
@@ -61,17 +64,13 @@ def indexed_dataset_module() -> ModuleType:
     return indexed_dataset
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _prepare_hint(path: Path) -> str:
     return f"nam data prepare SRC --out {path}"
+
+
+def _checksum_hint(path: Path) -> str:
+    return (f"record them: nam data checksum {path} (trusts the .bin files as they are now), or prepare it "
+            f"again: {_prepare_hint(path)} --overwrite")
 
 
 @dataclass
@@ -83,6 +82,7 @@ class PreparedDataset:
     tokens: object  # megatron.core.datasets.indexed_dataset.IndexedDataset
     structure: object | None  # the same, for structure ids; None when the dataset has none
     doc_starts: np.ndarray  # [documents + 1] int64: stream offset of each document, then the total
+    integrity: dict | None = None  # .bin name -> what its check found (nam_core.data.integrity.verify)
 
     @property
     def documents(self) -> int:
@@ -114,7 +114,7 @@ class PreparedDataset:
         """Refuse a model whose embedding has no row for the dataset's largest token id."""
         if self.max_token_id >= model_vocab:
             raise DataError(
-                f"{self.path} holds token id {self.max_token_id} but the model's vocabulary has "
+                f"{self.path / (TOKENS + '.bin')} holds token id {self.max_token_id} but the model's vocabulary has "
                 f"{model_vocab} ids (0..{model_vocab - 1}); tokenizer {self.tokenizer.get('name')!r} "
                 f"has {self.tokenizer.get('vocab_size')}",
                 hint=f"raise the model's vocab_size to at least {self.max_token_id + 1}, or prepare the "
@@ -152,8 +152,11 @@ class PreparedDataset:
 
 def _load_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{path} is a file; a prepared dataset is a folder holding {MANIFEST}, tokens.bin and "
+                        "tokens.idx", hint=f"point at the folder `nam data prepare` wrote: {_prepare_hint(path)}")
     if not manifest_path.is_file():
-        what = "does not exist" if not path.exists() else "has no dataset.json manifest"
+        what = "does not exist" if not path.exists() else f"has no {MANIFEST} manifest"
         raise DataError(f"no prepared dataset at {path}: the folder {what}", hint=_prepare_hint(path))
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -170,15 +173,43 @@ def _load_manifest(path: Path) -> dict:
             f"{FORMAT_VERSION}",
             hint=f"prepare it again with this nam: {_prepare_hint(path)} --overwrite",
         )
-    missing = [k for k in ("tokenizer", "documents", "tokens", "max_token_id", "token_dtype", "sha256", "structure")
-               if k not in manifest]
-    if missing:
-        raise DataError(f"{manifest_path} lacks the fields {', '.join(missing)}", hint=_prepare_hint(path))
+    _check_fields(manifest, manifest_path)
     return manifest
 
 
-def _open_indexed(path: Path, prefix: str, manifest: dict, dtype: np.dtype) -> object:
-    """Check one indexed dataset's files against the manifest, then open it (mmap)."""
+MANIFEST_FIELDS = {"tokenizer": dict, "documents": int, "tokens": int, "max_token_id": int, "token_dtype": str,
+                   "sha256": dict, "structure": dict}
+"""Fields ``open_dataset`` reads, and their JSON types: anything else is a manifest it cannot trust."""
+
+
+def _check_fields(manifest: dict, manifest_path: Path) -> None:
+    """Every field the reader needs, of the type it needs, so a hand-edited or truncated manifest is a
+    DataError naming the field instead of a TypeError deep in the reader."""
+    hint = f"{_prepare_hint(manifest_path.parent)} --overwrite"
+    missing = [k for k in MANIFEST_FIELDS if k not in manifest]
+    if missing:
+        raise DataError(f"{manifest_path} lacks the fields {', '.join(missing)}", hint=hint)
+    for key, kind in MANIFEST_FIELDS.items():
+        value = manifest[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise DataError(f"{manifest_path}: field {key!r} is {value!r}; expected a JSON "
+                            f"{ {dict: 'object', int: 'integer', str: 'string'}[kind] }", hint=hint)
+    if not isinstance(manifest["tokenizer"].get("eod"), int):
+        raise DataError(f"{manifest_path}: tokenizer.eod is {manifest['tokenizer'].get('eod')!r}; expected the "
+                        "end-of-document id (an integer)", hint=hint)
+    dtypes = [manifest["token_dtype"]] + ([manifest["structure"].get("dtype")]
+                                          if manifest["structure"].get("present") else [])
+    for name in dtypes:
+        try:
+            np.dtype(name)
+        except TypeError:
+            raise DataError(f"{manifest_path}: dtype {name!r} is not a numpy dtype", hint=hint) from None
+
+
+def _open_indexed(path: Path, prefix: str, manifest: dict, dtype: np.dtype, *, full: bool,
+                  progress: bool | None) -> tuple[object, dict]:
+    """Check one indexed dataset's files against the manifest, then open it (mmap). Returns it and what the
+    .bin's checksum check found."""
     idx, bin_ = path / f"{prefix}.idx", path / f"{prefix}.bin"
     for f in (idx, bin_):
         if not f.is_file():
@@ -196,6 +227,10 @@ def _open_indexed(path: Path, prefix: str, manifest: dict, dtype: np.dtype) -> o
             f"{bin_} has {bin_.stat().st_size} bytes; {manifest['tokens']} ids of {dtype.name} need {want_bytes}",
             hint=f"{_prepare_hint(path)} --overwrite",
         )
+    if not isinstance(manifest["sha256"].get(bin_.name), str):
+        raise DataError(f"{path} was prepared by an older nam: its {MANIFEST} has no checksum of {bin_.name}, so "
+                        "bytes changed in it would go unnoticed until training reads them", hint=_checksum_hint(path))
+    check = verify(path, bin_.name, manifest["sha256"][bin_.name], dtype, full=full, progress=progress)
     module = indexed_dataset_module()
     try:
         dataset = module.IndexedDataset(str(path / prefix), mmap=True)
@@ -205,14 +240,29 @@ def _open_indexed(path: Path, prefix: str, manifest: dict, dtype: np.dtype) -> o
     if np.dtype(dataset.index.dtype) != dtype:
         raise DataError(f"{idx} stores {np.dtype(dataset.index.dtype).name}, the manifest says {dtype.name}",
                         hint=f"{_prepare_hint(path)} --overwrite")
-    return dataset
+    return dataset, check
 
 
-def open_dataset(path: str | Path) -> PreparedDataset:
-    """Open a prepared dataset folder after checking it against its manifest; ``DataError`` if it fails."""
+def _check_largest(path: Path, name: str, largest: int, allowed: int, what: str) -> None:
+    """Refuse ids in a .bin above what the manifest says it holds (the model's vocabulary is checked against
+    the manifest, so this is what keeps an out-of-range id out of an embedding lookup)."""
+    if largest > allowed:
+        raise DataError(f"{path / name} holds {what} {largest}, above the largest its {MANIFEST} records "
+                        f"({allowed}): the file does not match its manifest",
+                        hint=f"{_prepare_hint(path)} --overwrite")
+
+
+def open_dataset(path: str | Path, *, verify_all: bool = False, progress: bool | None = None) -> PreparedDataset:
+    """Open a prepared dataset folder after checking it against its manifest; ``DataError`` if it fails.
+
+    ``verify_all``: hash every .bin even when its stamp says it is unchanged (``nam data inspect --verify``).
+    ``progress``: a bar while hashing (None: only for large files, on a terminal)."""
     path = Path(path).expanduser()
     manifest = _load_manifest(path)
-    tokens = _open_indexed(path, TOKENS, manifest, np.dtype(manifest["token_dtype"]))
+    tokens, tokens_check = _open_indexed(path, TOKENS, manifest, np.dtype(manifest["token_dtype"]),
+                                         full=verify_all, progress=progress)
+    _check_largest(path, f"{TOKENS}.bin", tokens_check["max"], manifest["max_token_id"], "token id")
+    integrity = {f"{TOKENS}.bin": tokens_check}
     lengths = np.asarray(tokens.sequence_lengths, dtype=np.int64)
     # nam writes one sequence per document; a count that disagrees means the files are not ours.
     documents = len(tokens.document_indices) - 1
@@ -224,7 +274,11 @@ def open_dataset(path: str | Path) -> PreparedDataset:
         )
     structure = None
     if manifest["structure"].get("present"):
-        structure = _open_indexed(path, STRUCTURE, manifest, np.dtype(manifest["structure"]["dtype"]))
+        structure, check = _open_indexed(path, STRUCTURE, manifest, np.dtype(manifest["structure"]["dtype"]),
+                                         full=verify_all, progress=progress)
+        _check_largest(path, f"{STRUCTURE}.bin", check["max"], int(manifest["structure"].get("max_id", check["max"])),
+                       "structure id")
+        integrity[f"{STRUCTURE}.bin"] = check
         if not np.array_equal(np.asarray(structure.sequence_lengths, dtype=np.int64), lengths):
             raise DataError(
                 f"{path / 'structure.idx'} is not aligned with tokens.idx (different document lengths)",
@@ -232,7 +286,42 @@ def open_dataset(path: str | Path) -> PreparedDataset:
             )
     doc_starts = np.zeros(documents + 1, dtype=np.int64)
     np.cumsum(lengths, out=doc_starts[1:])
-    return PreparedDataset(path=path, manifest=manifest, tokens=tokens, structure=structure, doc_starts=doc_starts)
+    return PreparedDataset(path=path, manifest=manifest, tokens=tokens, structure=structure, doc_starts=doc_starts,
+                           integrity=integrity)
+
+
+def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str, str]:
+    """Record the sha256 of every .bin in an older dataset's manifest (``nam data checksum``); returns them.
+
+    The files are trusted as they are now, except that ids above the manifest's largest are refused: those
+    bytes are already damaged. Everything else ``open_dataset`` checks (the .idx hashes, sizes, counts) must
+    pass first. The manifest is replaced atomically."""
+    from nam_core.data.integrity import record, scan
+
+    path = Path(path).expanduser()
+    manifest = _load_manifest(path)
+    prefixes = [(TOKENS, manifest["token_dtype"], manifest["max_token_id"], "token id")]
+    if manifest["structure"].get("present"):
+        prefixes.append((STRUCTURE, manifest["structure"]["dtype"], manifest["structure"].get("max_id"),
+                         "structure id"))
+    added = {}
+    for prefix, dtype, allowed, what in prefixes:
+        name = f"{prefix}.bin"
+        if not (path / name).is_file():
+            raise DataError(f"{path / name} is missing from the prepared dataset",
+                            hint=f"{_prepare_hint(path)} --overwrite")
+        digest, largest = scan(path / name, np.dtype(dtype), progress=progress)
+        if allowed is not None:
+            _check_largest(path, name, largest, int(allowed), what)
+        added[name] = (digest, largest)
+    manifest["sha256"] = {**manifest["sha256"], **{name: digest for name, (digest, _) in added.items()}}
+    tmp = path / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path / MANIFEST)
+    for name, (digest, largest) in added.items():
+        record(path, name, digest, largest)  # hashed just now: the next open need not hash again
+    open_dataset(path)  # everything else must check out too
+    return {name: digest for name, (digest, _) in added.items()}
 
 
 class PackedSequences:

@@ -4,13 +4,15 @@ Sources, decided by what ``src`` is:
 
 - a ``.jsonl`` file: one document per line, from its ``text`` field (blank lines are ignored; a line that is
   not a JSON object with a string ``text`` stops the run with its line number);
-- a ``.parquet`` file: pre-tokenized documents, one per row of a list-of-int column ``tokens`` or
-  ``input_ids`` (needs ``pyarrow``, not a core dependency); eod is appended unless the row already ends with
-  it. Token shards have no text, so no structure ids are written for them;
+- a ``.parquet`` file (needs ``pyarrow``, not a core dependency: nam's ``data`` extra), one document per row:
+  a token shard when it has a list-of-int column ``tokens`` or ``input_ids`` (the ids as they are; eod is
+  appended unless the row already ends with it; no text, so no structure ids), else a text table when it has
+  a string column ``text`` (tokenized like a .jsonl, the common layout of published corpora). Any other
+  columns are refused with the names it looked for;
 - any other file: one text document;
 - a folder: every file under it, walked recursively and sorted by relative path, each file read by the rule
-  above. Hidden files and folders (``.git``, ``.venv``) and ``__pycache__`` are not entered. A folder of
-  parquet shards must hold nothing else (their tokens have no text to align structure ids with).
+  above. Hidden files and folders (``.git``, ``.venv``) and ``__pycache__`` are not entered. A folder with
+  parquet token shards must hold nothing else (their tokens have no text to align structure ids with).
 
 Which text files count. Not an extension list: code corpora are full of files that no list foresees
 (``Makefile``, ``Dockerfile``, ``.bzl``, ``.cu``). A file is text when it decodes as strict UTF-8 and has no
@@ -23,9 +25,15 @@ structure id per character, e.g. ``nam56r.blocks.structure.char_structure_ids``)
 ``structure.bin``/``.idx`` holds one id per token: the id of the token's first character, 0 for eod.
 
 Atomicity. Everything is written into the sibling folder ``<out>.tmp-<pid>`` and renamed onto ``out`` at the
-end; on any failure (an exception, Ctrl-C) that folder is removed. So a folder named ``out`` with a manifest
-is always complete. An existing non-empty ``out`` is refused unless ``overwrite=True``; then the old folder
-is renamed aside, the new one renamed in, and the old one deleted.
+end; on any failure (an exception, Ctrl-C, SIGTERM under ``nam data prepare``) that folder is removed. So a
+folder named ``out`` with a manifest is always complete. An existing non-empty ``out`` is refused unless
+``overwrite=True``; then the old folder is renamed aside (``<out>.old-<pid>``), the new one renamed in, and
+the old one deleted. A process killed outright (SIGKILL, a power cut) cleans nothing; the next prepare of the
+same ``out`` removes the ``.tmp-<pid>`` and ``.old-<pid>`` folders whose process is gone (an ``.old-`` one is
+renamed back when ``out`` is missing: it is then the only copy) and says so on stderr.
+
+The manifest records the sha256 of every file (``nam_core.data.integrity``), and the stamp that spares the
+first open a re-hash is written once the folder has its final name.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from nam_core.data import integrity, missing_package
 from nam_core.data.dataset import (
     FORMAT,
     FORMAT_VERSION,
@@ -60,10 +69,11 @@ from nam_core.errors import DataError
 Annotator = Callable[[str], "list[int]"]
 
 STRUCTURE_DTYPE = np.uint16  # structure ids are a small vocabulary (NAM56R: 16); uint16 leaves room
-TOKEN_COLUMNS = ("tokens", "input_ids")
+TOKEN_COLUMNS = ("tokens", "input_ids")  # parquet columns read as token ids, in this order
+TEXT_COLUMN = "text"  # the parquet column read as text when there is no token column
 # Why a source file was not read (counted in the manifest); empty jsonl records / parquet rows count as
 # "empty_record" and are not files.
-FILE_SKIP_REASONS = ("binary", "not_utf8", "empty_file")  # parquet columns read as token ids, in this order
+FILE_SKIP_REASONS = ("binary", "not_utf8", "empty_file")
 
 # The embedded default corpus: the first files of the standard library (sorted by path) up to this much
 # source text. 4 MiB is ~40% of CPython 3.11's non-test stdlib (601 files, 11 MB), prepared in a few
@@ -88,6 +98,8 @@ class PrepareSummary:
     files_read: int
     files_skipped: int
     skipped: dict[str, int] = field(default_factory=dict)
+    cleaned: list[str] = field(default_factory=list)
+    """What was left by an earlier, killed prepare of the same ``out`` and removed (or restored)."""
     structure: bool = False
     structure_note: str = ""
     seconds: float = 0.0
@@ -107,17 +119,25 @@ class _Document(NamedTuple):
 
 @dataclass
 class _Source:
-    """The resolved input: the files to read, in order."""
+    """The resolved input: the files to read, in order, and how each one is read."""
 
     files: list[Path]
+    parquet: dict[Path, tuple[str, str]] = field(default_factory=dict)
+    """Each parquet file's layout: ``("tokens", column)`` or ``("text", "text")`` (``_parquet_layout``)."""
+
+    def kind(self, path: Path) -> str:
+        """``text``, ``jsonl``, ``parquet-tokens`` or ``parquet-text``."""
+        if _kind_of(path) != "parquet":
+            return _kind_of(path)
+        return f"parquet-{self.parquet[path][0]}"
 
     @property
     def kinds(self) -> list[str]:
-        return sorted({_kind_of(f) for f in self.files})
+        return sorted({self.kind(f) for f in self.files})
 
     @property
     def has_text(self) -> bool:
-        return any(_kind_of(f) != "parquet" for f in self.files)
+        return any(self.kind(f) != "parquet-tokens" for f in self.files)
 
 
 def _kind_of(path: Path) -> str:
@@ -159,17 +179,36 @@ def _require_pyarrow(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(
-            f"reading the parquet token shard {path} needs the 'pyarrow' package, which is not installed",
-            hint="pip install pyarrow",
-        ) from None
+        raise missing_package("pyarrow", f"reading the parquet file {path}") from None
     return pq
+
+
+def _parquet_layout(path: Path) -> tuple[str, str]:
+    """How a parquet file is read, from its schema alone: ``("tokens", column)`` for a token shard, ``("text",
+    "text")`` for a text table. A token column wins over ``text``: its ids are the data as published."""
+    pq = _require_pyarrow(path)
+    try:
+        names = pq.read_schema(path).names
+    except Exception as e:  # pyarrow raises ArrowInvalid (and OSError) for a file that is not parquet
+        raise DataError(f"{path} is not a readable parquet file: {e}",
+                        hint="check the file, or remove it from the source folder") from None
+    column = next((c for c in TOKEN_COLUMNS if c in names), None)
+    if column is not None:
+        return "tokens", column
+    if TEXT_COLUMN in names:
+        return "text", TEXT_COLUMN
+    raise DataError(
+        f"{path}: expected a list-of-int column {' or '.join(repr(c) for c in TOKEN_COLUMNS)} (token ids) or a "
+        f"string column {TEXT_COLUMN!r} (text, tokenized with --tokenizer), found columns {names}",
+        hint=f"rename the column that holds the documents to {TEXT_COLUMN!r} (or the token ids to "
+             f"{TOKEN_COLUMNS[0]!r}), then prepare again",
+    )
 
 
 def _resolve_source(src: Path, out: Path) -> _Source:
     if not src.exists():
         raise DataError(
-            f"source not found: {src} (expected a folder of text/code files, a .jsonl file or a .parquet shard)",
+            f"source not found: {src} (expected a folder of text/code files, a .jsonl file or a .parquet file)",
             hint="nam data prepare PATH/TO/SOURCE --out DIR",
         )
     if src.is_file():
@@ -178,16 +217,16 @@ def _resolve_source(src: Path, out: Path) -> _Source:
         source = _Source(files=_walk(src, out))
         if not source.files:
             raise DataError(f"{src} holds no files to prepare", hint="nam data prepare PATH/TO/SOURCE --out DIR")
-    parquet = [f for f in source.files if _kind_of(f) == "parquet"]
-    if parquet:
-        others = [f for f in source.files if _kind_of(f) != "parquet"]
-        if others:
-            raise DataError(
-                f"{src} mixes parquet token shards with {len(others)} other file(s) (first: {others[0]}); "
-                "token shards have no text to align structure ids with, so they are prepared on their own",
-                hint="put the .parquet shards in their own folder and prepare it separately",
-            )
-        _require_pyarrow(parquet[0])
+    source.parquet = {f: _parquet_layout(f) for f in source.files if _kind_of(f) == "parquet"}
+    shards = [f for f in source.files if source.kind(f) == "parquet-tokens"]
+    others = [f for f in source.files if source.kind(f) != "parquet-tokens"]
+    if shards and others:
+        raise DataError(
+            f"{src} mixes parquet token shards (first: {shards[0]}) with {len(others)} text source(s) (first: "
+            f"{others[0]}); token shards have no text to align structure ids with, so they are prepared on "
+            "their own",
+            hint="put the token shards in their own folder and prepare it separately",
+        )
     return source
 
 
@@ -233,36 +272,44 @@ def _jsonl_documents(path: Path, where: str, skipped: dict[str, int]) -> Iterato
             yield _Document(line_at, text, None, len(raw))
 
 
-def _parquet_documents(path: Path, where: str, skipped: dict[str, int]) -> Iterator[_Document]:
+def _parquet_documents(path: Path, where: str, skipped: dict[str, int], layout: tuple[str, str]
+                       ) -> Iterator[_Document]:
+    """One document per row of ``layout``'s column: token ids as they are, or text to tokenize."""
     pq = _require_pyarrow(path)
+    kind, column = layout
     shard = pq.ParquetFile(path)
-    names = shard.schema_arrow.names
-    column = next((c for c in TOKEN_COLUMNS if c in names), None)
-    if column is None:
-        raise DataError(
-            f"{where}: expected a list-of-int column {' or '.join(repr(c) for c in TOKEN_COLUMNS)}, "
-            f"found columns {names}",
-            hint="write the token ids under 'tokens' or 'input_ids', or prepare the text instead",
-        )
     rows = max(shard.metadata.num_rows, 1)
     share = path.stat().st_size / rows  # progress: spread the file's bytes over its rows
     row = 0
     for batch in shard.iter_batches(columns=[column], batch_size=1024):
-        for ids in batch.column(0).to_pylist():
-            if ids is None or (ids and not all(isinstance(i, int) for i in ids)):
-                raise DataError(f"{where} row {row}: column {column!r} is not a list of ints",
+        for value in batch.column(0).to_pylist():
+            at = f"{where} row {row}"
+            row += 1
+            if kind == "text":
+                if value is not None and not isinstance(value, str):
+                    raise DataError(f"{at}: column {column!r} holds {type(value).__name__}, expected a string",
+                                    hint=f"write the documents as strings in {column!r}")
+                if not value:
+                    _skip(skipped, "empty_record")
+                    continue
+                yield _Document(at, value, None, int(share))
+                continue
+            if value is None or (value and not all(isinstance(i, int) for i in value)):
+                raise DataError(f"{at}: column {column!r} is not a list of ints",
                                 hint="write token ids as list<int64> (or int32)")
-            if not ids:
+            if not value:
                 _skip(skipped, "empty_record")
             else:
-                yield _Document(f"{where} row {row}", None, np.asarray(ids, dtype=np.int64), int(share))
-            row += 1
+                yield _Document(at, None, np.asarray(value, dtype=np.int64), int(share))
 
 
 def _documents(source: _Source, skipped: dict[str, int]) -> Iterator[_Document]:
-    readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
     for path in source.files:
-        yield from readers[_kind_of(path)](path, str(path), skipped)
+        kind = _kind_of(path)
+        if kind == "parquet":
+            yield from _parquet_documents(path, str(path), skipped, source.parquet[path])
+        else:
+            yield from {"text": _text_documents, "jsonl": _jsonl_documents}[kind](path, str(path), skipped)
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -293,6 +340,45 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (one owned by another user counts as alive)."""
+    if pid <= 0:
+        return True  # not a pid we wrote: leave the folder alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_leftovers(out: Path) -> list[str]:
+    """Remove the ``<out>.tmp-<pid>`` and ``<out>.old-<pid>`` folders of killed prepares (their pid is gone);
+    an ``.old-`` folder is renamed back to ``out`` when ``out`` is missing, since it is then the only copy.
+    Each action is printed on stderr and returned."""
+    if not out.parent.is_dir():
+        return []
+    notes = []
+    stale = []
+    for sibling in sorted(out.parent.iterdir()):
+        kind, _, pid = sibling.name[len(out.name):].partition("-")
+        if sibling.name.startswith(out.name) and kind in (".tmp", ".old") and pid.isdigit():
+            if int(pid) != os.getpid() and not _alive(int(pid)):
+                stale.append((kind, int(pid), sibling))
+    for kind, pid, sibling in sorted(stale, key=lambda t: t[0] != ".old"):  # restore before removing
+        if kind == ".old" and not out.exists():
+            sibling.rename(out)
+            notes.append(f"restored {out} from {sibling.name}, set aside by a prepare (pid {pid}) that was killed "
+                         "while replacing it")
+        else:
+            shutil.rmtree(sibling, ignore_errors=True)
+            notes.append(f"removed {sibling}, left by a prepare (pid {pid}) that was killed")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    return notes
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -332,6 +418,7 @@ def _write(
     source_info: dict,
 ) -> PrepareSummary:
     started = time.perf_counter()
+    cleaned = _clean_leftovers(out)
     _check_destination(out, overwrite)
     if annotate is None:
         structure, note = False, "not requested"
@@ -345,6 +432,7 @@ def _write(
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover of this pid can only be from a killed earlier run
     builders = []
+    scanned: dict[str, tuple[str, int]] = {}  # .bin name -> (sha256, largest id), stamped once in place
     try:
         tmp.mkdir(parents=True)
         tokens_out = indexed.IndexedDatasetBuilder(str(tmp / f"{TOKENS}.bin"), dtype=token_dtype)
@@ -406,6 +494,7 @@ def _write(
             files_read=files_read,
             files_skipped=files_skipped,
             skipped=skipped,
+            cleaned=cleaned,
             structure=structure,
             structure_note=note,
         )
@@ -423,8 +512,13 @@ def _write(
             "files_skipped": files_skipped,
             "skipped": skipped,
             "structure": {"present": structure, "note": note},
-            "sha256": {f"{TOKENS}.idx": file_sha256(tmp / f"{TOKENS}.idx")},
+            "sha256": {},
         }
+        for prefix, _ in builders:
+            scanned[f"{prefix}.bin"] = integrity.scan(tmp / f"{prefix}.bin", np.dtype(
+                token_dtype if prefix == TOKENS else STRUCTURE_DTYPE), progress=False)
+            manifest["sha256"][f"{prefix}.bin"] = scanned[f"{prefix}.bin"][0]
+            manifest["sha256"][f"{prefix}.idx"] = file_sha256(tmp / f"{prefix}.idx")
         if structure:
             # The annotator's labels can depend on the interpreter (the set of builtins), so record both.
             manifest["structure"].update(
@@ -433,7 +527,6 @@ def _write(
                 annotator=f"{getattr(annotate, '__module__', '?')}.{getattr(annotate, '__qualname__', '?')}",
                 python=platform.python_version(),
             )
-            manifest["sha256"][f"{STRUCTURE}.idx"] = file_sha256(tmp / f"{STRUCTURE}.idx")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _move_into_place(tmp, out, overwrite)
     except BaseException:
@@ -441,6 +534,8 @@ def _write(
             builder.data_file.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for name, (digest, largest) in scanned.items():
+        integrity.record(out, name, digest, largest)  # hashed above: the first open need not hash again
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary
 

@@ -93,10 +93,9 @@ class HFTokenizer:
         try:
             import tokenizers
         except ImportError:
-            raise DataError(
-                f"reading {self.path.name} needs the 'tokenizers' package, which is not installed",
-                hint="pip install tokenizers",
-            ) from None
+            from nam_core.data import missing_package
+
+            raise missing_package("tokenizers", f"reading the Hugging Face tokenizer {self.path}") from None
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as e:  # the Rust side raises a bare Exception for a malformed file

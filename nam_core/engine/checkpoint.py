@@ -7,11 +7,15 @@ Layout under the run folder::
 
 A checkpoint is *good* when its folder has its final name and its manifest's sha256 of every file matches.
 Rename is atomic on POSIX, so a crash or ``kill -9`` mid-save leaves only a ``.tmp`` folder behind and
-never damages the last good checkpoint. Old checkpoints are deleted only after a new one is in place.
+never damages the last good checkpoint. Old checkpoints are deleted only after a new one is in place, and
+renamed aside (``.step-*.old-<pid>``) before they are deleted, so a kill mid-delete never leaves a half
+folder under a good name. A full disk is an error that says so (RunFolderError, exit 6) and removes the
+half-written save.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -24,7 +28,7 @@ import numpy as np
 import torch
 
 from nam_core.data.dataset import file_sha256
-from nam_core.errors import NamError
+from nam_core.errors import NamError, RunFolderError
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
 FORMAT = 1
@@ -62,50 +66,108 @@ def _fault_injection(step: int) -> None:
 def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict, keep: int) -> Path:
     """Write checkpoint ``step`` atomically; return its folder. ``extra`` goes into the manifest."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    for stale in ckpt_root.glob(".step-*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # leftovers of a killed save: never a good checkpoint
+    for stale in ckpt_root.glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # leftovers of a killed save or prune: never a good checkpoint
     final = ckpt_root / f"step-{step:08d}"
     tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
     try:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        _fault_injection(step)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        manifest = {"format": FORMAT, "step": step, **extra,
-                    "sha256": {name: file_sha256(tmp / name) for name in FILES}}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        for name in (*FILES, "manifest.json"):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. end of a resumed run): replace it
-            shutil.rmtree(final)
+        tmp.mkdir()
+        _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
+        replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if final.exists():  # re-saving the same step (e.g. end of a resumed run): the new one replaces it
+            os.rename(final, replaced)
         os.rename(tmp, final)
         fsync_dir(ckpt_root)
-    except BaseException:
+        shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(ckpt_root, model, optimizer) from exc
         raise
     for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+        _remove(old)
     return final
+
+
+def _write(tmp: Path, step: int, *, model, optimizer, scheduler, extra: dict) -> None:
+    """Every file of the checkpoint into ``tmp``, on disk. Through our own file objects, so a full disk is
+    OSError(ENOSPC) (torch's writer on a path reports "unexpected pos" instead)."""
+    _save_file(model.state_dict(), tmp / "model.pt")
+    _fault_injection(step)
+    _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+    _save_file(scheduler.state_dict(), tmp / "scheduler.pt")
+    _save_file(rng_state(), tmp / "rng.pt")
+    manifest = {"format": FORMAT, "step": step, **extra,
+                "sha256": {name: file_sha256(tmp / name) for name in FILES}}
+    with open(tmp / "manifest.json", "w") as f:
+        f.write(json.dumps(manifest, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+
+
+def _save_file(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(folder: Path) -> None:
+    """Rename aside, then delete: a kill mid-delete leaves a hidden leftover, never a damaged ``step-*``."""
+    aside = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    os.rename(folder, aside)
+    shutil.rmtree(aside)
+
+
+def _state_bytes(state) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _no_space(ckpt_root: Path, model, optimizer) -> RunFolderError:
+    need = (_state_bytes(model.state_dict()) + _state_bytes(optimizer.state_dict())) / 2**20
+    try:
+        free = f", {shutil.disk_usage(ckpt_root).free / 2**20:.0f} MB free"
+    except OSError:
+        free = ""
+    good = good_checkpoints(ckpt_root)
+    keep = f"the newest good checkpoint, {good[-1].name}, is intact" if good else "no checkpoint was saved yet"
+    return RunFolderError(
+        f"no space left on {ckpt_root} (a checkpoint needs about {need:.0f} MB{free}); the half-written save "
+        f"was removed and {keep}",
+        hint=f"free space on that disk (or lower train.keep_checkpoints), then continue with --resume auto "
+             f"--run-dir {ckpt_root.parent}")
 
 
 def verify(folder: Path) -> dict | None:
     """The manifest of a good checkpoint folder, or None if it is incomplete or corrupt."""
+    return inspect(folder)[0]
+
+
+def inspect(folder: Path) -> tuple[dict | None, str]:
+    """``(manifest, "")`` for a good checkpoint folder, ``(None, what is wrong with it)`` otherwise."""
     manifest_path = folder / "manifest.json"
-    if folder.name.startswith(".") or not manifest_path.is_file():
-        return None
+    if folder.name.startswith("."):
+        return None, "a save in progress or interrupted (hidden folder)"
+    if not manifest_path.is_file():
+        return None, "no manifest.json (the save did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"manifest.json is not valid JSON ({e})"
     digests = manifest.get("sha256", {})
     for name in FILES:
-        if not (folder / name).is_file() or digests.get(name) != file_sha256(folder / name):
-            return None
-    return manifest
+        if not (folder / name).is_file():
+            return None, f"{name} is missing"
+        if digests.get(name) != file_sha256(folder / name):
+            return None, f"sha256 mismatch of {name} (the file changed after it was saved)"
+    return manifest, ""
 
 
 def good_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -118,21 +180,37 @@ def good_checkpoints(ckpt_root: Path) -> list[Path]:
 
 def resolve_resume(spec: str, ckpt_root: Path, *, good: Callable[[Path], list[Path]] = good_checkpoints,
                    is_good: Callable[[Path], bool] = lambda folder: verify(folder) is not None,
-                   what: str = "checkpoint", why_not: str = "missing files or sha256 mismatch") -> Path:
+                   what: str = "checkpoint", why_not: str = "missing files or sha256 mismatch",
+                   why: Callable[[Path], str] | None = None, warn: Callable[[str], None] | None = None) -> Path:
     """``auto`` -> newest good checkpoint under ``ckpt_root``; a path -> that checkpoint, verified.
 
-    ``good``/``is_good``/``what``/``why_not``: another engine's checkpoint format (the megatron engine's)."""
+    ``warn(line)`` hears of each newer checkpoint folder ``auto`` skips, and why (``why(folder)``; this
+    engine's format by default). ``good``/``is_good``/``what``/``why_not``: another engine's checkpoint
+    format (the megatron engine's)."""
+    if why is None:
+        why = (lambda folder: inspect(folder)[1]) if good is good_checkpoints else (lambda folder: why_not)
     if spec == "auto":
         found = good(ckpt_root)
-        if not found:
-            raise NamError(f"--resume auto: no good {what} under {ckpt_root}",
+        newest = found[-1] if found else None
+        skipped = [p for p in _step_folders(ckpt_root) if newest is None or p.name > newest.name]
+        if newest is None:
+            damaged = "".join(f"; {p.name}: {why(p)}" for p in skipped)
+            raise NamError(f"--resume auto: no good {what} under {ckpt_root}{damaged}",
                            hint="start without --resume, or point --resume at a checkpoint folder")
-        return found[-1]
+        for folder in skipped:
+            if warn is not None:
+                warn(f"skipped checkpoint {folder}: {why(folder)}; resuming from {newest.name}")
+        return newest
     folder = Path(spec)
     if not is_good(folder):
-        raise NamError(f"--resume {spec}: not a complete {what} ({why_not})",
+        detail = why(folder) if folder.is_dir() else "no such folder"
+        raise NamError(f"--resume {spec}: not a complete {what} ({detail})",
                        hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
     return folder
+
+
+def _step_folders(ckpt_root: Path) -> list[Path]:
+    return sorted(p for p in ckpt_root.glob("step-*") if p.is_dir()) if ckpt_root.is_dir() else []
 
 
 def load(folder: Path, *, model, optimizer, scheduler) -> dict:

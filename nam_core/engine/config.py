@@ -1,80 +1,91 @@
-"""TrainConfig: how a run trains (optimizer, schedule, batches, checkpoints), whatever the model."""
+"""TrainConfig: how a run trains (optimizer, schedule, batches, checkpoints), whatever the model.
+
+Each field declares what it allows where it is declared (``bounded``, nam_core/bounds.py); the composition
+root checks them all before anything is written.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from nam_core.bounds import bounded
 
 MOE_DISPATCHERS = ("alltoall", "flex")
 """``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
 ENGINES = ("local", "megatron")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+"""What the engines train in: the local engine casts the model to it, the megatron engine lowers to it
+(nam_core/engine/megatron/checks.py); nothing here runs float16 or float8 as the parameter dtype."""
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    engine: str = "local"
+    engine: str = bounded("local", choices=ENGINES, flag="--engine")
     """``local`` (one process, CPU or one GPU) or ``megatron`` (torchrun, several GPUs)."""
-    device: str = "cpu"
+    device: str = bounded("cpu", choices=DEVICES, flag="--device")
     """``cpu`` or ``cuda``."""
-    dtype: str = "float32"
+    dtype: str = bounded("float32", choices=DTYPES, aka=("precision", "param_dtype"))
     """Parameter/activation dtype: ``float32`` (CPU) or ``bfloat16`` (GPU; D and dt_bias stay fp32)."""
     schedule: str = "single"
     """Registry ``schedules``: how micro-batches run (``single`` = forward/backward each in turn)."""
-    tp: int = 1
+    tp: int = bounded(1, ge=1, flag="--tp", aka=("tensor_parallel", "tensor_model_parallel_size"))
     """Tensor-parallel size (megatron engine; the local engine needs 1)."""
-    pp: int = 1
+    pp: int = bounded(1, ge=1, flag="--pp", aka=("pipeline_parallel", "pipeline_model_parallel_size"))
     """Pipeline-parallel size (megatron engine; the local engine needs 1)."""
-    ep: int = 1
+    ep: int = bounded(1, ge=1, flag="--ep", aka=("expert_parallel", "expert_model_parallel_size"))
     """Expert-parallel size (megatron engine; divides the data-parallel size and the expert count)."""
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: str = bounded("alltoall", choices=MOE_DISPATCHERS)
     """Megatron engine, MoE layers: ``alltoall`` (Megatron's all-to-all dispatcher) or ``flex`` (its flex
     dispatcher on DeepEP's kernels; DeepEP must be installed, never chosen because it happens to be)."""
-    seed: int = 1234
+    seed: int = bounded(1234, ge=0, le=2**32 - 1, flag="--seed", note="numpy and torch seed range")
     """Seeds parameters, data order and dropout."""
 
-    micro_batch_size: int = 2
+    micro_batch_size: int = bounded(2, ge=1, aka=("batch_size", "micro_batch", "mbs"))
     """Sequences per micro-batch."""
-    grad_accum: int = 1
+    grad_accum: int = bounded(1, ge=1, aka=("gradient_accumulation_steps", "grad_accumulation", "accum_steps"))
     """Micro-batches per optimizer step."""
 
-    lr: float = 3e-4
+    lr: float = bounded(3e-4, gt=0, aka=("learning_rate", "peak_lr", "max_lr"))
     """Peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1, aka=("min_lr",))
     """Cosine decay floor as a share of the peak."""
-    warmup_steps: int = 10
+    warmup_steps: int = bounded(10, ge=0, aka=("warmup", "lr_warmup_steps"))
     """Linear warmup length, optimizer steps."""
-    total_steps: int = 1000
+    total_steps: int = bounded(1000, ge=1, aka=("max_steps", "steps", "train_iters", "num_steps"))
     """LR schedule length. ``--max-steps`` only stops a run early; the schedule is fixed by this field, so a
     run stopped and resumed follows the same curve."""
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
+    weight_decay: float = bounded(0.1, ge=0, aka=("wd",))
+    adam_beta1: float = bounded(0.9, ge=0, lt=1, aka=("beta1",))
+    adam_beta2: float = bounded(0.95, ge=0, lt=1, aka=("beta2",))
+    adam_eps: float = bounded(1e-8, gt=0, aka=("eps", "epsilon"))
+    grad_clip: float = bounded(1.0, ge=0, note="0 disables", aka=("clip_grad", "max_grad_norm", "gradient_clipping"))
     """Global grad-norm clip; 0 disables."""
 
-    log_every: int = 1
+    log_every: int = bounded(1, ge=1, aka=("log_interval", "logging_steps"))
     """Write a metrics.jsonl line every N steps."""
-    checkpoint_every: int = 50
+    checkpoint_every: int = bounded(50, ge=0, note="0: no checkpoints",
+                                    aka=("save_every", "save_interval", "save_steps"))
     """Save a checkpoint every N steps and at the end; 0: never (benchmarks, whose state nobody resumes)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = bounded(2, ge=1, aka=("save_total_limit", "keep_last"))
     """Newest checkpoints kept; older ones are deleted after a successful save."""
 
     plugin_options: dict = field(default_factory=dict)
     """Options read by plugins, ``{"<plugin>.<option>": value, ...}`` (set with --set <plugin>.<option>=...)."""
 
-    def __post_init__(self):
-        from nam_core.errors import ConfigError
-
-        if self.moe_dispatcher not in MOE_DISPATCHERS:
-            raise ConfigError(f"train.moe_dispatcher={self.moe_dispatcher!r}: expected one of "
-                              f"{', '.join(MOE_DISPATCHERS)}", hint="--set train.moe_dispatcher=alltoall")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"train.engine={self.engine!r}: expected local or megatron", hint="--engine local")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"train.checkpoint_every must be >= 0 (0: no checkpoints), found {self.checkpoint_every}",
-                              hint="--set train.checkpoint_every=50")
+    overlap_grad_reduce: bool = False
+    """Megatron engine: start each gradient bucket's reduce-scatter during the backward pass, as soon as the bucket
+    is complete, instead of all of them after it (Megatron DDP's ``overlap_grad_reduce``). Off until
+    ``bench/megatron.py throughput --overlap`` measures it on the GPU hosts; refused with two model chunks per
+    rank (DualPipeV sums the chunks' shared weights after the backward pass)."""
+    overlap_param_gather: bool = False
+    """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
+    of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Off until
+    measured, as above."""
+    moe_shared_expert_overlap: bool = False
+    """Megatron engine, MoE layers: run the shared expert on a side CUDA stream while the routed tokens are
+    dispatched (Megatron's ``moe_shared_expert_overlap``; alltoall or flex dispatcher). Off until measured."""
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

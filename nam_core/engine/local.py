@@ -2,7 +2,8 @@
 
 Per optimizer step: ``nam_before_step``; ``grad_accum`` micro-batches of forward + backward; the global
 grad norm (clipped); the NaN/Inf guard; the optimizer and LR-schedule step; one metrics line;
-``nam_after_step``; a checkpoint every ``checkpoint_every`` steps and at the end (none at 0).
+``nam_after_step``; a checkpoint every ``checkpoint_every`` steps and at the end (none at 0), and after the
+step in progress when SIGINT or SIGTERM asks the run to stop (it then exits 130/143, saying how to go on).
 
 Resume is bit-exact: model, optimizer, LR schedule and RNG come from the checkpoint, and the data order is a
 pure function of (seed, step), so step N of a resumed run sees what step N of an uninterrupted run saw.
@@ -22,7 +23,8 @@ import torch
 from nam_core.engine import checkpoint
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
-from nam_core.errors import TrainingGuardError
+from nam_core.engine.rundir import StopRequests
+from nam_core.errors import Interrupted, TrainingGuardError
 from nam_core.run import RunSpec, StepContext
 
 
@@ -53,6 +55,9 @@ class LocalRun:
     """The run the plugins were activated for; lifecycle hooks read it through their ``StepContext``."""
     backends: Mapping[str, Any] = field(default_factory=dict)
     """Kind -> the backend object the model runs (``StepContext.backend``)."""
+    again: Callable[..., str] | None = None
+    """``again(resume="auto", sets={"train.lr": "3e-05"})``: the command that continues this run, for the
+    hints of a stop or a guard (the CLI knows the options it was started with)."""
 
     def context(self, step: int) -> StepContext:
         """What the lifecycle hooks of step ``step`` receive."""
@@ -110,76 +115,135 @@ def _drain_notes(run: LocalRun) -> None:
             run.log.note(line)
 
 
-def train(run: LocalRun) -> dict:
+def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfig) -> None:
+    """After a load, this run's LR schedule and weight decay, not the checkpoint's.
+
+    The checkpoint's optimizer and scheduler carry the peak lr (``base_lrs``) and weight decay they were
+    saved with; a resume may change those fields (``rundir.RESUMABLE``), and a silently restored old lr is
+    the bug this prevents. With unchanged fields every number is the one the scheduler computed itself
+    (``base_lr * lambda(step)``), so a plain resume stays bit-exact."""
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # make_optimizer's two groups
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * factor
+        group["weight_decay"] = decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _again(run: LocalRun, **changes) -> str:
+    if run.again is not None:
+        return run.again(**changes)
+    return f"nam train --run-dir {run.run_dir} --resume auto (with this run's other options)"
+
+
+def _start(run: LocalRun) -> int:
+    """Optimizer, schedule and log; the checkpoint's state when resuming. Returns the first step."""
     cfg = run.train
-    ckpt_root = run.run_dir / "checkpoints"
+    run.notes.extend(run.host.transform_model(run.model, run.spec))  # nam_transform_model: before the optimizer
     run.optimizer = make_optimizer(run.model, cfg)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg))
-    start = 0
+    start, cut = 0, []
     if run.resume_from is not None:
         manifest = checkpoint.load(run.resume_from, model=run.model, optimizer=run.optimizer,
                                    scheduler=run.scheduler)
+        resume_schedule(run.optimizer, run.scheduler, cfg)
         start = manifest["step"]
-        truncate_metrics(run.run_dir, start)
+        cut = truncate_metrics(run.run_dir, start)
     run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
     if run.resume_from is not None:
         run.log.note(f"resumed from {run.resume_from} at step {start}")
+    for line in cut:
+        run.log.note(line)
     _drain_notes(run)
-    tokens_per_step = None
-    good = checkpoint.good_checkpoints(ckpt_root)
-    last_good = good[-1] if good else None
-    try:
-        for step in range(start, run.max_steps):
-            run.step = step
-            ctx = run.context(step)
-            run.host.before_step(step, ctx)
-            t0 = time.perf_counter()
-            run.model.train()
-            totals: dict[str, float] = {}
-            n_tokens = 0
-            for micro in range(cfg.grad_accum):
-                batch = run.batch_at(step * cfg.grad_accum + micro, cfg.micro_batch_size)
-                out = run.forward(batch, step * cfg.grad_accum + micro)
-                (out["loss"] / cfg.grad_accum).backward()
-                for key, value in out.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach().float().item() / cfg.grad_accum
-                n_tokens += batch["tokens"].numel()
-            params = [p for p in run.model.parameters() if p.grad is not None]
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-            if not (math.isfinite(totals["loss"]) and math.isfinite(grad_norm)):
-                raise TrainingGuardError(
-                    f"non-finite {'loss' if not math.isfinite(totals['loss']) else 'gradient norm'} at step "
-                    f"{step}: first non-finite is {first_non_finite(run.model)}; "
-                    f"last good checkpoint: {last_good or 'none'}",
-                    hint=f"resume from it with a lower lr: nam train --resume {last_good or 'auto'} "
-                         f"--run-dir {run.run_dir} --set train.lr=...",
-                )
-            lr = run.scheduler.get_last_lr()[0]
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.scheduler.step()
-            if cfg.device == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            tokens_per_s = n_tokens / dt
-            metrics = {"step": step + 1, **{k: round(v, 6) for k, v in totals.items()}, "lr": lr,
-                       "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                       "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12,
-                       "mem_gib": _memory_gib(cfg.device), "step_time_s": dt}
-            run.host.after_step(step, ctx, metrics)
-            _drain_notes(run)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps:
-                run.log.log(metrics)
-            run.log.advance()
-            if cfg.saves_after(step + 1, run.max_steps):
-                last_good = checkpoint.save(
-                    ckpt_root, step + 1, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                    extra={"record": run.record}, keep=cfg.keep_checkpoints,
-                )
-            tokens_per_step = n_tokens
-    finally:
-        run.log.close()
-    summary = {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
-               "tokens_per_step": tokens_per_step}
-    return summary
+    return start
+
+
+def _step(run: LocalRun, step: int, last_good: Path | None) -> tuple[dict, int]:
+    """One optimizer step; its metrics line and its token count."""
+    cfg = run.train
+    ctx = run.context(step)
+    run.host.before_step(step, ctx)
+    t0 = time.perf_counter()
+    run.model.train()
+    totals: dict[str, float] = {}
+    n_tokens = 0
+    for micro in range(cfg.grad_accum):
+        batch = run.batch_at(step * cfg.grad_accum + micro, cfg.micro_batch_size)
+        out = run.forward(batch, step * cfg.grad_accum + micro)
+        (out["loss"] / cfg.grad_accum).backward()
+        for key, value in out.items():
+            totals[key] = totals.get(key, 0.0) + value.detach().float().item() / cfg.grad_accum
+        n_tokens += batch["tokens"].numel()
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    if not (math.isfinite(totals["loss"]) and math.isfinite(grad_norm)):
+        # A lower lr from the last good checkpoint; with none, the folder starts afresh (rundir.plan).
+        retry = _again(run, resume="auto" if last_good else None, sets={"train.lr": f"{cfg.lr / 10:g}"})
+        raise TrainingGuardError(
+            f"non-finite {'loss' if not math.isfinite(totals['loss']) else 'gradient norm'} at step "
+            f"{step}: first non-finite is {first_non_finite(run.model)}; "
+            f"last good checkpoint: {last_good or 'none'}",
+            hint=f"{'resume from it' if last_good else 'start again'} with a lower lr: {retry}",
+        )
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens_per_s = n_tokens / dt
+    metrics = {"step": step + 1, **{k: round(v, 6) for k, v in totals.items()}, "lr": lr,
+               "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+               "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12,
+               "mem_gib": _memory_gib(cfg.device), "step_time_s": dt}
+    run.host.after_step(step, ctx, metrics)
+    return metrics, n_tokens
+
+
+def _save(run: LocalRun, step: int) -> Path:
+    return checkpoint.save(run.run_dir / "checkpoints", step, model=run.model, optimizer=run.optimizer,
+                           scheduler=run.scheduler, extra={"record": run.record}, keep=run.train.keep_checkpoints)
+
+
+def _stopped(run: LocalRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
+    """The error that ends a run stopped on request: where its state is, and the command that continues it."""
+    if last_good is not None and last_good.name == f"step-{step:08d}":
+        saved = f"checkpoint {last_good}"
+    elif run.train.checkpoint_every == 0:
+        saved = "no checkpoint (train.checkpoint_every=0)"
+    else:
+        saved = f"no new checkpoint; the newest is {last_good or 'none'}"
+    return Interrupted(f"stopped by {stop.name} after step {step} of {run.max_steps}: {saved}",
+                       signum=stop.signum, hint=f"continue with: {_again(run, resume='auto')}")
+
+
+def train(run: LocalRun) -> dict:
+    """Train from the start (or the checkpoint) to ``max_steps``. SIGINT/SIGTERM stop it after the current
+    step with a checkpoint of that step (Interrupted, exit 130/143), unless ``checkpoint_every`` is 0."""
+    cfg = run.train
+    with StopRequests() as stop:
+        start = _start(run)
+        good = checkpoint.good_checkpoints(run.run_dir / "checkpoints")
+        last_good = good[-1] if good else None
+        tokens_per_step = None
+        try:
+            if stop.signum is not None:  # asked to stop while loading: nothing new to save
+                raise _stopped(run, stop, start, last_good)
+            for step in range(start, run.max_steps):
+                run.step = step
+                metrics, tokens_per_step = _step(run, step, last_good)
+                _drain_notes(run)
+                if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps or stop.signum is not None:
+                    run.log.log(metrics)
+                run.log.advance()
+                if cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every):
+                    last_good = _save(run, step + 1)
+                if stop.signum is not None:
+                    raise _stopped(run, stop, step + 1, last_good)
+        finally:
+            run.log.close()
+    return {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
+            "tokens_per_step": tokens_per_step}

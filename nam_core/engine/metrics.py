@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,11 +48,12 @@ class MetricsLog:
             self.bar.update(1)
 
     def note(self, message: str) -> None:
-        """A one-off message (plugin hand-over, checkpoint saved), without breaking the bar."""
+        """A one-off message (plugin hand-over, checkpoint saved), without breaking the bar. A ``warning: ``
+        line is shown even under --quiet (something was skipped that the user should know about)."""
         self._notes.write(f"[step {self.step}] {message}\n")
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
-        elif not self.quiet:
+        elif not self.quiet or message.startswith("warning: "):
             print(message, file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -68,9 +70,27 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop metrics lines after the checkpoint a run resumes from (they will be produced again)."""
+def truncate_metrics(run_dir: Path, last_step: int) -> list[str]:
+    """Drop metrics lines after the checkpoint a run resumes from (they will be produced again), and lines
+    that are not JSON: a kill mid-write leaves a torn last line. Returns what was cut, as notes."""
     path = run_dir / "metrics.jsonl"
-    if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= last_step]
-        path.write_text("".join(l + "\n" for l in keep))
+    if not path.exists():
+        return []
+    keep, torn = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            torn.append(number)
+            continue
+        if step <= last_step:
+            keep.append(line)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a kill mid-rewrite keeps the old file
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, path)
+    if not torn:
+        return []
+    which = "its last line" if torn == [number] else f"line(s) {', '.join(map(str, torn))}"
+    return [f"metrics.jsonl: cut {which}, not a whole JSON record (a write cut short by a kill or a full disk)"]

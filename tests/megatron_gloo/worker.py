@@ -32,6 +32,9 @@ def batch_at(index: int, size: int, cfg) -> dict:
 
 
 class NoHooks:
+    def transform_model(self, model, spec):
+        return []
+
     def before_step(self, step, run):
         pass
 
@@ -85,7 +88,7 @@ def megatron_run(args, recipe) -> None:
     overrides = ["attention_backend=reference",  # by name: the reference core on "cuda" (the double's CPU)
                  f"train.dtype={args.dtype}", f"train.micro_batch_size={MICRO_BATCH}",
                  f"train.grad_accum={args.grad_accum}", "train.checkpoint_every=2", "train.keep_checkpoints=10",
-                 "train.total_steps=20", f"train.schedule={schedule}"]
+                 "train.total_steps=20", f"train.schedule={schedule}", *args.set]
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe.name, plugins=["dualpipev"] if schedule == "dualpipev" else [],
                              overrides=overrides, engine="megatron", device="cuda", pp=args.pp, ep=args.ep,
@@ -175,6 +178,7 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
+    ap.add_argument("--set", action="append", default=[], help="megatron runs: one more override, KEY=VALUE")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

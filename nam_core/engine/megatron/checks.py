@@ -132,8 +132,8 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
                       "Transformer Engine's or Apex's fused Adam, which Megatron uses when importable",
                       f"{fused}'s fused Adam" if fused else
                       "neither installed: Megatron builds torch.optim.AdamW, which the engine switches to torch's "
-                      "fused implementation; Megatron's gradient norm and scaling run as per-tensor Python loops "
-                      "(slower; bench/README.md, the megatron engine's profile)"))
+                      "fused implementation; Megatron's gradient norm and clip fall back to per-tensor loops with "
+                      "host syncs, which the engine replaces with foreach kernels (`nam patches` lists both)"))
     return rows
 
 
@@ -168,4 +168,11 @@ def check_layout(*, world_size: int, tp: int, pp: int, ep: int, train: TrainConf
     schedule = resolve_schedule(train.schedule, pp=pp, registered=registered_schedules)
     if schedule is not None:
         schedule.check_layout(tp=tp, pp=pp, ep=ep, num_microbatches=train.grad_accum)
+        if train.overlap_grad_reduce and schedule.chunks_per_rank > 1:
+            # the reduce-scatter starts during the backward pass, before reduce_shared_copies sums the chunks'
+            # copies of one weight: the sum would miss the reduction
+            raise ConfigError(f"train.overlap_grad_reduce with train.schedule={train.schedule!r}: its "
+                              f"{schedule.chunks_per_rank} chunks per rank share weights whose gradients are summed "
+                              "after the backward pass, when the overlapped reduction has already started",
+                              hint="--set train.overlap_grad_reduce=false")
     return dp

@@ -127,9 +127,11 @@ def train(run: MegatronRun) -> dict:
                 run.host.after_step(step, ctx, metrics)
                 _log(run, s, step, metrics, notes)
                 if run.checkpoints and tc.saves_after(step + 1, run.max_steps):
+                    _gather_params(s.models, tc)
                     s.last_good = checkpoint.save_checkpoint(
                         run.run_dir / "checkpoints", step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
                         manifest={"record": run.record, "layout": s.layout})
+            _gather_params(s.models, tc)
         finally:
             if run.log is not None:
                 run.log.close()
@@ -155,7 +157,8 @@ def _start(run: MegatronRun, patch_reports: list) -> _Session:
     pg = parallel.init_parallel(**par, seed=tc.seed, schedule=schedule)
     chunks = schedule.chunks_per_rank
     layout = {"world_size": world, **par, **({"chunks": chunks} if chunks > 1 else {})}
-    config, models = build_ddp(provider, tc, pg, distributed_optimizer=True, schedule=schedule)
+    config, models = build_ddp(provider, tc, pg, distributed_optimizer=True, schedule=schedule,
+                               transform=lambda chunk: run.notes.extend(run.host.transform_model(chunk, run.spec)))
     run.chunks = models
     for model in models:
         model.broadcast_params()
@@ -172,11 +175,29 @@ def _start(run: MegatronRun, patch_reports: list) -> _Session:
         run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
         resumed = [f"resumed from {run.resume_from} at step {start}"] if run.resume_from is not None else []
         lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
-        for line in [*resumed, *run.notes, *lane]:
+        for line in [*resumed, *run.notes, *lane, _overlaps(config, models[0].ddp_config)]:
             run.log.note(line)
     good = checkpoint.good_checkpoints(run.run_dir / "checkpoints")
     tokens = dp * tc.grad_accum * tc.micro_batch_size * provider.seq_len
     return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens)
+
+
+def _overlaps(config, ddp_config) -> str:
+    """The log line naming the communication Megatron overlaps in this run, as Megatron's configs hold it."""
+    on = [name for name, value in (("grad reduce", ddp_config.overlap_grad_reduce),
+                                   ("param gather", ddp_config.overlap_param_gather),
+                                   ("shared expert", getattr(config, "moe_shared_expert_overlap", False))) if value]
+    return f"overlap: {', '.join(on) or 'none'} (train.overlap_grad_reduce, overlap_param_gather, " \
+           "moe_shared_expert_overlap)"
+
+
+def _gather_params(models: list, train: TrainConfig) -> None:
+    """With ``train.overlap_param_gather`` the optimizer step leaves the other ranks' shards of the updated
+    weights to the next forward pass (bucket by bucket, in its pre-hooks); a checkpoint, and the caller after the
+    run, need them now. Megatron's training loop does the same before it saves. Collective (every rank)."""
+    if train.overlap_param_gather:
+        for model in models:
+            model.start_param_sync(force_sync=True)
 
 
 def _batches(run: MegatronRun, step: int, dp_rank: int, dp: int):

@@ -42,10 +42,11 @@ class MegatronModel(Protocol):
 
 
 def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, distributed_optimizer: bool,
-              schedule: PipelineSchedule | None = None):
+              schedule: PipelineSchedule | None = None, transform: Callable[[nn.Module], None] | None = None):
     """This rank's model chunks, each in Megatron's DDP (bf16 through the schedule's ``float16`` wrapper;
     parameters the model keeps fp32 stay fp32, §8), gradients reduced in fp32; returns
-    ``(transformer config, [DDP chunk, ...])``."""
+    ``(transformer config, [DDP chunk, ...])``. ``transform(chunk)`` (the plugins' ``nam_transform_model``)
+    runs on each chunk after its ``float16`` wrapper and before DDP builds its grad buffers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     schedule = schedule or MegatronSchedule()
@@ -54,15 +55,36 @@ def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, dis
     if config.params_dtype != getattr(torch, train.dtype):
         raise ConfigError(f"the model was lowered for {config.params_dtype}, train.dtype is {train.dtype}",
                           hint="lower the model with the run's dtype (nam56r.megatron.lower(..., bf16=...))")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    if train.overlap_param_gather and not distributed_optimizer:
+        raise ConfigError("train.overlap_param_gather all-gathers the distributed optimizer's parameter shards; "
+                          "this build has no distributed optimizer", hint="--set train.overlap_param_gather=false")
+    if train.moe_shared_expert_overlap:
+        overlap_shared_experts(config)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=train.overlap_grad_reduce,
+                                               overlap_param_gather=train.overlap_param_gather,
                                                use_distributed_optimizer=distributed_optimizer)
     chunks = []
     for chunk in range(provider.chunks):
         module = provider.build(config, pg_collection, device, chunk=chunk)
         if train.dtype == "bfloat16":
             module = schedule.float16(config, module, chunk)
+        if transform is not None:
+            transform(module)
         chunks.append(DistributedDataParallel(config, ddp_config, module))
     return config, chunks
+
+
+def overlap_shared_experts(config) -> None:
+    """Megatron's ``moe_shared_expert_overlap`` on the model's TransformerConfig, before the chunks are built
+    (MoELayer and SharedExpertMLP read it then). TransformerConfig checks the dispatcher at construction only, so
+    the check is repeated here; a model without shared experts is left as it is (Megatron ignores the flag)."""
+    if not getattr(config, "num_moe_experts", None) or not config.moe_shared_expert_intermediate_size:
+        return
+    if config.moe_token_dispatcher_type not in ("alltoall", "flex"):
+        raise ConfigError(f"train.moe_shared_expert_overlap needs the alltoall or flex MoE dispatcher, the model "
+                          f"was lowered for {config.moe_token_dispatcher_type!r}",
+                          hint="--set train.moe_shared_expert_overlap=false")
+    config.moe_shared_expert_overlap = True
 
 
 def unwrap(model):

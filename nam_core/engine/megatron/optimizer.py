@@ -1,8 +1,9 @@
 """Megatron's distributed optimizer for the run, and nam's learning-rate schedule on it.
 
 What Megatron-Core's optimizer gets wrong or leaves slow without Transformer Engine or Apex (fp32 parameters in
-mixed groups, torch AdamW's state on load, the unfused AdamW) is fixed in the patch lane
-(``nam_core.engine.megatron.patches``), applied around the run by ``loop.train``."""
+mixed groups, torch AdamW's state on load, the unfused AdamW, the gradient norm's and clip's per-tensor host
+syncs) is fixed in the patch lane (``nam_core.engine.megatron.patches``), applied around the run by
+``loop.train``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def build_optimizer(models: list, train: TrainConfig, config):
         optimizer="adam", lr=train.lr, min_lr=train.lr * train.min_lr_ratio, weight_decay=train.weight_decay,
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
         clip_grad=train.grad_clip, bf16=train.dtype == "bfloat16", params_dtype=config.params_dtype,
-        use_distributed_optimizer=True)
+        use_distributed_optimizer=True, overlap_param_gather=train.overlap_param_gather)  # as DDP's, Megatron asks
     return get_megatron_optimizer(opt_config, models)
 
 

@@ -21,6 +21,17 @@ with ``nam_core.patches.applied`` and reverts them at the end), and listed by ``
   (on CUDA the multi-tensor ``foreach`` one: 52 ms of a 1,485 ms step at 2x H200, MBS 2, bench/README.md).
   Fix: each inner torch Adam(W) runs torch's ``fused`` implementation (the same update in one kernel per
   device and dtype), also after a load replaces its parameter groups.
+* ``megatron-grad-norm-foreach``: the gradient norm for clipping (``get_grad_norm_fp32``, clip_grads.py:116)
+  runs Megatron's ``local_multi_tensor_l2_norm`` (utils.py:1325-1333): ``torch.tensor(l2)`` over one 0-dim
+  device tensor per parameter reads each to the host: one device sync per parameter tensor, every step.
+  Fix: ``foreach_l2_norm``, per-tensor norms by ``torch._foreach_norm`` in fp32 and their norm, on the
+  device; the same number to fp32 rounding.
+* ``megatron-grad-clip-foreach``: with no ``multi_tensor_scale_tensor`` (clip_grads.py:47) the norm is read to
+  the host (clip_grads.py:137-138, one more sync a step) and the clip scales by a Python float through
+  ``local_multi_tensor_scale`` (utils.py:1337-1340: a multiply and a copy per tensor, clip_grads.py:189-192).
+  Fix: ``foreach_scale`` for both, so the norm stays a device tensor and the clip multiplies every gradient by
+  ``min(max_norm / (norm + 1e-6), 1)`` in one ``torch._foreach_mul_`` (Transformer Engine's path,
+  clip_grads.py:181-188). ``optimizer.step()`` then returns the norm as a [1] tensor, as it does with TE.
 
 Each ``detect()`` reads what is installed (no Transformer Engine or Apex, the code line that carries the bug)
 and whether the fix is in place, so an upstream that changes the line retires the patch by itself.
@@ -30,8 +41,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
+from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, Patch
 from nam_core.registry import Entry
@@ -40,9 +54,10 @@ OWNER = "megatron engine"
 """What ``nam patches`` and the run's reports name as these patches' owner (the ``plugin`` column)."""
 TARGET, VERSIONS = "megatron-core", ">=0.19"
 """The engine runs on 0.19 and later; each ``detect`` decides by the installed code, not the number."""
-FP32_GROUPS, STATE_BEFORE_STEP, STEP_ON_LOAD, FUSED = (
+FP32_GROUPS, STATE_BEFORE_STEP, STEP_ON_LOAD, FUSED, GRAD_NORM, GRAD_CLIP = (
     "megatron-optimizer-fp32-groups", "megatron-distopt-adam-state-before-step",
-    "megatron-distopt-adam-step-on-load", "megatron-torch-adamw-fused")
+    "megatron-distopt-adam-step-on-load", "megatron-torch-adamw-fused", "megatron-grad-norm-foreach",
+    "megatron-grad-clip-foreach")
 
 
 # --- wrapping upstream attributes, revertibly --------------------------------------------------------------
@@ -296,6 +311,182 @@ def _fused_reproduce() -> str:
     return BUG_REPRODUCED if _fused_detect() else FIX_VALIDATED
 
 
+# --- counting host syncs and launches (the reproducers of the grad-norm and grad-clip entries) ---------------
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """For a reproducer on a machine without CUDA only: tensors Megatron's fallbacks create on ``cuda`` (their
+    results, their dummy overflow buffers) are created on the CPU, so the fallback runs to its end."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "cuda" in str(kwargs.get("device", "")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def host_syncs(fn: Callable[[], Any]) -> int:
+    """How many times ``fn()`` makes the host wait for a tensor's value. On CUDA: the synchronising calls that
+    torch's sync debug mode reports. On the CPU, where there is no device to wait for: the reads of a tensor's
+    value into Python (``aten::_local_scalar_dense``, what each of those calls is on CUDA), by the profiler."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        return sum("synchroniz" in str(w.message) for w in caught)
+    from torch.profiler import ProfilerActivity, profile
+
+    with _CudaOnCpu(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+
+
+def top_level_ops(fn: Callable[[], Any]) -> int:
+    """How many operators ``fn()`` calls from Python (the profiler's top-level ``aten::`` events): on CUDA each
+    one launches its own kernel(s), so a count that grows with the tensor count is a per-tensor loop."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _CudaOnCpu(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name.startswith("aten::") and e.cpu_parent is None for e in prof.events())
+
+
+def _replacing(function: Callable) -> Callable:
+    """``_wrap``'s ``make`` for a replacement that does not call upstream's code: a fresh function per apply
+    (it carries the patch's mark; ``__wrapped__`` keeps upstream's for the revert) running ``function``."""
+
+    def make(original):
+        @functools.wraps(function)
+        def replacement(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        return replacement
+
+    return make
+
+
+def _clip_grads():
+    from megatron.core.optimizer import clip_grads
+
+    return clip_grads
+
+
+def _fallbacks():
+    """Megatron's own multi-tensor fallbacks (megatron/core/utils.py), which clip_grads uses without TE/Apex."""
+    from megatron.core import utils
+
+    return utils
+
+
+def _tensors(device: str, count: int, seed: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(7 + i, 5, generator=gen).to(device) for i in range(count)]
+
+
+# --- megatron-grad-norm-foreach ---------------------------------------------------------------------------
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for ``amp_C.multi_tensor_l2norm`` (Megatron calls it through ``multi_tensor_applier``): the L2 norm
+    of all of ``tensor_lists[0]`` as one vector, a [1] fp32 tensor on their device, and the per-tensor norms
+    if ``per_tensor``. Per-tensor norms by ``torch._foreach_norm`` accumulated in fp32, then the norm of those;
+    nothing is read to the host."""
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)  # [] fp32 each
+    device = norms[0].device
+    per = torch.stack([n.to(device) for n in norms])  # [n_tensors]
+    return torch.linalg.vector_norm(per).reshape(1), (per if per_tensor else None)
+
+
+def _grad_norm_detect() -> bool:
+    utils, clip = _fallbacks(), _clip_grads()
+    reads_each = "torch.norm(torch.tensor(l2))" in _source(utils.local_multi_tensor_l2_norm)
+    return clip.l2_norm_impl is utils.local_multi_tensor_l2_norm and reads_each
+
+
+def _grad_norm_reproduce() -> str:
+    """clip_grads' L2 norm (as ``get_grad_norm_fp32`` calls it, clip_grads.py:116) over 2 and over 16 tensors:
+    the bug is a host sync count that grows with the tensor count; the fix makes none and matches the norm of
+    the concatenated tensors (fp64) to 1e-6."""
+    clip = _clip_grads()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def norm(tensors):
+        return clip.multi_tensor_applier(clip.l2_norm_impl, torch.zeros(1, dtype=torch.int, device=device),
+                                         [tensors], False)[0]
+
+    few, many = _tensors(device, 2), _tensors(device, 16)
+    syncs = [host_syncs(lambda: norm(few)), host_syncs(lambda: norm(many))]
+    if syncs[1] > syncs[0]:
+        return BUG_REPRODUCED
+    with _CudaOnCpu():
+        got = float(norm(many)[0])
+    want = float(torch.cat([t.flatten().double() for t in many]).norm())
+    return FIX_VALIDATED if syncs == [0, 0] and abs(got - want) <= 1e-6 * want else BUG_REPRODUCED
+
+
+# --- megatron-grad-clip-foreach ---------------------------------------------------------------------------
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for ``amp_C.multi_tensor_scale`` and TE's ``multi_tensor_scale_tensor``: ``dst = src * scale`` for
+    every pair of ``tensor_lists = [src, dst]``, in one ``torch._foreach_mul``; ``scale`` a number or a
+    one-element tensor on the tensors' device (not read to the host)."""
+    src, dst = tensor_lists
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(())  # torch._foreach_mul takes a 0-dim tensor
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _grad_clip_detect() -> bool:
+    utils, clip = _fallbacks(), _clip_grads()
+    loops = "forsrc,dstinzip(tensor_lists[0],tensor_lists[1]):" in _source(utils.local_multi_tensor_scale)
+    return clip.multi_tensor_scale_impl is utils.local_multi_tensor_scale and (
+        loops or clip.multi_tensor_scale_tensor_impl is None)
+
+
+def _grad_clip_apply() -> None:
+    clip = _clip_grads()
+    _wrap(clip, "multi_tensor_scale_impl", GRAD_CLIP, _replacing(foreach_scale))
+    _wrap(clip, "multi_tensor_scale_tensor_impl", GRAD_CLIP, _replacing(foreach_scale))
+
+
+def _grad_clip_revert() -> None:
+    clip = _clip_grads()
+    _unwrap(clip, "multi_tensor_scale_tensor_impl", GRAD_CLIP)
+    _unwrap(clip, "multi_tensor_scale_impl", GRAD_CLIP)
+
+
+def _grad_clip_reproduce() -> str:
+    """clip_grads' scale (as ``clip_grad_by_total_norm_fp32`` calls it, clip_grads.py:190) over 2 and over 16
+    tensors, and whether a device-side scale exists: the bug is operator calls that grow with the tensor count
+    (one multiply and one copy each), or no tensor scale, which makes ``get_grad_norm_fp32`` read the norm to
+    the host (clip_grads.py:135-138). The fix scales in one call, by a device tensor, to the same numbers."""
+    clip = _clip_grads()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def scale(tensors, by):
+        clip.multi_tensor_applier(clip.multi_tensor_scale_impl, torch.zeros(1, dtype=torch.int, device=device),
+                                  [tensors, tensors], by)
+
+    few, many = _tensors(device, 2), _tensors(device, 16)
+    calls = [top_level_ops(lambda: scale(few, 0.5)), top_level_ops(lambda: scale(many, 0.5))]
+    if calls[1] > calls[0] or clip.multi_tensor_scale_tensor_impl is None:
+        return BUG_REPRODUCED
+    want = [t * 0.25 for t in many]
+    clip.multi_tensor_applier(clip.multi_tensor_scale_tensor_impl, None, [many, many],
+                              torch.full((1,), 0.25, device=device))
+    return FIX_VALIDATED if all(torch.equal(a, b) for a, b in zip(many, want)) else BUG_REPRODUCED
+
+
 # --- the lane ---------------------------------------------------------------------------------------------
 
 
@@ -335,6 +526,22 @@ def make_patches() -> list[Patch]:
               detect=_fused_detect, reproduce=_fused_reproduce,
               apply=lambda: _wrap(opt(), "get_megatron_optimizer", FUSED, _fused),
               revert=lambda: _unwrap(opt(), "get_megatron_optimizer", FUSED)),
+        Patch(GRAD_NORM, TARGET, VERSIONS,
+              summary="without TE/Apex, the gradient norm for clipping reads every parameter tensor's norm to the "
+                      "host (one device sync each); torch._foreach_norm keeps them on the device",
+              retire_when="a megatron-core release whose local_multi_tensor_l2_norm does not read each tensor's "
+                          "norm to the host (detection reads megatron/core/utils.py), or TE/Apex on the GPU hosts",
+              detect=_grad_norm_detect, reproduce=_grad_norm_reproduce,
+              apply=lambda: _wrap(_clip_grads(), "l2_norm_impl", GRAD_NORM, _replacing(foreach_l2_norm)),
+              revert=lambda: _unwrap(_clip_grads(), "l2_norm_impl", GRAD_NORM)),
+        Patch(GRAD_CLIP, TARGET, VERSIONS,
+              summary="without TE/Apex, the clip scales each gradient in a Python loop (two kernels a tensor) by a "
+                      "coefficient read to the host (one more sync); one torch._foreach_mul_ by a device tensor",
+              retire_when="a megatron-core release with a local multi_tensor_scale_tensor and a multi_tensor_scale "
+                          "without a per-tensor loop (detection reads clip_grads and megatron/core/utils.py), or "
+                          "TE/Apex on the GPU hosts",
+              detect=_grad_clip_detect, reproduce=_grad_clip_reproduce,
+              apply=_grad_clip_apply, revert=_grad_clip_revert),
     ]
 
 

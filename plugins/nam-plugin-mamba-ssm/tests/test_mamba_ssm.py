@@ -100,7 +100,8 @@ def recipe(*overrides, base="nam56r", device="cuda"):
     """The RunSpec of `--plugins mamba-ssm` on ``base``, every other kind on the reference (a fake H100)."""
     from nam56r.run import spec_for
 
-    others = ("attention_backend=reference", "indexer_kernels_backend=reference", "ce_backend=reference")
+    others = ("attention_backend=reference", "indexer_kernels_backend=reference", "ce_backend=reference",
+              "moe_backend=reference")
     return spec_for(base, *others, *overrides, plugins=["mamba-ssm"], device=device).replace(
         plugins=("reference", "mamba-ssm"))
 

@@ -93,7 +93,7 @@ def recipe(*overrides, base="nam56r", device="cuda"):
     from nam56r.run import spec_for
 
     others = ("ssm_backend=mimo-scan", "attention_backend=reference", "indexer_kernels_backend=reference",
-              "ce_backend=reference")
+              "ce_backend=reference", "moe_backend=reference")
     return spec_for(base, *others, *overrides, plugins=["mimo-scan"], device=device).replace(
         plugins=("reference", "mimo-scan"))
 
@@ -163,7 +163,8 @@ def test_config_check_passes_nam56r():
 @pytest.mark.parametrize("overrides, fragment, hint", [
     (("mamba_mimo_rank=1",), "rank 1 (SISO): this backend runs MIMO only", "--set ssm_backend=mamba-ssm"),
     (("d_state=96",), "d_state 96 is not a power of two in [32, 256]", "NAM56R's widths"),
-    (("mamba_headdim=48",), "headdim 48 is not a power of two in [16, 128]", "NAM56R's widths"),
+    # hidden 3072: 6144 / 48 = 128 heads in 8 groups, a model nam builds (48 does not divide NAM56R's 8192)
+    (("hidden=3072", "mamba_headdim=48"), "headdim 48 is not a power of two in [16, 128]", "NAM56R's widths"),
 ])
 def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment, hint):
     check = checks_of(recipe(*overrides))["kernel shapes"]

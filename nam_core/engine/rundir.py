@@ -1,0 +1,434 @@
+"""The run folder's life: one owner at a time, what a new start does with what it finds, what a resume may
+change, a stop on request, and filesystem failures as one-block errors.
+
+    runs/<name>/run.lock          held (flock) by the live run; its pid, host and start time, for messages
+    runs/<name>/history.jsonl     one line per start: fresh, restart or resume, with the fields it changed
+    runs/<name>/stopped-<time>/   what a run that stopped before its first checkpoint left (moved aside)
+
+Why flock: the kernel lets go of it when its process dies, however it dies (SIGKILL, the OOM killer), so a
+lock never outlives its owner on this machine and a crash never leaves a folder that needs ``rm -rf``. The
+file is removed on every exit Python sees; a file still there, with a pid in it, when the lock is free
+was left by a process that died holding it: that pid is named in a note and the lock is taken over.
+(flock is not reliable on NFS: keep run folders on a local disk.)
+
+Everything here that decides (``plan``) only reads; ``begin`` writes, under the lock, once every check
+has passed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from nam_core.errors import ConfigError, RunFolderError
+
+LOCK = "run.lock"
+HISTORY = "history.jsonl"
+RUN_FILES = frozenset({"config.json", "plugins.json", "metrics.jsonl", "run.log", "summary.json", HISTORY, LOCK,
+                       "tensorboard", "checkpoints"})
+"""What nam writes into a run folder; anything else, in a folder with no config.json, is not a run's."""
+MOVED_ASIDE = ("config.json", "plugins.json", "metrics.jsonl", "summary.json", "tensorboard")
+"""A restarted folder's outputs of the run that stopped (run.log and history.jsonl go on, appended)."""
+
+RESUMABLE = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.total_steps", "train.grad_clip",
+             "train.weight_decay", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints")
+"""Fields a resume may change. They steer the run from the next step on and change no tensor's shape or
+meaning: the LR schedule is rebuilt from (step, these fields) at every start, weight decay is set on the
+optimizer's groups after a load, the rest are read each step. Every other field (shapes, dtype, batch sizes,
+seed, data, plugins) changes what the checkpoint's tensors are or which batches come next: refused."""
+
+
+# --- filesystem failures -------------------------------------------------------------------------------
+
+_WHY = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+        errno.EROFS: "read-only filesystem", errno.ENOTDIR: "a file stands where a folder should be",
+        errno.EISDIR: "a folder stands where a file should be"}
+"""OSErrors a person fixes on the filesystem; any other OSError is a bug or a broken disk: a traceback."""
+
+
+def filesystem_error(exc: OSError, run_dir: Path) -> RunFolderError | None:
+    """``exc`` as a one-block error naming the path, or None when it is not one a person can fix."""
+    why = _WHY.get(exc.errno)
+    if why is None:
+        return None
+    path = exc.filename or run_dir
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = (f"free space on that disk (or move the run folder to another), then continue the run with "
+                f"--resume auto --run-dir {run_dir}: its newest good checkpoint is kept")
+    elif exc.errno in (errno.ENOTDIR, errno.EISDIR):
+        hint = f"move {path} out of the way, or choose another --run-dir"
+    else:
+        hint = f"make {path} writable (or use a writable disk), or choose another --run-dir"
+    verb = "cannot write to" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) else "cannot use"
+    return RunFolderError(f"{verb} {path}: {why}", hint=hint)
+
+
+@contextmanager
+def readable_filesystem_errors(run_dir: Path) -> Iterator[None]:
+    """Turn the OSErrors of ``filesystem_error`` raised inside into RunFolderError (exit 6)."""
+    try:
+        yield
+    except OSError as exc:
+        readable = filesystem_error(exc, run_dir)
+        if readable is None:
+            raise
+        raise readable from exc
+
+
+def check_usable(run_dir: Path) -> None:
+    """Before anything is written: a file where the run folder (or its checkpoints/) should be, or a folder
+    this process cannot write, is refused here instead of failing halfway through a start."""
+    for path in (run_dir, run_dir / "checkpoints"):
+        if path.exists() and not path.is_dir():
+            raise RunFolderError(f"{path} is a file; the run needs a folder there",
+                                 hint=f"move {path} out of the way, or choose another --run-dir")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RunFolderError(f"cannot create the run folder {run_dir}: {existing} is a file",
+                             hint=f"move {existing} out of the way, or choose another --run-dir")
+    for path in (existing, run_dir / "checkpoints"):
+        if path.is_dir():
+            _check_writable(path)
+
+
+def _check_writable(path: Path) -> None:
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise RunFolderError(f"cannot write to {path}: read-only filesystem",
+                             hint="choose a --run-dir on a writable disk")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise RunFolderError(f"cannot write to {path}: permission denied",
+                             hint=f"make it writable (chmod u+w {path}), or choose another --run-dir")
+
+
+# --- the lock --------------------------------------------------------------------------------------------
+
+def _owner_text() -> str:
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def describe_owner(text: str) -> tuple[str, int | None]:
+    """``("pid 123 on host, started ...", 123)`` from a lock file's text (or what is known of it)."""
+    try:
+        owner = json.loads(text)
+        return f"pid {owner['pid']} on {owner['host']}, started {owner['started']}", int(owner["pid"])
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its pid yet (it is starting)", None
+
+
+class RunFolder:
+    """The run folder, held for the run's life: created if needed, locked, and given back on any exit
+    (``with RunFolder(path) as folder:``). ``stale`` names the previous owner when it died holding the lock."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.lock_path = self.path / LOCK
+        self.stale: str | None = None
+        self._fd: int | None = None
+        self._created: list[Path] = []
+
+    def __enter__(self) -> "RunFolder":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        with readable_filesystem_errors(self.path):
+            self._make_folders()
+            try:
+                self._lock()
+            except BaseException:
+                self.release()
+                raise
+
+    def _make_folders(self) -> None:
+        missing = []
+        path = self.path
+        while not path.exists():
+            missing.append(path)
+            path = path.parent
+        for path in reversed(missing):
+            path.mkdir(exist_ok=True)
+            self._created.append(path)
+
+    def _lock(self) -> None:
+        """flock the lock file; retry when the file was replaced between open and flock (its previous owner
+        removed it as it let go: our flock is then on a file nobody else will look at)."""
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner, pid = describe_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
+                os.close(fd)
+                raise RunFolderError(
+                    f"run folder {self.path} is in use by another run: {owner}",
+                    hint=f"wait for it to end, or stop it with kill -INT {pid or '<its pid>'} (it saves a checkpoint "
+                         "first), then continue it with --resume auto; or choose another --run-dir") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self._fd = fd
+        previous = os.pread(fd, 4096, 0).decode(errors="replace")
+        if previous.strip():
+            self.stale = (f"took over {self.lock_path} from {describe_owner(previous)[0]}: that process ended "
+                          f"without letting go of it (killed?) and holds it no longer")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _owner_text().encode(), 0)
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it), let go, and remove folders this start created
+        that are still empty (a start refused after the lock leaves nothing behind)."""
+        if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_ino == os.stat(self.lock_path).st_ino:
+                    os.unlink(self.lock_path)
+            except OSError:
+                pass  # a read-only or vanished folder: the kernel still lets go of the flock below
+            os.close(self._fd)
+            self._fd = None
+        for path in reversed(self._created):
+            try:
+                path.rmdir()
+            except OSError:
+                break  # not empty: the run wrote into it
+        self._created = []
+
+
+# --- what a start does with what it finds ---------------------------------------------------------------
+
+def record_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """``(dotted key, old value, new value)`` for every leaf that differs, compared as JSON."""
+    old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += record_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changed.append((f"{prefix}{key}", a, b))
+    return changed
+
+
+def _listed(diffs: list[tuple[str, object, object]]) -> str:
+    lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs]
+    return "; ".join(lines[:5]) + (" ..." if len(lines) > 5 else "")
+
+
+def split_changes(old: dict, new: dict) -> tuple[dict, list[tuple[str, object, object]]]:
+    """The differences between two run records: ``({field: [old, new]} a resume may make, the others)``."""
+    allowed, refused = {}, []
+    for key, a, b in record_diff(old, new):
+        if key in RESUMABLE:
+            allowed[key] = [a, b]
+        else:
+            refused.append((key, a, b))
+    return allowed, refused
+
+
+@dataclass
+class Contents:
+    """What a run folder holds, read without writing (the run.lock file aside)."""
+
+    names: set[str]
+    config: dict | None
+    steps: list[Path]
+    """``checkpoints/step-*`` folders, good or not."""
+    good: list[Path]
+
+    @classmethod
+    def read(cls, run_dir: Path, good: Callable[[Path], list[Path]]) -> "Contents":
+        names = {p.name for p in run_dir.iterdir()} - {LOCK} if run_dir.is_dir() else set()
+        config = None
+        if "config.json" in names:
+            try:
+                config = json.loads((run_dir / "config.json").read_text())
+            except ValueError:
+                config = None
+        ckpts = run_dir / "checkpoints"
+        steps = sorted(p for p in ckpts.glob("step-*") if p.is_dir()) if ckpts.is_dir() else []
+        return cls(names, config, steps, good(ckpts) if steps else [])
+
+    @property
+    def foreign(self) -> list[str]:
+        return sorted(n for n in self.names if n not in RUN_FILES and not n.startswith("stopped-"))
+
+
+@dataclass
+class Start:
+    """How this run begins in its folder, decided under the lock before anything is written."""
+
+    kind: str
+    """``fresh`` (an empty folder), ``restart`` (a run that stopped before its first checkpoint), ``resume``."""
+    resume_from: Path | None = None
+    step: int = 0
+    changes: dict = field(default_factory=dict)
+    """``{"train.lr": [old, new]}``: what this resume changes against the checkpoint's record."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the run log and the terminal (``warning: ...`` ones are shown even under --quiet)."""
+    aside: Path | None = None
+    """Where a restart moves the stopped run's outputs (``stopped-<time>``)."""
+
+
+def plan(run_dir: Path, record: dict, resume: str | None, *, good: Callable[[Path], list[Path]],
+         resolve: Callable[..., Path], again: Callable[..., str]) -> Start:
+    """Decide how to start: refuse (ConfigError, exit 2) a folder of another run, a checkpoint of another
+    config or damaged checkpoints alone; start afresh in a folder whose run never saved a checkpoint.
+
+    ``good(ckpt_root)``/``resolve(spec, ckpt_root, warn=)``: the engine's checkpoint format. ``again(resume=,
+    sets=)``: this command again (for hints)."""
+    contents = Contents.read(run_dir, good)
+    if resume is None or (resume == "auto" and not contents.steps):
+        return _plan_new(run_dir, contents, resume, again)
+    return _plan_resume(run_dir, contents, record, resume, resolve)
+
+
+def _plan_new(run_dir: Path, contents: Contents, resume: str | None, again: Callable[..., str]) -> Start:
+    auto = (f"--resume auto: run folder {run_dir} holds no checkpoint yet, so this run starts afresh"
+            if resume == "auto" else None)
+    if not contents.names - {HISTORY, "run.log"}:
+        return Start("fresh", notes=[auto] if auto else [])
+    if contents.good:
+        raise ConfigError(f"run folder {run_dir} already holds a run (newest checkpoint: {contents.good[-1].name})",
+                          hint=f"continue it: {again(resume='auto')}; or choose another --run-dir")
+    if contents.steps:
+        raise ConfigError(f"run folder {run_dir} holds only damaged checkpoints: "
+                          + ", ".join(p.name for p in contents.steps),
+                          hint=f"see why with --resume auto; remove them (rm -r {run_dir}/checkpoints) to start "
+                               "afresh, or choose another --run-dir")
+    if "config.json" not in contents.names and contents.foreign:
+        raise ConfigError(f"run folder {run_dir} is not empty and holds no nam run (no config.json): "
+                          + ", ".join(contents.foreign[:5]), hint="choose an empty or new --run-dir")
+    moved = [n for n in MOVED_ASIDE if n in contents.names]
+    aside = _unused(run_dir / f"stopped-{time.strftime('%Y%m%d-%H%M%S')}")
+    what = f"{', '.join(moved)} moved to {aside}/" if moved else "nothing to move aside"
+    line = (f"run folder {run_dir} holds no checkpoint and no live run (it stopped before its first save, or "
+            f"saved none): starting afresh; {what}; run.log and history.jsonl kept")
+    return Start("restart", notes=[auto, line] if auto else [line], aside=aside)
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... : two restarts in one second keep both stopped runs."""
+    n, candidate = 1, path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+def _plan_resume(run_dir: Path, contents: Contents, record: dict, resume: str, resolve) -> Start:
+    fields = ", ".join(RESUMABLE)
+    if contents.config is not None:
+        _, refused = split_changes(contents.config, record)
+        if refused:
+            raise ConfigError(f"--resume: run folder {run_dir} belongs to a different config: {_listed(refused)}",
+                              hint=f"resume with the same recipe and overrides (a resume may change {fields}), "
+                                   "or start a new --run-dir")
+    warnings: list[str] = []
+    folder = resolve(resume, run_dir / "checkpoints", warn=warnings.append)
+    manifest = _manifest(folder)
+    made_with = manifest.get("record") or contents.config
+    changes = {}
+    if made_with is not None:
+        changes, refused = split_changes(made_with, record)
+        if refused:
+            raise ConfigError(f"--resume {resume}: checkpoint {folder} was made with a different config: "
+                              f"{_listed(refused)}",
+                              hint=f"resume with the config it was made with (a resume may change {fields}), "
+                                   "or start without --resume")
+    step = int(manifest.get("step", 0))
+    notes = [f"warning: {w}" for w in warnings]
+    if changes:
+        notes.append(f"--resume: from step {step}, " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+                     + f" (recorded in {run_dir / HISTORY})")
+    return Start("resume", resume_from=folder, step=step, changes=changes, notes=notes)
+
+
+def _manifest(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def begin(run_dir: Path, start: Start) -> None:
+    """Under the lock, after every check: move a stopped run's outputs aside, drop the leftovers of
+    interrupted saves, and append this start to history.jsonl."""
+    moved = [n for n in MOVED_ASIDE if (run_dir / n).exists()] if start.aside is not None else []
+    if moved:
+        start.aside.mkdir()
+        for name in moved:
+            os.replace(run_dir / name, start.aside / name)
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        import shutil
+
+        for leftover in ckpts.glob(".step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)  # an interrupted save: never a good checkpoint
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": start.kind, "step": start.step,
+             "pid": os.getpid()}
+    if start.resume_from is not None:
+        entry["from"] = str(start.resume_from)
+    if start.changes:
+        entry["changes"] = start.changes
+    with open(run_dir / HISTORY, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+# --- a stop on request ------------------------------------------------------------------------------------
+
+class StopRequests:
+    """SIGINT and SIGTERM ask the run to stop after its current step (and save) instead of ending it mid-step.
+
+    ``signum`` is the first signal received (None: go on). A second one while the run saves is reported and
+    otherwise ignored: the save finishes (it is atomic either way; SIGKILL leaves the previous checkpoint).
+    Handlers are installed only in the main thread (Python refuses elsewhere) and restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            message = f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint\n"
+        else:
+            message = (f"\n{signal.Signals(signum).name}: already stopping; the step and its checkpoint are not "
+                       "interrupted (SIGKILL would leave the previous checkpoint)\n")
+        os.write(2, message.encode())

@@ -1,0 +1,77 @@
+"""The end-of-run summary (``summary.json`` and the last line ``nam train`` prints), from the metrics records.
+
+One step's loss is noisy, and the total ``loss`` includes the MTP and auxiliary losses (router balance, the
+indexer's KL), which move for their own reasons. So the summary reports the LM loss (``lm_loss``) averaged over
+a window of steps at the start and at the end, each other loss term averaged over the end window apart from
+it, and the run's speed: wall time, tokens, tokens per second.
+
+Both engines write the same records (``nam_core.engine.local``, ``nam_core.engine.megatron.loop``): a record is
+the step's numbers; every numeric field that is not one of ``STEP_FIELDS`` is a loss term.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import fmean, median
+
+STEP_FIELDS = frozenset({"step", "loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
+                         "mem_gib", "step_time_s"})
+"""Fields of a metrics record that are not auxiliary loss terms (``loss`` is their sum with ``lm_loss``)."""
+
+WINDOW_FRACTION, WINDOW_MAX = 0.1, 20
+"""The window: the last 10% of the logged steps (a short run's first steps are far above its end), at most 20
+(a long run's summary says where it ended, not an average over thousands of steps), at least one."""
+
+
+def window(n_records: int) -> int:
+    """How many records the start and end averages take, out of ``n_records``."""
+    return max(1, min(WINDOW_MAX, math.ceil(n_records * WINDOW_FRACTION)))
+
+
+def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_step: int | None) -> dict:
+    """The summary's numbers. ``records``: the run folder's metrics records (a resumed run's earlier ones too);
+    ``wall_s``, ``steps_run`` and ``tokens_per_step``: this invocation's training (tokens over every rank)."""
+    tokens = (tokens_per_step or 0) * steps_run
+    summary = {"wall_time_s": round(wall_s, 3), "steps_run": steps_run, "tokens": tokens,
+               "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None}
+    if not records:
+        return dict(summary, loss_window=0, lm_loss_first=None, lm_loss_last=None, loss_last=None,
+                    other_losses_last={}, step_tokens_per_s=None)
+    n = window(len(records))
+    first, last = records[:n], records[-n:]
+    lm = "lm_loss" if all("lm_loss" in r for r in records) else "loss"  # a model without the split logs one
+    aux = sorted({k for r in last for k, v in r.items() if k not in STEP_FIELDS and isinstance(v, (int, float))})
+    summary.update(
+        loss_window=n, lm_loss_first=_mean(first, lm), lm_loss_last=_mean(last, lm), loss_last=_mean(last, "loss"),
+        other_losses_last={k: _mean(last, k) for k in aux},
+        step_tokens_per_s=median(r["tokens_per_s"] for r in last) if all("tokens_per_s" in r for r in last) else None,
+    )
+    return summary
+
+
+def describe(summary: dict) -> str:
+    """The summary as the one line ``nam train`` prints at the end."""
+    parts = [f"done: {summary['steps_run']} steps in {_duration(summary['wall_time_s'])}"]
+    if summary.get("tokens_per_s"):
+        parts.append(f"{summary['tokens']:,} tokens, {summary['tokens_per_s']:,.0f} tokens/s")
+    if summary.get("lm_loss_last") is not None:
+        n = summary["loss_window"]
+        parts.append(f"LM loss {summary['lm_loss_first']:.4f} -> {summary['lm_loss_last']:.4f} (mean of the "
+                     f"{'first and last ' + str(n) + ' logged steps' if n > 1 else 'first and last logged step'})")
+        others = ", ".join(f"{k} {v:.4g}" for k, v in summary["other_losses_last"].items())
+        if others:
+            parts.append(f"other losses at the end: {others}")
+    parts.append(f"run folder {summary.get('run_dir')}")
+    return "; ".join(parts)
+
+
+def _mean(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return fmean(values) if values else None
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes} min {s:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"

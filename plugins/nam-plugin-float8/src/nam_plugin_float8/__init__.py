@@ -1,0 +1,1 @@
+"""nam plugin float8: FP8 training through torchao for the dense projections and the routed experts."""

@@ -1,0 +1,97 @@
+"""``nam train --dry-run``: a plan a person reads (and ``--json`` for scripts), and ``--device-profile`` planning a
+GPU run on a machine without that GPU: the full plan and the memory estimate, no CUDA asked, nothing written."""
+
+import json
+
+import pytest
+
+from nam_cli.main import run
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Any question to CUDA fails the test: a plan against a profile must not ask the machine."""
+    import torch
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the plan asked CUDA")
+
+    monkeypatch.delenv("NAM_PLUGINS", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name in ("is_available", "get_device_properties", "device_count"):
+        monkeypatch.setattr(torch.cuda, name, asked)
+
+
+def plan_json(capsys, *flags) -> dict:
+    assert run(["train", "--dry-run", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_plan_is_sections_a_person_reads(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("NAM_PLUGINS", raising=False)
+    assert run(["train", "--dry-run", "--run-dir", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    for line in ("plan: nam train --recipe nam56r-tiny --engine local", "device: cpu, checked on this machine",
+                 "layers: 52 (4 mla, 9 dsa, 17 mamba, 22 moe) + 2 MTP depths",
+                 "parameters: 3.6M total (3,638,848)", "ssm: reference (plugin reference) -> ReferenceSSMScan",
+                 f"would write: run folder {tmp_path / 'run'}/", "checkpoints/  every 20 steps and at the end"):
+        assert line in text, line
+    assert "{'" not in text  # not a Python dict
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_json_plan_carries_the_model_numbers(capsys, monkeypatch):
+    from nam56r.flops import flops_per_token
+    from nam56r.model import count_parameters
+    from nam56r.recipes import get_recipe
+
+    monkeypatch.delenv("NAM_PLUGINS", raising=False)
+    cfg = get_recipe("nam56r-tiny").model
+    plan = plan_json(capsys)
+    assert plan["parameters"] == count_parameters(cfg) and plan["flops_per_token"] == flops_per_token(cfg).total
+    assert plan["layers_by_kind"] == {"mla": 4, "dsa": 9, "mamba": 17, "moe": 22}
+    assert plan["tokens_per_step"] == 4 * 64  # micro-batch 4 x seq_len 64
+    assert plan["memory"]["static_gib"] == pytest.approx(4 * 4 * plan["parameters"]["total"] / 2**30)  # fp32 x 4
+    assert plan["checked_on_hardware"] and plan["device_profile"] is None
+
+
+def test_nam56r_planned_against_h200_without_a_gpu(capsys, no_cuda, tmp_path):
+    assert run(["train", "--recipe", "nam56r", "--dry-run", "--device-profile", "h200",
+                "--run-dir", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    assert "NVIDIA H200 sm_90 (profile h200): planned against the profile's description, not checked on " \
+           "hardware" in text
+    assert "parameters: 4.73B total" in text and "memory (one process holds everything, in bfloat16)" in text
+    assert "ssm: mamba-ssm (plugin mamba-ssm)" in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_megatron_at_ep8_on_h200_gets_the_memory_estimate(capsys, no_cuda):
+    from nam56r.memory import largest_mbs, megatron_plan, parameter_split
+    from nam56r.recipes import get_recipe
+
+    plan = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--engine", "megatron",
+                     "--nproc", "8", "--ep", "8")
+    split = parameter_split(get_recipe("nam56r").model)
+    mem = plan["memory"]
+    assert mem["total_gib"] == pytest.approx(megatron_plan(*split, world=8, ep=8, mbs=1).total_gib)
+    assert mem["fits"] is True and mem["largest_micro_batch"] == largest_mbs(*split, world=8, ep=8, capacity_gib=139.8)
+    assert plan["megatron"]["world_size"] == 8 and plan["megatron"]["ep"] == 8 and plan["megatron"]["dp"] == 8
+    assert plan["tokens_per_step"] == 8 * 4096 and plan["device_profile"] == "h200"
+    assert not plan["checked_on_hardware"]
+
+
+@pytest.mark.parametrize("flags, code, message", [
+    (["--device-profile", "h200"], 2, "--device-profile h200 plans a run against a described device; training "
+                                      "needs the real one, found no --dry-run"),
+    (["--dry-run", "--device-profile", "h200"], 2, "describes a cuda device, but this run trains on "
+                                                   "train.device=cpu"),
+    (["--dry-run", "--device-profile", "tpu"], 2, "unknown device profile 'tpu'"),
+    # Requirements are evaluated against the profile: GB10's 99 KiB of shared memory per block is too little.
+    (["--dry-run", "--recipe", "nam56r", "--device-profile", "gb10"], 3,
+     "mamba-ssm: shared memory per block: needs >= 223,904 B"),
+])
+def test_profile_refusals(flags, code, message, capsys, no_cuda, tmp_path):
+    assert run(["train", "--run-dir", str(tmp_path / "run"), *flags]) == code
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,61 @@
+"""The end-of-run summary: wall time, tokens/s, and the LM loss averaged over the last steps, apart from the MTP
+and auxiliary losses (nam_core/engine/summary.py)."""
+
+import json
+
+import pytest
+
+from nam_core.engine.summary import describe, summarize, window
+
+
+def records(n: int) -> list[dict]:
+    """``n`` steps whose LM loss falls by 0.1 a step, with an MTP and a router term beside it."""
+    return [{"step": i + 1, "loss": 10.0 - 0.1 * i + 0.5 + 0.01, "lm_loss": 10.0 - 0.1 * i, "mtp_loss": 0.5,
+             "moe_aux": 0.01, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0 + i, "tflops_per_device": 0.1,
+             "mem_gib": 0.0, "step_time_s": 0.1} for i in range(n)]
+
+
+@pytest.mark.parametrize("n, expected", [(1, 1), (5, 1), (11, 2), (100, 10), (200, 20), (100_000, 20)])
+def test_window_is_a_tenth_between_one_and_twenty(n, expected):
+    assert window(n) == expected
+
+
+def test_lm_loss_is_averaged_apart_from_the_other_losses():
+    s = summarize(records(100), wall_s=20.0, steps_run=100, tokens_per_step=256)
+    assert s["loss_window"] == 10
+    assert s["lm_loss_first"] == pytest.approx(10.0 - 0.1 * 4.5)  # steps 1..10
+    assert s["lm_loss_last"] == pytest.approx(10.0 - 0.1 * 94.5)  # steps 91..100
+    assert s["loss_last"] == pytest.approx(s["lm_loss_last"] + 0.51)
+    assert s["other_losses_last"] == pytest.approx({"moe_aux": 0.01, "mtp_loss": 0.5})
+    assert s["tokens"] == 25_600 and s["tokens_per_s"] == pytest.approx(1280.0)
+    assert s["step_tokens_per_s"] == pytest.approx(194.5)  # median of the last ten steps' own rates
+    line = describe(dict(s, run_dir="runs/x"))
+    assert "100 steps in 20.0 s; 25,600 tokens, 1,280 tokens/s; LM loss 9.5500 -> 0.5500" in line
+    assert "mtp_loss 0.5" in line and line.endswith("run folder runs/x")
+
+
+def test_a_run_without_records_still_has_its_time():
+    s = summarize([], wall_s=1.5, steps_run=0, tokens_per_step=None)
+    assert s["wall_time_s"] == 1.5 and s["lm_loss_last"] is None and s["tokens_per_s"] is None
+    assert describe(dict(s, run_dir="r")) == "done: 0 steps in 1.5 s; run folder r"
+
+
+def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys):
+    from nam_cli.main import run
+    from nam_core.engine.metrics import read_metrics
+    from nam_core.testing import prepare_corpus
+
+    import textwrap
+
+    corpus = prepare_corpus(tmp_path_factory, (textwrap,), chars=4000)
+    run_dir = tmp_path / "run"
+    assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--max-steps", "3", "--set", "seq_len=32",
+                "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=0"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = read_metrics(run_dir)
+    assert summary["steps_run"] == 3 and summary["tokens"] == 3 * 2 * 32
+    assert summary["wall_time_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["lm_loss_last"] == pytest.approx(metrics[-1]["lm_loss"])  # window 1 at 3 steps
+    assert "mtp_loss" in summary["other_losses_last"] and "lm_loss" not in summary["other_losses_last"]
+    assert "done: 3 steps in" in capsys.readouterr().out
+

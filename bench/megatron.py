@@ -247,12 +247,14 @@ class SyncCheck(NoHooks):
     """Counts the host syncs inside the MoE layers during one training step (0-based ``step``), forward and
     backward: ``torch.cuda.set_sync_debug_mode("warn")`` is on while a MoE layer runs forward (its forward
     pre-hook to its forward hook) and while it runs backward (from the gradient of its output to the gradient
-    of its input, tensor hooks), and every warning it raises is recorded. Rank 0 writes
+    of its input, tensor hooks), and every warning it raises is recorded, with every ``Event.synchronize`` and
+    ``Stream.synchronize`` call in those spans (host waits the debug mode does not report). Rank 0 writes
     ``{"syncs": N, "first": [...]}`` to ``out``. ``stock_dispatcher`` keeps Megatron's own dispatcher at EP = 1
     (the control: it reads the per-expert counts on the host, so the check must find syncs there)."""
 
     def __init__(self, step: int, out: Path):
         self.step, self.out, self.armed, self.caught, self.log = step, out, False, None, []
+        self.inside, self.waits, self.restore = False, [], []
 
     def transform_model(self, model, spec):
         import torch
@@ -260,9 +262,11 @@ class SyncCheck(NoHooks):
 
         def on(*_):
             torch.cuda.set_sync_debug_mode("warn")
+            self.inside = True
 
         def off(*_):
             torch.cuda.set_sync_debug_mode("default")
+            self.inside = False
 
         def enter(module, args):
             if self.armed:
@@ -285,9 +289,24 @@ class SyncCheck(NoHooks):
         import warnings
 
         if step == self.step:
+            import torch
+
             self.armed, self.caught = True, warnings.catch_warnings(record=True)
             self.log = self.caught.__enter__()
             warnings.simplefilter("always")
+            # The sync debug mode does not see host waits on events and streams (Megatron's dispatcher waits on
+            # an event for its device-to-host copy): count those calls while a MoE layer runs.
+            self.waits, self.restore = [], []
+            for cls in (torch.cuda.Event, torch.cuda.Stream):
+                original = cls.synchronize
+
+                def counted(obj, _original=original, _name=cls.__name__):
+                    if self.inside:
+                        self.waits.append(f"{_name}.synchronize")
+                    return _original(obj)
+
+                cls.synchronize = counted
+                self.restore.append((cls, original))
 
     def after_step(self, step, run, metrics):
         import torch
@@ -296,7 +315,9 @@ class SyncCheck(NoHooks):
             return
         self.armed = False
         self.caught.__exit__(None, None, None)
-        syncs = [str(w.message) for w in self.log if "synchroniz" in str(w.message)]
+        for cls, original in self.restore:
+            cls.synchronize = original
+        syncs = [str(w.message) for w in self.log if "synchroniz" in str(w.message)] + self.waits
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             self.out.write_text(json.dumps({"syncs": len(syncs), "first": syncs[:3]}) + "\n")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from typing import Annotated, Optional
 
 import typer
@@ -51,9 +53,28 @@ def report(error: NamError) -> None:
     err.print("set NAM_DEBUG=1 for the full traceback", style="dim")
 
 
+def _interrupt(signum: int, frame) -> None:
+    """SIGINT/SIGTERM outside a training loop (which installs its own stop-after-the-step handlers): end the
+    command as a stop, exit 128 + signal, instead of click's "Aborted!" with exit 1 (SIGINT) or an
+    unhandled kill (SIGTERM); the exception unwinds through every cleanup on the way out."""
+    name = signal.Signals(signum).name
+    raise Interrupted(f"interrupted by {name}", signum=signum, hint="run the same command again to start over")
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv``; return the exit code instead of exiting (tests call this)."""
     command = typer.main.get_command(app)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(command, argv)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run(command, argv: list[str] | None) -> int:
     try:
         # Standalone mode: click prints usage errors itself and exits 2; a NamError passes through it.
         command.main(args=argv, prog_name="nam", standalone_mode=True)

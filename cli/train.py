@@ -222,7 +222,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
             run_dir=run_dir, spec=run.spec, train=rec.train, model=provider, host=host, max_steps=steps,
             flops_per_token=flops, batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
             schedules={n: schedules.get(n) for n in schedules.names()}, backends=backends.as_mapping(), record=record,
-            resume_from=resume_from, quiet=quiet or json_out, notes=notes)
+            resume_from=resume_from, quiet=quiet or json_out, notes=notes, again=again)
         summary = megatron_engine.train(mrun)
     else:
         summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,

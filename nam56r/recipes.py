@@ -44,9 +44,10 @@ def nam56r() -> Recipe:
             # (bench/mimo_scan.py, results/mimo_scan.json). mimo-scan stays selectable by name.
             ssm_backend="mamba-ssm", attention_backend="sparse-mla", indexer_kernels_backend="sparse-mla",
             ce_backend="liger", indexer_backend="full",
-            # Routed experts as two grouped GEMMs per layer, no host sync, in both engines: 2.18 ms fwd+bwd at
-            # 4096 tokens against 3.47 ms for the reference's every-expert-on-every-token and 8.77 ms for a
-            # per-expert loop, H100 (issue measurements; bench/moe.py, results/moe.json).
+            # Routed experts as two grouped GEMMs per layer, no host sync, in both engines. H200, fwd+bwd at 8192
+            # tokens (micro-batch 2): 2.62 ms against 2.95 ms for the reference's every-expert-on-every-token
+            # and 9.97 ms for a per-expert loop (bench/moe.py, results/moe.json; level with the reference at
+            # 4096 tokens, 1.18x at 16384).
             moe_backend="grouped",
             # 1.02-1.08x on a Mamba-3 layer fwd+bwd, H100 (bench/mamba3_layer.py, results/mamba3_layer.json)
             mamba_compile_prelude=True,

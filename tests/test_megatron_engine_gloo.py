@@ -199,3 +199,36 @@ def test_dualpipev_matches_1f1b_and_local_and_resumes_bit_exact(tmp_path, local)
                    str(tmp_path / "v" / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
            [(m["step"], m["loss"], m["grad_norm"]) for m in v[2:]]
+
+
+def test_sigterm_finishes_the_step_saves_on_every_rank_and_resumes(tmp_path):
+    """`nam train --engine megatron` at EP 2 under torchrun, stopped with SIGTERM to its whole process group
+    (what a scheduler's preemption does): every rank finishes the step, they agree on it, save one checkpoint
+    of that step and say how to continue; `--resume auto` then goes on from it."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "stop"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    command = ["--", "train", "--engine", "megatron", "--ep", "2", "--device", "cuda", "--set",
+               "attention_backend=reference", "--set", "train.checkpoint_every=1000"]
+    proc = subprocess.Popen([*launcher, str(WORKER), "cli", str(run_dir), "40", *command], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-4000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    stopped = steps[-1]
+    assert 2 <= stopped < 40, steps
+    assert f"stopped by SIGTERM after step {stopped} of 40" in err, err[-4000:]
+    assert "continue with: " in err and "--resume auto" in err
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert saved == [f"step-{stopped:08d}"], saved  # off the checkpoint_every schedule: the stop's own save
+    _worker("cli", run_dir, stopped + 1, *command, "--resume", "auto", nproc=2)
+    assert [m["step"] for m in read_metrics(run_dir)][-2:] == [stopped, stopped + 1]

@@ -24,7 +24,8 @@ from nam_core.engine.megatron import checks, checkpoint, optimizer, parallel, pa
 from nam_core.engine.megatron.model import MegatronModel, build_ddp, unwrap
 from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
-from nam_core.errors import ConfigError, TrainingGuardError
+from nam_core.engine.rundir import StopRequests
+from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 from nam_core.patches import applied
 from nam_core.run import RunSpec, StepContext
 
@@ -57,6 +58,9 @@ class MegatronRun:
     notes: list[str] = field(default_factory=list)
     checkpoints: bool = True
     """False: write none, not even at the end (throughput benchmarks, whose state nobody resumes)."""
+    again: Callable[..., str] | None = None
+    """``again(resume="auto")``: the command that continues this run, for the hint of a stop (the CLI knows
+    the options it was started with)."""
     step: int = 0
     log: MetricsLog | None = None
     """Rank 0's metrics log while training (None on the other ranks)."""
@@ -92,12 +96,38 @@ class _Session:
     noted: set = field(default_factory=set)
 
 
+def _agreed_stop(stop: StopRequests) -> int:
+    """The signal every rank stops for after this step (0: none): the largest signal number any rank received,
+    so all ranks save the same checkpoint and leave together even when the signal reached only some of them
+    (one all-reduce of one integer per step)."""
+    backend = torch.distributed.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    flag = torch.tensor([stop.signum or 0], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def _stopped(run: MegatronRun, signum: int, step: int, last_good: Path | None) -> Interrupted:
+    """The error that ends a run stopped on request, on every rank: where its state is and how to continue."""
+    import signal
+
+    if last_good is not None and last_good.name == f"step-{step:08d}":
+        saved = f"checkpoint {last_good}"
+    elif not run.checkpoints or run.train.checkpoint_every == 0:
+        saved = "no checkpoint (train.checkpoint_every=0)"
+    else:
+        saved = f"no new checkpoint; the newest is {last_good or 'none'}"
+    hint = f"continue with: {run.again(resume='auto')}" if run.again else "continue with --resume auto"
+    return Interrupted(f"stopped by {signal.Signals(signum).name} after step {step} of {run.max_steps}: {saved}",
+                       signum=signum, hint=hint)
+
+
 def train(run: MegatronRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
     checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher)
     tc, provider, lr_at = run.train, run.model, lr_lambda(run.train)
-    with applied(patches.lane()) as patch_reports:
+    with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)
         try:
             for step in range(s.start, run.max_steps):
@@ -126,11 +156,15 @@ def train(run: MegatronRun) -> dict:
                            "step_time_s": dt}
                 run.host.after_step(step, ctx, metrics)
                 _log(run, s, step, metrics, notes)
-                if run.checkpoints and tc.saves_after(step + 1, run.max_steps):
+                stopping = _agreed_stop(stop)
+                if run.checkpoints and (tc.saves_after(step + 1, run.max_steps)
+                                        or (stopping and tc.checkpoint_every)):
                     _gather_params(s.models, tc)
                     s.last_good = checkpoint.save_checkpoint(
                         run.run_dir / "checkpoints", step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
                         manifest={"record": run.record, "layout": s.layout})
+                if stopping:
+                    raise _stopped(run, stopping, step + 1, s.last_good)
             _gather_params(s.models, tc)
         finally:
             if run.log is not None:

@@ -118,3 +118,79 @@ def compare_experts(experts, *, t: int = 512, d: int = 256, num_experts: int = 8
 def worst_error(errors: dict) -> float:
     """The largest error of a ``compare_experts`` result."""
     return max(v for k, v in errors.items() if k != "seed")
+
+
+# --- the checks every ``moe`` backend owes (each plugin's tests call them with its backend) ----------------
+
+
+def expert_errors(experts, inputs: dict, dtype: torch.dtype = torch.float64) -> dict[str, float]:
+    """``max |ours - ref| / max |ref|`` of the output and every gradient of ``experts`` against the reference
+    experts, both run in ``dtype`` on ``inputs`` (``random_expert_inputs``)."""
+    from nam56r.reference.moe import ReferenceExperts
+    from nam_core.testing import max_rel_error
+
+    ref_y, ref_g = run_experts(ReferenceExperts(), inputs, dtype)
+    y, g = run_experts(experts, inputs, dtype)
+    return {name: max_rel_error(a, r)
+            for name, a, r in zip(("out", *(f"d{n}" for n in EXPERT_GRADS)), [y, *g], [ref_y, *ref_g])}
+
+
+def idle_expert_inputs(t: int, d: int, num_experts: int, k: int, f: int, *, busy: int, seed: int,
+                       device="cpu") -> dict[str, torch.Tensor]:
+    """``random_expert_inputs`` routed to the first ``busy`` experts only: experts ``busy..E-1`` get no row
+    (an empty group in a grouped GEMM; no gradient for their weights)."""
+    inputs = random_expert_inputs(t, d, num_experts, k, f, device=device, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    inputs["chosen"] = torch.randn(t, busy, generator=gen).topk(k).indices.to(device)
+    return inputs
+
+
+def sorted_entry_error(experts, inputs: dict) -> float:
+    """``max |ours - ref| / max |ref|`` of ``experts.sorted`` against the reference's, in float64, on rows
+    sorted by expert with one gate each (the layout Megatron's dispatcher hands the experts slot)."""
+    from nam56r.experts import sort_by_expert
+    from nam56r.reference.moe import ReferenceExperts
+    from nam_core.testing import max_rel_error
+
+    w1, w2 = inputs["w_gate_up"].double(), inputs["w_down"].double()
+    by = sort_by_expert(inputs["chosen"], w1.shape[0])
+    x = inputs["x"].double().index_select(0, by.tokens)
+    probs = inputs["gates"].double().flatten().index_select(0, by.order)
+    return max_rel_error(experts.sorted(x, by.counts, probs, w1, w2), ReferenceExperts().sorted(x, by.counts, probs,
+                                                                                                w1, w2))
+
+
+class HostReadingExperts:
+    """Any experts plus one host read of the per-expert counts (what a per-expert loop does): the control that
+    shows ``moe_step_without_host_sync`` catches a sync."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def layer_state(self, cfg):
+        return self.inner.layer_state(cfg)
+
+    def __call__(self, x, chosen, gates, w_gate_up, w_down, state=None):
+        from nam56r.experts import sort_by_expert
+
+        sort_by_expert(chosen, w_gate_up.shape[0]).counts.tolist()
+        return self.inner(x, chosen, gates, w_gate_up, w_down, state)
+
+
+def moe_step_without_host_sync(experts) -> None:
+    """One forward + backward of a MoE block (hidden 512, NAM56R's 16 experts of 160, top-4, 2 x 1024 tokens,
+    bf16, CUDA) on ``experts`` under ``torch.cuda.set_sync_debug_mode("error")``, after one warm-up step
+    (allocator, compiles, cuBLAS handles): raises RuntimeError at the first synchronizing operation."""
+    from nam56r.blocks.moe import MoE
+    from nam56r.config import NAM56RConfig
+
+    cfg = NAM56RConfig(hidden=512, moe_ffn_hidden=160, moe_shared_ffn_hidden=320, num_experts=16, moe_topk=4)
+    moe = MoE(cfg, experts).to("cuda", torch.bfloat16)
+    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

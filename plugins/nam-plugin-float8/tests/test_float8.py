@@ -14,12 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from nam56r.experts import sort_by_expert
 from nam56r.model import build_model
 from nam56r.recipes import get_recipe
-from nam56r.reference.moe import ReferenceExperts
 from nam56r.run import spec_for
-from nam56r.testing import random_expert_inputs, run_experts
+from nam56r.testing import expert_errors, idle_expert_inputs, random_expert_inputs, run_experts, sorted_entry_error
 from nam_core.device import DeviceInfo
 from nam_core.errors import ConfigError
 from nam_core.testing import max_rel_error, new_seed
@@ -268,36 +266,23 @@ def test_pad_groups_places_each_expert_at_a_multiple_of_16():
 @pytest.mark.parametrize("balanced", [False, True])
 def test_experts_match_the_reference_in_output_and_every_gradient(balanced):
     seed = new_seed()
-    inputs = _inputs(seed, balanced=balanced)
-    ref_y, ref_g = run_experts(ReferenceExperts(), inputs, torch.float64)
-    y, g = run_experts(Float8GroupedExperts(aligned_loop_mm), inputs, torch.float64)
-    for name, a, r in zip(("out", "dx", "dgates", "dw_gate_up", "dw_down"), [y, *g], [ref_y, *ref_g]):
-        assert max_rel_error(a, r) < 1e-12, (name, seed)
+    errors = expert_errors(Float8GroupedExperts(aligned_loop_mm), _inputs(seed, balanced=balanced))
+    assert max(errors.values()) < 1e-12, (errors, seed)
 
 
 def test_an_expert_with_no_row_gets_an_empty_group_and_no_gradient():
     seed = new_seed()
-    inputs = _inputs(seed, e=8, k=2)
-    gen = torch.Generator().manual_seed(seed)
-    inputs["chosen"] = torch.randn(96, 4, generator=gen).topk(2).indices  # experts 4..7 get no row
-    ref_y, ref_g = run_experts(ReferenceExperts(), inputs, torch.float64)
-    y, g = run_experts(Float8GroupedExperts(aligned_loop_mm), inputs, torch.float64)
-    assert max_rel_error(y, ref_y) < 1e-12, seed
-    assert torch.equal(g[2][4:], torch.zeros_like(g[2][4:]))
-    assert max_rel_error(g[2], ref_g[2]) < 1e-12, seed
+    inputs = idle_expert_inputs(96, 32, 8, 2, 16, busy=4, seed=seed)
+    errors = expert_errors(Float8GroupedExperts(aligned_loop_mm), inputs)
+    assert max(errors.values()) < 1e-12, (errors, seed)
+    _, grads = run_experts(Float8GroupedExperts(aligned_loop_mm), inputs, torch.float64)
+    assert torch.equal(grads[2][4:], torch.zeros_like(grads[2][4:]))
 
 
 def test_sorted_entry_matches_the_reference_sorted_entry():
     """Megatron's experts slot calls ``sorted`` with rows already sorted by expert and one gate per row."""
     seed = new_seed()
-    inputs = _inputs(seed)
-    by = sort_by_expert(inputs["chosen"], 8)
-    x = inputs["x"].double().index_select(0, by.tokens)
-    probs = inputs["gates"].double().flatten().index_select(0, by.order)
-    w1, w2 = inputs["w_gate_up"].double(), inputs["w_down"].double()
-    ours = Float8GroupedExperts(aligned_loop_mm).sorted(x, by.counts, probs, w1, w2)
-    ref = ReferenceExperts().sorted(x, by.counts, probs, w1, w2)
-    assert max_rel_error(ours, ref) < 1e-12, seed
+    assert sorted_entry_error(Float8GroupedExperts(aligned_loop_mm), _inputs(seed)) < 1e-12, seed
 
 
 def test_the_product_configuration_is_torchaos_gemm():

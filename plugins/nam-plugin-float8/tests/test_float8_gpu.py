@@ -60,49 +60,19 @@ def test_an_expert_with_no_row_gets_no_gradient():
     assert torch.equal(grads[3][4:], torch.zeros_like(grads[3][4:])), grads[3][4:].abs().max()
 
 
-class _SyncingExperts:
-    """The FP8 experts plus one host read of the counts: what a per-expert loop does."""
-
-    def __init__(self):
-        from nam_plugin_float8.experts import Float8GroupedExperts
-
-        self.inner = Float8GroupedExperts()
-
-    def layer_state(self, cfg):
-        return None
-
-    def __call__(self, x, chosen, gates, w1, w2, state=None):
-        from nam56r.experts import sort_by_expert
-
-        sort_by_expert(chosen, w1.shape[0]).counts.tolist()
-        return self.inner(x, chosen, gates, w1, w2, state)
-
-
-def _moe_step(experts):
-    from nam56r.blocks.moe import MoE
-    from nam56r.config import NAM56RConfig
-
-    cfg = NAM56RConfig(hidden=512, moe_ffn_hidden=160, moe_shared_ffn_hidden=320, num_experts=16, moe_topk=4)
-    moe = MoE(cfg, experts).to("cuda", torch.bfloat16)
-    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    moe(x).float().square().mean().backward()  # warm-up: allocator, Triton compiles, cuBLAS handles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        moe(x).float().square().mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 def test_moe_block_with_float8_experts_makes_no_host_sync():
+    from nam56r.testing import moe_step_without_host_sync
     from nam_plugin_float8.experts import Float8GroupedExperts
 
-    _moe_step(Float8GroupedExperts())
+    moe_step_without_host_sync(Float8GroupedExperts())
 
 
 def test_the_sync_check_catches_a_host_read():
+    from nam56r.testing import HostReadingExperts, moe_step_without_host_sync
+    from nam_plugin_float8.experts import Float8GroupedExperts
+
     with pytest.raises(RuntimeError, match="synchroniz"):
-        _moe_step(_SyncingExperts())
+        moe_step_without_host_sync(HostReadingExperts(Float8GroupedExperts()))
 
 
 def test_tiny_model_in_fp8_is_near_bf16():

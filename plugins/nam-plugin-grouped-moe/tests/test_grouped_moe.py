@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from nam56r.experts import expert_of_rows, group_ends, sort_by_expert
-from nam56r.reference.moe import ReferenceExperts
-from nam56r.testing import random_expert_inputs, run_experts
-from nam_core.testing import max_rel_error, new_seed
+from nam56r.testing import expert_errors, idle_expert_inputs, random_expert_inputs, run_experts, sorted_entry_error
+from nam_core.testing import new_seed
 from nam_plugin_grouped_moe.experts import GroupedExperts
 
 
@@ -31,36 +30,23 @@ def _inputs(seed, t=96, d=32, e=8, k=3, f=16, **kw):
 @pytest.mark.parametrize("balanced", [False, True])
 def test_grouped_matches_the_reference_in_output_and_every_gradient(balanced):
     seed = new_seed()
-    inputs = _inputs(seed, balanced=balanced)
-    ref_y, ref_g = run_experts(ReferenceExperts(), inputs, torch.float64)
-    y, g = run_experts(GroupedExperts(loop_grouped_mm), inputs, torch.float64)
-    for name, a, r in zip(("out", "dx", "dgates", "dw_gate_up", "dw_down"), [y, *g], [ref_y, *ref_g]):
-        assert max_rel_error(a, r) < 1e-12, (name, seed)
+    errors = expert_errors(GroupedExperts(loop_grouped_mm), _inputs(seed, balanced=balanced))
+    assert max(errors.values()) < 1e-12, (errors, seed)
 
 
 def test_an_expert_with_no_row_is_an_empty_group():
     seed = new_seed()
-    inputs = _inputs(seed, e=8, k=2)
-    g = torch.Generator().manual_seed(seed)
-    inputs["chosen"] = torch.randn(96, 4, generator=g).topk(2).indices  # experts 4..7 get no row
-    ref_y, ref_g = run_experts(ReferenceExperts(), inputs, torch.float64)
-    y, g = run_experts(GroupedExperts(loop_grouped_mm), inputs, torch.float64)
-    assert max_rel_error(y, ref_y) < 1e-12, seed
-    assert torch.equal(g[2][4:], torch.zeros_like(g[2][4:]))  # no row, no weight gradient
-    assert max_rel_error(g[2], ref_g[2]) < 1e-12, seed
+    inputs = idle_expert_inputs(96, 32, 8, 2, 16, busy=4, seed=seed)
+    errors = expert_errors(GroupedExperts(loop_grouped_mm), inputs)
+    assert max(errors.values()) < 1e-12, (errors, seed)
+    _, grads = run_experts(GroupedExperts(loop_grouped_mm), inputs, torch.float64)
+    assert torch.equal(grads[2][4:], torch.zeros_like(grads[2][4:]))  # no row, no weight gradient
 
 
 def test_sorted_entry_matches_the_reference_sorted_entry():
     """Megatron's experts slot calls ``sorted`` with rows already sorted by expert and one gate per row."""
     seed = new_seed()
-    inputs = _inputs(seed)
-    by = sort_by_expert(inputs["chosen"], 8)
-    x = inputs["x"].double().index_select(0, by.tokens)
-    probs = inputs["gates"].double().flatten().index_select(0, by.order)
-    w1, w2 = inputs["w_gate_up"].double(), inputs["w_down"].double()
-    ours = GroupedExperts(loop_grouped_mm).sorted(x, by.counts, probs, w1, w2)
-    ref = ReferenceExperts().sorted(x, by.counts, probs, w1, w2)
-    assert max_rel_error(ours, ref) < 1e-12, seed
+    assert sorted_entry_error(GroupedExperts(loop_grouped_mm), _inputs(seed)) < 1e-12, seed
 
 
 def test_sort_by_expert_groups_rows_stably_and_counts_them():

@@ -5,7 +5,6 @@ check catches one). Marked gpu: skipped with a reason where CUDA is absent."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
@@ -29,46 +28,16 @@ def test_preflight_row_passes():
     assert row.status == "pass", row
 
 
-class _SyncingExperts:
-    """The grouped experts plus one host read of the counts: what a per-expert loop does."""
-
-    def __init__(self):
-        from nam_plugin_grouped_moe.experts import GroupedExperts
-
-        self.inner = GroupedExperts()
-
-    def layer_state(self, cfg):
-        return None
-
-    def __call__(self, x, chosen, gates, w1, w2, state=None):
-        from nam56r.experts import sort_by_expert
-
-        sort_by_expert(chosen, w1.shape[0]).counts.tolist()
-        return self.inner(x, chosen, gates, w1, w2, state)
-
-
-def _moe_step(experts):
-    from nam56r.blocks.moe import MoE
-    from nam56r.config import NAM56RConfig
-
-    cfg = NAM56RConfig(hidden=512, moe_ffn_hidden=160, moe_shared_ffn_hidden=320, num_experts=16, moe_topk=4)
-    moe = MoE(cfg, experts).to("cuda", torch.bfloat16)
-    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    moe(x).float().square().mean().backward()  # warm-up: allocator, cuBLAS handles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        moe(x).float().square().mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 def test_moe_block_with_grouped_experts_makes_no_host_sync():
+    from nam56r.testing import moe_step_without_host_sync
     from nam_plugin_grouped_moe.experts import GroupedExperts
 
-    _moe_step(GroupedExperts())
+    moe_step_without_host_sync(GroupedExperts())
 
 
 def test_the_sync_check_catches_a_host_read():
+    from nam56r.testing import HostReadingExperts, moe_step_without_host_sync
+    from nam_plugin_grouped_moe.experts import GroupedExperts
+
     with pytest.raises(RuntimeError, match="synchroniz"):
-        _moe_step(_SyncingExperts())
+        moe_step_without_host_sync(HostReadingExperts(GroupedExperts()))

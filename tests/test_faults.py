@@ -278,6 +278,24 @@ def test_a_corrupt_newest_checkpoint_is_a_warning_naming_it_and_resume_takes_the
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
 
 
+def test_a_folder_with_only_damaged_checkpoints_is_refused_with_a_way_out(tmp_path, corpus, base, capsys):
+    """Neither resume nor a fresh start may pick a folder whose every checkpoint is damaged silently: both are
+    refused, naming the checkpoints (and, for --resume auto, why each failed) and how to start afresh."""
+    run_dir = copy_base(base, tmp_path)
+    for step in ("step-00000002", "step-00000004"):
+        blob = run_dir / "checkpoints" / step / "model.pt"
+        raw = bytearray(blob.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        blob.write_bytes(bytes(raw))
+    assert run(args(run_dir, corpus, "--max-steps", "5", "--resume", "auto")) == 6
+    err = capsys.readouterr().err
+    assert "no good checkpoint under" in err and "step-00000004: sha256 mismatch of model.pt" in err, err
+    assert f"rm -r {run_dir / 'checkpoints'}" in err, err
+    assert run(args(run_dir, corpus, "--max-steps", "5")) == 2
+    err = capsys.readouterr().err
+    assert "holds only damaged checkpoints: step-00000002, step-00000004" in err and "rm -r" in err, err
+
+
 def test_a_torn_last_metrics_line_is_cut_with_a_note(tmp_path, corpus, base):
     run_dir = copy_base(base, tmp_path)
     with open(run_dir / "metrics.jsonl", "a") as f:

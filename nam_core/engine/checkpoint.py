@@ -195,8 +195,10 @@ def resolve_resume(spec: str, ckpt_root: Path, *, good: Callable[[Path], list[Pa
         skipped = [p for p in _step_folders(ckpt_root) if newest is None or p.name > newest.name]
         if newest is None:
             damaged = "".join(f"; {p.name}: {why(p)}" for p in skipped)
-            raise NamError(f"--resume auto: no good {what} under {ckpt_root}{damaged}",
-                           hint="start without --resume, or point --resume at a checkpoint folder")
+            start_over = (f"remove the damaged ones (rm -r {ckpt_root}) to start afresh" if skipped else
+                          "start without --resume")
+            raise RunFolderError(f"--resume auto: no good {what} under {ckpt_root}{damaged}",
+                                 hint=f"{start_over}, or point --resume at a good checkpoint folder")
         for folder in skipped:
             if warn is not None:
                 warn(f"skipped checkpoint {folder}: {why(folder)}; resuming from {newest.name}")

@@ -7,8 +7,8 @@ excluded, as they are the same for all):
 * ``loop``: the upstream baseline, Megatron's ``SequentialMLP`` shape: rows sorted by expert, the per-expert
   counts read on the host (one sync), then one GEMM pair per expert.
 * ``grouped``: grouped-moe (two ``grouped_mm`` launches per direction, counts on the device).
-* ``grouped fp8``: the float8 plugin's routed experts (torchao's scaled grouped GEMM, rowwise scales), when
-  that plugin is installed; its row says so when it is not.
+* ``grouped fp8``: the float8 plugin's routed experts (torchao's scaled grouped GEMM, rowwise scales); the
+  bench needs nam-plugin-float8 and torchao installed, as every row runs or none does.
 
 Inputs are NAM56R's expert shapes (hidden 4096, 16 experts of SwiGLU width 160, top-4) with routing from
 random logits (``nam56r.testing.random_expert_inputs``). Each row also reports its output error against the
@@ -47,18 +47,14 @@ class LoopExperts:
 
 
 def backends() -> dict:
-    """Row name -> experts object, or the reason the row cannot run here."""
+    """Row name -> experts object."""
     from nam56r.reference.moe import ReferenceExperts
     from nam_plugin_grouped_moe.experts import GroupedExperts
 
-    rows = {"dense": ReferenceExperts(), "loop": LoopExperts(), "grouped": GroupedExperts()}
-    try:
-        from nam_plugin_float8.experts import Float8GroupedExperts
-    except ModuleNotFoundError as err:
-        rows["grouped fp8"] = f"not run: {err.name} is not installed (pip install -e plugins/nam-plugin-float8)"
-    else:
-        rows["grouped fp8"] = Float8GroupedExperts()
-    return rows
+    from nam_plugin_float8.experts import Float8GroupedExperts  # every row runs, or the bench does not
+
+    return {"dense": ReferenceExperts(), "loop": LoopExperts(), "grouped": GroupedExperts(),
+            "grouped fp8": Float8GroupedExperts()}
 
 
 def measure(experts, inp: dict, *, warmup: int, iters: int, profile: str | None = None,
@@ -113,9 +109,8 @@ def main(argv=None) -> int:
         inp = random_expert_inputs(t, args.hidden, args.experts, args.topk, args.ffn, device="cuda", seed=args.seed)
         row = {"tokens": t}
         for name, experts in paths.items():
-            row[name] = {"skipped": experts} if isinstance(experts, str) else measure(
-                experts, inp, warmup=args.warmup, iters=args.iters, profile=args.profile,
-                profile_title=f"{name}, {t} tokens")
+            row[name] = measure(experts, inp, warmup=args.warmup, iters=args.iters, profile=args.profile,
+                                profile_title=f"{name}, {t} tokens")
         results.append(row)
         del inp
         torch.cuda.empty_cache()
@@ -128,18 +123,15 @@ def main(argv=None) -> int:
           "fp8 vs grouped | out err (dense, loop, grouped, fp8) |")
     print("|---" * (len(names) + 5) + "|")
     for row in results:
-        ms = {n: row[n].get("ms") for n in names}
-        cells = [f"{ms[n]:.2f}" if ms[n] else "n/a" for n in names]
+        ms = {n: row[n]["ms"] for n in names}
+        cells = [f"{ms[n]:.2f}" for n in names]
 
         def ratio(a, b):
-            return f"{ms[b] / ms[a]:.2f}x" if ms[a] and ms[b] else "n/a"
+            return f"{ms[b] / ms[a]:.2f}x"
 
-        errs = ", ".join(f"{row[n]['out_err']:.1e}" if "out_err" in row[n] else "n/a" for n in names)
+        errs = ", ".join(f"{row[n]['out_err']:.1e}" for n in names)
         print(f"| {row['tokens']} | " + " | ".join(cells) + f" | {ratio('grouped', 'loop')} | "
               f"{ratio('grouped', 'dense')} | {ratio('grouped fp8', 'grouped')} | {errs} |")
-    for n in names:
-        if "skipped" in results[0][n]:
-            print(f"\n{n}: {results[0][n]['skipped']}")
     if args.json_path:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": vars(args)}
         with open(args.json_path, "w") as f:

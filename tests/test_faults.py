@@ -64,31 +64,28 @@ def logged_steps(run_dir: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> bool:
-    """Until ``n`` steps are logged (True) or the process ended (False)."""
+def _wait(proc: subprocess.Popen, reached, what: str) -> bool:
+    """Until ``reached()`` (True) or the process ended (False); a run still going after WAIT_S fails the test."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        if logged_steps(run_dir) >= n:
+        if reached():
             return True
         if proc.poll() is not None:
             return False
         time.sleep(0.05)
     proc.kill()
-    raise AssertionError(f"no step {n} in {WAIT_S} s")
+    raise AssertionError(f"no {what} in {WAIT_S} s")
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> bool:
+    """Until ``n`` steps are logged (True) or the process ended (False)."""
+    return _wait(proc, lambda: logged_steps(run_dir) >= n, f"step {n}")
 
 
 def wait_for_resume(proc: subprocess.Popen, run_dir: Path, before: int) -> bool:
     """Until this process has resumed (run.log's ``resumed from`` lines pass ``before``): before that,
     metrics.jsonl still holds the lines its resume is about to cut."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if resumes(run_dir) > before:
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"no resume in {WAIT_S} s")
+    return _wait(proc, lambda: resumes(run_dir) > before, "resume")
 
 
 def resumes(run_dir: Path) -> int:

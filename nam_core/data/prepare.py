@@ -187,9 +187,11 @@ def _parquet_layout(path: Path) -> tuple[str, str]:
     """How a parquet file is read, from its schema alone: ``("tokens", column)`` for a token shard, ``("text",
     "text")`` for a text table. A token column wins over ``text``: its ids are the data as published."""
     pq = _require_pyarrow(path)
+    from pyarrow import ArrowException
+
     try:
         names = pq.read_schema(path).names
-    except Exception as e:  # pyarrow raises ArrowInvalid (and OSError) for a file that is not parquet
+    except (ArrowException, OSError) as e:  # ArrowInvalid for a file that is not parquet, OSError unreadable
         raise DataError(f"{path} is not a readable parquet file: {e}",
                         hint="check the file, or remove it from the source folder") from None
     column = next((c for c in TOKEN_COLUMNS if c in names), None)

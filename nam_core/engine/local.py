@@ -23,7 +23,7 @@ import torch
 from nam_core.engine import checkpoint
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
-from nam_core.engine.rundir import StopRequests
+from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.errors import Interrupted, TrainingGuardError
 from nam_core.run import RunSpec, StepContext
 
@@ -209,15 +209,8 @@ def _save(run: LocalRun, step: int) -> Path:
 
 
 def _stopped(run: LocalRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
-    """The error that ends a run stopped on request: where its state is, and the command that continues it."""
-    if last_good is not None and last_good.name == f"step-{step:08d}":
-        saved = f"checkpoint {last_good}"
-    elif run.train.checkpoint_every == 0:
-        saved = "no checkpoint (train.checkpoint_every=0)"
-    else:
-        saved = f"no new checkpoint; the newest is {last_good or 'none'}"
-    return Interrupted(f"stopped by {stop.name} after step {step} of {run.max_steps}: {saved}",
-                       signum=stop.signum, hint=f"continue with: {_again(run, resume='auto')}")
+    return stopped(stop.signum, step, run.max_steps, last_good, saves=run.train.checkpoint_every > 0,
+                   continue_with=_again(run, resume="auto"))
 
 
 def train(run: LocalRun) -> dict:

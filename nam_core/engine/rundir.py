@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from nam_core.errors import ConfigError, RunFolderError
+from nam_core.errors import ConfigError, Interrupted, RunFolderError
 
 LOCK = "run.lock"
 HISTORY = "history.jsonl"
@@ -432,3 +432,17 @@ class StopRequests:
             message = (f"\n{signal.Signals(signum).name}: already stopping; the step and its checkpoint are not "
                        "interrupted (SIGKILL would leave the previous checkpoint)\n")
         os.write(2, message.encode())
+
+
+def stopped(signum: int, step: int, max_steps: int, last_good: Path | None, *, saves: bool,
+            continue_with: str) -> Interrupted:
+    """The error that ends a run stopped on request (either engine): where its state is, and the command that
+    continues it. ``saves``: whether the run writes checkpoints at all (``train.checkpoint_every`` > 0)."""
+    if last_good is not None and last_good.name == f"step-{step:08d}":
+        saved = f"checkpoint {last_good}"
+    elif not saves:
+        saved = "no checkpoint (train.checkpoint_every=0)"
+    else:
+        saved = f"no new checkpoint; the newest is {last_good or 'none'}"
+    return Interrupted(f"stopped by {signal.Signals(signum).name} after step {step} of {max_steps}: {saved}",
+                       signum=signum, hint=f"continue with: {continue_with}")

@@ -24,7 +24,7 @@ from nam_core.engine.megatron import checks, checkpoint, optimizer, parallel, pa
 from nam_core.engine.megatron.model import MegatronModel, build_ddp, unwrap
 from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
-from nam_core.engine.rundir import StopRequests
+from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 from nam_core.patches import applied
 from nam_core.run import RunSpec, StepContext
@@ -108,18 +108,10 @@ def _agreed_stop(stop: StopRequests) -> int:
 
 
 def _stopped(run: MegatronRun, signum: int, step: int, last_good: Path | None) -> Interrupted:
-    """The error that ends a run stopped on request, on every rank: where its state is and how to continue."""
-    import signal
-
-    if last_good is not None and last_good.name == f"step-{step:08d}":
-        saved = f"checkpoint {last_good}"
-    elif not run.checkpoints or run.train.checkpoint_every == 0:
-        saved = "no checkpoint (train.checkpoint_every=0)"
-    else:
-        saved = f"no new checkpoint; the newest is {last_good or 'none'}"
-    hint = f"continue with: {run.again(resume='auto')}" if run.again else "continue with --resume auto"
-    return Interrupted(f"stopped by {signal.Signals(signum).name} after step {step} of {run.max_steps}: {saved}",
-                       signum=signum, hint=hint)
+    again = run.again(resume="auto") if run.again else f"nam train --engine megatron --run-dir {run.run_dir} " \
+        "--resume auto (with this run's other options)"
+    return stopped(signum, step, run.max_steps, last_good, saves=run.checkpoints and run.train.checkpoint_every > 0,
+                   continue_with=again)
 
 
 def train(run: MegatronRun) -> dict:

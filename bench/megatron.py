@@ -39,10 +39,12 @@ one GPU as the baseline row: tokens/s per GPU, model TFLOP/s per GPU by nam56r/f
 record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step
 time is the median after ``--warmup`` steps of the engines' own ``step_time_s`` (the slowest rank's, for
 megatron). ``--profile DIR`` adds one profiled step per run, outside the medians, and writes rank 0's
-operator table to ``DIR/<engine>-<N>gpu[-overlap-<name>].txt``. ``--overlap none,grad,param,grad+param,shared,all``
+operator tables and the GPU's idle share of the step to ``DIR/<engine>-<N>gpu[-overlap-<name>][-float8-<recipe>].txt``. ``--overlap none,grad,shared,all``
 runs one megatron row per GPU count and entry, with the engine's communication overlaps that entry names on
-(``OVERLAPS``: train.overlap_grad_reduce, overlap_param_gather, moe_shared_expert_overlap); the default is
-``none``, the engine's defaults. ``--engines local`` runs the baseline row alone. Each row is
+(``OVERLAPS``: train.overlap_grad_reduce, moe_shared_expert_overlap); the default is
+``none``, the engine's defaults. ``--float8 none,rowwise,tensorwise`` runs one local row per entry, the dense
+projections in FP8 through nam-plugin-float8 (``--moe float8-grouped`` puts the routed experts there too);
+``--engines local`` runs the baseline row alone. Each row is
 printed, and the JSON rewritten (``complete`` false until the last), as its run ends, so a run cut short by a
 time limit keeps the rows it finished.
 """
@@ -58,6 +60,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -94,11 +97,10 @@ is GPU run-to-run variation, not a mis-scaled gradient: ``grads`` at EP 2 on 2 H
 step-1 gradient within 6.6e-6 of the local model's, and two identical 1F1B runs at pp 2 (``pipeline``) gave
 step-1 grad norms 6.4e-5 and 2.8e-7 away from DualPipeV's, while the floor run's sat 6.2e-5 away. The
 gradient norm is therefore allowed ``max(STEP1_RTOL, FLOOR_FACTOR x its step-1 floor)``; the loss STEP1_RTOL."""
-OVERLAPS = {"none": {}, "grad": {"overlap_grad_reduce": True}, "param": {"overlap_param_gather": True},
-            "grad+param": {"overlap_grad_reduce": True, "overlap_param_gather": True},
-            "shared": {"moe_shared_expert_overlap": True},
-            "all": {"overlap_grad_reduce": True, "overlap_param_gather": True, "moe_shared_expert_overlap": True}}
-"""``throughput --overlap``: the megatron engine's communication overlaps (TrainConfig fields) each row turns on."""
+OVERLAPS = {"none": {}, "grad": {"overlap_grad_reduce": True}, "shared": {"moe_shared_expert_overlap": True},
+            "all": {"overlap_grad_reduce": True, "moe_shared_expert_overlap": True}}
+"""``throughput --overlap``: the megatron engine's communication overlaps (TrainConfig fields) each row turns on.
+``train.overlap_param_gather`` is not among them: the engine refuses it (``checks.check_layout``)."""
 PUBLISHED_FLOP_PER_TOKEN = 31.2e9
 """NAM56R's record: 289 TFLOP/s per GPU at ~9,250 tokens/s per GPU (issue 8)."""
 KEYS = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
@@ -135,7 +137,11 @@ def ssm_scan(name: str):
     raise ValueError(f"ssm backend {name!r}: expected one of {', '.join(SSM_BACKENDS)}")
 
 
-MOE_BACKENDS = {"grouped": "grouped-moe", "reference": "reference"}
+MOE_BACKENDS = {"grouped": "grouped-moe", "float8-grouped": "float8", "reference": "reference"}
+FLOAT8_LINEARS = ("none", "rowwise", "tensorwise")
+"""``throughput --float8``: the local engine's dense projections as they are, or swapped for torchao's
+Float8Linear by nam-plugin-float8's ``convert`` (the same swap ``--plugins float8 --set float8.linears=...``
+makes)."""
 """``throughput --moe``: the routed experts (kind ``moe``) by backend name -> the plugin providing it."""
 
 
@@ -144,6 +150,10 @@ def experts(name: str):
         from nam_plugin_grouped_moe.experts import GroupedExperts
 
         return GroupedExperts()
+    if name == "float8-grouped":
+        from nam_plugin_float8.experts import Float8GroupedExperts
+
+        return Float8GroupedExperts()
     if name == "reference":
         from nam56r.reference.moe import ReferenceExperts
 
@@ -214,8 +224,9 @@ class NoHooks:
 
 
 class ProfileStep(NoHooks):
-    """Profiles one training step (0-based ``step``) with torch.profiler and writes the operators by their own
-    device time (CPU time on a machine without CUDA) to ``out``: on rank 0 only, for both engines."""
+    """Profiles one training step (0-based ``step``) with torch.profiler and writes to ``out`` the GPU's busy
+    and idle time over the step, the operators by their own device time (CPU time on a machine without CUDA),
+    and the same by input shapes: on rank 0 only, for both engines."""
 
     def __init__(self, step: int, out: Path):
         self.step, self.out, self.prof = step, out, None
@@ -227,20 +238,48 @@ class ProfileStep(NoHooks):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities)
+                torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self.prof.__enter__()
+            self.t0 = time.perf_counter()
 
     def after_step(self, step, run, metrics):
         import torch
 
         if self.prof is None or step != self.step:
             return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - self.t0) * 1e3
         self.prof.__exit__(None, None, None)
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         if rank0:
             key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            self.out.write_text(self.prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+            head = device_busy_line(self.prof, wall_ms) if torch.cuda.is_available() else ""
+            by_shape = self.prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=40,
+                                                                               max_name_column_width=40)
+            self.out.write_text(head + self.prof.key_averages().table(sort_by=key, row_limit=40) + "\n\n"
+                                + "by operator and input shapes:\n" + by_shape + "\n")
         self.prof = None
+
+
+def device_busy_line(prof, wall_ms: float) -> str:
+    """How much of a profiled step's wall time the GPU spent running anything (the union of every device
+    event's interval: kernels, copies, memsets, on any stream), and the rest as idle."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        busy_us += b - max(a, end)
+        end = b
+    busy_ms = busy_us / 1e3
+    idle = max(0.0, wall_ms - busy_ms)
+    return (f"step wall {wall_ms:.1f} ms (profiled), GPU busy {busy_ms:.1f} ms, idle {idle:.1f} ms "
+            f"({100 * idle / wall_ms:.1f}%), {len(spans)} device events\n\n")
 
 
 class SyncCheck(NoHooks):
@@ -390,6 +429,10 @@ def run_worker(spec: dict) -> None:
     if init is not None:
         model.load_state_dict(torch.load(init, map_location="cuda", weights_only=True))
     model = model.to(getattr(torch, train.dtype))
+    if spec.get("float8", "none") != "none":
+        from nam_plugin_float8.linears import convert
+
+        print(convert(model, spec["float8"]), file=sys.stderr, flush=True)
 
     def forward(batch: dict, micro: int) -> dict:
         return model(**batch, state=ForwardState(micro_batch=micro, seq_layout=tuple(batch["tokens"].shape)))
@@ -725,19 +768,20 @@ def throughput(args) -> int:
     flops = flops_per_token(cfg).total
     steps = args.warmup + args.iters + (1 if args.profile else 0)  # a profiled step runs last, outside the medians
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
-                                                    warmup_steps=1, checkpoint_every=steps + 1, schedule="single"))
+                                                    warmup_steps=1, checkpoint_every=0, schedule="single"))
     rows = []
-    runs = ([("local", 1, "none")] if "local" in args.engines else []) + \
-        ([("megatron", n, o) for n in args.gpus for o in args.overlap] if "megatron" in args.engines else [])
+    runs = ([("local", 1, "none", f8) for f8 in args.float8] if "local" in args.engines else []) + \
+        ([("megatron", n, o, "none") for n in args.gpus for o in args.overlap] if "megatron" in args.engines else [])
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
     print("| engine | GPUs | topology | overlap | MBS | tokens/s per GPU | TFLOP/s per GPU "
           "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs local |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for engine, n, overlap in runs:
-        name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "")
+    for engine, n, overlap, f8 in runs:
+        name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
+            (f"-float8-{f8}" if f8 != "none" else "")
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
-                "engine": engine,
+                "engine": engine, "float8": f8,
                 "run_dir": str(work / name), "steps": steps, "ep": n, "train": {**train, **OVERLAPS[overlap]},
                 "checkpoints": False}
         if args.profile:
@@ -746,12 +790,12 @@ def throughput(args) -> int:
         metrics = launch(spec, work, n)[args.warmup:args.warmup + args.iters]
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
-        rows.append({"engine": engine, "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
+        rows.append({"engine": engine if f8 == "none" else f"{engine}, float8 linears {f8}", "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
                      "overlap": overlap, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics)})
-        shutil.rmtree(work / name, ignore_errors=True)  # the local engine saves at its end; nothing to keep
+        shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]
         vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x" if runs[0][0] == "local" else "-"
         print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['mbs']} "
@@ -780,7 +824,7 @@ def syncs(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-syncs-", dir=args.work))
     steps = args.warmup + 1
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=2, grad_accum=1, total_steps=steps,
-                                                    warmup_steps=1, checkpoint_every=steps + 1, schedule="single"))
+                                                    warmup_steps=1, checkpoint_every=0, schedule="single"))
     rows = []
     for name, stock in (("nam dispatcher (LocalDispatcher)", False), ("Megatron's dispatcher (control)", True)):
         out = work / f"syncs-{int(stock)}.json"
@@ -854,7 +898,10 @@ def main() -> int:
     t.add_argument("--mbs", type=int, default=1)
     t.add_argument("--overlap", type=lambda s: s.split(","), default=["none"],
                    help=f"comma-separated, one megatron row each per GPU count: {', '.join(OVERLAPS)} (train."
-                        "overlap_grad_reduce, overlap_param_gather, moe_shared_expert_overlap; default none)")
+                        "overlap_grad_reduce, moe_shared_expert_overlap; default none)")
+    t.add_argument("--float8", type=lambda s: s.split(","), default=["none"],
+                   help=f"comma-separated, one local row each: {', '.join(FLOAT8_LINEARS)} (the dense projections "
+                        "through nam-plugin-float8; the first row is the ratios' baseline)")
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
@@ -876,6 +923,8 @@ def main() -> int:
         return 0
     if set(getattr(args, "overlap", [])) - set(OVERLAPS):
         ap.error(f"--overlap: among {', '.join(OVERLAPS)}, found {','.join(args.overlap)}")
+    if args.command == "throughput" and set(args.float8) - set(FLOAT8_LINEARS):
+        ap.error(f"--float8: any of {', '.join(FLOAT8_LINEARS)}, found {','.join(args.float8)}")
     if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
         ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
     if args.command in ("check", "pipeline") and args.steps % 2:

@@ -530,3 +530,12 @@ def test_foreach_scale_writes_src_times_scale_into_dst():
     want = [s * 3.0 for s in src]
     patches.foreach_scale(0, None, [src, src], 3.0)
     assert all(torch.equal(s, w) for s, w in zip(src, want))
+
+
+def test_overlapped_param_gather_is_refused_before_the_run():
+    """Megatron-Core 0.19.2's param-gather prefetch asserted at NAM56R's full width on the GPU host: the engine
+    refuses the option up front, with the way out; the other overlaps still pass."""
+    with pytest.raises(ConfigError, match="train.overlap_param_gather is refused") as e:
+        _layout(2, ep=2, train=GPU_TRAIN.replace(overlap_param_gather=True))
+    assert e.value.hint.startswith("--set train.overlap_param_gather=false")
+    assert _layout(2, ep=2, train=GPU_TRAIN.replace(overlap_grad_reduce=True, moe_shared_expert_overlap=True)) == 2

@@ -81,8 +81,9 @@ class TrainConfig:
     rank (DualPipeV sums the chunks' shared weights after the backward pass)."""
     overlap_param_gather: bool = False
     """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
-    of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Off until
-    measured, as above."""
+    of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Refused by
+    the megatron engine (``checks.check_layout``): at NAM56R's full width Megatron-Core 0.19.2 asserts in its
+    param-gather prefetch at the MTP's ``eh_proj`` (H200, 2026-11-23)."""
     moe_shared_expert_overlap: bool = False
     """Megatron engine, MoE layers: run the shared expert on a side CUDA stream while the routed tokens are
     dispatched (Megatron's ``moe_shared_expert_overlap``; alltoall or flex dispatcher). Off until measured."""

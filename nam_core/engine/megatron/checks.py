@@ -165,6 +165,17 @@ def check_layout(*, world_size: int, tp: int, pp: int, ep: int, train: TrainConf
     if train.device != "cuda":
         raise ConfigError(f"train.device={train.device!r}: the megatron engine runs on CUDA devices only",
                           hint="--device cuda, or --engine local on the CPU")
+    if train.overlap_param_gather:
+        # On the full-width NAM56R (one H200, 2026-11-23, `bench/megatron.py throughput --overlap all`) Megatron-Core
+        # 0.19.2 stopped at its second or third step in DDP's forward pre-hook of the MTP's eh_proj:
+        # finish_param_sync -> the next bucket group's start_param_sync -> `assert self.param_gather_handle is
+        # None`: a bucket's all-gather was dispatched and never waited for before the next dispatch. At the tiny
+        # widths (one bucket) the gloo runs were bit-exact, so the cause is in the bucket order, not found yet.
+        raise ConfigError("train.overlap_param_gather is refused: with NAM56R's buckets Megatron-Core 0.19.2 "
+                          "dispatches a bucket's parameter all-gather twice without waiting for it (AssertionError "
+                          "in start_param_sync at the MTP's eh_proj, full width, H200)",
+                          hint="--set train.overlap_param_gather=false (train.overlap_grad_reduce and "
+                               "train.moe_shared_expert_overlap are unaffected)")
     schedule = resolve_schedule(train.schedule, pp=pp, registered=registered_schedules)
     if schedule is not None:
         schedule.check_layout(tp=tp, pp=pp, ep=ep, num_microbatches=train.grad_accum)

@@ -39,14 +39,18 @@ in between; the bound the retired fp8-moe plugin was held to. One wrong expert o
 
 MEASURED: dict[str, dict] = {
     # bench/results/moe.json, 8192 tokens (NAM56R's micro-batch 2 x 4096), forward + backward: bf16 grouped
-    # 2.62 ms, FP8 grouped 7.13 ms (0.30x at 4096 tokens, 0.37x at 16384). The linears are not measured yet.
+    # 2.62 ms, FP8 grouped 7.13 ms (0.30x at 4096 tokens, 0.37x at 16384).
     "experts": {"speedup": 0.37, "bench": "python bench/moe.py", "date": "2026-11-23", "gpu": "H200"},
+    # bench/results/megatron_throughput_h200_float8.json: the whole NAM56R step, local engine, MBS 2, the 159
+    # dense projections rowwise: 6,319 against bf16's 8,899 tokens/s in the same run (the casts are unfused
+    # eager kernels: the profiled step has 24,419 device events against 9,479). Tensorwise is not measured.
+    "linears": {"speedup": 0.71, "bench": "python bench/megatron.py throughput --gpus 1 --engines local --mbs 2 "
+                                          "--float8 none,rowwise", "date": "2026-11-23", "gpu": "H200"},
 }
 """Part (``linears`` / ``experts``) -> its speed against bf16 at NAM56R's shapes, filled from a GPU bench:
 ``{"speedup": bf16 time / fp8 time, "bench": the command, "date": "YYYY-MM-DD", "gpu": "H100"}``. Empty until
 measured; the preflight row then says "not measured yet"."""
-BENCH = {"linears": "python bench/megatron.py throughput --gpus 1 --engines local (with and without "
-                    "--plugins float8 --set float8.linears=rowwise)",
+BENCH = {"linears": "python bench/megatron.py throughput --gpus 1 --engines local --float8 none,rowwise",
          "experts": "python bench/moe.py (the grouped FP8 column)"}
 
 PLUGIN = PluginInfo(

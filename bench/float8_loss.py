@@ -14,8 +14,10 @@ Three more runs say where a gap comes from and how large one plain bf16 shows: e
 (``fp8 linears``, ``fp8 experts``) and bf16 with the next seed (another initialisation, the same data). All
 five run side by side on the one GPU. Prints the curves every 20 steps, the mean of each over the last 20
 steps, each run's gap to bf16 and the largest per-step fp8 gap; passes when ``|mean(fp8) - mean(bf16)| <
-BAND`` (exit 1 otherwise). On an H200 (2026-11-23) a bf16 run took 86 s and an fp8 run 312 s one after the
-other.
+allowed`` (exit 1 otherwise), where the allowed gap is the same run's bf16 seed-to-seed gap, at least ``BAND``
+and at most ``CAP``: a 200-step tiny model's loss wanders by several hundredths of a nat between two seeds
+(measured on an H200, 2026-11-23: 0.069), so a fixed band below that judges the seed, not the FP8. On that
+H200 the five runs side by side took 269 s.
 
     python bench/float8_loss.py --json bench/results/float8_loss.json
 """
@@ -32,9 +34,11 @@ import time
 from pathlib import Path
 
 BAND = 0.05
-"""nats: |mean of the last 20 LM losses, FP8 - bf16|. FP8 rounding (~4% relative per GEMM operand) moves the
-trajectory, not where it goes; a broken scale or a wrong expert shows as a gap of tenths of a nat or a
-diverging curve."""
+"""nats: |mean of the last 20 LM losses, FP8 - bf16| passes below this whatever the seed noise. FP8 rounding
+(~4% relative per GEMM operand) moves the trajectory, not where it goes; a broken scale or a wrong expert shows
+as a gap of tenths of a nat or a diverging curve."""
+CAP = 0.10
+"""nats: the gap fails above this whatever the seed noise."""
 LAST = 20
 COMMON = ["--recipe", "nam56r-tiny", "--device", "cuda", "--quiet",
           "--set", "train.dtype=bfloat16", "--set", "mamba_rope_fraction=1.0",
@@ -110,7 +114,9 @@ def main() -> int:
     gaps = {k: mean[k] - mean["bf16"] for k in curves if k != "bf16"}
     diff = gaps["fp8"]
     max_gap = max(abs(a - b) for a, b in zip(bf16[tail], fp8[tail]))
-    ok = abs(diff) < BAND
+    noise = abs(gaps["bf16, seed+1"])
+    allowed = min(CAP, max(BAND, noise))
+    ok = abs(diff) < allowed
     converted = [line for line in logs["fp8"].splitlines() if "Float8Linear" in line]
 
     names = list(curves)
@@ -120,7 +126,8 @@ def main() -> int:
         print(f"{i + 1:>6} " + " ".join(f"{curves[k][i]:13.4f}" for k in names))
     print(f"mean of the last {LAST}: " + ", ".join(f"{k} {mean[k]:.4f}" for k in names))
     print("against bf16: " + ", ".join(f"{k} {g:+.4f}" for k, g in gaps.items()) + " nats")
-    print(f"verdict on fp8 - bf16 = {diff:+.4f} nats (band +-{BAND}); largest per-step gap there {max_gap:.4f}")
+    print(f"verdict on fp8 - bf16 = {diff:+.4f} nats: allowed +-{allowed:.4f} (the bf16 seed-to-seed gap "
+          f"{noise:.4f}, at least {BAND} and at most {CAP}); largest per-step gap there {max_gap:.4f}")
     print("wall (all runs side by side, startup included): " + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()))
     print(converted[0] if converted else "fp8 run.log has no Float8Linear line: the linears were NOT converted")
     print("PASS" if ok and converted else "FAIL")
@@ -129,7 +136,8 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
             "seed": args.seed, "commands": {k: COMMON + v for k, v in RUNS.items()}, "seed_offset": SEED_OFFSET,
-            "band_nats": BAND, "last": LAST, "mean_last": mean, "gaps_vs_bf16": gaps, "diff": diff, "max_gap_last": max_gap, "pass": ok and bool(converted),
+            "band_nats": BAND, "cap_nats": CAP, "allowed_nats": allowed, "last": LAST, "mean_last": mean,
+            "gaps_vs_bf16": gaps, "diff": diff, "max_gap_last": max_gap, "pass": ok and bool(converted),
             "converted": converted, "curves": curves, "wall_s": walls,
         }, indent=2) + "\n")
     return 0 if ok and converted else 1

@@ -38,7 +38,7 @@ mimo-scan; sparse-mla, liger; bf16, sequence 4096), per GPU count with EP = GPUs
 one GPU as the baseline row: tokens/s per GPU, model TFLOP/s per GPU by nam56r/flops.py and at the published
 record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step
 time is the median after ``--warmup`` steps of the engines' own ``step_time_s`` (the slowest rank's, for
-megatron). ``--profile DIR`` adds one profiled step per run, outside the medians, and writes rank 0's
+megatron). ``--profile DIR`` adds two profiled steps per run, outside the medians, and writes rank 0's
 operator tables and the GPU's idle share of the step to ``DIR/<engine>-<N>gpu[-overlap-<name>][-float8-<recipe>].txt``. ``--overlap none,grad,shared,all``
 runs one megatron row per GPU count and entry, with the engine's communication overlaps that entry names on
 (``OVERLAPS``: train.overlap_grad_reduce, moe_shared_expert_overlap); the default is
@@ -224,42 +224,45 @@ class NoHooks:
 
 
 class ProfileStep(NoHooks):
-    """Profiles one training step (0-based ``step``) with torch.profiler and writes to ``out`` the GPU's busy
-    and idle time over the step, the operators by their own device time (CPU time on a machine without CUDA),
-    and the same by input shapes: on rank 0 only, for both engines."""
+    """Profiles two training steps with torch.profiler, ``step`` and the one after (0-based), and writes to
+    ``out``, on rank 0 only, for both engines: from the first, the GPU's busy and idle time over the step and
+    the operators by their own device time (CPU time on a machine without CUDA); from the second, recorded with
+    input shapes (which costs host time, so its idle share is not the step's), the operators by input shapes."""
 
     def __init__(self, step: int, out: Path):
-        self.step, self.out, self.prof = step, out, None
+        self.step, self.out, self.prof, self.parts = step, out, None, []
 
     def before_step(self, step, run):
         import torch
 
-        if step == self.step:
+        if step in (self.step, self.step + 1):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
                 torch.cuda.synchronize()
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=step != self.step)
             self.prof.__enter__()
             self.t0 = time.perf_counter()
 
     def after_step(self, step, run, metrics):
         import torch
 
-        if self.prof is None or step != self.step:
+        if self.prof is None or step not in (self.step, self.step + 1):
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - self.t0) * 1e3
         self.prof.__exit__(None, None, None)
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        if rank0:
-            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        if step == self.step:
             head = device_busy_line(self.prof, wall_ms) if torch.cuda.is_available() else ""
-            by_shape = self.prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=40,
-                                                                               max_name_column_width=40)
-            self.out.write_text(head + self.prof.key_averages().table(sort_by=key, row_limit=40) + "\n\n"
-                                + "by operator and input shapes:\n" + by_shape + "\n")
+            self.parts = [head + self.prof.key_averages().table(sort_by=key, row_limit=40)]
+        else:
+            self.parts.append("by operator and input shapes (the next step, recorded with shapes):\n"
+                              + self.prof.key_averages(group_by_input_shape=True).table(
+                                  sort_by=key, row_limit=40, max_name_column_width=40))
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                self.out.write_text("\n\n".join(self.parts) + "\n")
         self.prof = None
 
 
@@ -766,7 +769,7 @@ def throughput(args) -> int:
     packed_rows(cfg.seq_len, recipe.train.seed)
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-bench-", dir=args.work))
     flops = flops_per_token(cfg).total
-    steps = args.warmup + args.iters + (1 if args.profile else 0)  # a profiled step runs last, outside the medians
+    steps = args.warmup + args.iters + (2 if args.profile else 0)  # profiled steps run last, outside the medians
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
                                                     warmup_steps=1, checkpoint_every=0, schedule="single"))
     rows = []
@@ -786,7 +789,7 @@ def throughput(args) -> int:
                 "checkpoints": False}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
-            spec.update(profile_step=steps - 1, profile_out=str(args.profile / f"{name}.txt"))
+            spec.update(profile_step=steps - 2, profile_out=str(args.profile / f"{name}.txt"))
         metrics = launch(spec, work, n)[args.warmup:args.warmup + args.iters]
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
@@ -905,7 +908,8 @@ def main() -> int:
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
-                   help="folder: profile one extra step per engine run (torch.profiler, operators by device time)")
+                   help="folder: profile two extra steps per engine run (torch.profiler: GPU idle share, operators by "
+                        "device time, then by input shapes)")
     sy = sub.add_parser("syncs", help="full-width layers, megatron engine, EP 1: host syncs in the MoE layers")
     sy.add_argument("--layers", type=int, default=52, help="the first N layers of the pattern (52, or fewer with "
                     "mla_attention_ranks inside them)")

@@ -76,9 +76,10 @@ class TrainConfig:
 
     overlap_grad_reduce: bool = False
     """Megatron engine: start each gradient bucket's reduce-scatter during the backward pass, as soon as the bucket
-    is complete, instead of all of them after it (Megatron DDP's ``overlap_grad_reduce``). Off until
-    ``bench/megatron.py throughput --overlap`` measures it on the GPU hosts; refused with two model chunks per
-    rank (DualPipeV sums the chunks' shared weights after the backward pass)."""
+    is complete, instead of all of them after it (Megatron DDP's ``overlap_grad_reduce``). Off: ``bench/megatron.py
+    throughput --overlap`` measured no gain (NAM56R MBS 2, H200, 2026-11-23: 1 GPU 8,393 -> 8,362 tokens/s, 2 GPUs
+    at EP 2 with the shared-expert overlap too 7,477 -> 7,468). Refused with two model chunks per rank (DualPipeV
+    sums the chunks' shared weights after the backward pass)."""
     overlap_param_gather: bool = False
     """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
     of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Refused by
@@ -86,7 +87,8 @@ class TrainConfig:
     param-gather prefetch at the MTP's ``eh_proj`` (H200, 2026-11-23)."""
     moe_shared_expert_overlap: bool = False
     """Megatron engine, MoE layers: run the shared expert on a side CUDA stream while the routed tokens are
-    dispatched (Megatron's ``moe_shared_expert_overlap``; alltoall or flex dispatcher). Off until measured."""
+    dispatched (Megatron's ``moe_shared_expert_overlap``; alltoall or flex dispatcher). Off: measured no gain, as
+    above (1 GPU: 8,350 tokens/s against 8,393)."""
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -79,6 +79,20 @@ def _unwrap(owner, name: str, patch: str) -> None:
         setattr(owner, name, current.__wrapped__)
 
 
+def _wrapping(owner: Callable, patch: str, make, *names: str) -> dict:
+    """A patch's ``apply`` and ``revert``: ``_wrap`` each attribute ``names`` of ``owner()`` (a module, imported
+    when the patch applies) with ``make``, and ``_unwrap`` the same ones in reverse order."""
+    def apply() -> None:
+        for name in names:
+            _wrap(owner(), name, patch, make)
+
+    def revert() -> None:
+        for name in reversed(names):
+            _unwrap(owner(), name, patch)
+
+    return {"apply": apply, "revert": revert}
+
+
 def _wrapped(owner, name: str, patch: str) -> bool:
     return getattr(getattr(owner, name), "__nam_patch__", None) == patch
 
@@ -453,18 +467,6 @@ def _grad_clip_detect() -> bool:
         loops or clip.multi_tensor_scale_tensor_impl is None)
 
 
-def _grad_clip_apply() -> None:
-    clip = _clip_grads()
-    _wrap(clip, "multi_tensor_scale_impl", GRAD_CLIP, _replacing(foreach_scale))
-    _wrap(clip, "multi_tensor_scale_tensor_impl", GRAD_CLIP, _replacing(foreach_scale))
-
-
-def _grad_clip_revert() -> None:
-    clip = _clip_grads()
-    _unwrap(clip, "multi_tensor_scale_tensor_impl", GRAD_CLIP)
-    _unwrap(clip, "multi_tensor_scale_impl", GRAD_CLIP)
-
-
 def _grad_clip_reproduce() -> str:
     """clip_grads' scale (as ``clip_grad_by_total_norm_fp32`` calls it, clip_grads.py:190) over 2 and over 16
     tensors, and whether a device-side scale exists: the bug is operator calls that grow with the tensor count
@@ -500,40 +502,35 @@ def make_patches() -> list[Patch]:
               retire_when="a megatron-core release whose DistributedOptimizer lists a group's parameters in the "
                           "order it numbers them (detection reads _build_model_and_main_param_groups)",
               detect=_fp32_groups_detect, reproduce=_fp32_groups_reproduce,
-              apply=lambda: _wrap(opt(), "get_standard_config_overrides", FP32_GROUPS, fp32_group_overrides),
-              revert=lambda: _unwrap(opt(), "get_standard_config_overrides", FP32_GROUPS)),
+              **_wrapping(opt, FP32_GROUPS, fp32_group_overrides, "get_standard_config_overrides")),
         Patch(STATE_BEFORE_STEP, TARGET, VERSIONS,
               summary="without TE/Apex, loading a checkpoint into a fresh optimizer asserts on torch AdamW's "
                       "missing state; one zero-gradient, lr-0 step creates it first",
               retire_when="a megatron-core release whose DistributedOptimizer.state_dict accepts an optimizer "
                           "that has not stepped (detection reads state_dict)",
               detect=_state_before_step_detect, reproduce=_state_before_step_reproduce,
-              apply=lambda: _wrap(distopt(), "sharded_state_dict", STATE_BEFORE_STEP, _state_before_step),
-              revert=lambda: _unwrap(distopt(), "sharded_state_dict", STATE_BEFORE_STEP)),
+              **_wrapping(distopt, STATE_BEFORE_STEP, _state_before_step, "sharded_state_dict")),
         Patch(STEP_ON_LOAD, TARGET, VERSIONS,
               summary="without TE/Apex, a load gives every parameter one shared AdamW step (advanced once per "
                       "parameter) or the template's; each parameter gets its own, the checkpoint's",
               retire_when="a megatron-core release whose load_state_dict gives each state its own step "
                           "(detection reads load_state_dict)",
               detect=_step_on_load_detect, reproduce=_step_on_load_reproduce,
-              apply=lambda: _wrap(distopt(), "load_state_dict", STEP_ON_LOAD, _step_on_load),
-              revert=lambda: _unwrap(distopt(), "load_state_dict", STEP_ON_LOAD)),
+              **_wrapping(distopt, STEP_ON_LOAD, _step_on_load, "load_state_dict")),
         Patch(FUSED, TARGET, VERSIONS,
               summary="without TE/Apex, Megatron builds torch AdamW on its foreach implementation (52 of 1,485 ms "
                       "a step at 2x H200); the inner AdamW runs fused",
               retire_when="a megatron-core release that asks torch for fused=True (detection reads "
                           "_get_megatron_optimizer_based_on_param_groups), or TE/Apex on the GPU hosts",
               detect=_fused_detect, reproduce=_fused_reproduce,
-              apply=lambda: _wrap(opt(), "get_megatron_optimizer", FUSED, _fused),
-              revert=lambda: _unwrap(opt(), "get_megatron_optimizer", FUSED)),
+              **_wrapping(opt, FUSED, _fused, "get_megatron_optimizer")),
         Patch(GRAD_NORM, TARGET, VERSIONS,
               summary="without TE/Apex, the gradient norm for clipping reads every parameter tensor's norm to the "
                       "host (one device sync each); torch._foreach_norm keeps them on the device",
               retire_when="a megatron-core release whose local_multi_tensor_l2_norm does not read each tensor's "
                           "norm to the host (detection reads megatron/core/utils.py), or TE/Apex on the GPU hosts",
               detect=_grad_norm_detect, reproduce=_grad_norm_reproduce,
-              apply=lambda: _wrap(_clip_grads(), "l2_norm_impl", GRAD_NORM, _replacing(foreach_l2_norm)),
-              revert=lambda: _unwrap(_clip_grads(), "l2_norm_impl", GRAD_NORM)),
+              **_wrapping(_clip_grads, GRAD_NORM, _replacing(foreach_l2_norm), "l2_norm_impl")),
         Patch(GRAD_CLIP, TARGET, VERSIONS,
               summary="without TE/Apex, the clip scales each gradient in a Python loop (two kernels a tensor) by a "
                       "coefficient read to the host (one more sync); one torch._foreach_mul_ by a device tensor",
@@ -541,7 +538,8 @@ def make_patches() -> list[Patch]:
                           "without a per-tensor loop (detection reads clip_grads and megatron/core/utils.py), or "
                           "TE/Apex on the GPU hosts",
               detect=_grad_clip_detect, reproduce=_grad_clip_reproduce,
-              apply=_grad_clip_apply, revert=_grad_clip_revert),
+              **_wrapping(_clip_grads, GRAD_CLIP, _replacing(foreach_scale), "multi_tensor_scale_impl",
+                          "multi_tensor_scale_tensor_impl")),
     ]
 
 

@@ -27,7 +27,7 @@ RUN_FILES = {
     "metrics.jsonl": "one JSON line per logged step",
     "run.log": "one-off notes (selected fields, hand-overs, checkpoints)",
     "checkpoints/": "",
-    "summary.json": "wall time, tokens/s, LM loss over the last steps",
+    "summary.json": "steady-state tokens/s and TFLOP/s, first step apart, LM loss over the last steps",
 }
 """What a run folder holds (nam_core/engine: rundir.py, metrics.py, checkpoint.py; cli/train.py's config and
 summary)."""

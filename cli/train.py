@@ -234,7 +234,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
 
     summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names, **summarize(
         read_metrics(run_dir), wall_s=time.monotonic() - started, steps_run=summary["steps"] - summary["started_at_step"],
-        tokens_per_step=summary["tokens_per_step"]))
+        tokens_per_step=summary["tokens_per_step"], first_step=summary["started_at_step"] + 1))
     _write_json_atomic(run_dir / "summary.json", summary)
     if json_out:
         print_json(summary)

@@ -64,7 +64,8 @@ class TrainConfig:
     """Global grad-norm clip; 0 disables."""
 
     log_every: int = bounded(1, ge=1, aka=("log_interval", "logging_steps"))
-    """Write a metrics.jsonl line every N steps."""
+    """Write a metrics.jsonl line every N steps, and for the first and last step of each invocation (the
+    summary reports the first step's time apart from the steady state, nam_core/engine/summary.py)."""
     checkpoint_every: int = bounded(50, ge=0, note="0: no checkpoints",
                                     aka=("save_every", "save_interval", "save_steps"))
     """Save a checkpoint every N steps and at the end; 0: never (benchmarks, whose state nobody resumes)."""

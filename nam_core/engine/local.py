@@ -234,7 +234,7 @@ def train(run: LocalRun) -> dict:
                 run.step = step
                 metrics, tokens_per_step = _step(run, step, last_good)
                 _drain_notes(run)
-                if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps or stop.signum is not None:
+                if (step + 1) % cfg.log_every == 0 or step in (start, run.max_steps - 1) or stop.signum is not None:
                     run.log.log(metrics)
                 run.log.advance()
                 if cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every):

@@ -295,7 +295,7 @@ def _log(run: MegatronRun, s: _Session, step: int, metrics: dict, notes: list[st
         if line not in s.noted:
             s.noted.add(line)
             run.log.note(line)
-    if (step + 1) % run.train.log_every == 0 or step + 1 == run.max_steps:
+    if (step + 1) % run.train.log_every == 0 or step in (s.start, run.max_steps - 1):  # first: summary.py
         run.log.log(metrics)
     run.log.advance()
 

@@ -39,6 +39,9 @@ MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Stop af
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default runs/<recipe>).")]
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="Prepared dataset folder (`nam data prepare`); "
                     "default: the Python standard library corpus, prepared once into the cache.")]
+EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Prepared dataset folder to evaluate on "
+                        "(train.eval_every); default: the training data's validation split (nam data prepare "
+                        "--val-fraction).")]
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="'auto' (newest good checkpoint of "
                       "--run-dir; none yet: start afresh) or a checkpoint folder of this config. A resume may "
                       f"change {', '.join(rundir.RESUMABLE)} (recorded in history.jsonl).")]
@@ -61,7 +64,37 @@ def _dataset(data: Path | None, seq_len: int, vocab: int, seed: int, quiet: bool
         data = build_stdlib_corpus(cache_dir(), ByteTokenizer(), char_structure_ids, progress=not quiet)
     dataset = open_dataset(data)
     dataset.check_vocab(vocab)
-    return data, PackedSequences(dataset, seq_len, seed)
+    return data, PackedSequences(dataset.split("train"), seq_len, seed)  # never the held-out documents
+
+
+def _held_out(train, dataset, eval_data: Path | None, seq_len: int, vocab: int, keys: tuple):
+    """The validation rows (nam_core/engine/validation.py) when ``train.eval_every`` asks for them: ``--eval-data``
+    (a whole prepared dataset, the training data's tokenizer), else the training dataset's validation split.
+    None when the run does not evaluate; DataError (exit 4) when it should and there is nothing to evaluate on."""
+    from nam_core.data.dataset import PackedSequences, open_dataset
+    from nam_core.engine.validation import HeldOut
+    from nam_core.errors import DataError
+
+    if train.eval_every == 0:
+        return None
+    if eval_data is not None:
+        held = open_dataset(eval_data)
+        held.check_vocab(vocab)
+        if held.tokenizer != dataset.tokenizer:
+            raise DataError(f"--eval-data {eval_data} was tokenized with {held.tokenizer.get('name')!r}, the "
+                            f"training data {dataset.path} with {dataset.tokenizer.get('name')!r}",
+                            hint=f"prepare it with the training data's tokenizer: nam data prepare SRC --out "
+                                 f"{eval_data} --tokenizer ... --overwrite")
+        source = str(held.path)
+    elif dataset.validation_documents:
+        held, source = open_dataset(dataset.path).split("validation"), f"{dataset.path}, validation split"
+    else:
+        raise DataError(f"train.eval_every={train.eval_every} needs held-out data; {dataset.path} holds none out",
+                        hint=f"prepare it with a validation split (nam data prepare SRC --out {dataset.path} "
+                             "--val-fraction 0.01 --overwrite), pass --eval-data DIR, or --set train.eval_every=0")
+    rows = PackedSequences(held, seq_len, train.seed)
+    return HeldOut(batch_at=lambda i, b: {k: v for k, v in rows.batch_at(i, b).items() if k in keys},
+                   rows=len(rows), seq_len=seq_len, source=source)
 
 
 def _record(recipe, plugins: list[str], host, data: Path) -> dict:
@@ -129,7 +162,7 @@ def train(
     run_dir: RunDirOpt = None, data: DataOpt = None, resume: ResumeOpt = None, seed: SeedOpt = None,
     set_: SetOpt = None, device: DeviceOpt = None, engine: EngineOpt = "local", nproc: NprocOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, ep: EpOpt = None, dry_run: DryRunOpt = False, quiet: QuietOpt = False,
-    json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None,
+    json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None, eval_data: EvalDataOpt = None,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
     from nam56r.run import RunRequest, resolve
@@ -147,16 +180,17 @@ def train(
     with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
         if mega is None:
             return _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run,
-                          quiet=quiet, json_out=json_out, held=held, ctx=ctx)
+                          quiet=quiet, json_out=json_out, held=held, ctx=ctx, eval_data=eval_data)
         _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet,
-               json_out=json_out, held=held, ctx=ctx)
+               json_out=json_out, held=held, ctx=ctx, eval_data=eval_data)
     from nam_core.engine.megatron import shutdown
 
     shutdown()  # on success only: after an error on one rank, the others may sit in a collective (torchrun
     # then stops them), and a barrier here would wait for them forever
 
 
-def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, held, ctx=None) -> None:
+def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, held, ctx=None,
+           eval_data=None) -> None:
     """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
     import torch
 
@@ -188,7 +222,9 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     rank0 = mega is None or mega["rank"] == 0
     if mega is not None and not rank0:
         _barrier()  # rank 0 prepares the data first (one writer into the cache)
+    keys = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
     data_path, packed = _dataset(data, rec.model.seq_len, rec.model.vocab_size, rec.train.seed, quiet or not rank0)
+    held_out = _held_out(rec.train, packed.dataset, eval_data, rec.model.seq_len, rec.model.vocab_size, keys)
     if mega is not None and rank0:
         _barrier()
     run_dir = run_dir or Path("runs") / rec.name
@@ -199,7 +235,6 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
         _barrier()  # every rank has looked at the run folder before rank 0 writes into it
     resume_from = start.resume_from
 
-    keys = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
     notes = [*start.notes, *rec.notes]
     if rank0:
         rundir.begin(run_dir, start)
@@ -222,11 +257,11 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
             run_dir=run_dir, spec=run.spec, train=rec.train, model=provider, host=host, max_steps=steps,
             flops_per_token=flops, batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
             schedules={n: schedules.get(n) for n in schedules.names()}, backends=backends.as_mapping(), record=record,
-            resume_from=resume_from, quiet=quiet or json_out, notes=notes, again=again)
+            resume_from=resume_from, quiet=quiet or json_out, notes=notes, again=again, held_out=held_out)
         summary = megatron_engine.train(mrun)
     else:
         summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
-                               notes, quiet or json_out, again=again)
+                               notes, quiet or json_out, again=again, held_out=held_out)
     if not rank0:
         return
     from nam_core.engine.metrics import read_metrics
@@ -243,7 +278,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
 
 
 def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet,
-                 again=None) -> dict:
+                 again=None, held_out=None) -> dict:
     """``rec``: the RunSpec."""
     import torch
 
@@ -268,7 +303,7 @@ def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, recor
     return local_train(LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
                                 host=host, max_steps=steps, flops_per_token=flops, record=record,
                                 resume_from=resume_from, quiet=quiet, notes=notes, spec=rec,
-                                backends=backends.as_mapping(), again=again))
+                                backends=backends.as_mapping(), again=again, held_out=held_out))
 
 
 def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:

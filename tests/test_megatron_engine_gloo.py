@@ -56,11 +56,11 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    """The local engine with 4 micro-batches per step (2 data-parallel ranks x 2) and with 2 (one pipeline),
-    each with its floor."""
+    """The local engine with 4 micro-batches per step (2 data-parallel ranks x 2), evaluating (worker.py's
+    ``--eval``), and with 2 (one pipeline), each with its floor."""
     tmp = tmp_path_factory.mktemp("local")
-    return {4: (_run(tmp, "local4", "local", "--grad-accum", "4"),
-                _run(tmp, "floor4", "local", "--grad-accum", "4", "--perturb", "1e-6")),
+    return {4: (_run(tmp, "local4", "local", "--grad-accum", "4", "--eval"),
+                _run(tmp, "floor4", "local", "--grad-accum", "4", "--perturb", "1e-6", "--eval")),
             2: (_run(tmp, "local2", "local", "--grad-accum", "2"),
                 _run(tmp, "floor2", "local", "--grad-accum", "2", "--perturb", "1e-6"))}
 
@@ -76,17 +76,25 @@ def _assert_close(megatron: list[dict], local: list[dict], floor: list[dict]) ->
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
-    """The megatron engine at EP 2 on 2 ranks (the dense weights data-parallel over both), no overlap; its run
-    folder and metrics."""
+    """The megatron engine at EP 2 on 2 ranks (the dense weights data-parallel over both), no overlap, evaluating
+    after steps 2 and 4 (worker.py's ``--eval``; the runs compared with it bit for bit do not evaluate, so they
+    also show that an evaluation changes nothing in training); its run folder and metrics."""
     tmp = tmp_path_factory.mktemp("ep2")
-    return tmp / "ep2", _run(tmp, "ep2", "megatron", "--ep", "2", nproc=2)
+    return tmp / "ep2", _run(tmp, "ep2", "megatron", "--ep", "2", "--eval", nproc=2)
 
 
 def test_expert_parallel_matches_local_and_resumes_bit_exact(tmp_path, local, ep2):
     run_dir, full = ep2
     _assert_close(full, *local[4])
     assert "overlap: none" in (run_dir / "run.log").read_text()
-    resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--resume",
+    # Validation through the schedule's forward-only pass, 2 held-out micro-batches on each rank, against the
+    # local engine's 4 on one: the same rows, the same LM loss to the floor.
+    evaluated = [(m, l, f) for m, l, f in zip(full, *local[4]) if "val_loss" in m]
+    assert [m["step"] for m, _, _ in evaluated] == [2, 4] and all("val_loss" in l for _, l, _ in evaluated)
+    for m, l, f in evaluated:
+        allowed = max(1e-5, 3 * _rel(f["val_loss"], l["val_loss"]))
+        assert _rel(m["val_loss"], l["val_loss"]) <= allowed, (m["step"], m["val_loss"], l["val_loss"], allowed)
+    resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--eval", "--resume",
                    str(run_dir / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]

@@ -72,6 +72,15 @@ class TrainConfig:
     keep_checkpoints: int = bounded(2, ge=1, aka=("save_total_limit", "keep_last"))
     """Newest checkpoints kept; older ones are deleted after a successful save."""
 
+    eval_every: int = bounded(0, ge=0, note="0: no validation",
+                              aka=("eval_interval", "eval_steps", "val_every", "val_check_interval"))
+    """Evaluate the LM loss on held-out rows every N steps and after the last (nam_core/engine/validation.py);
+    0: never. Needs held-out data: ``nam data prepare --val-fraction F`` or ``nam train --eval-data DIR`` (the
+    default stdlib corpus holds out 3% of its files)."""
+    eval_tokens: int = bounded(65_536, ge=1, aka=("eval_iters", "val_tokens", "eval_samples"))
+    """Tokens one evaluation reads over all data-parallel ranks, rounded up to whole micro-batches, at most one
+    pass over the held-out rows. 65,536: 8 micro-batches of 2 x 4096 (NAM56R), 256 of nam56r-tiny's 4 x 64."""
+
     plugin_options: dict = field(default_factory=dict)
     """Options read by plugins, ``{"<plugin>.<option>": value, ...}`` (set with --set <plugin>.<option>=...)."""
 
@@ -93,6 +102,10 @@ class TrainConfig:
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+    def evaluates_after(self, step: int, last: int) -> bool:
+        """Whether an evaluation follows optimizer step ``step`` (counted from 1) of a run ending after ``last``."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or step == last)
 
     def saves_after(self, step: int, last: int) -> bool:
         """Whether a checkpoint is written after optimizer step ``step`` (counted from 1) of a run that ends

@@ -24,6 +24,7 @@ from nam_core.engine import checkpoint
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
 from nam_core.engine.rundir import StopRequests, stopped
+from nam_core.engine.validation import HeldOut, mean_loss
 from nam_core.errors import Interrupted, TrainingGuardError
 from nam_core.run import RunSpec, StepContext
 
@@ -58,6 +59,8 @@ class LocalRun:
     again: Callable[..., str] | None = None
     """``again(resume="auto", sets={"train.lr": "3e-05"})``: the command that continues this run, for the
     hints of a stop or a guard (the CLI knows the options it was started with)."""
+    held_out: HeldOut | None = None
+    """Validation rows (``train.eval_every``); None: the run does not evaluate."""
 
     def context(self, step: int) -> StepContext:
         """What the lifecycle hooks of step ``step`` receive."""
@@ -208,6 +211,24 @@ def _step(run: LocalRun, step: int, last_good: Path | None) -> tuple[dict, int]:
     return metrics, n_tokens
 
 
+def evaluate(run: LocalRun) -> dict:
+    """``{"val_loss": ...}``: the LM loss on the held-out rows (nam_core/engine/validation.py), no gradients,
+    the model in eval mode for the pass and back in train mode after it."""
+    cfg = run.train
+    n = run.held_out.micro_batches(eval_tokens=cfg.eval_tokens, micro_batch_size=cfg.micro_batch_size)
+    total = 0.0
+    run.model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(n):
+                batch = run.held_out.batch_at(i, cfg.micro_batch_size)
+                out = run.forward({k: v.to(cfg.device) for k, v in batch.items()}, i)
+                total += out["lm_loss"].float().item()
+    finally:
+        run.model.train()
+    return {"val_loss": mean_loss(total, n)}
+
+
 def _save(run: LocalRun, step: int) -> Path:
     return checkpoint.save(run.run_dir / "checkpoints", step, model=run.model, optimizer=run.optimizer,
                            scheduler=run.scheduler, extra={"record": run.record}, keep=run.train.keep_checkpoints)
@@ -233,8 +254,11 @@ def train(run: LocalRun) -> dict:
             for step in range(start, run.max_steps):
                 run.step = step
                 metrics, tokens_per_step = _step(run, step, last_good)
+                if cfg.evaluates_after(step + 1, run.max_steps):
+                    metrics.update(evaluate(run))
                 _drain_notes(run)
-                if (step + 1) % cfg.log_every == 0 or step in (start, run.max_steps - 1) or stop.signum is not None:
+                if (step + 1) % cfg.log_every == 0 or step in (start, run.max_steps - 1) or "val_loss" in metrics \
+                        or stop.signum is not None:
                     run.log.log(metrics)
                 run.log.advance()
                 if cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every):

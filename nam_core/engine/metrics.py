@@ -37,6 +37,8 @@ class MetricsLog:
                     self.tb.add_scalar(key, value, step)
         line = (f"step {step} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
                 f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:.0f}")
+        if "val_loss" in metrics:
+            line += f" val_loss {metrics['val_loss']:.4f}"
         if self.bar is not None:
             self.bar.set_postfix_str(line.split(" ", 2)[2])
         elif not self.quiet:

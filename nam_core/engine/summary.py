@@ -3,7 +3,8 @@
 One step's loss is noisy, and the total ``loss`` includes the MTP and auxiliary losses (router balance, the
 indexer's KL), which move for their own reasons. So the summary reports the LM loss (``lm_loss``) averaged over
 a window of steps at the start and at the end, each other loss term averaged over the end window apart from
-it, and the run's speed.
+it, the last validation LM loss (``val_loss``, nam_core/engine/validation.py) when the run evaluated, and the
+run's speed.
 
 The speed it leads with is the steady state: the median step after this invocation's first one (tokens/s and
 model TFLOP/s per device, as the engines log them). The first step builds kernels and warms allocators and
@@ -21,8 +22,9 @@ import math
 from statistics import fmean, median
 
 STEP_FIELDS = frozenset({"step", "loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
-                         "mem_gib", "step_time_s"})
-"""Fields of a metrics record that are not auxiliary loss terms (``loss`` is their sum with ``lm_loss``)."""
+                         "mem_gib", "step_time_s", "val_loss"})
+"""Fields of a metrics record that are not auxiliary training-loss terms (``loss`` is their sum with
+``lm_loss``; ``val_loss``, on the steps that evaluated, is the held-out LM loss)."""
 
 WINDOW_FRACTION, WINDOW_MAX = 0.1, 20
 """The window: the last 10% of the logged steps (a short run's first steps are far above its end), at most 20
@@ -42,6 +44,9 @@ def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_
     tokens = (tokens_per_step or 0) * steps_run
     summary = {"wall_time_s": round(wall_s, 3), "steps_run": steps_run, "tokens": tokens,
                "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None, **steady_state(records, first_step)}
+    evaluated = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
+    summary.update(val_loss_last=evaluated[-1]["val_loss"] if evaluated else None,
+                   val_loss_step=evaluated[-1]["step"] if evaluated else None)
     if not records:
         return dict(summary, loss_window=0, lm_loss_first=None, lm_loss_last=None, loss_last=None,
                     other_losses_last={})
@@ -87,6 +92,8 @@ def describe(summary: dict) -> str:
         others = ", ".join(f"{k} {v:.4g}" for k, v in summary["other_losses_last"].items())
         if others:
             parts.append(f"other losses at the end: {others}")
+    if summary.get("val_loss_last") is not None:
+        parts.append(f"validation LM loss {summary['val_loss_last']:.4f} at step {summary['val_loss_step']}")
     parts.append(f"run folder {summary.get('run_dir')}")
     return "; ".join(parts)
 

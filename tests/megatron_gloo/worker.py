@@ -4,7 +4,7 @@ rows (micro-batch ``i`` is a pure function of ``i``).
 
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
-    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6]
+    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6] [--eval]
     torchrun --nproc-per-node 2 worker.py cli RUN_DIR STEPS -- train --engine megatron --ep 2 --plugins ...
 
 ``cli`` runs ``nam train`` itself in each rank (the CLI's whole path: plugin activation on an H100 profile,
@@ -29,6 +29,18 @@ def batch_at(index: int, size: int, cfg) -> dict:
     segments[:, cfg.seq_len // 3:] = 1  # two documents per row: MTP targets masked at the boundary
     return {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(size, cfg.seq_len),
             "segment_ids": segments, "structure": torch.randint(0, 16, (size, cfg.seq_len), generator=g)}
+
+
+EVAL = ["train.eval_every=2", f"train.eval_tokens={4 * MICRO_BATCH * 64}"]
+"""``--eval``: an evaluation after steps 2 and 4 over 4 held-out micro-batches of nam56r-tiny's 2 x 64 (all 4 on one
+rank of the local engine, 2 on each of 2 data-parallel ranks: the same rows)."""
+
+
+def held_out(cfg):
+    from nam_core.engine.validation import HeldOut
+
+    return HeldOut(batch_at=lambda i, b: batch_at(100_000 + i, b, cfg), rows=64, seq_len=cfg.seq_len,
+                   source="random rows")
 
 
 class NoHooks:
@@ -88,7 +100,7 @@ def megatron_run(args, recipe) -> None:
     overrides = ["attention_backend=reference",  # by name: the reference core on "cuda" (the double's CPU)
                  f"train.dtype={args.dtype}", f"train.micro_batch_size={MICRO_BATCH}",
                  f"train.grad_accum={args.grad_accum}", "train.checkpoint_every=2", "train.keep_checkpoints=10",
-                 "train.total_steps=20", f"train.schedule={schedule}", *args.set]
+                 "train.total_steps=20", f"train.schedule={schedule}", *(EVAL if args.eval else []), *args.set]
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe.name, plugins=["dualpipev"] if schedule == "dualpipev" else [],
                              overrides=overrides, engine="megatron", device="cuda", pp=args.pp, ep=args.ep,
@@ -101,7 +113,8 @@ def megatron_run(args, recipe) -> None:
         run_dir=args.run_dir, spec=spec, train=spec.train, host=host, max_steps=args.steps,
         model=NamMegatronModel(cfg, backends, run.lowering, seed=spec.train.seed), backends=backends.as_mapping(),
         batch_at=lambda i, b: batch_at(i, b, cfg), schedules={n: schedules.get(n) for n in schedules.names()},
-        flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume)
+        flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume,
+        held_out=held_out(cfg) if args.eval else None)
     engine.train(mrun)
     engine.shutdown()  # after success only: on an error the other ranks may sit in a collective
 
@@ -133,6 +146,8 @@ def local_run(args, recipe) -> None:
     cfg = recipe.model
     tc = recipe.train.replace(dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
                               checkpoint_every=100, total_steps=20)
+    if args.eval:
+        tc = tc.replace(**{k.split(".")[1]: int(v) for k, v in (e.split("=") for e in EVAL)})
     torch.manual_seed(tc.seed)
     model = build_model(cfg, Backends.reference(), device="cpu")
     if args.perturb:  # the floor: the same run from weights moved at rounding level
@@ -148,7 +163,8 @@ def local_run(args, recipe) -> None:
     train(LocalRun(run_dir=args.run_dir, train=tc, model=model, forward=forward,
                    batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps,
                    flops_per_token=flops_per_token(cfg).total, quiet=True,
-                   spec=spec_for("nam56r-tiny", device="cpu")))  # the engine builds each step's hook context
+                   spec=spec_for("nam56r-tiny", device="cpu"),  # the engine builds each step's hook context
+                   held_out=held_out(cfg) if args.eval else None))
 
 
 def cli_run(args, recipe) -> None:
@@ -178,6 +194,7 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
+    ap.add_argument("--eval", action="store_true", help="megatron and local runs: evaluate (EVAL)")
     ap.add_argument("--set", action="append", default=[], help="megatron runs: one more override, KEY=VALUE")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()

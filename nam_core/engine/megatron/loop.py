@@ -25,6 +25,7 @@ from nam_core.engine.megatron.model import MegatronModel, build_ddp, unwrap
 from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
 from nam_core.engine.metrics import MetricsLog, truncate_metrics
 from nam_core.engine.rundir import StopRequests, stopped
+from nam_core.engine.validation import HeldOut, mean_loss
 from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 from nam_core.patches import applied
 from nam_core.run import RunSpec, StepContext
@@ -68,6 +69,8 @@ class MegatronRun:
     """Kind -> the backend object the model runs (``StepContext.backend``)."""
     chunks: list = field(default_factory=list)
     """This rank's DDP model chunks while training."""
+    held_out: HeldOut | None = None
+    """Validation rows (``train.eval_every``); None: the run does not evaluate."""
 
     def context(self, step: int) -> StepContext:
         """What the lifecycle hooks of step ``step`` receive."""
@@ -146,6 +149,8 @@ def train(run: MegatronRun) -> dict:
                            "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                            "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12, "mem_gib": mem,
                            "step_time_s": dt}
+                if tc.evaluates_after(step + 1, run.max_steps):
+                    metrics.update(evaluate(run, s))
                 run.host.after_step(step, ctx, metrics)
                 _log(run, s, step, metrics, notes)
                 stopping = _agreed_stop(stop)
@@ -226,6 +231,46 @@ def _gather_params(models: list, train: TrainConfig) -> None:
             model.start_param_sync(force_sync=True)
 
 
+def evaluate(run: MegatronRun, s: _Session) -> dict:
+    """``{"val_loss": ...}`` on every rank: one forward-only pass through the schedule over this rank's share of
+    the held-out rows (nam_core/engine/validation.py), no gradients, the chunks in eval mode for the pass (as
+    Megatron's own ``evaluate``). What the pass leaves in the blocks' aux-loss sums and in Megatron's MoE
+    metrics tracker is dropped: it is not the training step's. Collective (every rank)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tc, held = run.train, run.held_out
+    if held is None:
+        raise ConfigError(f"train.eval_every={tc.eval_every} and no held-out rows were given to the engine",
+                          hint="nam train gives them (--eval-data DIR, or a dataset with a validation split)")
+    n = held.micro_batches(eval_tokens=tc.eval_tokens, micro_batch_size=tc.micro_batch_size, dp=s.dp)
+
+    def batches():
+        for j in range(n):
+            index = held.rank_batch(j, dp=s.dp, dp_rank=s.dp_rank, micro_batches=n)
+            yield index, {k: v.to(parallel.device(), non_blocking=True)
+                          for k, v in held.batch_at(index, tc.micro_batch_size).items()}
+
+    for model in s.models:
+        model.eval()
+    try:
+        with torch.no_grad():
+            losses = s.schedule(forward_step_func=run.model.forward_step, model=s.models, data_iterator=batches(),
+                                num_microbatches=n, seq_length=run.model.seq_len,
+                                micro_batch_size=tc.micro_batch_size, forward_only=True)
+    finally:
+        for model in s.models:
+            model.train()
+            run.model.end_step(unwrap(model))
+        get_moe_metrics_tracker().clear()
+    # Pipeline stages without the loss hold no entries; tensor-parallel copies of one count alike (a ratio).
+    sums = torch.zeros(2, dtype=torch.float64, device=parallel.device())
+    if losses:
+        sums[0] = torch.stack([m["lm_loss"].double().reshape(()) for m in losses]).sum()
+        sums[1] = len(losses)
+    torch.distributed.all_reduce(sums)
+    return {"val_loss": mean_loss(*sums.tolist())}
+
+
 def _batches(run: MegatronRun, step: int, dp_rank: int, dp: int):
     n, mbs = run.train.grad_accum, run.train.micro_batch_size
     device = parallel.device()
@@ -295,7 +340,7 @@ def _log(run: MegatronRun, s: _Session, step: int, metrics: dict, notes: list[st
         if line not in s.noted:
             s.noted.add(line)
             run.log.note(line)
-    if (step + 1) % run.train.log_every == 0 or step in (s.start, run.max_steps - 1):  # first: summary.py
+    if (step + 1) % run.train.log_every == 0 or step in (s.start, run.max_steps - 1) or "val_loss" in metrics:
         run.log.log(metrics)
     run.log.advance()
 

@@ -32,15 +32,20 @@ def batch_at(index: int, size: int, cfg) -> dict:
 
 
 EVAL = ["train.eval_every=2", f"train.eval_tokens={4 * MICRO_BATCH * 64}"]
-"""``--eval``: an evaluation after steps 2 and 4 over 4 held-out micro-batches of nam56r-tiny's 2 x 64 (all 4 on one
-rank of the local engine, 2 on each of 2 data-parallel ranks: the same rows)."""
+"""``--eval``: an evaluation after steps 2 and 4 over 4 held-out micro-batches of nam56r-tiny's 2 x 64: all 4 on one
+rank in the local engine (grad-accum 4), 2 on each of 2 data-parallel ranks in the megatron engine."""
+
+STEP3 = 2 * 4
+"""The first micro-batch index of step 3 at 4 micro-batches a step (local grad-accum 4; megatron dp 2 x 2)."""
 
 
 def held_out(cfg):
+    """Step 3's own training rows, held out: evaluated after step 2, on the weights step 3 trains from, the
+    validation loss must be step 3's LM loss (tests/test_megatron_engine_gloo.py)."""
     from nam_core.engine.validation import HeldOut
 
-    return HeldOut(batch_at=lambda i, b: batch_at(100_000 + i, b, cfg), rows=64, seq_len=cfg.seq_len,
-                   source="random rows")
+    return HeldOut(batch_at=lambda i, b: batch_at(STEP3 + i, b, cfg), rows=4 * MICRO_BATCH, seq_len=cfg.seq_len,
+                   source="step 3's rows")
 
 
 class NoHooks:

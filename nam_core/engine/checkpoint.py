@@ -225,3 +225,13 @@ def load(folder: Path, *, model, optimizer, scheduler) -> dict:
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
     return manifest
+
+
+def model_state(folder: Path) -> tuple[dict, dict]:
+    """The model's state dict (CPU tensors) and the manifest of a verified checkpoint folder, without an
+    optimizer or a model to load into (``nam export``)."""
+    manifest = verify(folder)
+    if manifest is None:
+        raise NamError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
+                       hint=f"export a good one: ls {folder.parent}")
+    return torch.load(folder / "model.pt", map_location="cpu", weights_only=True), manifest

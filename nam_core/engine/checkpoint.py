@@ -91,10 +91,11 @@ def load_tensors(path: Path):
                  "another checkpoint or start without --resume") from e
 
 
-def _globals_named(path: Path) -> str:
-    """The Python globals a torch.save file's pickle names, read without running it (for the message)."""
+def _globals_named(file) -> str:
+    """The Python globals a torch.save file's pickle names (a path or a file object), read without running
+    it: for the message."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
     except Exception as e:  # noqa: BLE001 - only the message's detail; the load was refused either way
         return f"its pickle could not be listed: {type(e).__name__}"
     return "names " + ", ".join(names[:5]) if names else "not a torch.save file"

@@ -160,6 +160,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
     import torch
 
+    from nam56r import memory
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
     from nam56r.run import activate, run_device
@@ -168,6 +169,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     engine = "local" if mega is None else "megatron"
     dev = run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if mega else 0)
     run = activate(run, host, dev)  # PluginActivationError (exit 3) lists every failed check
+    memory.check_fits(run.spec, dev)  # ConfigError (exit 2) with the plan's numbers: nothing allocated or written
     rec, names, steps = run.recipe, list(run.spec.plugins), run.max_steps
     patch_reports = apply_all(host.registry("patches"))
     backends = Backends.from_registries(host.registries, rec.model, options=run.spec.options,

@@ -63,6 +63,16 @@ CASES = [
     (["--set", "structure_vocab=3"], 2, ["structure_vocab=3: expected structure_vocab >= the structure ids"]),
     (["--set", "pattern=*X*"], 2, ["layer pattern '*X*', position 1: unknown symbol 'X'"]),
     (["--set", "mla_attention_ranks=0,99"], 2, ["mla_attention_ranks [0, 99] name slots [99]"]),
+    # --- values too big to build: refused by the memory plan (nam56r/memory.py) before anything exists -----
+    *[(["--set", f"{field}={value}", *dry], 2, ["the run cannot fit ", f"{label} {value}" if label else "GiB",
+                                               "nothing was written", "hint: lower the sizes"])
+      for field, value, label in (("hidden", 10**9, "hidden"), ("num_layers", 10**9, "num_layers"),
+                                  ("vocab_size", 10**12, "vocab_size"), ("seq_len", 10**9, "seq_len"),
+                                  ("train.micro_batch_size", 10**8, "micro-batch"),
+                                  ("num_experts", 10**9, ""), ("moe_ffn_hidden", 10**9, ""),
+                                  ("attn_heads", 10**9, ""), ("d_state", 10**9, ""))
+      for dry in ([], ["--dry-run"])],
+    (["--set", "hidden=1000000000", "--dry-run", "--device-profile", "h200"], 2, ["the run cannot fit "]),
     # --- keys: misspelled, misplaced, malformed -----------------------------------------------------
     (["--set", "train.learning_rate=1e-3"], 2, ["TrainConfig has no field 'learning_rate' (did you mean train.lr?)"]),
     (["--set", "lr=1e-3"], 2, ["the model config has no field 'lr' (did you mean train.lr?)"]),

@@ -13,7 +13,10 @@ from nam_core.errors import NamError, RunFolderError
 
 
 def _parts():
-    model = torch.nn.Linear(4, 4)
+    return _parts_of(torch.nn.Linear(4, 4))
+
+
+def _parts_of(model):
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return dict(model=model, optimizer=opt, scheduler=sched)
@@ -105,3 +108,25 @@ def test_a_format_1_rng_file_with_numpy_arrays_still_loads(tmp_path):
     with pytest.raises(RunFolderError, match="refused to load"):
         checkpoint._load_rng(tmp_path / "rng.pt", {"format": 1})
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_real_full_disk_is_exit_6_naming_the_disk_and_the_size_and_leaves_no_partial_save(small_disk):
+    """On a 30 MB tmpfs, checkpoints of ~12 MB (a 1024x1024 linear layer with AdamW's two moments): two fit, the
+    third meets the kernel's short write mid-file (torch then fails again closing its archive)."""
+    disk = small_disk(30)
+    root = disk / "checkpoints"
+    parts = _parts_of(torch.nn.Linear(1024, 1024))
+    parts["model"](torch.randn(2, 1024)).sum().backward()
+    parts["optimizer"].step()  # AdamW's moments exist from the first step on
+    for step in (1, 2):
+        checkpoint.save(root, step, **parts, extra={}, keep=3)
+    with pytest.raises(RunFolderError) as info:
+        checkpoint.save(root, 3, **parts, extra={}, keep=3)
+    message = str(info.value)
+    assert info.value.exit_code == 6
+    assert f"no space left on {root} (disk {disk}: a checkpoint needs about 12 MB" in message
+    assert "the newest good checkpoint, step-00000002, is intact" in message and "--resume auto" in message
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]  # no .step-*.tmp left
+    fresh = _parts_of(torch.nn.Linear(1024, 1024))
+    assert checkpoint.load(root / "step-00000002", **fresh)["step"] == 2
+    assert torch.equal(fresh["model"].weight, parts["model"].weight)

@@ -361,7 +361,7 @@ def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_p
     argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2")
     assert run(argv) == 6
     err = capsys.readouterr().err
-    assert f"no space left on {run_dir / 'checkpoints'} (a checkpoint needs about " in err
+    assert f"no space left on {run_dir / 'checkpoints'} (disk " in err and "a checkpoint needs about " in err
     assert "the newest good checkpoint, step-00000002, is intact" in err
     assert "--resume auto" in err and "Traceback" not in err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
@@ -370,6 +370,28 @@ def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_p
     monkeypatch.undo()
     assert run([*argv, "--resume", "auto"]) == 0
     assert "at step 2" in (run_dir / "run.log").read_text()
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_real_full_disk_is_exit_6_and_resume_auto_goes_on_from_the_last_good_checkpoint(
+        tmp_path, corpus, base, small_disk, capsys):
+    """A tmpfs with room for two checkpoints and a half: the third save meets the kernel's short write."""
+    size_mb = sum(p.stat().st_size for p in (base / "checkpoints" / "step-00000004").iterdir()) / 2**20
+    disk = small_disk(2.5 * size_mb + 0.5)
+    run_dir = disk / "run"
+    argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2")
+    expected = (f"no space left on {run_dir / 'checkpoints'} (disk {disk}: a checkpoint needs about "
+                f"{size_mb:.0f} MB")
+    for attempt in ("first run", "--resume auto"):
+        assert run(argv if attempt == "first run" else [*argv, "--resume", "auto"]) == 6, attempt
+        err = capsys.readouterr().err
+        assert expected in err and "the newest good checkpoint, step-00000004, is intact" in err, (attempt, err)
+        assert "Traceback" not in err and "--resume auto" in err
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+        assert not (run_dir / rundir.LOCK).exists()
+    assert "resumed from" in (run_dir / "run.log").read_text() and "at step 4" in (run_dir / "run.log").read_text()
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000002")  # the user frees space
+    assert run([*argv, "--resume", "auto"]) == 0
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
 
 

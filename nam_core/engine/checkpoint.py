@@ -15,7 +15,6 @@ half-written save.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from nam_core.data.dataset import file_sha256
+from nam_core.engine import rundir
 from nam_core.errors import NamError, RunFolderError
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
@@ -136,7 +136,7 @@ def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict
         shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if rundir.disk_full(exc):
             raise _no_space(ckpt_root, model, optimizer) from exc
         raise
     for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
@@ -186,16 +186,20 @@ def _state_bytes(state) -> int:
 
 
 def _no_space(ckpt_root: Path, model, optimizer) -> RunFolderError:
-    need = (_state_bytes(model.state_dict()) + _state_bytes(optimizer.state_dict())) / 2**20
-    try:
-        free = f", {shutil.disk_usage(ckpt_root).free / 2**20:.0f} MB free"
-    except OSError:
-        free = ""
-    good = good_checkpoints(ckpt_root)
+    return no_space(ckpt_root, (_state_bytes(model.state_dict()) + _state_bytes(optimizer.state_dict())) / 2**20,
+                    good_checkpoints(ckpt_root))
+
+
+def no_space(ckpt_root: Path, need_mb: float | None, good: list[Path]) -> RunFolderError:
+    """The error of a save that filled its disk (either engine): the disk, what one checkpoint needs, what is
+    free now that the half-written save is gone, and the checkpoint a resume takes."""
+    free = rundir.free_mb(ckpt_root)
+    sizes = ", ".join(x for x in (f"a checkpoint needs about {need_mb:.0f} MB" if need_mb is not None else "",
+                                  f"{free:.0f} MB free" if free is not None else "") if x)
     keep = f"the newest good checkpoint, {good[-1].name}, is intact" if good else "no checkpoint was saved yet"
     return RunFolderError(
-        f"no space left on {ckpt_root} (a checkpoint needs about {need:.0f} MB{free}); the half-written save "
-        f"was removed and {keep}",
+        f"no space left on {ckpt_root} (disk {rundir.mount_point(ckpt_root)}{': ' + sizes if sizes else ''}); "
+        f"the half-written save was removed and {keep}",
         hint=f"free space on that disk (or lower train.keep_checkpoints), then continue with --resume auto "
              f"--run-dir {ckpt_root.parent}")
 

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -72,6 +73,35 @@ def filesystem_error(exc: OSError, run_dir: Path) -> RunFolderError | None:
         hint = f"make {path} writable (or use a writable disk), or choose another --run-dir"
     verb = "cannot write to" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) else "cannot use"
     return RunFolderError(f"{verb} {path}: {why}", hint=hint)
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT anywhere in ``exc``'s chain. On a real filesystem torch's checkpoint writer meets the
+    OSError, then fails again closing its archive ("unexpected pos ..."): the OSError is that error's context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (the disk a "no space" message names)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def free_mb(path: Path) -> float | None:
+    try:
+        return shutil.disk_usage(path).free / 2**20
+    except OSError:
+        return None
 
 
 @contextmanager

@@ -101,40 +101,60 @@ def good_checkpoints(ckpt_root: Path) -> list[Path]:
 
 def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, manifest: dict, keep: int) -> Path:
     """Collective: every rank writes its shards into a hidden folder, rank 0 adds the manifest and renames
-    it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact."""
-    from megatron.core import dist_checkpointing
-
+    it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact; a
+    full disk is RunFolderError (exit 6) on the ranks that met it, the hidden folder removed."""
     rank = torch.distributed.get_rank()
     rank0 = rank == 0
     final = ckpt_root / f"step-{step:08d}"
     tmp = ckpt_root / f".{final.name}.tmp"
-    if rank0:
+    try:
+        _save_aside(tmp, models, optimizer, rank)
+        if rank0:
+            _finish(tmp, final, ckpt_root, step, manifest, keep)
+    except BaseException as exc:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if files.rundir.disk_full(exc):
+            good = good_checkpoints(ckpt_root)
+            need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
+            raise files.no_space(ckpt_root, need, good) from exc
+        raise
+    torch.distributed.barrier()
+    return final
+
+
+def _save_aside(tmp: Path, models: list, optimizer, rank: int) -> None:
+    """Collective: every rank's shards and RNG into the hidden folder ``tmp``."""
+    from megatron.core import dist_checkpointing
+
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp), verify_integrity=True)
     files._save_file(files.rng_state(), _rng_file(tmp, rank))
     torch.distributed.barrier()
-    if rank0:
-        for path in tmp.iterdir():  # on disk before the rename makes the folder count as good
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-        files.fsync_dir(tmp / "rng")
-        body = {"format": CHECKPOINT_FORMAT, "step": step, **manifest, "sha256": _digests(tmp)}
-        with open(tmp / "manifest.json", "w") as f:
-            f.write(json.dumps(body, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        files.fsync_dir(tmp)
-        if final.exists():  # the same step saved again (end of a resumed run)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        files.fsync_dir(ckpt_root)
-        for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
-    torch.distributed.barrier()
-    return final
+
+
+def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, keep: int) -> None:
+    """Rank 0: the manifest (sha256 of every file), the rename into place, the pruning."""
+    for path in tmp.iterdir():  # on disk before the rename makes the folder count as good
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    files.fsync_dir(tmp / "rng")
+    body = {"format": CHECKPOINT_FORMAT, "step": step, **manifest, "sha256": _digests(tmp)}
+    with open(tmp / "manifest.json", "w") as f:
+        f.write(json.dumps(body, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    files.fsync_dir(tmp)
+    if final.exists():  # the same step saved again (end of a resumed run)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    files.fsync_dir(ckpt_root)
+    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
 
 
 def resolve_resume(spec: str, ckpt_root: Path) -> Path:

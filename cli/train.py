@@ -66,9 +66,12 @@ def _dataset(data: Path | None, seq_len: int, vocab: int, seed: int, quiet: bool
 
 def _record(recipe, plugins: list[str], host, data: Path) -> dict:
     """What makes two runs the same run: resuming under a different record is refused."""
+    from nam_core.data.dataset import identity
+
     train = dataclasses.asdict(recipe.train)
     return {"recipe": recipe.name, "model": dataclasses.asdict(recipe.model), "train": train,
-            "plugins": {n: host.installed[n].version for n in plugins}, "data": str(Path(data).resolve())}
+            "plugins": {n: host.installed[n].version for n in plugins}, "data": str(Path(data).resolve()),
+            "dataset": identity(data)}
 
 
 def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
@@ -197,6 +200,8 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     record = _record(rec, names, host, data_path)
     again = _again(run_dir, ctx)
     start = _claim(run_dir, record, resume, held=held, rank0=rank0, megatron=mega is not None, again=again)
+    record["branch"] = start.branch  # every checkpoint says which line it belongs to (rundir: lineage)
+    rundir.check_steps_ahead(start, steps, run_dir)  # a resume with no step left: exit 2, nothing written
     if mega is not None:
         _barrier()  # every rank has looked at the run folder before rank 0 writes into it
     resume_from = start.resume_from

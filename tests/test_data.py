@@ -614,3 +614,20 @@ def test_the_default_corpus_under_a_read_only_home_is_exit_6_naming_nam_cache_di
         build_stdlib_corpus(disk / ".cache" / "nam", BYTE, None, max_files=2)
     assert "NAM_CACHE_DIR" in info.value.hint and "--data DIR" in info.value.hint
     assert list(disk.iterdir()) == []
+
+
+def test_a_stamp_made_under_another_dtype_does_not_answer_for_this_one(tmp_path):
+    """A manifest with a wrong token_dtype (then fixed) must not leave a stamp whose largest id is read under
+    the wrong dtype: 40000 as int16 is -25536, and that stamp would pass ids past any vocabulary."""
+    from nam_core.data import integrity
+
+    ids = np.random.default_rng().integers(0, 30000, 1000).astype(np.uint16)
+    ids[np.random.default_rng().integers(1000)] = 40000
+    (tmp_path / "tokens.bin").write_bytes(ids.tobytes())
+    digest = integrity.file_sha256(tmp_path / "tokens.bin")
+    wrong = integrity.verify(tmp_path, "tokens.bin", digest, np.dtype("int16"))
+    assert wrong["hashed"] and wrong["max"] == int(ids.astype(np.int16).max()) < 32768
+    right = integrity.verify(tmp_path, "tokens.bin", digest, np.dtype("uint16"))
+    assert right["hashed"] and right["max"] == 40000
+    again = integrity.verify(tmp_path, "tokens.bin", digest, np.dtype("uint16"))
+    assert not again["hashed"] and again["max"] == 40000  # the stamp answers for the dtype it was read as

@@ -186,7 +186,7 @@ def test_sigkill_at_seeded_moments_then_restart_or_resume_is_bit_exact(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_sigint_and_sigterm_save_the_step_and_the_printed_command_resumes_bit_exact(
         tmp_path, corpus, reference, signum, code):
     """checkpoint_every=100 would save only at the end: the checkpoint on disk is the stop's. A second signal
@@ -327,6 +327,31 @@ def test_resume_path_of_another_config_is_refused_with_the_diff(tmp_path, corpus
     assert f"--resume {ckpt}: checkpoint {ckpt} was made with a different config: model.hidden: 64 -> 32" in err
     assert "a resume may change train.lr" in err
     assert not run_dir.exists()
+
+
+def test_a_resume_on_other_data_under_the_same_path_is_refused_with_the_files_that_differ(
+        tmp_path, corpus, base, capsys):
+    """The run records its dataset's checksums; here the run was trained on a tokens.bin whose sha256 was
+    another (what `nam data prepare other --out ds --overwrite` under a run leaves)."""
+    from nam_core.data.dataset import identity
+
+    run_dir = copy_base(base, tmp_path)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["dataset"] == json.loads(json.dumps(identity(corpus)))
+    trained_on = "0" * 64
+    for path in [run_dir / "config.json", *(run_dir / "checkpoints").glob("step-*/manifest.json")]:
+        body = json.loads(path.read_text())
+        record = body if path.name == "config.json" else body["record"]
+        record["dataset"]["sha256"]["tokens.bin"] = trained_on
+        path.write_text(json.dumps(body))
+    history = (run_dir / rundir.HISTORY).read_text()
+    assert run(args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2",
+                    "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert (f"--resume: the data at {corpus.resolve()} is not the data run folder {run_dir} was trained on "
+            f"(sha256.tokens.bin: 000000000000... -> {identity(corpus)['sha256']['tokens.bin'][:12]}...)") in err
+    assert "resume on the data it was trained on" in err
+    assert (run_dir / rundir.HISTORY).read_text() == history  # nothing written
 
 
 def test_the_nan_guard_hint_is_a_command_that_is_accepted(tmp_path, corpus, base, capsys):

@@ -579,7 +579,8 @@ def _write(
             raise unwritable from exc
         raise
     for name, (digest, largest) in scanned.items():
-        integrity.record(out, name, digest, largest)  # hashed above: the first open need not hash again
+        integrity.record(out, name, digest, largest, np.dtype(token_dtype if name == f"{TOKENS}.bin"
+                                                              else STRUCTURE_DTYPE))  # the first open need not hash
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary
 

@@ -29,7 +29,7 @@ import torch
 
 from nam_core.data.dataset import file_sha256
 from nam_core.engine import rundir
-from nam_core.errors import NamError, RunFolderError
+from nam_core.errors import ConfigError, NamError, RunFolderError
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
 FORMAT = 2  # 2: rng.pt holds tensors and plain numbers only (1: numpy's pickled state)
@@ -263,10 +263,12 @@ def resolve_resume(spec: str, ckpt_root: Path, *, good: Callable[[Path], list[Pa
                 warn(f"skipped checkpoint {folder}: {why(folder)}; resuming from {newest.name}")
         return newest
     folder = Path(spec)
-    if not is_good(folder):
-        detail = why(folder) if folder.is_dir() else "no such folder"
-        raise NamError(f"--resume {spec}: not a complete {what} ({detail})",
-                       hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
+    if not folder.is_dir():  # a mistyped path: a usage error (exit 2)
+        raise ConfigError(f"--resume {spec}: no such folder",
+                          hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
+    if not is_good(folder):  # a truncated or damaged checkpoint: the folder cannot be used (exit 6)
+        raise RunFolderError(f"--resume {spec}: not a complete {what} ({why(folder)})",
+                             hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
     return folder
 
 

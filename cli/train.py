@@ -99,9 +99,12 @@ def _held_out(train, dataset, eval_data: Path | None, seq_len: int, vocab: int, 
 
 def _record(recipe, plugins: list[str], host, data: Path) -> dict:
     """What makes two runs the same run: resuming under a different record is refused."""
+    from nam_core.data.dataset import identity
+
     train = dataclasses.asdict(recipe.train)
     return {"recipe": recipe.name, "model": dataclasses.asdict(recipe.model), "train": train,
-            "plugins": {n: host.installed[n].version for n in plugins}, "data": str(Path(data).resolve())}
+            "plugins": {n: host.installed[n].version for n in plugins}, "data": str(Path(data).resolve()),
+            "dataset": identity(data)}
 
 
 def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
@@ -194,6 +197,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
     import torch
 
+    from nam56r import memory
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
     from nam56r.run import activate, run_device
@@ -202,6 +206,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     engine = "local" if mega is None else "megatron"
     dev = run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if mega else 0)
     run = activate(run, host, dev)  # PluginActivationError (exit 3) lists every failed check
+    memory.check_fits(run.spec, dev)  # ConfigError (exit 2) with the plan's numbers: nothing allocated or written
     rec, names, steps = run.recipe, list(run.spec.plugins), run.max_steps
     patch_reports = apply_all(host.registry("patches"))
     backends = Backends.from_registries(host.registries, rec.model, options=run.spec.options,
@@ -231,6 +236,8 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     record = _record(rec, names, host, data_path)
     again = _again(run_dir, ctx)
     start = _claim(run_dir, record, resume, held=held, rank0=rank0, megatron=mega is not None, again=again)
+    record["branch"] = start.branch  # every checkpoint says which line it belongs to (rundir: lineage)
+    rundir.check_steps_ahead(start, steps, run_dir)  # a resume with no step left: exit 2, nothing written
     if mega is not None:
         _barrier()  # every rank has looked at the run folder before rank 0 writes into it
     resume_from = start.resume_from

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from nam56r import memory
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
@@ -99,6 +100,8 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
         train = train.replace(device=request.device)
     flags = {k: v for k, v in (("tp", request.tp), ("pp", request.pp), ("ep", request.ep)) if v is not None}
     train = train.replace(engine=request.engine, **flags)  # the flags beat --set train.*
+    world = (request.nproc or int(os.environ.get("WORLD_SIZE", "1"))) if request.engine == "megatron" else 1
+    memory.check_lower_bound(rec.model, train, world=world)  # sizes no device could hold: exit 2
     check_values(rec.model, train, reference=base)
     steps = request.max_steps if request.max_steps is not None else train.total_steps
     if steps < 1:

@@ -133,10 +133,11 @@ def test_val_loss_is_the_lm_loss_of_the_held_out_rows(runs, split_data):
 
     from nam56r.model import build_model
     from nam56r.recipes import get_recipe
+    from nam_core.engine import checkpoint
 
     logged = read_metrics(runs["eval"])[-1]["val_loss"]
     model = build_model(get_recipe("nam56r-tiny").model.replace(seq_len=32))
-    model.load_state_dict(torch.load(runs["eval"] / "checkpoints" / "step-00000003" / "model.pt", weights_only=True))
+    model.load_state_dict(checkpoint.model_state(runs["eval"] / "checkpoints" / "step-00000003")[0])
     model.eval()
     rows = PackedSequences(open_dataset(split_data).split("validation"), 32, get_recipe("nam56r-tiny").train.seed)
     batch = {k: v for k, v in rows.batch_at(0, 2).items() if k != "positions"}

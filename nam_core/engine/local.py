@@ -153,14 +153,16 @@ def _start(run: LocalRun) -> int:
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg))
     start, cut = 0, []
     if run.resume_from is not None:
+        loading = time.perf_counter()
         manifest = checkpoint.load(run.resume_from, model=run.model, optimizer=run.optimizer,
                                    scheduler=run.scheduler)
+        loading = time.perf_counter() - loading
         resume_schedule(run.optimizer, run.scheduler, cfg)
         start = manifest["step"]
         cut = truncate_metrics(run.run_dir, start)
     run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
     if run.resume_from is not None:
-        run.log.note(f"resumed from {run.resume_from} at step {start}")
+        run.log.note(f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s)")
     for line in cut:
         run.log.note(line)
     _drain_notes(run)
@@ -229,9 +231,40 @@ def evaluate(run: LocalRun) -> dict:
     return {"val_loss": mean_loss(total, n)}
 
 
-def _save(run: LocalRun, step: int) -> Path:
-    return checkpoint.save(run.run_dir / "checkpoints", step, model=run.model, optimizer=run.optimizer,
-                           scheduler=run.scheduler, extra={"record": run.record}, keep=run.train.keep_checkpoints)
+def _save(run: LocalRun, step: int, last_good: Path | None, *, wait: bool) -> Path | None:
+    """Checkpoint ``step``; the newest checkpoint on disk after it. With ``train.async_checkpoints`` the files are
+    written in the background (nam_core/engine/async_checkpoint.py): the save before it is waited for, and this
+    one too when ``wait`` (the last step, a stop)."""
+    root, cfg = run.run_dir / "checkpoints", run.train
+    if not cfg.async_checkpoints:
+        t0 = time.perf_counter()
+        saved = checkpoint.save(root, step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                                extra={"record": run.record}, keep=cfg.keep_checkpoints)
+        run.log.note(f"checkpoint {saved.name}: training paused {time.perf_counter() - t0:.1f} s (written on the "
+                     "training thread)")
+        return saved
+    saver = run.__dict__.setdefault("_saver", checkpoint_saver(cfg))
+    last_good = _finish_save(run, saver) or last_good
+    checkpoint.start_save(root, step, saver=saver, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                          extra={"record": run.record}, keep=cfg.keep_checkpoints)
+    return (_finish_save(run, saver) or last_good) if wait else last_good
+
+
+def checkpoint_saver(cfg: TrainConfig):
+    """The run's background checkpoint writer; on CUDA its host buffers are pinned and kept between saves."""
+    from nam_core.engine.async_checkpoint import AsyncSaver
+
+    return AsyncSaver(pinned=cfg.device == "cuda")
+
+
+def _finish_save(run: LocalRun, saver) -> Path | None:
+    """Wait for the save in flight; note what it cost (the stall, the background write); its folder."""
+    pending = saver.pending
+    done = checkpoint.finish_save(saver, run.run_dir / "checkpoints", run.model, run.optimizer)
+    if pending is not None:
+        run.log.note(f"checkpoint {done.name}: training paused {pending.stall_s:.1f} s (copy to host memory), "
+                     f"written in {time.perf_counter() - pending.started:.1f} s in the background")
+    return done
 
 
 def _stopped(run: LocalRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
@@ -262,10 +295,13 @@ def train(run: LocalRun) -> dict:
                     run.log.log(metrics)
                 run.log.advance()
                 if cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every):
-                    last_good = _save(run, step + 1)
+                    last_good = _save(run, step + 1, last_good,
+                                      wait=stop.signum is not None or step + 1 == run.max_steps)
                 if stop.signum is not None:
                     raise _stopped(run, stop, step + 1, last_good)
         finally:
+            if "_saver" in run.__dict__:  # an error mid-run: the save in flight still lands (or is removed)
+                _finish_save(run, run.__dict__["_saver"])
             run.log.close()
     return {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
             "tokens_per_step": tokens_per_step}

@@ -164,16 +164,22 @@ def os_error(exc: BaseException) -> OSError | None:
     return _inner(exc, OSError)
 
 
-def _inner(exc: BaseException, kind: type):
-    """``exc`` when it is a ``kind``, or the one a rank's failure holds in DCP's CheckpointException (``failures``:
-    rank -> exception, or (exception, traceback)); None when neither."""
+def _inner(exc: BaseException | None, kind: type, seen: set | None = None):
+    """``exc`` when it is a ``kind``, else the first one behind it: in a rank's failure of DCP's
+    CheckpointException (``failures``: rank -> exception, or (exception, traceback)), or in an exception's
+    cause or context (on a real full disk, torch.save fails closing its archive, "unexpected pos", with the
+    OSError as that error's context); None when there is none."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return None
+    seen.add(id(exc))
     if isinstance(exc, kind):
         return exc
     for failure in getattr(exc, "failures", {}).values():
         inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, BaseException) and (found := _inner(inner, kind)) is not None:
+        if isinstance(inner, BaseException) and (found := _inner(inner, kind, seen)) is not None:
             return found
-    return None
+    return _inner(exc.__cause__, kind, seen) or _inner(exc.__context__, kind, seen)
 
 
 def _loading(folder: Path):

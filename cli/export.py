@@ -64,7 +64,6 @@ def export(
     from nam56r import export as exported
     from nam56r.export import read_config
     from nam_core.engine import checkpoint as local
-    from nam_core.engine.megatron.checkpoint import CHECKPOINT_FORMAT as MEGATRON
     from nam_core.errors import NamError
 
     exported.safetensors_torch()  # fail before reading gigabytes
@@ -74,7 +73,7 @@ def export(
         fmt = json.loads(manifest_path.read_text()).get("format")
     except ValueError:
         fmt = None
-    if fmt == MEGATRON:
+    if isinstance(fmt, str) and fmt.startswith("megatron-dist"):  # every format the megatron engine has written
         raise NamError(f"{folder} is a megatron-engine checkpoint (dist-checkpointing shards under Megatron's "
                        "names); nam export reads local-engine checkpoints only for now",
                        hint="export a local-engine checkpoint of the run, or train with --engine local")

@@ -97,7 +97,9 @@ def test_without_safetensors_nothing_is_written(trained, tmp_path, monkeypatch, 
 def test_a_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
     folder = tmp_path / "step-00000004"
     folder.mkdir()
-    (folder / "manifest.json").write_text(json.dumps({"format": "megatron-dist-1", "step": 4}))
+    from nam_core.engine.megatron.checkpoint import CHECKPOINT_FORMAT
+
+    (folder / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4}))
     assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 1
     assert "is a megatron-engine checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "export").exists()

@@ -255,6 +255,12 @@ def no_space(ckpt_root: Path, need_mb: float | None, good: list[Path]) -> RunFol
              f"--run-dir {ckpt_root.parent}")
 
 
+def _dcp_format(manifest: dict) -> bool:
+    """Whether a manifest is format 3's (async_checkpoint.py); another engine's string format is not."""
+    fmt = manifest.get("format", 1)
+    return isinstance(fmt, int) and fmt >= 3
+
+
 _DIGESTS: dict[tuple, str] = {}
 """sha256 by file version (device, inode, size, mtime in ns): one start verifies the same checkpoints up to three
 times (the run folder's plan, ``--resume auto``, the engine's start) and a background save prunes right after
@@ -290,7 +296,7 @@ def inspect(folder: Path) -> tuple[dict | None, str]:
         return None, f"manifest.json is not valid JSON ({e})"
     digests = manifest.get("sha256", {})
     names = FILES
-    if manifest.get("format", 1) >= 3:
+    if _dcp_format(manifest):
         from nam_core.engine.async_checkpoint import STATE, state_files
 
         names = state_files(folder)
@@ -357,7 +363,7 @@ def load(folder: Path, *, model, optimizer, scheduler) -> dict:
     manifest = verify(folder)
     if manifest is None:
         raise NamError(f"checkpoint {folder} failed verification", hint="use --resume auto")
-    if manifest.get("format", 1) >= 3:
+    if _dcp_format(manifest):
         from nam_core.engine import async_checkpoint as dcp
 
         rng = dcp.load(folder, model=model, optimizer=optimizer, scheduler=scheduler, rng_template=rng_state())
@@ -377,7 +383,7 @@ def model_state(folder: Path) -> tuple[dict, dict]:
     if manifest is None:
         raise NamError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
                        hint=f"export a good one: ls {folder.parent}")
-    if manifest.get("format", 1) >= 3:
+    if _dcp_format(manifest):
         from nam_core.engine import async_checkpoint as dcp
 
         return {k[len("model."):]: v for k, v in dcp.read_flat(folder, "model.").items()}, manifest

@@ -29,8 +29,7 @@ RUN_FILES = {
     "checkpoints/": "",
     "summary.json": "wall time, tokens/s, LM loss over the last steps",
 }
-"""What a run folder holds (nam_core/engine: rundir.py, metrics.py, checkpoint.py; cli/train.py's config and
-summary)."""
+"""What a run folder holds (``nam_core.engine.rundir.RunFolder`` owns every file)."""
 
 
 # --- building the plan ----------------------------------------------------------------------------------
@@ -82,6 +81,14 @@ def on_profile(run, host, profile: str, *, run_dir: Path | None, data: Path | No
     packages = evaluate_on_profile(run, host, device)
     run = dataclasses.replace(run, spec=run.spec.replace(device=device))
     return build(run, host, device, run_dir=run_dir, data=data, packages_needed=tuple(packages))
+
+
+def of_session(session, *, run_dir: Path | None, data: Path | None) -> dict:
+    """The plan of a built dry-run ``session`` (``nam56r.run.build(..., dry_run=True)``): its activated
+    plugins, built backends, applied patches and, on the megatron engine, its layout."""
+    megatron = session.megatron_layout() if session.spec.engine == "megatron" else None
+    return build(session.run, session.host, session.device, run_dir=run_dir, data=data, backends=session.backends,
+                 patches=session.patches, megatron=megatron)
 
 
 def build(run, host, device, *, run_dir: Path | None, data: Path | None, backends=None, patches=None,

@@ -65,14 +65,14 @@ def list_recipes(json_out: JsonOpt = False) -> None:
 
 
 def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
-    """The recipe's Megatron lowering as JSON-ready data, with the equivalent command-line flags."""
-    from nam56r.megatron import lower, megatron_args
-    from nam56r.recipes import get_recipe
+    """The recipe's Megatron lowering as JSON-ready data, with the equivalent command-line flags: the lowering
+    ``nam train --engine megatron`` makes (``nam56r.run.resolve``) on the fewest processes the layout needs."""
+    from nam56r.megatron import megatron_args
+    from nam56r.run import RunRequest, resolve
 
-    recipe = get_recipe(name)
-    lowering = lower(recipe.model, tp=tp, pp=pp, ep=ep, micro_batch_size=recipe.train.micro_batch_size,
-                     schedule=recipe.train.schedule, bf16=recipe.train.dtype == "bfloat16")
-    return {"recipe": recipe.name, **lowering.to_dict(), "flags": megatron_args(lowering)}
+    run = resolve(RunRequest(recipe=name, engine="megatron", device="cuda", tp=tp, pp=pp, ep=ep, nproc=tp * pp * ep,
+                             env_plugins=False))
+    return {"recipe": run.spec.recipe, **run.lowering.to_dict(), "flags": megatron_args(run.lowering)}
 
 
 def _print_megatron(m: dict) -> None:

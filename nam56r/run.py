@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
@@ -34,6 +35,7 @@ from nam56r.recipes import Recipe, apply_overrides, get_recipe
 from nam_core import bounds
 from nam_core.device import DeviceInfo
 from nam_core.engine.config import ENGINES, TrainConfig
+from nam_core.engine.contract import Engine, EngineRun, HookChain, Ranks
 from nam_core.errors import CannotRunHere, ConfigError, PluginActivationError
 from nam_core.host import Evaluation, PluginHost, requested_plugins
 from nam_core.run import Layout, RunSpec
@@ -42,6 +44,8 @@ BUILTIN_PLUGINS = ("reference",)
 """nam56r's own plugin, active in every run: the provider of every kind's default."""
 LOCAL_SCHEDULES = ("single",)
 """The local engine runs micro-batches one after the other and nothing else."""
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
+"""What NAM56R reads of a packed row (``nam_core.data.dataset.PackedSequences.batch_at`` gives more)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,168 @@ def spec_for(recipe: str | Recipe = "nam56r-tiny", *overrides: str, plugins: Seq
     if not isinstance(recipe, str):
         spec = spec.replace(model=recipe.model, train=recipe.train.replace(engine=engine))
     return spec.replace(device=run_device(spec, profile=profile))
+
+
+@dataclass
+class Session:
+    """A built run: what ``build`` made from an activated ``Run``, everything an engine needs."""
+
+    run: Run
+    host: PluginHost
+    engine: Engine
+    ranks: Ranks
+    device: DeviceInfo
+    patches: list
+    """The patch lane's reports (``nam_core.patches.PatchReport``), applied for this process."""
+    backends: Any
+    """``nam56r.model.Backends``: the backend object of every kind."""
+    flops_per_token: float
+    model: Any
+    """Local engine: a ``LocalModel`` on the run's device; megatron engine: a ``NamMegatronModel`` (built on
+    each rank by the engine); a dry run: NAM56R on the meta device (allocates nothing)."""
+    notes: list[str]
+    """Lines for the run log: how plugins changed the config, then what the blocks report while training."""
+    data: Path | None = None
+    batches: Callable[[int, int], dict] | None = None
+    """``batches(index, batch_size)``: micro-batch ``index`` of the data (None on a dry run)."""
+
+    @property
+    def spec(self) -> RunSpec[NAM56RConfig]:
+        return self.run.spec
+
+    def record(self) -> dict:
+        """What makes two runs the same run (config.json; every checkpoint's manifest): resuming under a
+        different record is refused, except for the fields ``rundir.RESUMABLE`` names."""
+        s = self.spec
+        return {"recipe": s.recipe, "model": dataclasses.asdict(s.model), "train": dataclasses.asdict(s.train),
+                "plugins": {n: self.host.installed[n].version for n in s.plugins},
+                "data": str(Path(self.data).resolve()) if self.data is not None else None}
+
+    def plugins_info(self) -> dict:
+        """What ran (plugins.json): plugins and their distributions, backends, patches, versions, device."""
+        import platform
+
+        import torch
+
+        installed = self.host.installed
+        info = {"active": {n: {"distribution": installed[n].distribution, "version": installed[n].version}
+                           for n in self.spec.plugins},
+                "backends": {k: type(b).__name__ for k, b in self.backends.as_mapping().items()},
+                "patches": [r.to_dict() for r in self.patches],
+                "python": platform.python_version(), "torch": torch.__version__, "device": self.device.to_dict()}
+        if self.spec.engine == "megatron":
+            info["megatron"] = self.megatron_layout()
+        return info
+
+    def megatron_layout(self) -> dict:
+        """The megatron engine's process count, parallel sizes and layer pattern (for the plan and plugins.json)."""
+        lay, lowering = self.spec.layout, self.run.lowering
+        return {"world_size": self.ranks.world_size, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep,
+                "hybrid_layer_pattern": lowering.hybrid_layer_pattern}
+
+    def engine_run(self, run_dir: Path, *, resume_from: Path | None = None, notes: Sequence[str] = (),
+                   quiet: bool = False, again=None, hooks: Any = None, checkpoints: bool = True) -> EngineRun:
+        """The ``EngineRun`` of this session in ``run_dir``. ``hooks``: lifecycle hooks that run after the
+        plugins' (a benchmark's profiler); ``notes``: lines of the start (resume, restart) before the session's."""
+        schedules = self.host.registry("schedules")
+        self.notes[:0] = list(notes)
+        return EngineRun(
+            run_dir=Path(run_dir), spec=self.spec, model=self.model,
+            host=HookChain(self.host, hooks) if hooks is not None else self.host,
+            batch_at=self.batches,
+            max_steps=self.run.max_steps, flops_per_token=self.flops_per_token,
+            backends=self.backends.as_mapping(), schedules={n: schedules.get(n) for n in schedules.names()},
+            record=self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
+            checkpoints=checkpoints)
+
+
+def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *, data: Path | None = None,
+          dry_run: bool = False, quiet: bool = False, device: DeviceInfo | None = None,
+          init_from: Path | None = None, batches: Callable[[int, int], dict] | None = None) -> Session:
+    """Stages 3 and 4 (the device, activation), then everything ``engine`` needs to train ``run``: the patch
+    lane applied, the backends, FLOPs per token, the model or model provider, the data (rank 0 prepares it
+    first; the other ranks wait), in that order, so a refusal comes before any allocation.
+
+    ``device``: in place of the probed one (the gloo suite's double); ``init_from``: a nam ``model.pt`` the
+    weights start from instead of nam's initialisation at the seed (the benches' shared initial state);
+    ``batches``: rows in place of a dataset (the tests' fixed random rows)."""
+    from nam56r.flops import flops_per_token
+    from nam56r.model import Backends, build_model
+    from nam_core.patches import apply_all
+
+    megatron = run.spec.engine == "megatron"
+    device = device or run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if megatron else 0)
+    run = activate(run, host, device)  # PluginActivationError (exit 3) lists every failed check
+    spec = run.spec
+    patches = apply_all(host.registry("patches"))
+    backends = Backends.from_registries(host.registries, spec.model, options=spec.options, device=spec.train.device)
+    session = Session(run=run, host=host, engine=engine, ranks=ranks, device=device, patches=patches,
+                      backends=backends, flops_per_token=flops_per_token(spec.model).total, model=None,
+                      notes=list(spec.notes))
+    if dry_run:
+        session.model = build_model(spec.model, backends, device="meta")  # it builds with these backends
+        return session
+    session.model = (_megatron_model(run, backends, host, init_from) if megatron
+                     else _local_model(spec, backends, session.notes, init_from))
+    if batches is not None:
+        session.batches = batches
+        return session
+    if not ranks.writes:
+        engine.barrier()  # rank 0 prepares the data first (one writer into the cache)
+    session.data, packed = _dataset(data, spec, quiet=quiet or not ranks.writes)
+    if ranks.writes and megatron:
+        engine.barrier()
+    session.batches = lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in BATCH_KEYS}
+    return session
+
+
+def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | None):
+    import torch
+
+    from nam56r.model import build_model
+    from nam56r.state import ForwardState
+    from nam_core.engine.local import LocalModel
+
+    torch.manual_seed(spec.train.seed)
+    module = build_model(spec.model, backends, device=spec.train.device)
+    if init_from is not None:
+        module.load_state_dict(torch.load(init_from, map_location=spec.train.device, weights_only=True))
+    module = module.to(dtype=getattr(torch, spec.train.dtype))
+
+    def forward(batch: dict, micro_batch: int) -> dict:
+        state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
+        out = module(**batch, state=state)
+        notes.extend(state.log)  # the engine logs each distinct line once
+        return out
+
+    return LocalModel(module, forward)
+
+
+def _megatron_model(run: Run, backends, host: PluginHost, init_from: Path | None):
+    """NAM56R for the megatron engine from the activated run's lowering (``activate`` lowered it with the
+    registered schedule and checked the layout), checked before anything is written."""
+    from nam56r.megatron import NamMegatronModel
+
+    model = NamMegatronModel(run.spec.model, backends, run.lowering, seed=run.spec.train.seed, init_from=init_from)
+    model.check(registered_schedules=_schedules(host))
+    return model
+
+
+def _dataset(data: Path | None, spec: RunSpec, *, quiet: bool):
+    """The prepared dataset ``data`` (default: the Python standard library corpus, prepared once into nam's
+    cache) and its packed rows at the run's sequence length and seed."""
+    from nam_core.data.dataset import PackedSequences, open_dataset
+
+    if data is None:
+        from nam56r.blocks.structure import char_structure_ids
+        from nam_core.cache import cache_dir
+        from nam_core.data.prepare import build_stdlib_corpus
+        from nam_core.data.tokenizer import ByteTokenizer
+
+        data = build_stdlib_corpus(cache_dir(), ByteTokenizer(), char_structure_ids, progress=not quiet)
+    dataset = open_dataset(data)
+    dataset.check_vocab(spec.model.vocab_size)
+    return data, PackedSequences(dataset, spec.model.seq_len, spec.train.seed)
 
 
 # --- the pieces ----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 from nam_cli.main import run
 from nam_core.engine import checkpoint, rundir
 from nam_core.engine.config import TrainConfig
-from nam_core.engine.local import lr_lambda
+from nam_core.engine.step import lr_lambda
 from nam_core.engine.metrics import read_metrics
 from nam_core.testing import prepare_corpus
 

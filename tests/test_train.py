@@ -198,11 +198,12 @@ def test_run_folder_contents(tmp_path, corpus):
 def test_engine_logs_each_pending_note_once():
     from types import SimpleNamespace
 
-    from nam_core.engine.local import _drain_notes
+    from nam_core.engine.local import _drain_notes, _State
 
     logged = []
-    run = SimpleNamespace(notes=["a", "b", "a"], log=SimpleNamespace(note=logged.append))
-    _drain_notes(run)
+    run = SimpleNamespace(notes=["a", "b", "a"])
+    state = _State(optimizer=None, scheduler=None, log=SimpleNamespace(note=logged.append), start=0)
+    _drain_notes(run, state)
     run.notes.extend(["b", "c"])  # what forward appends from ForwardState.log on a later step
-    _drain_notes(run)
+    _drain_notes(run, state)
     assert logged == ["a", "b", "c"] and run.notes == []

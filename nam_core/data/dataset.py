@@ -44,6 +44,7 @@ import torch
 
 from nam_core.data.integrity import file_sha256, verify
 from nam_core.errors import DataError
+from nam_core.files import write_json_atomic
 
 MANIFEST = "dataset.json"
 FORMAT = "nam-dataset"
@@ -315,9 +316,7 @@ def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str
             _check_largest(path, name, largest, int(allowed), what)
         added[name] = (digest, largest)
     manifest["sha256"] = {**manifest["sha256"], **{name: digest for name, (digest, _) in added.items()}}
-    tmp = path / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path / MANIFEST)
+    write_json_atomic(path / MANIFEST, manifest, sort_keys=True)
     for name, (digest, largest) in added.items():
         record(path, name, digest, largest)  # hashed just now: the next open need not hash again
     open_dataset(path)  # everything else must check out too

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
+
+from nam_core.files import write_atomic
 
 
 class MetricsLog:
@@ -87,9 +88,7 @@ def truncate_metrics(run_dir: Path, last_step: int) -> list[str]:
             continue
         if step <= last_step:
             keep.append(line)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a kill mid-rewrite keeps the old file
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(l + "\n" for l in keep))  # a kill mid-rewrite keeps the old file
     if not torn:
         return []
     which = "its last line" if torn == [number] else f"line(s) {', '.join(map(str, torn))}"

@@ -1,9 +1,17 @@
-"""The run folder's life: one owner at a time, what a new start does with what it finds, what a resume may
-change, a stop on request, and filesystem failures as one-block errors.
+"""The run folder: what is in it, who owns it, what a new start does with what it finds, what a resume may
+change, a stop on request, and filesystem failures as one-block errors. ``RunFolder`` owns every file:
 
+    runs/<name>/config.json       the run's identity (recipe, model, train, plugins, data): a resume must match it
+    runs/<name>/plugins.json      active plugins, backends, patches, versions, device
+    runs/<name>/metrics.jsonl     one record per logged step (``metrics.MetricsLog``)
+    runs/<name>/run.log           one-off notes (plugin hand-overs, resumes, skipped checkpoints)
+    runs/<name>/summary.json      the end-of-run summary
+    runs/<name>/checkpoints/      step-<N>/ folders (the engine's format: ``checkpoint.py``, ``megatron/checkpoint.py``)
     runs/<name>/run.lock          held (flock) by the live run; its pid, host and start time, for messages
     runs/<name>/history.jsonl     one line per start: fresh, restart or resume, with the fields it changed
     runs/<name>/stopped-<time>/   what a run that stopped before its first checkpoint left (moved aside)
+
+Every whole-file write goes through ``nam_core.files.write_atomic`` (aside, then rename).
 
 Why flock: the kernel lets go of it when its process dies, however it dies (SIGKILL, the OOM killer), so a
 lock never outlives its owner on this machine and a crash never leaves a folder that needs ``rm -rf``. The
@@ -31,6 +39,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from nam_core.errors import ConfigError, Interrupted, RunFolderError
+from nam_core.files import write_json_atomic
 
 LOCK = "run.lock"
 HISTORY = "history.jsonl"
@@ -130,8 +139,10 @@ def describe_owner(text: str) -> tuple[str, int | None]:
 
 
 class RunFolder:
-    """The run folder, held for the run's life: created if needed, locked, and given back on any exit
-    (``with RunFolder(path) as folder:``). ``stale`` names the previous owner when it died holding the lock."""
+    """The run folder and every file in it. Held for the run's life by the process that writes it: created if
+    needed, locked, and given back on any exit (``with RunFolder(path) as folder:``); ``stale`` names the
+    previous owner when it died holding the lock. Unlocked, it is a view that reads (and lets an engine's
+    ranks find where metrics and checkpoints go)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -139,6 +150,58 @@ class RunFolder:
         self.stale: str | None = None
         self._fd: int | None = None
         self._created: list[Path] = []
+
+    # --- the files ---
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def config(self) -> dict | None:
+        """The recorded identity (config.json), or None when there is none or it is not JSON."""
+        return _read_json(self.path / "config.json")
+
+    def write_config(self, record: dict) -> None:
+        write_json_atomic(self.path / "config.json", record)
+
+    def write_plugins(self, info: dict) -> None:
+        write_json_atomic(self.path / "plugins.json", info)
+
+    def write_summary(self, summary: dict) -> None:
+        write_json_atomic(self.path / "summary.json", summary)
+
+    def metrics(self) -> list[dict]:
+        from nam_core.engine.metrics import read_metrics
+
+        return read_metrics(self.path)
+
+    def metrics_log(self, *, start_step: int, total_steps: int, quiet: bool):
+        """The log an engine writes metrics.jsonl and run.log through (rank 0)."""
+        from nam_core.engine.metrics import MetricsLog
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        return MetricsLog(self.path, start_step=start_step, total_steps=total_steps, quiet=quiet)
+
+    def truncate_metrics(self, last_step: int) -> list[str]:
+        """Drop metrics after ``last_step`` (a resume makes them again); what was cut, as notes."""
+        from nam_core.engine.metrics import truncate_metrics
+
+        return truncate_metrics(self.path, last_step)
+
+    def claim(self, record: dict, resume: str | None, *, good, resolve, again) -> "Start":
+        """How this run starts here (``plan``), with a note of a stale lock taken over. Call under the lock."""
+        start = plan(self.path, record, resume, good=good, resolve=resolve, again=again)
+        if self.stale:
+            start.notes.insert(0, self.stale)
+        return start
+
+    def begin(self, start: "Start", record: dict, plugins: dict) -> None:
+        """Under the lock, after every check: the start's history line, then the run's identity files."""
+        begin(self.path, start)
+        self.write_config(record)
+        self.write_plugins(plugins)
+
+    # --- the lock ---
 
     def __enter__(self) -> "RunFolder":
         self.acquire()
@@ -258,12 +321,7 @@ class Contents:
     @classmethod
     def read(cls, run_dir: Path, good: Callable[[Path], list[Path]]) -> "Contents":
         names = {p.name for p in run_dir.iterdir()} - {LOCK} if run_dir.is_dir() else set()
-        config = None
-        if "config.json" in names:
-            try:
-                config = json.loads((run_dir / "config.json").read_text())
-            except ValueError:
-                config = None
+        config = _read_json(run_dir / "config.json") if "config.json" in names else None
         ckpts = run_dir / "checkpoints"
         steps = sorted(p for p in ckpts.glob("step-*") if p.is_dir()) if ckpts.is_dir() else []
         return cls(names, config, steps, good(ckpts) if steps else [])
@@ -364,10 +422,14 @@ def _plan_resume(run_dir: Path, contents: Contents, record: dict, resume: str, r
 
 
 def _manifest(folder: Path) -> dict:
+    return _read_json(folder / "manifest.json") or {}
+
+
+def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads((folder / "manifest.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        return None
 
 
 def begin(run_dir: Path, start: Start) -> None:

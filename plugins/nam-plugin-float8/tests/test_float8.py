@@ -206,8 +206,8 @@ def test_host_activates_and_transforms_a_model():
 
 def test_the_local_engine_transforms_before_it_builds_the_optimizer(tmp_path):
     """A transform that swaps a module for one with a new parameter: the optimizer must step the new one."""
-    from nam_core.engine.config import TrainConfig
-    from nam_core.engine.local import LocalRun, train
+    from nam_core.engine.contract import EngineRun
+    from nam_core.engine.local import LocalModel, train
 
     model = nn.Sequential(nn.Linear(4, 4))
 
@@ -225,12 +225,13 @@ def test_the_local_engine_transforms_before_it_builds_the_optimizer(tmp_path):
             pass
 
     host = Host()
-    tc = TrainConfig(device="cpu", dtype="float32", micro_batch_size=1, lr=1e-2, warmup_steps=1, total_steps=1,
-                     checkpoint_every=100, weight_decay=0.0)
+    spec = spec_for("nam56r-tiny", "train.dtype=float32", "train.micro_batch_size=1", "train.lr=1e-2",
+                    "train.warmup_steps=1", "train.total_steps=1", "train.checkpoint_every=100",
+                    "train.weight_decay=0.0", device="cpu")
     batch = {"tokens": torch.randn(1, 4)}
-    train(LocalRun(run_dir=tmp_path, train=tc, model=model, forward=lambda b, i: {"loss": model(b["tokens"]).square().mean()},
-                   batch_at=lambda i, b: batch, host=host, max_steps=1, flops_per_token=1.0, quiet=True,
-                   spec=spec_for("nam56r-tiny", device="cpu")))
+    train(EngineRun(run_dir=tmp_path, spec=spec, host=host, max_steps=1, flops_per_token=1.0, quiet=True,
+                    model=LocalModel(model, lambda b, i: {"loss": model(b["tokens"]).square().mean()}),
+                    batch_at=lambda i, b: batch))
     assert model[0].weight is host.new and not torch.equal(host.new.detach(), host.start)
     assert "swapped layer 0" in (tmp_path / "run.log").read_text()
 

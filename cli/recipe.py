@@ -65,14 +65,17 @@ def list_recipes(json_out: JsonOpt = False) -> None:
 
 
 def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
-    """The recipe's Megatron lowering as JSON-ready data, with the equivalent command-line flags: the lowering
-    ``nam train --engine megatron`` makes (``nam56r.run.resolve``) on the fewest processes the layout needs."""
+    """The recipe's Megatron lowering at ``tp/pp/ep`` as JSON-ready data, with the equivalent command-line
+    flags: the lowering ``nam train --engine megatron`` makes (``nam56r.run.lowering_for``), shown with its
+    open gaps rather than refused, so a user sees what a layout still lacks."""
     from nam56r.megatron import megatron_args
-    from nam56r.run import RunRequest, resolve
+    from nam56r.run import RunRequest, lowering_for, resolve
+    from nam_core.run import Layout
 
-    run = resolve(RunRequest(recipe=name, engine="megatron", device="cuda", tp=tp, pp=pp, ep=ep, nproc=tp * pp * ep,
-                             env_plugins=False))
-    return {"recipe": run.spec.recipe, **run.lowering.to_dict(), "flags": megatron_args(run.lowering)}
+    spec = resolve(RunRequest(recipe=name, env_plugins=False)).spec
+    spec = spec.replace(engine="megatron", layout=Layout(tp=tp, pp=pp, ep=ep, world_size=tp * pp * ep))
+    lowering = lowering_for(spec)
+    return {"recipe": spec.recipe, **lowering.to_dict(), "flags": megatron_args(lowering)}
 
 
 def _print_megatron(m: dict) -> None:

@@ -405,19 +405,29 @@ def _schedules(host: PluginHost) -> dict[str, Any]:
     return {n: reg.get(n) for n in reg.names()}
 
 
+def lowering_for(spec: RunSpec, *, schedule: Any = None):
+    """NAM56R lowered for the megatron engine at ``spec``'s layout (the one place ``lower`` is called).
+    ``schedule``: a registered schedule object (its chunks and stages), else ``train.schedule`` by name."""
+    from nam56r.megatron.lowering import lower
+
+    train, lay = spec.train, spec.layout
+    return lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
+                 schedule=schedule if schedule is not None else train.schedule, bf16=train.dtype == "bfloat16",
+                 dispatcher=train.moe_dispatcher)
+
+
 def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):
     """The megatron engine's layout and lowering checks, and the lowering. Before activation (``registered``
     None) a plugin schedule is taken on trust if a requested plugin declares it (``declared``) and lowered
     with Megatron's layout; after it, the lowering is made from the registered schedule's instance, so its
     chunks and stages are the schedule's."""
-    from nam56r.megatron.lowering import check_lowering, lower
+    from nam56r.megatron.lowering import check_lowering
     from nam_core.engine import megatron as meg
 
     train, lay = spec.train, spec.layout
     schedule = (meg.schedule_for(train.schedule, pp=lay.pp, registered=registered) if registered is not None
-                else train.schedule)
-    lowering = lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
-                     schedule=schedule, bf16=train.dtype == "bfloat16", dispatcher=train.moe_dispatcher)
+                else None)
+    lowering = lowering_for(spec, schedule=schedule)
     meg.check_layout(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, ep=lay.ep, train=train,
                      registered_schedules=registered if registered is not None else {train.schedule: None})
     check_lowering(lowering, registered_schedules=registered if registered is not None

@@ -1,7 +1,8 @@
 """Repository-wide pytest hooks: GPU-marked tests (in tests/ and every plugin) skip without CUDA, with a reason;
-the ``load_bench`` fixture."""
+the ``load_bench`` and ``small_disk`` fixtures."""
 
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,26 @@ def load_bench():
         return modules[name]
 
     return load
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size_mb, read_only=False) -> Path``: a real filesystem of that size (tmpfs), so a full disk
+    is the kernel's own short write and ENOSPC, not a fake. Mounting needs root (CAP_SYS_ADMIN): elsewhere the
+    test skips, saying so. Unmounted afterwards."""
+    mounted = []
+
+    def mount(size_mb: float, *, read_only: bool = False) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        options = f"size={int(size_mb * 1024)}k" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"a real small filesystem needs `mount -t tmpfs` (root): {done.stderr.strip() or done.returncode}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -113,7 +113,7 @@ def one_row(args) -> int:
             torch.save(tensors, ref_path)
             diff = {k: 0.0 for k in tensors}
         else:
-            ref = torch.load(ref_path)
+            ref = torch.load(ref_path, weights_only=True)  # dict of tensors this script saved
             diff = {k: max_rel_error(tensors[k], ref[k]) for k in tensors}
         del out
         fwd_ms = median_ms(forward, warmup=args.warmup, iters=args.iters)

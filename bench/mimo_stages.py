@@ -95,7 +95,7 @@ def variant(args) -> int:
             torch.save(tensors, ref_path)
             diff = {k: 0.0 for k in tensors}
         else:
-            ref = torch.load(ref_path)
+            ref = torch.load(ref_path, weights_only=True)  # dict of tensors this script saved
             diff = {k: max_rel_error(tensors[k], ref[k]) for k in tensors}
         total = median_ms(step, warmup=args.warmup, iters=args.iters)
         for k in KERNELS:

@@ -54,7 +54,7 @@ def report(error: NamError) -> None:
 
 
 def _interrupt(signum: int, frame) -> None:
-    """SIGINT/SIGTERM outside a training loop (which installs its own stop-after-the-step handlers): end the
+    """SIGINT/SIGTERM/SIGHUP outside a training loop (which installs its own stop-after-the-step handlers): end the
     command as a stop, exit 128 + signal, instead of click's "Aborted!" with exit 1 (SIGINT) or an
     unhandled kill (SIGTERM); the exception unwinds through every cleanup on the way out."""
     name = signal.Signals(signum).name
@@ -66,7 +66,7 @@ def run(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         return _run(command, argv)
     finally:

@@ -77,7 +77,10 @@ def evaluate_on_profile(run, host, device) -> list[str]:
 def on_profile(run, host, profile: str, *, run_dir: Path | None, data: Path | None) -> dict:
     """The plan of ``run`` against the described device ``profile``: no CUDA, no engine start, no activation
     (nothing is registered or built from a plugin); parameters are counted on the meta device."""
+    from nam56r import memory
+
     device = profile_device(run.spec, profile)
+    memory.check_fits(run.spec, device)  # ConfigError (exit 2): a run too big for that device is no plan
     packages = evaluate_on_profile(run, host, device)
     run = dataclasses.replace(run, spec=run.spec.replace(device=device))
     return build(run, host, device, run_dir=run_dir, data=data, packages_needed=tuple(packages))

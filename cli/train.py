@@ -120,12 +120,14 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again) -> 
         held.enter_context(folder)
         held.enter_context(rundir.readable_filesystem_errors(folder.path))
     start = folder.claim(record, resume, good=eng.good_checkpoints, resolve=eng.resolve_resume, again=again)
+    record["branch"] = start.branch  # every checkpoint says which line it belongs to (rundir: lineage)
+    rundir.check_steps_ahead(start, session.run.max_steps, folder.path)  # no step left: exit 2, nothing written
     eng.barrier()  # every rank has looked at the run folder before rank 0 writes into it
     if writes:
         folder.begin(start, record, session.plugins_info())
     started = time.monotonic()  # the summary's wall time: training, checkpoints included
     result = eng.train(session.engine_run(folder.path, resume_from=start.resume_from, notes=start.notes,
-                                          quiet=quiet, again=again))
+                                          quiet=quiet, again=again, record=record))
     if not writes:
         return None
     result.update(run_dir=str(folder.path), recipe=session.spec.recipe, engine=session.spec.engine,

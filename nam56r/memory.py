@@ -19,6 +19,7 @@ allocator (``OUTSIDE_ALLOCATOR_GIB``), which the peak does not see; ``fits`` and
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -122,3 +123,98 @@ def local_static_gib(params: int, dtype_bytes: int) -> dict[str, float]:
     weights = params * dtype_bytes / GIB
     return {"weights_gib": weights, "grads_gib": weights, "optimizer_gib": 2 * weights,
             "static_gib": 4 * weights}
+
+
+# --- before anything is allocated or written: can this run fit at all? ----------------------------------
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def machine_ram_bytes() -> int:
+    """This machine's physical memory: what a CPU run must fit in."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def lower_bound_gib(cfg, train, *, devices: int = 1) -> dict[str, float]:
+    """What the run needs per device at the very least, counted without building anything (so no size is too
+    big to count): the embedding table (vocab x hidden) and one norm (hidden) per layer, each held as weights,
+    gradients and AdamW's two moments, and one ``[mbs, seq, hidden]`` activation per layer kept for backward.
+    Spread evenly over ``devices`` (the megatron engine's ranks), which no layout beats. A run may need more,
+    never less."""
+    nbytes = DTYPE_BYTES.get(train.dtype, 4)
+    params = cfg.vocab_size * cfg.hidden + cfg.num_layers * cfg.hidden
+    activations = train.micro_batch_size * cfg.seq_len * cfg.hidden * cfg.num_layers * nbytes
+    return {"static_gib": 4 * params * nbytes / GIB / devices, "activations_gib": activations / GIB / devices}
+
+
+def largest_capacity_bytes(train) -> int:
+    """The most memory any one device of the run could have, before the device is probed: this machine's RAM
+    on the CPU; on a GPU the largest of nam's device profiles (nam_core/device.py)."""
+    if train.device == "cpu":
+        return machine_ram_bytes()
+    from nam_core.device import PROFILES
+
+    return max(d.memory_bytes for d in PROFILES.values() if d.memory_bytes)
+
+
+def check_lower_bound(cfg, train, *, world: int = 1) -> None:
+    """ConfigError (exit 2) when even ``lower_bound_gib`` exceeds ``largest_capacity_bytes``: run by the
+    composition root before the layer pattern is resolved (a billion layers would take minutes to list)."""
+    if min(cfg.vocab_size, cfg.hidden, cfg.num_layers, cfg.seq_len, train.micro_batch_size) < 1:
+        return  # out of its bound: check_values names the field
+    capacity = largest_capacity_bytes(train)
+    bound = lower_bound_gib(cfg, train, devices=world)
+    if bound["static_gib"] + bound["activations_gib"] > capacity / GIB:
+        where = "this machine's RAM" if train.device == "cpu" else "the largest GPU nam knows"
+        raise _too_big({**bound, "exact": False}, f"{where} ({capacity / GIB:.1f} GiB)", cfg, train, "at least")
+
+
+def check_fits(spec, device) -> dict:
+    """ConfigError (exit 2) with the plan's numbers when the run cannot fit one ``device`` (a CPU: this machine's
+    RAM); else the plan. First the lower bound (cheap at any size), then the static part counted exactly on the
+    meta device (weights, gradients, optimizer; as ``cli/plan.py`` shows it), plus the activation bound."""
+    from nam_core.errors import ConfigError
+
+    cfg, train, lay = spec.model, spec.train, spec.layout
+    megatron = spec.engine == "megatron"
+    capacity = device.memory_bytes if device.memory_bytes else (machine_ram_bytes() if device.kind == "cpu" else None)
+    where = (f"{device.name} ({capacity / GIB:.1f} GiB{' of RAM' if device.kind == 'cpu' else ''})"
+             if capacity else device.name)
+    bound = lower_bound_gib(cfg, train, devices=lay.world_size if megatron else 1)
+    plan = {"capacity_gib": capacity / GIB if capacity else None, **bound, "exact": False}
+    if capacity and bound["static_gib"] + bound["activations_gib"] > capacity / GIB:
+        raise _too_big(plan, where, cfg, train, "at least")
+    try:
+        dense, routed = parameter_split(cfg)
+    except RuntimeError as e:  # a tensor whose byte size overflows int64 ("Storage size calculation overflowed")
+        raise ConfigError(f"the model is too big to build: {str(e).splitlines()[0]}",
+                          hint=_smaller(cfg, train)) from e
+    if megatron:
+        static = megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
+                               other_gib_per_sequence=0.0, other_gib_fixed=0.0).static_gib
+    else:
+        static = local_static_gib(dense + routed, DTYPE_BYTES.get(train.dtype, 4))["static_gib"]
+    plan.update(static_gib=static, parameters=dense + routed, exact=True)
+    if capacity and static + bound["activations_gib"] > capacity / GIB:
+        raise _too_big(plan, where, cfg, train, "")
+    return plan
+
+
+def _too_big(plan: dict, where: str, cfg, train, at_least: str):
+    from nam_core.errors import ConfigError
+
+    params = f"{plan['parameters']:,} parameters: " if plan.get("parameters") else ""
+    need = plan["static_gib"] + plan["activations_gib"]
+    return ConfigError(
+        f"the run cannot fit {where}: it needs {at_least + ' ' if at_least else ''}{need:,.1f} GiB per device "
+        f"({params}weights, gradients and optimizer {'at least ' if not plan['exact'] else ''}"
+        f"{plan['static_gib']:,.1f} GiB + activations at least {plan['activations_gib']:,.1f} GiB at "
+        f"micro-batch {train.micro_batch_size}, seq_len {cfg.seq_len}, hidden {cfg.hidden}, "
+        f"num_layers {cfg.num_layers}, vocab_size {cfg.vocab_size}); nothing was written",
+        hint=_smaller(cfg, train))
+
+
+def _smaller(cfg, train) -> str:
+    return ("lower the sizes (hidden, num_layers, vocab_size, seq_len, train.micro_batch_size, num_experts, "
+            "moe_ffn_hidden, attn_heads, d_state) or train on a bigger device; a recipe's sizes: "
+            "nam recipe show nam56r-tiny")

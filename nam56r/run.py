@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from nam56r import memory
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
@@ -103,6 +104,8 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
         train = train.replace(device=request.device)
     flags = {k: v for k, v in (("tp", request.tp), ("pp", request.pp), ("ep", request.ep)) if v is not None}
     train = train.replace(engine=request.engine, **flags)  # the flags beat --set train.*
+    world = (request.nproc or int(os.environ.get("WORLD_SIZE", "1"))) if request.engine == "megatron" else 1
+    memory.check_lower_bound(rec.model, train, world=world)  # sizes no device could hold: exit 2
     check_values(rec.model, train, reference=base)
     steps = request.max_steps if request.max_steps is not None else train.total_steps
     if steps < 1:
@@ -213,11 +216,15 @@ class Session:
 
     def record(self) -> dict:
         """What makes two runs the same run (config.json; every checkpoint's manifest): resuming under a
-        different record is refused, except for the fields ``rundir.RESUMABLE`` names."""
+        different record is refused, except for the fields ``rundir.RESUMABLE`` names; a resume on data
+        replaced under the same path is refused by the dataset's identity (its checksums)."""
+        from nam_core.data.dataset import identity
+
         s = self.spec
         return {"recipe": s.recipe, "model": dataclasses.asdict(s.model), "train": dataclasses.asdict(s.train),
                 "plugins": {n: self.host.installed[n].version for n in s.plugins},
-                "data": str(Path(self.data).resolve()) if self.data is not None else None}
+                "data": str(Path(self.data).resolve()) if self.data is not None else None,
+                "dataset": identity(self.data) if self.data is not None else None}
 
     def plugins_info(self) -> dict:
         """What ran (plugins.json): plugins and their distributions, backends, patches, versions, device."""
@@ -242,9 +249,11 @@ class Session:
                 "hybrid_layer_pattern": lowering.hybrid_layer_pattern}
 
     def engine_run(self, run_dir: Path, *, resume_from: Path | None = None, notes: Sequence[str] = (),
-                   quiet: bool = False, again=None, hooks: Any = None, checkpoints: bool = True) -> EngineRun:
+                   quiet: bool = False, again=None, hooks: Any = None, checkpoints: bool = True,
+                   record: dict | None = None) -> EngineRun:
         """The ``EngineRun`` of this session in ``run_dir``. ``hooks``: lifecycle hooks that run after the
-        plugins' (a benchmark's profiler); ``notes``: lines of the start (resume, restart) before the session's."""
+        plugins' (a benchmark's profiler); ``notes``: lines of the start (resume, restart) before the session's;
+        ``record``: the identity the run folder recorded (``record()`` and the start's branch)."""
         schedules = self.host.registry("schedules")
         self.notes[:0] = list(notes)
         return EngineRun(
@@ -253,7 +262,7 @@ class Session:
             batch_at=self.batches,
             max_steps=self.run.max_steps, flops_per_token=self.flops_per_token,
             backends=self.backends.as_mapping(), schedules={n: schedules.get(n) for n in schedules.names()},
-            record=self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
+            record=record if record is not None else self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
             checkpoints=checkpoints)
 
 
@@ -267,6 +276,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     ``device``: in place of the probed one (the gloo suite's double); ``init_from``: a nam ``model.pt`` the
     weights start from instead of nam's initialisation at the seed (the benches' shared initial state);
     ``batches``: rows in place of a dataset (the tests' fixed random rows)."""
+    from nam56r import memory
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
     from nam_core.patches import apply_all
@@ -275,6 +285,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     device = device or run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if megatron else 0)
     run = activate(run, host, device)  # PluginActivationError (exit 3) lists every failed check
     spec = run.spec
+    memory.check_fits(spec, device)  # ConfigError (exit 2) with the plan's numbers: nothing allocated or written
     patches = apply_all(host.registry("patches"))
     backends = Backends.from_registries(host.registries, spec.model, options=spec.options, device=spec.train.device)
     session = Session(run=run, host=host, engine=engine, ranks=ranks, device=device, patches=patches,

@@ -3,8 +3,8 @@
 The CLI prints ``error: <message>`` and ``hint: <hint>`` on stderr and exits with ``exit_code``
 (``NAM_DEBUG=1`` shows the traceback instead). Exit codes: 1 generic failure, 2 usage (click's), 3 "cannot
 run here" (plugin activation, preflight), 4 bad data, 5 a training run stopped by a guard (NaN/Inf), 6 the run
-folder cannot be used (held by another run, not writable, a file in its place, no space left), 130 / 143 a
-run stopped by SIGINT / SIGTERM after saving a checkpoint (128 + the signal's number, as a shell reports it).
+folder cannot be used (held by another run, not writable, a file in its place, no space left), 129 / 130 / 143 a
+run stopped by SIGHUP / SIGINT / SIGTERM after saving a checkpoint (128 + the signal's number, as a shell reports it).
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ class RunFolderError(NamError):
 
 
 class Interrupted(NamError):
-    """A run stopped on request (SIGINT, SIGTERM) after finishing its step and saving a checkpoint.
+    """A run stopped on request (SIGHUP, SIGINT, SIGTERM) after finishing its step and saving a checkpoint.
 
-    The exit code is the shell's for that signal (130, 143), so scripts see what they would without nam."""
+    The exit code is the shell's for that signal (129, 130, 143), so scripts see what they would without nam."""
 
     def __init__(self, message: str, *, signum: int, hint: str | None = None):
         super().__init__(message, hint=hint, exit_code=128 + signum)

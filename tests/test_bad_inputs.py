@@ -63,6 +63,16 @@ CASES = [
     (["--set", "structure_vocab=3"], 2, ["structure_vocab=3: expected structure_vocab >= the structure ids"]),
     (["--set", "pattern=*X*"], 2, ["layer pattern '*X*', position 1: unknown symbol 'X'"]),
     (["--set", "mla_attention_ranks=0,99"], 2, ["mla_attention_ranks [0, 99] name slots [99]"]),
+    # --- values too big to build: refused by the memory plan (nam56r/memory.py) before anything exists -----
+    *[(["--set", f"{field}={value}", *dry], 2, ["the run cannot fit ", f"{label} {value}" if label else "GiB",
+                                               "nothing was written", "hint: lower the sizes"])
+      for field, value, label in (("hidden", 10**9, "hidden"), ("num_layers", 10**9, "num_layers"),
+                                  ("vocab_size", 10**12, "vocab_size"), ("seq_len", 10**9, "seq_len"),
+                                  ("train.micro_batch_size", 10**8, "micro-batch"),
+                                  ("num_experts", 10**9, ""), ("moe_ffn_hidden", 10**9, ""),
+                                  ("attn_heads", 10**9, ""), ("d_state", 10**9, ""))
+      for dry in ([], ["--dry-run"])],
+    (["--set", "hidden=1000000000", "--dry-run", "--device-profile", "h200"], 2, ["the run cannot fit "]),
     # --- keys: misspelled, misplaced, malformed -----------------------------------------------------
     (["--set", "train.learning_rate=1e-3"], 2, ["TrainConfig has no field 'learning_rate' (did you mean train.lr?)"]),
     (["--set", "lr=1e-3"], 2, ["the model config has no field 'lr' (did you mean train.lr?)"]),
@@ -91,6 +101,11 @@ CASES = [
     (["--data", "{flipped}"], 4, ["{flipped}/tokens.bin is corrupt or was changed since it was prepared"]),
     (["--data", "{old}"], 4, ["{old} was prepared by an older nam", "nam data checksum {old}"]),
     (["--set", "vocab_size=100"], 4, ["holds token id 256 but the model's vocabulary has 100 ids"]),
+    (["--data", "{void_dtype}"], 4, ["{void_dtype}/dataset.json: dtype 'V2' is not an integer dtype"]),
+    (["--data", "{eod_beyond}"], 4, ["{eod_beyond}/dataset.json: tokenizer.eod is 300, outside the tokenizer's "
+                                     "vocabulary (vocab_size 257"]),
+    (["--data", "{eod_model}", "--set", "vocab_size=257"], 4, ["tokenizer.eod is 299 but the model's vocabulary "
+                                                               "has 257 ids"]),
 ]
 
 
@@ -124,7 +139,13 @@ def data(tmp_path_factory) -> dict:
     old = {**manifest, "sha256": {k: v for k, v in manifest["sha256"].items() if not k.endswith(".bin")}}
     (copy("old") / "dataset.json").write_text(json.dumps(old))
     (root / "old" / ".nam-verified.json").unlink()
-    return {"good": good, "missing": root / "missing", "file": root / "file", "empty": root / "empty",
+    (copy("void_dtype") / "dataset.json").write_text(json.dumps({**manifest, "token_dtype": "V2"}))
+    tokenizer = manifest["tokenizer"]
+    (copy("eod_beyond") / "dataset.json").write_text(json.dumps({**manifest, "tokenizer": {**tokenizer, "eod": 300}}))
+    (copy("eod_model") / "dataset.json").write_text(json.dumps(
+        {**manifest, "tokenizer": {**tokenizer, "eod": 299, "vocab_size": 300}}))
+    return {"void_dtype": root / "void_dtype", "eod_beyond": root / "eod_beyond", "eod_model": root / "eod_model",
+            "good": good, "missing": root / "missing", "file": root / "file", "empty": root / "empty",
             "bad_json": root / "bad_json", "bad_field": root / "bad_field", "flipped": root / "flipped",
             "old": root / "old"}
 

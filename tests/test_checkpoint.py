@@ -1,14 +1,22 @@
 """Checkpoints: verified by sha256, corrupt or partial ones are never picked, old ones pruned after a save."""
 
+import json
+import random
+
+import numpy as np
 import pytest
 import torch
 
+from nam_core.data.dataset import file_sha256
 from nam_core.engine import checkpoint
-from nam_core.errors import NamError
+from nam_core.errors import NamError, RunFolderError
 
 
 def _parts():
-    model = torch.nn.Linear(4, 4)
+    return _parts_of(torch.nn.Linear(4, 4))
+
+
+def _parts_of(model):
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return dict(model=model, optimizer=opt, scheduler=sched)
@@ -42,3 +50,83 @@ def test_only_the_newest_are_kept_and_load_restores_weights(tmp_path):
 def test_resume_auto_without_checkpoints_is_an_error(tmp_path):
     with pytest.raises(NamError, match="no good checkpoint"):
         checkpoint.resolve_resume("auto", tmp_path / "none")
+
+
+def _rewrite_manifest(folder):
+    """What an attacker does after replacing a file: the manifest's sha256 then matches again."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["sha256"] = {name: file_sha256(folder / name) for name in manifest["sha256"]}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _RunsCode:
+    """Unpickling this runs ``open(marker, "w")``: a stand-in for ``os.system``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("name", ["rng.pt", "model.pt", "optimizer.pt", "scheduler.pt"])
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_runs_nothing(tmp_path, name):
+    root = tmp_path / "checkpoints"
+    folder = checkpoint.save(root, 5, **_parts(), extra={}, keep=2)
+    marker = tmp_path / "pwned"
+    torch.save({"torch": _RunsCode(marker)}, folder / name)
+    _rewrite_manifest(folder)
+    assert checkpoint.verify(folder) is not None  # the hash cannot tell: only the loader protects
+    with pytest.raises(RunFolderError, match=rf"{name}: refused to load.*names io.open") as info:
+        checkpoint.load(folder, **_parts())
+    assert info.value.exit_code == 6
+    assert not marker.exists()
+    torch.load(folder / name, weights_only=False)  # the file is a real threat: a full unpickle runs it
+    assert marker.exists()
+
+
+def test_rng_state_round_trips_through_a_tensors_only_load(tmp_path):
+    """Format 2: every generator's state resumes exactly, from a file torch loads with weights_only=True."""
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    random.gauss(0, 1), np.random.randn()  # a cached Gaussian in both (the part a naive copy loses)
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    before = (torch.rand(3).tolist(), random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn())
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    after = (torch.rand(3).tolist(), random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn())
+    assert after == before
+
+
+def test_a_format_1_rng_file_with_numpy_arrays_still_loads(tmp_path):
+    """Checkpoints written before format 2 pickled numpy's state as an ndarray: allowed, and nothing more."""
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+               tmp_path / "rng.pt")
+    expected = np.random.rand()
+    checkpoint.set_rng_state(checkpoint._load_rng(tmp_path / "rng.pt", {"format": 1}))
+    assert np.random.rand() == expected
+    torch.save({"numpy": _RunsCode(tmp_path / "pwned")}, tmp_path / "rng.pt")
+    with pytest.raises(RunFolderError, match="refused to load"):
+        checkpoint._load_rng(tmp_path / "rng.pt", {"format": 1})
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_real_full_disk_is_exit_6_naming_the_disk_and_the_size_and_leaves_no_partial_save(small_disk):
+    """On a 30 MB tmpfs, checkpoints of ~12 MB (a 1024x1024 linear layer with AdamW's two moments): two fit, the
+    third meets the kernel's short write mid-file (torch then fails again closing its archive)."""
+    disk = small_disk(30)
+    root = disk / "checkpoints"
+    parts = _parts_of(torch.nn.Linear(1024, 1024))
+    parts["model"](torch.randn(2, 1024)).sum().backward()
+    parts["optimizer"].step()  # AdamW's moments exist from the first step on
+    for step in (1, 2):
+        checkpoint.save(root, step, **parts, extra={}, keep=3)
+    with pytest.raises(RunFolderError) as info:
+        checkpoint.save(root, 3, **parts, extra={}, keep=3)
+    message = str(info.value)
+    assert info.value.exit_code == 6
+    assert f"no space left on {root} (disk {disk}: a checkpoint needs about 12 MB" in message
+    assert "the newest good checkpoint, step-00000002, is intact" in message and "--resume auto" in message
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]  # no .step-*.tmp left
+    fresh = _parts_of(torch.nn.Linear(1024, 1024))
+    assert checkpoint.load(root / "step-00000002", **fresh)["step"] == 2
+    assert torch.equal(fresh["model"].weight, parts["model"].weight)

@@ -12,7 +12,7 @@ import pytest
 from nam_cli import main as cli_main
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_a_signal_during_setup_exits_with_the_signals_code(monkeypatch, capsys, signum, code):
     from nam_core import host
 

@@ -572,3 +572,62 @@ def test_parquet_without_a_known_column_names_what_it_expects(tmp_path):
     with pytest.raises(DataError, match=r"bad\.parquet is not a readable parquet file"):
         prepare(tmp_path / "bad.parquet", tmp_path / "out", BYTE, progress=False)
     assert no_leftovers(tmp_path / "out")
+
+
+# --- a real full or read-only disk (tmpfs: needs root, skipped elsewhere with the reason) -----------------
+
+
+def test_prepare_on_a_real_full_disk_is_exit_6_naming_the_disk_and_leaves_nothing(tmp_path, small_disk, capsys):
+    """~1.5 MB of source is ~3 MB of tokens (uint16) on a 1 MB tmpfs: the kernel's short write mid-file."""
+    from nam_cli.main import run
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng()
+    for i in range(3):
+        (src / f"f{i}.txt").write_text("".join(rng.choice(list("abcdefgh \n"), 500_000)), encoding="utf-8")
+    disk = small_disk(1)
+    out = disk / "ds"
+    assert run(["data", "prepare", str(src), "--out", str(out), "--no-structure", "--json"]) == 6
+    err = capsys.readouterr().err
+    assert f"no space left on {disk} writing the dataset folder {out}" in err and "source 1 MB" in err, err
+    assert "half-written folder was removed" in err and "Traceback" not in err
+    assert list(disk.iterdir()) == []  # no ds.tmp-PID left
+
+
+def test_prepare_onto_a_read_only_disk_is_exit_6_before_anything_is_read(code_folder, small_disk, capsys):
+    from nam_cli.main import run
+
+    disk = small_disk(1, read_only=True)
+    assert run(["data", "prepare", str(code_folder), "--out", str(disk / "sub" / "ds"), "--json"]) == 6
+    err = capsys.readouterr().err
+    assert f"cannot write the dataset folder {disk / 'sub' / 'ds'}: {disk} is on a read-only filesystem" in err
+    assert "Traceback" not in err and list(disk.iterdir()) == []
+
+
+def test_the_default_corpus_under_a_read_only_home_is_exit_6_naming_nam_cache_dir(small_disk, monkeypatch):
+    from nam_core.errors import RunFolderError
+
+    disk = small_disk(1, read_only=True)
+    with pytest.raises(RunFolderError, match=r"default corpus cannot be prepared in nam's cache: cannot write the "
+                                             r"dataset folder .* read-only filesystem") as info:
+        build_stdlib_corpus(disk / ".cache" / "nam", BYTE, None, max_files=2)
+    assert "NAM_CACHE_DIR" in info.value.hint and "--data DIR" in info.value.hint
+    assert list(disk.iterdir()) == []
+
+
+def test_a_stamp_made_under_another_dtype_does_not_answer_for_this_one(tmp_path):
+    """A manifest with a wrong token_dtype (then fixed) must not leave a stamp whose largest id is read under
+    the wrong dtype: 40000 as int16 is -25536, and that stamp would pass ids past any vocabulary."""
+    from nam_core.data import integrity
+
+    ids = np.random.default_rng().integers(0, 30000, 1000).astype(np.uint16)
+    ids[np.random.default_rng().integers(1000)] = 40000
+    (tmp_path / "tokens.bin").write_bytes(ids.tobytes())
+    digest = integrity.file_sha256(tmp_path / "tokens.bin")
+    wrong = integrity.verify(tmp_path, "tokens.bin", digest, np.dtype("int16"))
+    assert wrong["hashed"] and wrong["max"] == int(ids.astype(np.int16).max()) < 32768
+    right = integrity.verify(tmp_path, "tokens.bin", digest, np.dtype("uint16"))
+    assert right["hashed"] and right["max"] == 40000
+    again = integrity.verify(tmp_path, "tokens.bin", digest, np.dtype("uint16"))
+    assert not again["hashed"] and again["max"] == 40000  # the stamp answers for the dtype it was read as

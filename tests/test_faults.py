@@ -186,7 +186,7 @@ def test_sigkill_at_seeded_moments_then_restart_or_resume_is_bit_exact(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_sigint_and_sigterm_save_the_step_and_the_printed_command_resumes_bit_exact(
         tmp_path, corpus, reference, signum, code):
     """checkpoint_every=100 would save only at the end: the checkpoint on disk is the stop's. A second signal
@@ -329,6 +329,99 @@ def test_resume_path_of_another_config_is_refused_with_the_diff(tmp_path, corpus
     assert not run_dir.exists()
 
 
+def test_a_resume_on_other_data_under_the_same_path_is_refused_with_the_files_that_differ(
+        tmp_path, corpus, base, capsys):
+    """The run records its dataset's checksums; here the run was trained on a tokens.bin whose sha256 was
+    another (what `nam data prepare other --out ds --overwrite` under a run leaves)."""
+    from nam_core.data.dataset import identity
+
+    run_dir = copy_base(base, tmp_path)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["dataset"] == json.loads(json.dumps(identity(corpus)))
+    trained_on = "0" * 64
+    for path in [run_dir / "config.json", *(run_dir / "checkpoints").glob("step-*/manifest.json")]:
+        body = json.loads(path.read_text())
+        record = body if path.name == "config.json" else body["record"]
+        record["dataset"]["sha256"]["tokens.bin"] = trained_on
+        path.write_text(json.dumps(body))
+    history = (run_dir / rundir.HISTORY).read_text()
+    assert run(args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2",
+                    "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert (f"--resume: the data at {corpus.resolve()} is not the data run folder {run_dir} was trained on "
+            f"(sha256.tokens.bin: 000000000000... -> {identity(corpus)['sha256']['tokens.bin'][:12]}...)") in err
+    assert "resume on the data it was trained on" in err
+    assert (run_dir / rundir.HISTORY).read_text() == history  # nothing written
+
+
+def test_resume_auto_follows_the_branch_of_the_last_start_and_says_so(tmp_path, corpus, base, capsys):
+    """Base: steps 1-4, checkpoints 2 and 4. A resume from step 2 is a new branch (its step 3 is not base's);
+    --resume auto afterwards takes that branch's step-3, not base's newer step-4."""
+    run_dir = copy_base(base, tmp_path)
+    common = ("--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=3")
+    assert run(args(run_dir, corpus, "--max-steps", "3", *common,
+                    "--resume", str(run_dir / "checkpoints" / "step-00000002"))) == 0
+    capsys.readouterr()
+    history = [json.loads(line) for line in (run_dir / rundir.HISTORY).read_text().splitlines()]
+    first, fork = history[0]["branch"], history[-1]["branch"]
+    assert first and fork and fork != first and history[-1]["from"].endswith("step-00000002")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step-00000002", "step-00000003", "step-00000004"]
+    assert run(args(run_dir, corpus, "--max-steps", "5", *common, "--resume", "auto")) == 0
+    log = (run_dir / "run.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000003'} at step 3" in log
+    assert (f"--resume auto: step-00000003, the newest checkpoint of this run's current branch (branch {fork}"
+            in log and "newer step-00000004 belong to another branch" in log)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert json.loads((run_dir / "checkpoints" / "step-00000005" / "manifest.json").read_text()
+                      )["record"]["branch"] == fork
+
+
+def test_a_resume_with_no_step_left_is_refused_not_negative(tmp_path, corpus, base, capsys):
+    run_dir = copy_base(base, tmp_path)
+    history = (run_dir / rundir.HISTORY).read_text()
+    assert run(args(run_dir, corpus, "--max-steps", "3", "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert "--max-steps 3: the run resumes at step 4" in err and "no step left to train" in err
+    assert "pass --max-steps above 4" in err
+    assert (run_dir / rundir.HISTORY).read_text() == history and not (run_dir / rundir.LOCK).exists()
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] >= 0
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("missing", 2, "--resume {ckpt}: no such folder"),
+    ("truncated", 6, "--resume {ckpt}: not a complete checkpoint (sha256 mismatch of model.pt"),
+])
+def test_resume_of_a_missing_or_truncated_checkpoint_has_its_exit_code(tmp_path, corpus, base, capsys, case, code,
+                                                                        message):
+    run_dir = copy_base(base, tmp_path)
+    ckpt = run_dir / "checkpoints" / "step-00000004"
+    if case == "missing":
+        ckpt = tmp_path / "nonexistent"
+    else:
+        model = ckpt / "model.pt"
+        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    assert run(args(run_dir, corpus, "--max-steps", "6", "--resume", str(ckpt))) == code
+    err = capsys.readouterr().err
+    assert message.format(ckpt=ckpt) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["dangling", "looping"])
+def test_a_broken_symlink_as_run_dir_is_exit_6_naming_it(tmp_path, corpus, capsys, kind):
+    run_dir = tmp_path / "run"
+    if kind == "dangling":
+        run_dir.symlink_to(tmp_path / "gone")
+    else:
+        (tmp_path / "other").symlink_to(run_dir)
+        run_dir.symlink_to(tmp_path / "other")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert run(args(run_dir, corpus, "--max-steps", "2")) == 6
+    err = capsys.readouterr().err
+    what = "does not exist" if kind == "dangling" else "loops"
+    assert f"{run_dir} is a symbolic link to " in err and what in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_the_nan_guard_hint_is_a_command_that_is_accepted(tmp_path, corpus, base, capsys):
     """Resume the base run with an lr that blows up: the hint (a lower lr from the last good checkpoint)
     runs as written: not refused as another config, recorded in history.jsonl."""
@@ -361,7 +454,7 @@ def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_p
     argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2")
     assert run(argv) == 6
     err = capsys.readouterr().err
-    assert f"no space left on {run_dir / 'checkpoints'} (a checkpoint needs about " in err
+    assert f"no space left on {run_dir / 'checkpoints'} (disk " in err and "a checkpoint needs about " in err
     assert "the newest good checkpoint, step-00000002, is intact" in err
     assert "--resume auto" in err and "Traceback" not in err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
@@ -370,6 +463,28 @@ def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_p
     monkeypatch.undo()
     assert run([*argv, "--resume", "auto"]) == 0
     assert "at step 2" in (run_dir / "run.log").read_text()
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_real_full_disk_is_exit_6_and_resume_auto_goes_on_from_the_last_good_checkpoint(
+        tmp_path, corpus, base, small_disk, capsys):
+    """A tmpfs with room for two checkpoints and a half: the third save meets the kernel's short write."""
+    size_mb = sum(p.stat().st_size for p in (base / "checkpoints" / "step-00000004").iterdir()) / 2**20
+    disk = small_disk(2.5 * size_mb + 0.5)
+    run_dir = disk / "run"
+    argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2")
+    expected = (f"no space left on {run_dir / 'checkpoints'} (disk {disk}: a checkpoint needs about "
+                f"{size_mb:.0f} MB")
+    for attempt in ("first run", "--resume auto"):
+        assert run(argv if attempt == "first run" else [*argv, "--resume", "auto"]) == 6, attempt
+        err = capsys.readouterr().err
+        assert expected in err and "the newest good checkpoint, step-00000004, is intact" in err, (attempt, err)
+        assert "Traceback" not in err and "--resume auto" in err
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+        assert not (run_dir / rundir.LOCK).exists()
+    assert "resumed from" in (run_dir / "run.log").read_text() and "at step 4" in (run_dir / "run.log").read_text()
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000002")  # the user frees space
+    assert run([*argv, "--resume", "auto"]) == 0
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
 
 

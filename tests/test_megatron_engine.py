@@ -4,18 +4,21 @@ tests/test_megatron_engine_gpu.py and bench/megatron.py; NAM56R's Megatron modul
 tests/test_megatron_model.py."""
 
 import json
+import pickle
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
 
+from nam_core.data.dataset import file_sha256
 from nam_core.engine import megatron as engine
 from nam_core.engine.config import TrainConfig
-from nam_core.engine.megatron import optimizer, patches
+from nam_core.engine.megatron import checkpoint, optimizer, patches
 from nam_core.engine.megatron.schedule import MegatronSchedule, PipelineSchedule
-from nam_core.errors import ConfigError, NamError
+from nam_core.errors import ConfigError, NamError, RunFolderError
 
 GPU_TRAIN = TrainConfig(device="cuda", dtype="bfloat16")
 
@@ -242,29 +245,105 @@ def test_layout_refuses_dtype_and_device(change, match):
 # --- checkpoints and optimizer groups ---------------------------------------------------------------------
 
 
-def test_good_checkpoints_need_a_manifest_of_this_format(tmp_path):
+def _megatron_checkpoint(folder, step, fmt=engine.CHECKPOINT_FORMAT):
+    """A folder shaped like a megatron-engine save: dist-checkpointing files and rng/, a manifest with the
+    sha256 of each (what save_checkpoint writes; the files' contents do not matter to discovery)."""
+    (folder / "rng").mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp", "rng/rank-00000.pt"):
+        (folder / name).write_bytes(f"{name} {step}".encode())
+    digests = {name: file_sha256(folder / name) for name in (".metadata", "__0_0.distcp", "rng/rank-00000.pt")}
+    (folder / "manifest.json").write_text(json.dumps({"format": fmt, "step": step, "sha256": digests}))
+
+
+def test_good_checkpoints_need_a_manifest_of_this_format_and_matching_files(tmp_path):
     root = tmp_path / "checkpoints"
-    for name, manifest in [("step-00000002", {"format": engine.CHECKPOINT_FORMAT, "step": 2}),
-                           ("step-00000004", {"format": 1, "step": 4}),  # a local-engine checkpoint
-                           ("step-00000006", None), (".step-00000008.tmp", {"format": engine.CHECKPOINT_FORMAT})]:
-        (root / name).mkdir(parents=True)
-        if manifest is not None:
-            (root / name / "manifest.json").write_text(json.dumps(manifest))
+    _megatron_checkpoint(root / "step-00000002", 2)
+    _megatron_checkpoint(root / "step-00000003", 3, fmt="megatron-dist-1")  # RNG unpickled unrestricted: refused
+    (root / "step-00000004").mkdir()
+    (root / "step-00000004" / "manifest.json").write_text(json.dumps({"format": 1, "step": 4}))  # local engine
+    (root / "step-00000006").mkdir()
+    _megatron_checkpoint(root / ".step-00000008.tmp", 8)
+    for step, damage in ((10, "flip"), (12, "extra"), (14, "missing")):
+        folder = root / f"step-{step:08d}"
+        _megatron_checkpoint(folder, step)
+        if damage == "flip":
+            (folder / "__0_0.distcp").write_bytes(b"changed")
+        elif damage == "extra":
+            (folder / "rng" / "rank-00001.pt").write_bytes(b"not saved with it")
+        else:
+            (folder / "rng" / "rank-00000.pt").unlink()
     assert engine.good_checkpoints(root) == [root / "step-00000002"]
     assert engine.good_checkpoints(tmp_path / "none") == []
+    why = {p.name: checkpoint.inspect(p)[1] for p in sorted(root.glob("step-*"))}
+    assert why["step-00000003"] == "no megatron-dist-2 manifest (format 'megatron-dist-1')"
+    assert why["step-00000010"] == "sha256 mismatch of __0_0.distcp (the file changed after it was saved)"
+    assert "not listed ['rng/rank-00001.pt']" in why["step-00000012"]
+    assert "missing ['rng/rank-00000.pt']" in why["step-00000014"]
 
 
-def test_resume_takes_megatron_checkpoints_only(tmp_path):
+def test_resume_takes_megatron_checkpoints_only(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     with pytest.raises(NamError, match="no good megatron-engine checkpoint under"):
         engine.resolve_resume("auto", root)
-    for name, fmt in (("step-00000002", engine.CHECKPOINT_FORMAT), ("step-00000004", 1)):
-        (root / name).mkdir(parents=True)
-        (root / name / "manifest.json").write_text(json.dumps({"format": fmt, "step": int(name[-1])}))
+    _megatron_checkpoint(root / "step-00000002", 2)
+    (root / "step-00000004").mkdir()
+    (root / "step-00000004" / "manifest.json").write_text(json.dumps({"format": 1, "step": 4}))
     assert engine.resolve_resume("auto", root) == root / "step-00000002"
     assert engine.resolve_resume(str(root / "step-00000002"), root) == root / "step-00000002"
-    with pytest.raises(NamError, match=r"not a complete megatron-engine checkpoint \(no megatron-dist-1 manifest\)"):
+    with pytest.raises(NamError, match=r"not a complete megatron-engine checkpoint \(no megatron-dist-2 manifest"):
         engine.resolve_resume(str(root / "step-00000004"), root)  # a local-engine checkpoint
+
+
+class _RunsCode:
+    """Unpickling this runs ``open(marker, "w")``: a stand-in for ``os.system``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _dcp_save(folder, state):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no_dist's "single process" notice
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def test_a_clean_dist_checkpoint_passes_the_pickle_check(tmp_path):
+    """torch's checkpoint format, as Megatron writes it: a tensor and a byte item of tensors/plain values."""
+    _dcp_save(tmp_path, {"w": torch.randn(3, 3), "obj": {"x": torch.ones(2), "n": 3, "betas": (0.9, 0.95)}})
+    checkpoint.refuse_unsafe_pickles(tmp_path)
+
+
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path):
+    _dcp_save(tmp_path, {"w": torch.randn(3, 3)})
+    marker = tmp_path / "pwned"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(RunFolderError, match=r"\.metadata: refused to load.*io\.open is not part") as info:
+        checkpoint.refuse_unsafe_pickles(tmp_path)
+    assert info.value.exit_code == 6 and not marker.exists()
+    with open(tmp_path / ".metadata", "rb") as f:  # what torch's FileSystemReader.read_metadata does with it
+        pickle.load(f)
+    assert marker.exists()
+
+
+def test_a_crafted_byte_item_is_refused_and_runs_nothing(tmp_path):
+    """A byte item (Megatron's ShardedObjects, its common state) is unpickled with weights_only=False by torch's
+    load planner: the check reads it first with weights_only=True."""
+    marker = tmp_path / "pwned"
+    _dcp_save(tmp_path / "ck", {"w": torch.randn(3, 3), "obj": _RunsCode(marker)})
+    with pytest.raises(RunFolderError, match=r"__0_0\.distcp: refused to load.*byte item 'obj' names io\.open"):
+        checkpoint.refuse_unsafe_pickles(tmp_path / "ck")
+    assert not marker.exists()
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"w": torch.empty(3, 3), "obj": None}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert marker.exists()  # the file is a real threat: torch's own load runs it
 
 
 def test_set_lr_applies_group_multipliers():

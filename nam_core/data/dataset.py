@@ -33,7 +33,6 @@ but the step number to continue the same order.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +111,7 @@ class PreparedDataset:
         return self.structure is not None
 
     def check_vocab(self, model_vocab: int) -> None:
-        """Refuse a model whose embedding has no row for the dataset's largest token id."""
+        """Refuse a model whose embedding has no row for the dataset's largest token id (or its eod)."""
         if self.max_token_id >= model_vocab:
             raise DataError(
                 f"{self.path / (TOKENS + '.bin')} holds token id {self.max_token_id} but the model's vocabulary has "
@@ -121,6 +120,13 @@ class PreparedDataset:
                 hint=f"raise the model's vocab_size to at least {self.max_token_id + 1}, or prepare the "
                 f"data with the model's tokenizer: {_prepare_hint(self.path)} --tokenizer PATH",
             )
+        eod = self.tokenizer.get("eod")
+        if isinstance(eod, int) and eod >= model_vocab:
+            raise DataError(
+                f"{self.path / MANIFEST}: tokenizer.eod is {eod} but the model's vocabulary has {model_vocab} ids "
+                f"(0..{model_vocab - 1})",
+                hint=f"raise the model's vocab_size to at least {eod + 1}, or prepare the data with the model's "
+                     f"tokenizer: {_prepare_hint(self.path)} --tokenizer PATH")
 
     def document(self, index: int, *, structure: bool = False) -> np.ndarray:
         """One document's ids (eod included) [n]."""
@@ -195,16 +201,23 @@ def _check_fields(manifest: dict, manifest_path: Path) -> None:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise DataError(f"{manifest_path}: field {key!r} is {value!r}; expected a JSON "
                             f"{ {dict: 'object', int: 'integer', str: 'string'}[kind] }", hint=hint)
-    if not isinstance(manifest["tokenizer"].get("eod"), int):
-        raise DataError(f"{manifest_path}: tokenizer.eod is {manifest['tokenizer'].get('eod')!r}; expected the "
-                        "end-of-document id (an integer)", hint=hint)
+    eod, vocab = manifest["tokenizer"].get("eod"), manifest["tokenizer"].get("vocab_size")
+    if not isinstance(eod, int) or isinstance(eod, bool):
+        raise DataError(f"{manifest_path}: tokenizer.eod is {eod!r}; expected the end-of-document id (an integer)",
+                        hint=hint)
+    if isinstance(vocab, int) and not 0 <= eod < vocab:
+        raise DataError(f"{manifest_path}: tokenizer.eod is {eod}, outside the tokenizer's vocabulary "
+                        f"(vocab_size {vocab}: ids 0..{vocab - 1})", hint=hint)
     dtypes = [manifest["token_dtype"]] + ([manifest["structure"].get("dtype")]
                                           if manifest["structure"].get("present") else [])
     for name in dtypes:
         try:
-            np.dtype(name)
+            kind = np.dtype(name).kind
         except TypeError:
             raise DataError(f"{manifest_path}: dtype {name!r} is not a numpy dtype", hint=hint) from None
+        if kind not in "iu":  # ids are integers; Megatron's indexed format stores nothing else
+            raise DataError(f"{manifest_path}: dtype {name!r} is not an integer dtype (expected e.g. uint16, int32)",
+                            hint=hint)
 
 
 def _open_indexed(path: Path, prefix: str, manifest: dict, dtype: np.dtype, *, full: bool,
@@ -291,6 +304,14 @@ def open_dataset(path: str | Path, *, verify_all: bool = False, progress: bool |
                            integrity=integrity)
 
 
+def identity(path: str | Path) -> dict:
+    """What makes two prepared datasets the same data: the sha256 of every file, and the counts. A run records
+    it, so a resume on data replaced under the same path is refused (rundir.plan)."""
+    manifest = _load_manifest(Path(path).expanduser())
+    return {"sha256": dict(sorted(manifest["sha256"].items())), "documents": manifest["documents"],
+            "tokens": manifest["tokens"]}
+
+
 def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str, str]:
     """Record the sha256 of every .bin in an older dataset's manifest (``nam data checksum``); returns them.
 
@@ -314,13 +335,13 @@ def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str
         digest, largest = scan(path / name, np.dtype(dtype), progress=progress)
         if allowed is not None:
             _check_largest(path, name, largest, int(allowed), what)
-        added[name] = (digest, largest)
-    manifest["sha256"] = {**manifest["sha256"], **{name: digest for name, (digest, _) in added.items()}}
+        added[name] = (digest, largest, np.dtype(dtype))
+    manifest["sha256"] = {**manifest["sha256"], **{name: digest for name, (digest, _, _) in added.items()}}
     write_json_atomic(path / MANIFEST, manifest, sort_keys=True)
-    for name, (digest, largest) in added.items():
-        record(path, name, digest, largest)  # hashed just now: the next open need not hash again
+    for name, (digest, largest, dtype) in added.items():
+        record(path, name, digest, largest, dtype)  # hashed just now: the next open need not hash again
     open_dataset(path)  # everything else must check out too
-    return {name: digest for name, (digest, _) in added.items()}
+    return {name: digest for name, (digest, _, _) in added.items()}
 
 
 class PackedSequences:

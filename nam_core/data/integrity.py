@@ -6,7 +6,7 @@ model then meets a token id past its vocabulary (an IndexError in the middle of 
 there), so a full check costs about a second per GB. A sampled hash would be faster and would miss most flips.
 
 Why a stamp: hashing 100 GB at every start costs minutes. Once a file has been hashed and found good, its stat
-(size, mtime_ns, ctime_ns, inode, device) is recorded; an open that finds the same stat and the same expected
+(size, mtime_ns, ctime_ns, inode, device) is recorded, with the dtype its largest value was read as; an open that finds the same stat and the same expected
 digest skips the hash. Every write through the file system moves mtime and ctime (ctime cannot be set back by
 ``touch`` or ``os.utime``), so bytes changed in place are caught at the next open. A bit that rots on the disk
 under an unchanged stat is not: ``nam data inspect --verify`` ignores stamps and re-hashes everything.
@@ -101,9 +101,12 @@ def _save_stamp(folder: Path, name: str, entry: dict) -> None:
         pass  # the stamp only saves a later hash; the data it describes is unchanged
 
 
-def record(folder: Path, name: str, digest: str, largest: int) -> None:
-    """Stamp ``folder/name`` as holding ``digest`` (largest value ``largest``) in its current stat."""
-    _save_stamp(folder, name, {"sha256": digest, "stat": _stat_key(folder / name), "max": largest})
+def record(folder: Path, name: str, digest: str, largest: int, dtype: np.dtype) -> None:
+    """Stamp ``folder/name`` as holding ``digest`` (largest value ``largest`` read as ``dtype``) in its current
+    stat. The dtype is part of the stamp: a largest value read under another dtype (a manifest whose
+    token_dtype was wrong, then fixed) says nothing about the file read as this one."""
+    _save_stamp(folder, name, {"sha256": digest, "stat": _stat_key(folder / name), "max": largest,
+                               "dtype": np.dtype(dtype).name})
 
 
 def verify(folder: Path, name: str, expected: str, dtype: np.dtype, *, full: bool = False,
@@ -113,7 +116,8 @@ def verify(folder: Path, name: str, expected: str, dtype: np.dtype, *, full: boo
     says the file is unchanged. A mismatch is a DataError naming the file."""
     path = folder / name
     stamp = _load_stamps(folder).get(name) if not full else None
-    if stamp and stamp.get("sha256") == expected and stamp.get("stat") == _stat_key(path):
+    if (stamp and stamp.get("sha256") == expected and stamp.get("stat") == _stat_key(path)
+            and stamp.get("dtype") == np.dtype(dtype).name):
         return {"sha256": expected, "max": int(stamp["max"]), "hashed": False, "seconds": 0.0}
     started = time.perf_counter()
     found, largest = scan(path, dtype, progress=progress)
@@ -123,5 +127,5 @@ def verify(folder: Path, name: str, expected: str, dtype: np.dtype, *, full: boo
             f"(dataset.json) says {expected[:16]}... (same size: bytes were changed in place)",
             hint=f"prepare it again: nam data prepare SRC --out {folder} --overwrite",
         )
-    record(folder, name, found, largest)
+    record(folder, name, found, largest, dtype)
     return {"sha256": found, "max": largest, "hashed": True, "seconds": round(time.perf_counter() - started, 3)}

@@ -38,6 +38,8 @@ first open a re-hash is written once the folder has its final name.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import platform
@@ -64,7 +66,8 @@ from nam_core.data.dataset import (
     open_dataset,
 )
 from nam_core.data.tokenizer import Tokenizer
-from nam_core.errors import DataError
+from nam_core.engine.rundir import disk_full, free_mb, mount_point
+from nam_core.errors import DataError, RunFolderError
 
 Annotator = Callable[[str], "list[int]"]
 
@@ -326,6 +329,39 @@ def _check_destination(out: Path, overwrite: bool) -> None:
                         hint="pass --overwrite to replace it, or choose another --out folder")
 
 
+def _check_writable(out: Path) -> None:
+    """Before anything is written: the folder ``out`` goes into must be on a writable filesystem."""
+    parent = Path(os.path.abspath(out)).parent
+    while not parent.exists():
+        parent = parent.parent
+    if os.statvfs(parent).f_flag & os.ST_RDONLY:
+        raise RunFolderError(f"cannot write the dataset folder {out}: {parent} is on a read-only filesystem; nothing was written",
+                             hint="choose an --out folder on a writable disk")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RunFolderError(f"cannot write the dataset folder {out}: permission denied on {parent}; nothing was written",
+                             hint=f"make {parent} writable, or choose another --out folder")
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20 if folder.is_dir() else 0.0
+
+
+def _unwritable(exc: BaseException, out: Path, written_mb: float, *, total_bytes: int) -> RunFolderError | None:
+    """A failed prepare as the filesystem error it was (exit 6), or None for any other failure."""
+    if disk_full(exc):
+        disk = mount_point(out.parent)
+        free = free_mb(disk)
+        return RunFolderError(
+            f"no space left on {disk} writing the dataset folder {out}: it needs more than the {written_mb:.0f} MB "
+            f"written when the disk filled (source {total_bytes / 2**20:.0f} MB, {free or 0:.0f} MB free now); "
+            "the half-written folder was removed",
+            hint="free space on that disk, or choose an --out folder on another one")
+    if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return RunFolderError(f"cannot write the dataset folder {out}: {exc.strerror} ({exc.filename}); nothing was kept",
+                              hint="choose an --out folder on a writable disk")
+    return None
+
+
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished ``tmp`` onto ``out``; an old ``out`` is set aside first and deleted after."""
     _check_destination(out, overwrite)  # again: it may have appeared while we were writing
@@ -420,6 +456,7 @@ def _write(
     source_info: dict,
 ) -> PrepareSummary:
     started = time.perf_counter()
+    _check_writable(out)
     cleaned = _clean_leftovers(out)
     _check_destination(out, overwrite)
     if annotate is None:
@@ -531,13 +568,19 @@ def _write(
             )
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _move_into_place(tmp, out, overwrite)
-    except BaseException:
+    except BaseException as exc:
+        written = _size_mb(tmp)
         for _, builder in builders:
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # closing flushes: on a full disk it fails again
+                builder.data_file.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        unwritable = _unwritable(exc, out, written, total_bytes=sum(f.stat().st_size for f in source.files))
+        if unwritable is not None:
+            raise unwritable from exc
         raise
     for name, (digest, largest) in scanned.items():
-        integrity.record(out, name, digest, largest)  # hashed above: the first open need not hash again
+        integrity.record(out, name, digest, largest, np.dtype(token_dtype if name == f"{TOKENS}.bin"
+                                                              else STRUCTURE_DTYPE))  # the first open need not hash
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary
 
@@ -612,6 +655,10 @@ def build_stdlib_corpus(
     try:
         _write(_Source(files=files), out, tokenizer, annotate=annotate, overwrite=True,
                progress=progress, source_info=source_info)
+    except RunFolderError as e:
+        raise RunFolderError(f"the default corpus cannot be prepared in nam's cache: {e.message}",
+                             hint="point NAM_CACHE_DIR at a writable folder, or train on a prepared dataset: "
+                                  "--data DIR (nam data prepare SRC --out DIR)") from e
     except DataError:
         # Another process may have finished the same build first; its folder is as good as ours.
         if _reusable(out, tokenizer, source_info, structure=annotate is not None):

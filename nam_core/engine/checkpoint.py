@@ -15,9 +15,9 @@ half-written save.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from nam_core.data.dataset import file_sha256
-from nam_core.errors import NamError, RunFolderError
+from nam_core.engine import rundir
+from nam_core.errors import ConfigError, NamError, RunFolderError
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
-FORMAT = 1
+FORMAT = 2  # 2: rng.pt holds tensors and plain numbers only (1: numpy's pickled state)
 
 
 def fsync_dir(path: Path) -> None:
@@ -43,18 +44,72 @@ def fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator's state as tensors and plain numbers, so a checkpoint loads with ``weights_only=True``
+    (numpy's own state holds an ndarray, which only a full unpickler rebuilds)."""
+    version, mt, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64),  # [625] uint32 words
+                        "gauss_next": gauss_next},
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),  # [624] uint32 words
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def set_rng_state(state: dict, *, source: Path | str = "rng state") -> None:
+    """Restore what ``rng_state`` saved; a state of another shape is a RunFolderError naming ``source``."""
+    try:
+        python, numpy_state = state["python"], state["numpy"]
+        if isinstance(python, dict):
+            mt = tuple(int(w) for w in python["mt"].tolist())
+            python = (int(python["version"]), mt, python["gauss_next"])
+            keys = numpy_state["keys"].numpy().astype(np.uint32)
+            numpy_state = (numpy_state["kind"], keys, numpy_state["pos"], numpy_state["has_gauss"],
+                           numpy_state["cached_gaussian"])
+        torch.set_rng_state(state["torch"])
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise RunFolderError(f"{source}: not a random-number state this version of nam wrote ({e!r})",
+                             hint="resume from an earlier checkpoint (--resume PATH), or start without --resume") from e
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_tensors(path: Path):
+    """``torch.load`` that rebuilds only tensors and plain containers: a checkpoint from elsewhere cannot run
+    code. A file that needs more (a crafted pickle, or a format-1 ``rng.pt`` with numpy arrays, read by
+    ``_load_rng``) is a RunFolderError naming it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RunFolderError(
+            f"{path}: refused to load, it asks for more than tensors and plain values ({_globals_named(path)})",
+            hint="a nam checkpoint never does: this file was written by something else or altered; resume from "
+                 "another checkpoint or start without --resume") from e
+
+
+def _globals_named(file) -> str:
+    """The Python globals a torch.save file's pickle names (a path or a file object), read without running
+    it: for the message."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception as e:  # noqa: BLE001 - only the message's detail; the load was refused either way
+        return f"its pickle could not be listed: {type(e).__name__}"
+    return "names " + ", ".join(names[:5]) if names else "not a torch.save file"
+
+
+def _load_rng(path: Path, manifest: dict) -> dict:
+    """Format 2 holds tensors only. Format 1 (before 2026-11-25) kept numpy's state as an ndarray: allow
+    exactly the numpy globals that rebuild a plain array, still under the restricted unpickler."""
+    if manifest.get("format", 1) >= 2:
+        return load_tensors(path)
+    core = getattr(np, "_core", None) or np.core  # numpy >= 2 renamed np.core to np._core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        return load_tensors(path)
 
 
 def _fault_injection(step: int) -> None:
@@ -81,7 +136,7 @@ def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict
         shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if rundir.disk_full(exc):
             raise _no_space(ckpt_root, model, optimizer) from exc
         raise
     for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
@@ -131,16 +186,20 @@ def _state_bytes(state) -> int:
 
 
 def _no_space(ckpt_root: Path, model, optimizer) -> RunFolderError:
-    need = (_state_bytes(model.state_dict()) + _state_bytes(optimizer.state_dict())) / 2**20
-    try:
-        free = f", {shutil.disk_usage(ckpt_root).free / 2**20:.0f} MB free"
-    except OSError:
-        free = ""
-    good = good_checkpoints(ckpt_root)
+    return no_space(ckpt_root, (_state_bytes(model.state_dict()) + _state_bytes(optimizer.state_dict())) / 2**20,
+                    good_checkpoints(ckpt_root))
+
+
+def no_space(ckpt_root: Path, need_mb: float | None, good: list[Path]) -> RunFolderError:
+    """The error of a save that filled its disk (either engine): the disk, what one checkpoint needs, what is
+    free now that the half-written save is gone, and the checkpoint a resume takes."""
+    free = rundir.free_mb(ckpt_root)
+    sizes = ", ".join(x for x in (f"a checkpoint needs about {need_mb:.0f} MB" if need_mb is not None else "",
+                                  f"{free:.0f} MB free" if free is not None else "") if x)
     keep = f"the newest good checkpoint, {good[-1].name}, is intact" if good else "no checkpoint was saved yet"
     return RunFolderError(
-        f"no space left on {ckpt_root} (a checkpoint needs about {need:.0f} MB{free}); the half-written save "
-        f"was removed and {keep}",
+        f"no space left on {ckpt_root} (disk {rundir.mount_point(ckpt_root)}{': ' + sizes if sizes else ''}); "
+        f"the half-written save was removed and {keep}",
         hint=f"free space on that disk (or lower train.keep_checkpoints), then continue with --resume auto "
              f"--run-dir {ckpt_root.parent}")
 
@@ -204,10 +263,12 @@ def resolve_resume(spec: str, ckpt_root: Path, *, good: Callable[[Path], list[Pa
                 warn(f"skipped checkpoint {folder}: {why(folder)}; resuming from {newest.name}")
         return newest
     folder = Path(spec)
-    if not is_good(folder):
-        detail = why(folder) if folder.is_dir() else "no such folder"
-        raise NamError(f"--resume {spec}: not a complete {what} ({detail})",
-                       hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
+    if not folder.is_dir():  # a mistyped path: a usage error (exit 2)
+        raise ConfigError(f"--resume {spec}: no such folder",
+                          hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
+    if not is_good(folder):  # a truncated or damaged checkpoint: the folder cannot be used (exit 6)
+        raise RunFolderError(f"--resume {spec}: not a complete {what} ({why(folder)})",
+                             hint=f"use --resume auto to take the newest good checkpoint under {ckpt_root}")
     return folder
 
 
@@ -220,8 +281,8 @@ def load(folder: Path, *, model, optimizer, scheduler) -> dict:
     manifest = verify(folder)
     if manifest is None:
         raise NamError(f"checkpoint {folder} failed verification", hint="use --resume auto")
-    model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+    model.load_state_dict(load_tensors(folder / "model.pt"))
+    optimizer.load_state_dict(load_tensors(folder / "optimizer.pt"))
+    scheduler.load_state_dict(load_tensors(folder / "scheduler.pt"))
+    set_rng_state(_load_rng(folder / "rng.pt", manifest), source=folder / "rng.pt")
     return manifest

@@ -23,7 +23,7 @@ import torch
 from nam_core.engine import checkpoint
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.contract import EngineRun, Ranks
-from nam_core.engine.metrics import MetricsLog, truncate_metrics
+from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
 from nam_core.errors import Interrupted, TrainingGuardError

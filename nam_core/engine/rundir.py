@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -83,6 +84,35 @@ def filesystem_error(exc: OSError, run_dir: Path) -> RunFolderError | None:
     return RunFolderError(f"{verb} {path}: {why}", hint=hint)
 
 
+def disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT anywhere in ``exc``'s chain. On a real filesystem torch's checkpoint writer meets the
+    OSError, then fails again closing its archive ("unexpected pos ..."): the OSError is that error's context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (the disk a "no space" message names)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def free_mb(path: Path) -> float | None:
+    try:
+        return shutil.disk_usage(path).free / 2**20
+    except OSError:
+        return None
+
+
 @contextmanager
 def readable_filesystem_errors(run_dir: Path) -> Iterator[None]:
     """Turn the OSErrors of ``filesystem_error`` raised inside into RunFolderError (exit 6)."""
@@ -99,6 +129,11 @@ def check_usable(run_dir: Path) -> None:
     """Before anything is written: a file where the run folder (or its checkpoints/) should be, or a folder
     this process cannot write, is refused here instead of failing halfway through a start."""
     for path in (run_dir, run_dir / "checkpoints"):
+        if path.is_symlink() and not path.exists():  # exists() follows the link: a dangling or looping one
+            raise RunFolderError(f"{path} is a symbolic link to {os.readlink(path)}, which "
+                                 f"{'loops' if _loops(path) else 'does not exist'}",
+                                 hint=f"remove the link (rm {path}) or point it at a folder, or choose another "
+                                      "--run-dir")
         if path.exists() and not path.is_dir():
             raise RunFolderError(f"{path} is a file; the run needs a folder there",
                                  hint=f"move {path} out of the way, or choose another --run-dir")
@@ -111,6 +146,16 @@ def check_usable(run_dir: Path) -> None:
     for path in (existing, run_dir / "checkpoints"):
         if path.is_dir():
             _check_writable(path)
+
+
+def _loops(path: Path) -> bool:
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.11: "Symlink loop"
+        return True
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _check_writable(path: Path) -> None:
@@ -298,9 +343,13 @@ def _listed(diffs: list[tuple[str, object, object]]) -> str:
 
 
 def split_changes(old: dict, new: dict) -> tuple[dict, list[tuple[str, object, object]]]:
-    """The differences between two run records: ``({field: [old, new]} a resume may make, the others)``."""
+    """The differences between two run records: ``({field: [old, new]} a resume may make, the others)``.
+    ``branch`` is where a start sits in the run's lineage, not what the run is; ``dataset`` (the data's
+    checksums) is compared only when the old record has it (runs recorded before 2026-11-25 do not)."""
     allowed, refused = {}, []
     for key, a, b in record_diff(old, new):
+        if key == "branch" or (key.startswith("dataset") and "dataset" not in old):
+            continue
         if key in RESUMABLE:
             allowed[key] = [a, b]
         else:
@@ -345,6 +394,10 @@ class Start:
     """Lines for the run log and the terminal (``warning: ...`` ones are shown even under --quiet)."""
     aside: Path | None = None
     """Where a restart moves the stopped run's outputs (``stopped-<time>``)."""
+    branch: str = ""
+    """This start's line of checkpoints (recorded in history.jsonl, the config and every checkpoint's record):
+    a fresh start or a resume from a checkpoint that is not its line's newest opens a new one; ``--resume auto``
+    takes the newest checkpoint of the line the last start was on."""
 
 
 def plan(run_dir: Path, record: dict, resume: str | None, *, good: Callable[[Path], list[Path]],
@@ -364,7 +417,7 @@ def _plan_new(run_dir: Path, contents: Contents, resume: str | None, again: Call
     auto = (f"--resume auto: run folder {run_dir} holds no checkpoint yet, so this run starts afresh"
             if resume == "auto" else None)
     if not contents.names - {HISTORY, "run.log"}:
-        return Start("fresh", notes=[auto] if auto else [])
+        return Start("fresh", notes=[auto] if auto else [], branch=new_branch())
     if contents.good:
         raise ConfigError(f"run folder {run_dir} already holds a run (newest checkpoint: {contents.good[-1].name})",
                           hint=f"continue it: {again(resume='auto')}; or choose another --run-dir")
@@ -381,7 +434,7 @@ def _plan_new(run_dir: Path, contents: Contents, resume: str | None, again: Call
     what = f"{', '.join(moved)} moved to {aside}/" if moved else "nothing to move aside"
     line = (f"run folder {run_dir} holds no checkpoint and no live run (it stopped before its first save, or "
             f"saved none): starting afresh; {what}; run.log and history.jsonl kept")
-    return Start("restart", notes=[auto, line] if auto else [line], aside=aside)
+    return Start("restart", notes=[auto, line] if auto else [line], aside=aside, branch=new_branch())
 
 
 def _unused(path: Path) -> Path:
@@ -397,28 +450,124 @@ def _plan_resume(run_dir: Path, contents: Contents, record: dict, resume: str, r
     fields = ", ".join(RESUMABLE)
     if contents.config is not None:
         _, refused = split_changes(contents.config, record)
+        _refuse_other_data(run_dir, refused, record)
         if refused:
             raise ConfigError(f"--resume: run folder {run_dir} belongs to a different config: {_listed(refused)}",
                               hint=f"resume with the same recipe and overrides (a resume may change {fields}), "
                                    "or start a new --run-dir")
     warnings: list[str] = []
-    folder = resolve(resume, run_dir / "checkpoints", warn=warnings.append)
+    lineage: list[str] = []
+    if resume == "auto":
+        folder, branch = _auto_on_branch(run_dir, contents, resolve, warnings, lineage)
+    else:
+        folder = resolve(resume, run_dir / "checkpoints", warn=warnings.append)
+        branch = _branch_for_path(run_dir, contents, folder, lineage)
     manifest = _manifest(folder)
     made_with = manifest.get("record") or contents.config
     changes = {}
     if made_with is not None:
         changes, refused = split_changes(made_with, record)
+        _refuse_other_data(run_dir, refused, record)
         if refused:
             raise ConfigError(f"--resume {resume}: checkpoint {folder} was made with a different config: "
                               f"{_listed(refused)}",
                               hint=f"resume with the config it was made with (a resume may change {fields}), "
                                    "or start without --resume")
     step = int(manifest.get("step", 0))
-    notes = [f"warning: {w}" for w in warnings]
+    notes = [f"warning: {w}" for w in warnings] + lineage
     if changes:
         notes.append(f"--resume: from step {step}, " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
                      + f" (recorded in {run_dir / HISTORY})")
-    return Start("resume", resume_from=folder, step=step, changes=changes, notes=notes)
+    return Start("resume", resume_from=folder, step=step, changes=changes, notes=notes, branch=branch)
+
+
+# --- lineage: which line of checkpoints a start continues ----------------------------------------------
+
+def new_branch() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+
+
+def _history(run_dir: Path) -> list[dict]:
+    """history.jsonl's entries (a torn or foreign line is skipped: it names no branch)."""
+    entries = []
+    try:
+        lines = (run_dir / HISTORY).read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
+
+
+def _branch_of(folder: Path) -> str | None:
+    record = _manifest(folder).get("record")
+    return record.get("branch") if isinstance(record, dict) else None
+
+
+def _auto_on_branch(run_dir: Path, contents: Contents, resolve, warnings: list, lineage: list) -> tuple[Path, str]:
+    """``--resume auto``: the newest good checkpoint of the branch the last start was on; with none saved yet,
+    the checkpoint that branch started from. A folder that records no branch (before 2026-11-25): the newest."""
+    ckpts = run_dir / "checkpoints"
+    history = [e for e in _history(run_dir) if e.get("branch")]
+    current = history[-1]["branch"] if history else None
+    if current is None:
+        folder = resolve("auto", ckpts, warn=warnings.append)
+        return folder, _branch_of(folder) or new_branch()
+    ours = [p for p in contents.good if _branch_of(p) == current]
+    origin = next((Path(e["from"]) for e in history if e["branch"] == current and e.get("from")), None)
+    if ours:
+        chosen, how = ours[-1], "the newest checkpoint of this run's current branch"
+    elif origin is not None and origin.resolve() in [p.resolve() for p in contents.good]:
+        chosen, how = origin, "the checkpoint this run's current branch started from (it has saved none since)"
+    else:
+        folder = resolve("auto", ckpts, warn=warnings.append)
+        return folder, _branch_of(folder) or current
+    folder = resolve(str(chosen), ckpts, warn=warnings.append)
+    others = [p.name for p in contents.good if p.name > chosen.name and _branch_of(p) != current]
+    started = next(e for e in history if e["branch"] == current)
+    lineage.append(f"--resume auto: {chosen.name}, {how} (branch {current}, started {started.get('time')})"
+                   + (f"; newer {', '.join(others)} belong to another branch" if others else ""))
+    return folder, current
+
+
+def _branch_for_path(run_dir: Path, contents: Contents, folder: Path, lineage: list) -> str:
+    """``--resume PATH``: the branch goes on when PATH is its newest checkpoint, else a new branch starts there."""
+    branch = _branch_of(folder)
+    mine = [p for p in contents.good if branch is not None and _branch_of(p) == branch]
+    if branch is not None and mine and mine[-1].resolve() == folder.resolve():
+        return branch
+    new = new_branch()
+    if contents.good:
+        lineage.append(f"--resume {folder}: a new branch ({new}) starts at {folder.name}; --resume auto now "
+                       "follows it")
+    return new
+
+
+def _refuse_other_data(run_dir: Path, refused: list, record: dict) -> None:
+    """A resume whose dataset's checksums differ from the run's (the data was prepared again under the same
+    path, or --data names other data): refused with the files that differ."""
+    data = [(k, a, b) for k, a, b in refused if k.startswith("dataset.")]
+    if data:
+        lines = "; ".join(f"{k.removeprefix('dataset.')}: {str(a)[:12]}... -> {str(b)[:12]}..." for k, a, b in data[:4])
+        raise ConfigError(f"--resume: the data at {record.get('data')} is not the data run folder {run_dir} was "
+                          f"trained on ({lines})",
+                          hint="resume on the data it was trained on (prepare it again from the same source, or "
+                               "point --data at it), or train on the new data in a new --run-dir")
+
+
+def check_steps_ahead(start: Start, max_steps: int, run_dir: Path) -> None:
+    """A resume must have a step left to train: ``--max-steps`` at or below the checkpoint's step is refused
+    (ConfigError, exit 2) instead of a run that trains nothing and reports negative steps."""
+    if start.kind == "resume" and max_steps <= start.step:
+        raise ConfigError(f"--max-steps {max_steps}: the run resumes at step {start.step} ({start.resume_from}), "
+                          f"so there is no step left to train",
+                          hint=f"pass --max-steps above {start.step} (the run trains steps {start.step + 1}.."
+                               f"--max-steps), or read what it did in {run_dir / 'summary.json'}")
 
 
 def _manifest(folder: Path) -> dict:
@@ -448,6 +597,8 @@ def begin(run_dir: Path, start: Start) -> None:
             shutil.rmtree(leftover, ignore_errors=True)  # an interrupted save: never a good checkpoint
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": start.kind, "step": start.step,
              "pid": os.getpid()}
+    if start.branch:
+        entry["branch"] = start.branch
     if start.resume_from is not None:
         entry["from"] = str(start.resume_from)
     if start.changes:
@@ -459,13 +610,14 @@ def begin(run_dir: Path, start: Start) -> None:
 # --- a stop on request ------------------------------------------------------------------------------------
 
 class StopRequests:
-    """SIGINT and SIGTERM ask the run to stop after its current step (and save) instead of ending it mid-step.
+    """SIGINT, SIGTERM and SIGHUP ask the run to stop after its current step (and save) instead of ending it
+    mid-step.
 
     ``signum`` is the first signal received (None: go on). A second one while the run saves is reported and
     otherwise ignored: the save finishes (it is atomic either way; SIGKILL leaves the previous checkpoint).
     Handlers are installed only in the main thread (Python refuses elsewhere) and restored on exit."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed (exit 129)
 
     def __init__(self):
         self.signum: int | None = None

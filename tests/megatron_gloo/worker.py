@@ -138,7 +138,7 @@ def local_run(args, recipe) -> None:
 
 
 def cli_run(args, recipe) -> None:
-    engine = _install_double()
+    _install_double()
     from nam56r import run as root
     from nam_cli import main as cli_main
     from nam_core.device import DeviceInfo

@@ -1,20 +1,40 @@
 """dist-checkpointing save and resume of the model chunks, the distributed optimizer and every rank's RNG:
-atomic (written aside, renamed into place after the manifest), resumable only with the same layout."""
+atomic (written aside, renamed into place after the manifest), resumable only with the same layout.
+
+Loading a checkpoint must not run code that came with it (a run folder can come from someone else):
+
+- every rank's RNG state is nam's own file, ``rng/rank-NNNNN.pt``, tensors and plain numbers loaded with
+  ``weights_only=True`` (format 1 kept it as a Megatron ``ShardedObject``, which torch's checkpoint planner
+  unpickles with ``weights_only=False``);
+- what Megatron-Core's loader does not allow us to make safe: torch's ``FileSystemReader.read_metadata``
+  reads ``.metadata`` with a bare ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` unpickles every
+  byte item (Megatron's own ``common_state`` object in >= 0.19) with ``weights_only=False``; neither takes an
+  argument to restrict it. So ``refuse_unsafe_pickles`` reads both first, under restricted unpicklers that
+  rebuild only torch's checkpoint-metadata classes and tensors/plain values, and refuses the folder if
+  either asks for more; Megatron then loads the same bytes;
+- the manifest lists the sha256 of every file, checked by ``good_checkpoints`` (which protects against
+  damage, not against an attacker, who rewrites the manifest too).
+"""
 
 from __future__ import annotations
 
+import enum
+import io
 import json
 import os
+import pickle
 import shutil
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import torch
 
+from nam_core.data.dataset import file_sha256
 from nam_core.engine import checkpoint as files
 from nam_core.engine.megatron.model import unwrap
-from nam_core.errors import NamError
+from nam_core.errors import NamError, RunFolderError
 
-CHECKPOINT_FORMAT = "megatron-dist-1"
+CHECKPOINT_FORMAT = "megatron-dist-2"  # 2: RNG in rng/*.pt (tensors only), sha256 of every file (1: neither)
 
 
 def _model_state(models: list) -> dict:
@@ -25,60 +45,116 @@ def _model_state(models: list) -> dict:
 
 
 def _sharded_state(models: list, optimizer, *, is_loading: bool) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model_sd = _model_state(models)
     # dp_reshardable: each rank writes its own optimizer shards (resume needs the same layout, which
     # load_checkpoint enforces). 0.19.2's default, fully_sharded_model_space, raises "ShardedTensor.flattened_range
     # is not supported" (dist_checkpointing/mapping.py:134).
     metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
     return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
-            "rng": ShardedObject("rng", files.rng_state(), (world,), (rank,), replica_id=0)}
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / "rng" / f"rank-{rank:05d}.pt"
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` but the manifest, by path relative to it."""
+    return {str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p != folder / "manifest.json"}
+
+
+def inspect(folder: Path) -> tuple[dict | None, str]:
+    """``(manifest, "")`` for a good megatron-engine checkpoint folder, ``(None, what is wrong)`` otherwise:
+    a manifest of this format, and exactly the files it lists, each with its sha256."""
+    if folder.name.startswith("."):
+        return None, "a save in progress or interrupted (hidden folder)"
+    path = folder / "manifest.json"
+    if not path.is_file():
+        return None, "no manifest.json (the save did not finish)"
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"manifest.json is not valid JSON ({e})"
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        return None, f"no {CHECKPOINT_FORMAT} manifest (format {found!r})"
+    listed = manifest.get("sha256")
+    if not isinstance(listed, dict) or ".metadata" not in listed:
+        return None, "the manifest lists no .metadata (not a dist-checkpointing save)"
+    on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
+    if on_disk != set(listed):
+        missing, extra = sorted(set(listed) - on_disk), sorted(on_disk - set(listed))
+        return None, f"files differ from the manifest (missing {missing[:3]}, not listed {extra[:3]})"
+    for name, digest in listed.items():
+        if file_sha256(folder / name) != digest:
+            return None, f"sha256 mismatch of {name} (the file changed after it was saved)"
+    return manifest, ""
 
 
 def good_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete megatron-engine checkpoints under ``ckpt_root``, oldest first (a manifest is written last)."""
+    """Good megatron-engine checkpoints under ``ckpt_root`` (``inspect``), oldest first."""
     if not ckpt_root.is_dir():
         return []
-    good = []
-    for folder in sorted(p for p in ckpt_root.glob("step-*") if p.is_dir()):
-        manifest = folder / "manifest.json"
-        if manifest.is_file() and json.loads(manifest.read_text()).get("format") == CHECKPOINT_FORMAT:
-            good.append(folder)
-    return good
+    return [p for p in sorted(ckpt_root.glob("step-*")) if p.is_dir() and inspect(p)[0] is not None]
 
 
 def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, manifest: dict, keep: int) -> Path:
     """Collective: every rank writes its shards into a hidden folder, rank 0 adds the manifest and renames
-    it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact."""
-    from megatron.core import dist_checkpointing
-
-    rank0 = torch.distributed.get_rank() == 0
+    it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact; a
+    full disk is RunFolderError (exit 6) on the ranks that met it, the hidden folder removed."""
+    rank = torch.distributed.get_rank()
+    rank0 = rank == 0
     final = ckpt_root / f"step-{step:08d}"
     tmp = ckpt_root / f".{final.name}.tmp"
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp), verify_integrity=True)
-    torch.distributed.barrier()
-    if rank0:
-        (tmp / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step, **manifest},
-                                                      indent=2))
-        for path in tmp.iterdir():  # on disk before the rename makes the folder count as good
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        files.fsync_dir(tmp)
-        if final.exists():  # the same step saved again (end of a resumed run)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        files.fsync_dir(ckpt_root)
-        for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
+    try:
+        _save_aside(tmp, models, optimizer, rank)
+        if rank0:
+            _finish(tmp, final, ckpt_root, step, manifest, keep)
+    except BaseException as exc:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if files.rundir.disk_full(exc):
+            good = good_checkpoints(ckpt_root)
+            need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
+            raise files.no_space(ckpt_root, need, good) from exc
+        raise
     torch.distributed.barrier()
     return final
+
+
+def _save_aside(tmp: Path, models: list, optimizer, rank: int) -> None:
+    """Collective: every rank's shards and RNG into the hidden folder ``tmp``."""
+    from megatron.core import dist_checkpointing
+
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp), verify_integrity=True)
+    files._save_file(files.rng_state(), _rng_file(tmp, rank))
+    torch.distributed.barrier()
+
+
+def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, keep: int) -> None:
+    """Rank 0: the manifest (sha256 of every file), the rename into place, the pruning."""
+    for path in tmp.iterdir():  # on disk before the rename makes the folder count as good
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    files.fsync_dir(tmp / "rng")
+    body = {"format": CHECKPOINT_FORMAT, "step": step, **manifest, "sha256": _digests(tmp)}
+    with open(tmp / "manifest.json", "w") as f:
+        f.write(json.dumps(body, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    files.fsync_dir(tmp)
+    if final.exists():  # the same step saved again (end of a resumed run)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    files.fsync_dir(ckpt_root)
+    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
 
 
 def resolve_resume(spec: str, ckpt_root: Path) -> Path:
@@ -86,8 +162,7 @@ def resolve_resume(spec: str, ckpt_root: Path) -> Path:
     it is one (the layout is checked when it loads)."""
     return files.resolve_resume(
         spec, ckpt_root, good=good_checkpoints, what="megatron-engine checkpoint",
-        is_good=lambda folder: folder.resolve() in [g.resolve() for g in good_checkpoints(folder.parent)],
-        why_not=f"no {CHECKPOINT_FORMAT} manifest")
+        is_good=lambda folder: inspect(folder)[0] is not None, why=lambda folder: inspect(folder)[1])
 
 
 def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> dict:
@@ -95,19 +170,82 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
     Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one)."""
     from megatron.core import dist_checkpointing
 
-    manifest_path = folder / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise NamError(f"{folder} is not a complete megatron-engine checkpoint (no {CHECKPOINT_FORMAT} manifest)",
-                       hint="resume from a folder listed by good_checkpoints, or start without --resume")
+    manifest, why = inspect(folder)
+    if manifest is None:
+        raise RunFolderError(f"{folder} is not a complete megatron-engine checkpoint ({why})",
+                             hint="resume from a folder listed by good_checkpoints, or start without --resume")
     if manifest.get("layout") != layout:
         raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
                        hint="resume with the same GPUs, tp, pp and ep")
+    refuse_unsafe_pickles(folder)
     state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder),
                                     verify_integrity=True)
     with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
         for i, model in enumerate(models):
             unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
         optimizer.load_state_dict(state["optimizer"])
-    files.set_rng_state(state["rng"])
+    rng = _rng_file(folder, torch.distributed.get_rank())
+    files.set_rng_state(files.load_tensors(rng), source=rng)
     return manifest
+
+
+# --- what Megatron's loader unpickles, read first under restricted unpicklers ---------------------------
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_TORCH_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}  # StorageMeta.checkpoint_id
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds a torch.distributed.checkpoint ``Metadata``: its own dataclasses and enums, ``torch.Size``,
+    dtypes and layouts, and nothing else (a global outside those is refused before anything is called)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _TORCH_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module and (
+                    is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def refuse_unsafe_pickles(folder: Path) -> None:
+    """RunFolderError if ``.metadata`` or any byte item it lists would make Megatron's load run more than
+    rebuilding metadata, tensors and plain values. Reads the same bytes the load will read."""
+    path = folder / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
+        raise _unsafe(path, e) from e
+    except OSError as e:
+        raise RunFolderError(f"{path}: cannot be read ({e.strerror})",
+                             hint="resume from another checkpoint or start without --resume") from e
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    byte_items = {fqn for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_items:
+            continue
+        where = folder / info.relative_path
+        if getattr(info, "transform_descriptors", None):  # compressed or encrypted: not read here
+            raise _unsafe(where, f"byte item {index.fqn!r} is stored with transforms {info.transform_descriptors}")
+        with open(where, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(blob), weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            raise _unsafe(where, f"byte item {index.fqn!r} {files._globals_named(io.BytesIO(blob))}") from e
+
+
+def _unsafe(path: Path, why) -> RunFolderError:
+    return RunFolderError(f"{path}: refused to load, it asks for more than checkpoint metadata, tensors and plain "
+                          f"values ({why})",
+                          hint="a nam checkpoint never does: this folder was written by something else or altered; "
+                               "resume from another checkpoint or start without --resume")

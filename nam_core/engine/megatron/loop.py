@@ -14,14 +14,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.contract import EngineRun
 from nam_core.engine.megatron import checks, checkpoint, optimizer, parallel, patches
-from nam_core.engine.megatron.model import MegatronModel, build_ddp, unwrap
+from nam_core.engine.megatron.model import build_ddp, unwrap
 from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
 from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped

@@ -230,9 +230,10 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     if not rank0:
         return
     from nam_core.engine.metrics import read_metrics
-    from nam_core.engine.summary import describe, summarize
+    from nam_core.engine.summary import describe, numerics_fields, summarize
 
-    summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names, **summarize(
+    summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names, **numerics_fields(rec.train),
+                   **summarize(
         read_metrics(run_dir), wall_s=time.monotonic() - started, steps_run=summary["steps"] - summary["started_at_step"],
         tokens_per_step=summary["tokens_per_step"]))
     _write_json_atomic(run_dir / "summary.json", summary)
@@ -247,12 +248,15 @@ def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, recor
     """``rec``: the RunSpec."""
     import torch
 
+    from nam56r import recompute
     from nam56r.model import build_model
     from nam56r.state import ForwardState
+    from nam_core.engine.config import recompute_kinds
     from nam_core.engine.local import LocalRun, train as local_train
 
     torch.manual_seed(rec.train.seed)
     model = build_model(rec.model, backends, device=rec.train.device).to(dtype=getattr(torch, rec.train.dtype))
+    notes.extend(recompute.apply(model, recompute_kinds(rec.train)))
     target = torch.device(rec.train.device)
 
     def batch_at(step: int, batch_size: int) -> dict:

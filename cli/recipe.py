@@ -68,10 +68,12 @@ def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
     """The recipe's Megatron lowering as JSON-ready data, with the equivalent command-line flags."""
     from nam56r.megatron import lower, megatron_args
     from nam56r.recipes import get_recipe
+    from nam_core.engine.config import recompute_kinds
 
     recipe = get_recipe(name)
     lowering = lower(recipe.model, tp=tp, pp=pp, ep=ep, micro_batch_size=recipe.train.micro_batch_size,
-                     schedule=recipe.train.schedule, bf16=recipe.train.dtype == "bfloat16")
+                     schedule=recipe.train.schedule, bf16=recipe.train.dtype == "bfloat16",
+                     recompute=recompute_kinds(recipe.train))
     return {"recipe": recipe.name, **lowering.to_dict(), "flags": megatron_args(lowering)}
 
 

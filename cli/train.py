@@ -307,7 +307,7 @@ def _megatron_start(run, *, dry_run) -> dict:
     import torch
 
     meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    meg.check_runtime(meg.runtime_facts(), dispatcher=train.moe_dispatcher)
+    meg.check_runtime(meg.runtime_facts(), dispatcher=train.moe_dispatcher, numerics=train.optimizer_numerics)
     meg.init_distributed()
     return {"rank": torch.distributed.get_rank(), "world_size": lay.world_size}
 

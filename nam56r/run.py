@@ -33,7 +33,7 @@ from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
 from nam_core import bounds
 from nam_core.device import DeviceInfo
-from nam_core.engine.config import ENGINES, TrainConfig
+from nam_core.engine.config import ENGINES, TrainConfig, recompute_kinds
 from nam_core.errors import CannotRunHere, ConfigError, PluginActivationError
 from nam_core.host import Evaluation, PluginHost, requested_plugins
 from nam_core.run import Layout, RunSpec
@@ -251,7 +251,8 @@ def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: 
     schedule = (meg.schedule_for(train.schedule, pp=lay.pp, registered=registered) if registered is not None
                 else train.schedule)
     lowering = lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
-                     schedule=schedule, bf16=train.dtype == "bfloat16", dispatcher=train.moe_dispatcher)
+                     schedule=schedule, bf16=train.dtype == "bfloat16", dispatcher=train.moe_dispatcher,
+                     recompute=recompute_kinds(train))
     meg.check_layout(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, ep=lay.ep, train=train,
                      registered_schedules=registered if registered is not None else {train.schedule: None})
     check_lowering(lowering, registered_schedules=registered if registered is not None

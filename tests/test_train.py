@@ -53,6 +53,7 @@ def test_resumed_run_equals_uninterrupted_run_step_for_step(tmp_path, corpus):
     assert lrs == [m["lr"] for m in read_metrics(split)]
 
 
+@pytest.mark.slow
 def test_bf16_fp32_master_resume_is_bit_exact_and_a_change_of_numerics_is_refused(tmp_path, corpus, capsys):
     """The default numerics of a bf16 run (fp32 master weights, nam_core/engine/numerics.py): the checkpoint
     carries the masters, so a resumed run equals an uninterrupted one bit for bit; resuming it under other

@@ -107,6 +107,18 @@ def test_overlapped_grad_reduce_is_bit_exact_and_resumes(tmp_path, ep2):
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
 
 
+@pytest.mark.parametrize("choice", ["mamba,moe,attention", "layer"])
+def test_recompute_is_bit_exact_against_none(tmp_path, ep2, choice):
+    """train.recompute at EP 2: nam's checkpointing in the Mamba and attention slots with Megatron's selective
+    ``moe`` recompute, or Megatron's full recompute of every layer (its reentrant checkpoint; the slots see the
+    replay and log the indexer loss once): the same losses and gradient norms as without, bit for bit."""
+    full = _run(tmp_path, choice.replace(",", "-"), "megatron", "--ep", "2", f"--set=train.recompute={choice}",
+                nproc=2)
+    timing = {"tokens_per_s", "tflops_per_device", "mem_gib", "step_time_s"}
+    numbers = lambda rows: [{k: v for k, v in m.items() if k not in timing} for m in rows]  # noqa: E731
+    assert numbers(full) == numbers(ep2[1])  # loss, every loss term (the indexer KL logged once), grad norm
+
+
 def test_shared_expert_overlap_agrees_at_step_1(tmp_path, ep2):
     """train.moe_shared_expert_overlap at EP 2: the shared expert runs inside the dispatcher (on a side stream on
     a GPU; one stream here). Step 1, from the same weights, agrees with the run without it to 1e-6 in loss and

@@ -13,7 +13,9 @@ Both engines run it on nam's blocks:
 ``checkpointed`` is ``torch.utils.checkpoint`` non-reentrant with the RNG state preserved, so the replay sees
 the same random numbers and the same inputs; the blocks are deterministic functions of those (the Mamba-3
 scan, MoE's routing: the top-k of the same logits), which makes loss and gradients bit-exact against no
-recompute (tests/test_recompute.py). The replay runs with ``ForwardState.recompute`` set, so DSA's indexer
+recompute (tests/test_recompute.py). Megatron's own recompute is its reentrant checkpoint, which adds the
+replayed region's input gradient to the rest in another order: within 2e-7 relative of no recompute
+(tests/test_megatron_engine_gloo.py). The replay runs with ``ForwardState.recompute`` set, so DSA's indexer
 strategies return the selection the first pass made (nam56r/backends.py), and its side effects on the state
 (aux losses, log lines) are dropped: the first pass already recorded them.
 """

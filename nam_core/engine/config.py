@@ -94,7 +94,8 @@ class TrainConfig:
     ``mamba``, ``moe``, ``attention`` (DSA and MLA), ``layer`` (each layer whole); presets ``none``,
     ``mixers`` (the three mixers) and ``full`` (= ``layer``). A recomputed block keeps its input and runs its
     forward again in backward: less memory (nam56r/memory.py), one more forward of it per step. Bit-exact
-    against no recompute (nam56r/recompute.py says how each engine runs it). Default: none."""
+    against no recompute where nam checkpoints (the local engine; Mamba and attention in the megatron engine),
+    within 2e-7 where Megatron does (nam56r/recompute.py says how each engine runs it). Default: none."""
 
     log_every: int = bounded(1, ge=1, aka=("log_interval", "logging_steps"))
     """Write a metrics.jsonl line every N steps."""

@@ -45,7 +45,7 @@ RESUMABLE = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.tota
              "train.recompute")
 """Fields a resume may change. They steer the run from the next step on and change no tensor's shape or
 meaning: the LR schedule is rebuilt from (step, these fields) at every start, weight decay is set on the
-optimizer's groups after a load, activation recompute is bit-exact against none (nam56r/recompute.py), the
+optimizer's groups after a load, activation recompute computes the same step (bit-exact, or to 2e-7 under Megatron's own: nam56r/recompute.py), the
 rest are read each step. ``train.optimizer_numerics`` is not among them: it changes what the checkpoint's
 optimizer state holds (fp32 masters or not, the moments' dtype). Every other field (shapes, dtype, batch sizes,
 seed, data, plugins) changes what the checkpoint's tensors are or which batches come next: refused."""

@@ -158,3 +158,18 @@ def test_float32_runs_take_fp32_master_only():
     assert "dtype=bfloat16" in str(info.value)
     with pytest.raises(ConfigError, match="expected one of fp32-master"):
         resolve(RunRequest(overrides=["train.optimizer_numerics=fp16"], env_plugins=False))
+
+
+def test_a_resume_may_change_the_recompute_but_not_the_numerics():
+    """``rundir.split_changes`` on two run records: recompute computes the same step (resumable), numerics change
+    what the checkpoint's optimizer state holds (refused, with the old and new value for the message)."""
+    import dataclasses
+
+    from nam_core.engine.rundir import split_changes
+
+    old = {"train": dataclasses.asdict(TrainConfig(dtype="bfloat16"))}
+    new = {"train": dataclasses.asdict(TrainConfig(dtype="bfloat16", recompute=("mamba",),
+                                                   optimizer_numerics="bf16-moments"))}
+    allowed, refused = split_changes(old, new)
+    assert allowed == {"train.recompute": [[], ["mamba"]]}
+    assert refused == [("train.optimizer_numerics", "fp32-master", "bf16-moments")]

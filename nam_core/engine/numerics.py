@@ -8,24 +8,24 @@ most updates of most weights, and ``bf16`` loses them; ``fp32-master`` keeps the
 ``stochastic-rounding`` keeps them on average (a weight moves one ulp with the probability the update
 covers of it).
 
-=======================  =================  =============  ==========  =============  ======================
-numerics                 updated weights    moments        bytes/param  local engine   megatron engine
-=======================  =================  =============  ==========  =============  ======================
-``fp32-master``          fp32 master copy   fp32           2+2+4+8      torch AdamW    Megatron's default
-``bf16-moments``         fp32 master copy   bf16           2+2+4+4      torchao AdamW  precision-aware (TE)
-``stochastic-rounding``  the bf16 params    bf16           2+2+4        torchao AdamW  refused
-``bf16``                 the bf16 params    bf16           2+2+4        torch AdamW    refused
-=======================  =================  =============  ==========  =============  ======================
+=======================  ================  =======  =============  =============  ===================
+numerics                 updated weights   moments  bytes/param    local engine   megatron engine
+=======================  ================  =======  =============  =============  ===================
+``fp32-master``          fp32 master copy  fp32     2 + 2 + 4 + 8  torch AdamW    Megatron's default
+``bf16-moments``         fp32 master copy  bf16     2 + 2 + 4 + 4  torchao AdamW  precision-aware, TE
+``stochastic-rounding``  the bf16 params   bf16     2 + 2 + 4      torchao AdamW  refused
+``bf16``                 the bf16 params   bf16     2 + 2 + 4      torch AdamW    refused
+=======================  ================  =======  =============  =============  ===================
 
 (bytes per parameter in the local engine: bf16 weights + bf16 gradients + optimizer states; the megatron
-engine keeps fp32 gradient buffers and shards the optimizer states, ``nam56r.memory``.) Every update is
-computed in fp32 whatever the storage: torch's AdamW on fp32 masters; torchao's ``_AdamW`` upcasts
-parameter, gradient and moments, and writes them back (round-to-nearest, or stochastic rounding for bf16
-parameters with ``bf16_stochastic_round=True``).
+engine keeps fp32 gradient buffers and shards the optimizer states, ``nam56r.memory``.) The first three
+compute each update in fp32 whatever the storage: torch's AdamW on fp32 masters; torchao's ``_AdamW`` upcasts
+parameter, gradient and moments and writes them back (round-to-nearest, or stochastic rounding for bf16
+parameters with ``bf16_stochastic_round=True``). ``bf16`` is torch's AdamW on the bf16 tensors themselves.
 
 A float32 run's parameters are already fp32: they are their own masters, and only ``fp32-master`` means
 anything there (``TrainConfig.RULES`` refuses the others). The fp32 parameters of a bf16 model (Mamba-3's D
-and dt_bias) are their own masters in every choice.
+and dt_bias) stay fp32 and are updated as fp32 in every choice.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def run_spec(spec: dict, train):
 
     base = get_recipe(spec["recipe"]).train
     overrides = [f"{k}={v}" for k, v in spec.get("model", {}).items()]
-    overrides += [f"train.{f.name}={getattr(train, f.name)}" for f in dataclasses.fields(train)
+    overrides += [f"train.{f.name}={_setting(getattr(train, f.name))}" for f in dataclasses.fields(train)
                   if f.name not in ("engine", "device", "tp", "pp", "ep", "plugin_options")
                   and getattr(train, f.name) != getattr(base, f.name)]
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
@@ -383,6 +383,11 @@ def hooks_for(spec: dict):
     return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
 
 
+def _setting(value) -> str:
+    """A train field's value as ``--set`` takes it (a tuple as a comma list)."""
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
 def run_worker(spec: dict) -> None:
     """One engine run described by ``spec`` (written by ``launch``); metrics land in ``spec['run_dir']``."""
     import torch
@@ -392,7 +397,7 @@ def run_worker(spec: dict) -> None:
     from nam_core.engine.config import TrainConfig, recompute_kinds
 
     cfg = model_config(spec)
-    train = TrainConfig(**spec["train"])
+    train = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["train"].items()})  # JSON lists
     backends = backends_for(spec["backends"], spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped"))
     packed = packed_rows(cfg.seq_len, train.seed)
     run_dir = Path(spec["run_dir"])

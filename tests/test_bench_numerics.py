@@ -47,3 +47,14 @@ def test_throughput_rows_per_numerics_and_recompute(load_bench):
     assert not [r for r in runs if r[0] == "megatron" and r[4] == "stochastic-rounding"]  # refused by Megatron
     assert len(runs) == 6
     assert mega.RECOMPUTE_CHOICES["mamba,moe"] == ("mamba", "moe")
+
+
+def test_a_throughput_rows_train_config_reaches_the_composition_root(load_bench):
+    """The worker's train config (from the row's JSON spec) as ``--set`` overrides: the recompute tuple as a comma
+    list, the numerics by name; the resolved spec carries both."""
+    from nam_core.engine.config import TrainConfig
+
+    mega = load_bench("megatron")
+    train = TrainConfig(dtype="bfloat16", device="cuda", recompute=("mamba", "moe"), optimizer_numerics="bf16-moments")
+    spec = mega.run_spec({"recipe": "nam56r", "model": {}, "backends": "reference"}, train)
+    assert spec.train.recompute == ("mamba", "moe") and spec.train.optimizer_numerics == "bf16-moments"

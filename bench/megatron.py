@@ -44,7 +44,10 @@ runs one megatron row per GPU count and entry, with the engine's communication o
 (``OVERLAPS``: train.overlap_grad_reduce, moe_shared_expert_overlap); the default is
 ``none``, the engine's defaults. ``--float8 none,rowwise,tensorwise`` runs one local row per entry, the dense
 projections in FP8 through nam-plugin-float8 (``--moe float8-grouped`` puts the routed experts there too);
-``--engines local`` runs the baseline row alone. Each row is
+``--engines local`` runs the baseline row alone. ``--numerics fp32-master,bf16-moments,...`` and ``--recompute
+none/mamba/mamba,moe/full`` run every row once per optimizer numerics and activation-recompute choice
+(``RECOMPUTE_CHOICES``; the megatron engine has no rows for the numerics it refuses); the first row is the one
+the ``vs first`` column divides by. Each row is
 printed, and the JSON rewritten (``complete`` false until the last), as its run ends, so a run cut short by a
 time limit keeps the rows it finished.
 """
@@ -67,6 +70,8 @@ from pathlib import Path
 # This file shares its name with the megatron package: with bench/ first on the import path (as `python
 # bench/megatron.py` and torchrun put it), `import megatron.core` would find this file. Drop bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from nam_core.engine.config import NUMERICS  # noqa: E402 (after the path fix above)
 
 RESUME_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
 """Resumed vs uninterrupted run, per step. Measured bit-exact on CPU (gloo, fp32, EP 2, 20 steps); on GPU the
@@ -131,7 +136,7 @@ def request_for(spec: dict, train):
 
     base = get_recipe(spec["recipe"]).train
     overrides = [f"{k}={v}" for k, v in spec.get("model", {}).items()]
-    overrides += [f"train.{f.name}={getattr(train, f.name)}" for f in dataclasses.fields(train)
+    overrides += [f"train.{f.name}={_setting(getattr(train, f.name))}" for f in dataclasses.fields(train)
                   if f.name not in ("engine", "device", "tp", "pp", "ep", "plugin_options")
                   and getattr(train, f.name) != getattr(base, f.name)]
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
@@ -339,11 +344,17 @@ def hooks_for(spec: dict):
     return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
 
 
+def _setting(value) -> str:
+    """A train field's value as ``--set`` takes it (a tuple as a comma list)."""
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
 def run_worker(spec: dict) -> None:
     """One engine run described by ``spec`` (written by ``launch``); metrics land in ``spec['run_dir']``."""
     from nam_core.engine.config import TrainConfig
 
-    train = TrainConfig(**spec["train"]).replace(device="cuda")
+    train = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["train"].items()})  # JSON lists
+    train = train.replace(device="cuda")
     run_dir = Path(spec["run_dir"])
     init = Path(spec["init"]) if spec.get("init") else None
     if spec["engine"] == "grads":
@@ -688,19 +699,20 @@ def throughput(args) -> int:
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
                                                     warmup_steps=1, checkpoint_every=0, schedule="single"))
     rows = []
-    runs = ([("local", 1, "none", f8) for f8 in args.float8] if "local" in args.engines else []) + \
-        ([("megatron", n, o, "none") for n in args.gpus for o in args.overlap] if "megatron" in args.engines else [])
+    runs = throughput_runs(args)
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
-    print("| engine | GPUs | topology | overlap | MBS | tokens/s per GPU | TFLOP/s per GPU "
-          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs local |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for engine, n, overlap, f8 in runs:
+    print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
+          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs first |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for engine, n, overlap, f8, numerics, recompute in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
-            (f"-float8-{f8}" if f8 != "none" else "")
+            (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}"
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
                 "engine": engine, "float8": f8,
-                "run_dir": str(work / name), "steps": steps, "ep": n, "train": {**train, **OVERLAPS[overlap]},
+                "run_dir": str(work / name), "steps": steps, "ep": n,
+                "train": {**train, **OVERLAPS[overlap], "optimizer_numerics": numerics,
+                          "recompute": RECOMPUTE_CHOICES[recompute]},
                 "checkpoints": False}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
@@ -709,14 +721,15 @@ def throughput(args) -> int:
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
         rows.append({"engine": engine if f8 == "none" else f"{engine}, float8 linears {f8}", "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
-                     "overlap": overlap, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
+                     "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics)})
         shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]
-        vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x" if runs[0][0] == "local" else "-"
-        print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['mbs']} "
+        vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x"
+        print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['numerics']} | {r['recompute']} "
+              f"| {r['mbs']} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} "
               f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} |",
               flush=True)
@@ -728,6 +741,28 @@ def throughput(args) -> int:
         print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+RECOMPUTE_CHOICES = {"none": (), "mamba": ("mamba",), "moe": ("moe",), "attention": ("attention",),
+                     "mamba,moe": ("mamba", "moe"), "mixers": ("mixers",), "full": ("full",)}
+"""``throughput --recompute``: the ``train.recompute`` each row runs (a kind, a set, or a preset)."""
+
+
+def throughput_runs(args) -> list[tuple]:
+    """(engine, GPUs, overlap, float8, numerics, recompute) of each throughput row: the local rows (one per float8
+    entry), then the megatron rows (one per GPU count and overlap), each once per numerics and recompute choice.
+    Numerics the megatron engine refuses (nam_core/engine/megatron/optimizer.py) get no megatron row; the table
+    says so below it."""
+    from nam_core.engine.megatron.optimizer import NUMERICS_REFUSED
+
+    runs = []
+    for numerics in args.numerics:
+        for recompute in args.recompute:
+            if "local" in args.engines:
+                runs += [("local", 1, "none", f8, numerics, recompute) for f8 in args.float8]
+            if "megatron" in args.engines and numerics not in NUMERICS_REFUSED:
+                runs += [("megatron", n, o, "none", numerics, recompute) for n in args.gpus for o in args.overlap]
+    return runs
 
 
 def syncs(args) -> int:
@@ -820,6 +855,11 @@ def main() -> int:
     t.add_argument("--float8", type=lambda s: s.split(","), default=["none"],
                    help=f"comma-separated, one local row each: {', '.join(FLOAT8_LINEARS)} (the dense projections "
                         "through nam-plugin-float8; the first row is the ratios' baseline)")
+    t.add_argument("--numerics", type=lambda s: s.split(","), default=["fp32-master"],
+                   help=f"train.optimizer_numerics of each row, among {', '.join(NUMERICS)} (the megatron engine "
+                        "refuses stochastic-rounding and bf16: local rows only)")
+    t.add_argument("--recompute", type=lambda s: s.split("/"), default=["none"],
+                   help=f"train.recompute of each row, '/'-separated, among {' / '.join(RECOMPUTE_CHOICES)}")
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
@@ -844,6 +884,10 @@ def main() -> int:
         ap.error(f"--overlap: among {', '.join(OVERLAPS)}, found {','.join(args.overlap)}")
     if args.command == "throughput" and set(args.float8) - set(FLOAT8_LINEARS):
         ap.error(f"--float8: any of {', '.join(FLOAT8_LINEARS)}, found {','.join(args.float8)}")
+    if args.command == "throughput" and set(args.numerics) - set(NUMERICS):
+        ap.error(f"--numerics: any of {', '.join(NUMERICS)}, found {','.join(args.numerics)}")
+    if args.command == "throughput" and set(args.recompute) - set(RECOMPUTE_CHOICES):
+        ap.error(f"--recompute: '/'-separated among {' / '.join(RECOMPUTE_CHOICES)}, found {'/'.join(args.recompute)}")
     if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
         ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
     if args.command in ("check", "pipeline") and args.steps % 2:

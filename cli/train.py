@@ -112,7 +112,7 @@ def train(
 def _train(session, folder, resume: str | None, *, held, quiet: bool, again) -> dict | None:
     """The run folder (rank 0 locks and writes it; every rank reads how the run starts), the engine's training,
     and rank 0's summary (None on the other ranks)."""
-    from nam_core.engine.summary import summarize
+    from nam_core.engine.summary import numerics_fields, summarize
 
     eng, writes, record = session.engine, session.ranks.writes, session.record()
     rundir.check_usable(folder.path)
@@ -131,7 +131,7 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again) -> 
     if not writes:
         return None
     result.update(run_dir=str(folder.path), recipe=session.spec.recipe, engine=session.spec.engine,
-                  plugins=list(session.spec.plugins), **summarize(
+                  plugins=list(session.spec.plugins), **numerics_fields(session.spec.train), **summarize(
                       folder.metrics(), wall_s=time.monotonic() - started,
                       steps_run=result["steps"] - result["started_at_step"], tokens_per_step=result["tokens_per_step"]))
     folder.write_summary(result)

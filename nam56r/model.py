@@ -29,6 +29,7 @@ from nam56r.blocks.structure import StructureEmbedding
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.pattern import LayerSpec, resolve
+from nam56r.recompute import checkpointed
 from nam56r.state import ForwardState
 from nam_core.kinds import Kind
 
@@ -83,7 +84,18 @@ class Layer(nn.Module):
             self.mixer = DSA(cfg, backends.attention, backends.indexer, dsa_rank=spec.dsa_rank, is_mtp=is_mtp,
                              indexer_kernels=backends.indexer_kernels)
 
+    recompute: str | None = None
+    """``None``, or the recompute kind that covers this layer (``nam56r.recompute.apply``): ``layer`` recomputes
+    norm and mixer in backward, any other kind the mixer alone."""
+
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        if self.recompute == "layer":
+            return checkpointed(self._body, state, x)
+        if self.recompute is not None:
+            return x + checkpointed(self.mixer, state, self.norm(x))
+        return self._body(x, state)
+
+    def _body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         return x + self.mixer(self.norm(x), state)
 
 

@@ -125,6 +125,8 @@ def _coerce(raw: str, annotation, key: str):
             return float(raw)
         if text.startswith("tuple[int"):
             return tuple(int(x) for x in raw.split(",") if x.strip())
+        if text.startswith("tuple[str"):
+            return tuple(x.strip() for x in raw.split(",") if x.strip())
         if annotation is str or text == "str":
             return raw
     except ValueError:

@@ -35,7 +35,7 @@ from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
 from nam_core import bounds
 from nam_core.device import DeviceInfo
-from nam_core.engine.config import ENGINES, TrainConfig
+from nam_core.engine.config import ENGINES, TrainConfig, recompute_kinds
 from nam_core.engine.contract import Engine, EngineRun, HookChain, Ranks
 from nam_core.errors import CannotRunHere, ConfigError, PluginActivationError
 from nam_core.host import Evaluation, PluginHost, requested_plugins
@@ -311,6 +311,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
 def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | None):
     import torch
 
+    from nam56r import recompute
     from nam56r.model import build_model
     from nam56r.state import ForwardState
     from nam_core.engine.local import LocalModel
@@ -320,6 +321,7 @@ def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | No
     if init_from is not None:
         module.load_state_dict(torch.load(init_from, map_location=spec.train.device, weights_only=True))
     module = module.to(dtype=getattr(torch, spec.train.dtype))
+    notes.extend(recompute.apply(module, recompute_kinds(spec.train)))  # train.recompute: checkpointed blocks
 
     def forward(batch: dict, micro_batch: int) -> dict:
         state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
@@ -424,7 +426,7 @@ def lowering_for(spec: RunSpec, *, schedule: Any = None):
     train, lay = spec.train, spec.layout
     return lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
                  schedule=schedule if schedule is not None else train.schedule, bf16=train.dtype == "bfloat16",
-                 dispatcher=train.moe_dispatcher)
+                 dispatcher=train.moe_dispatcher, recompute=recompute_kinds(train))
 
 
 def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):

@@ -53,6 +53,26 @@ def test_resumed_run_equals_uninterrupted_run_step_for_step(tmp_path, corpus):
     assert lrs == [m["lr"] for m in read_metrics(split)]
 
 
+@pytest.mark.slow
+def test_bf16_fp32_master_resume_is_bit_exact_and_a_change_of_numerics_is_refused(tmp_path, corpus, capsys):
+    """The default numerics of a bf16 run (fp32 master weights, nam_core/engine/numerics.py): the checkpoint
+    carries the masters, so a resumed run equals an uninterrupted one bit for bit; resuming it under other
+    numerics is refused (exit 2) with the field's old and new value."""
+    bf16 = ["--set", "train.dtype=bfloat16", "--set", "train.checkpoint_every=2"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train(full, corpus, *bf16, "--max-steps", "4") == 0
+    assert train(split, corpus, *bf16, "--max-steps", "2") == 0
+    assert train(split, corpus, *bf16, "--set", "train.optimizer_numerics=bf16", "--max-steps", "4",
+                 "--resume", "auto") == 2
+    assert "train.optimizer_numerics: 'fp32-master' -> 'bf16'" in capsys.readouterr().err
+    assert train(split, corpus, *bf16, "--max-steps", "4", "--resume", "auto") == 0
+    assert losses(full) == losses(split) and len(losses(full)) == 4
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["numerics"].startswith("fp32-master: fp32 master weights")
+    manifest = json.loads((split / "checkpoints" / "step-00000004" / "manifest.json").read_text())
+    assert manifest["record"]["train"]["optimizer_numerics"] == "fp32-master"
+
+
 def test_kill_during_save_keeps_the_last_good_checkpoint_and_resume_matches(tmp_path, corpus):
     """SIGKILL the process while it writes checkpoint 20; resume auto must take 10 and end equal."""
     killed, clean = tmp_path / "killed", tmp_path / "clean"

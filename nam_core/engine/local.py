@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from nam_core.engine import checkpoint
+from nam_core.engine import checkpoint, numerics
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.contract import EngineRun, Ranks
 from nam_core.engine.metrics import MetricsLog
@@ -74,18 +74,10 @@ class _State:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on vectors (norm weights, biases, per-head scalars).
-
-    On CUDA it runs torch's fused implementation: one kernel per parameter group and dtype instead of the
-    multi-tensor path's dozen passes over the state (NAM56R, one H200, MBS 2: 64.6 ms of a 966 ms step on the
-    multi-tensor path, bench/README.md). Elsewhere torch's default."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    on_cuda = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True if on_cuda else None,
-    )
+    """AdamW under ``train.optimizer_numerics`` (nam_core/engine/numerics.py: fp32 masters or not, moment
+    dtypes, fused on CUDA); no weight decay on vectors (norm weights, biases, per-head scalars)."""
+    return numerics.make_optimizer(model.parameters(), numerics=cfg.optimizer_numerics, weight_decay=cfg.weight_decay,
+                                   lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
 def _memory_gib(device: str) -> float:
@@ -115,9 +107,9 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfi
     scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
     for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # make_optimizer's two groups
         group["initial_lr"] = cfg.lr
-        group["lr"] = cfg.lr * factor
+        numerics.set_group_lr(group, cfg.lr * factor)  # a tensor under torchao's AdamW
         group["weight_decay"] = decay
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    scheduler._last_lr = [float(group["lr"]) for group in optimizer.param_groups]
 
 
 def _start(run: EngineRun) -> _State:
@@ -172,7 +164,7 @@ def _step(run: EngineRun, state: _State, step: int, last_good: Path | None) -> t
             f"last good checkpoint: {last_good or 'none'}",
             hint=f"{'resume from it' if last_good else 'start again'} with a lower lr: {retry}",
         )
-    lr = state.scheduler.get_last_lr()[0]
+    lr = float(state.scheduler.get_last_lr()[0])  # a tensor under torchao's AdamW
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()

@@ -51,10 +51,13 @@ MOVED_ASIDE = ("config.json", "plugins.json", "metrics.jsonl", "summary.json", "
 """A restarted folder's outputs of the run that stopped (run.log and history.jsonl go on, appended)."""
 
 RESUMABLE = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.total_steps", "train.grad_clip",
-             "train.weight_decay", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints")
+             "train.weight_decay", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.recompute")
 """Fields a resume may change. They steer the run from the next step on and change no tensor's shape or
 meaning: the LR schedule is rebuilt from (step, these fields) at every start, weight decay is set on the
-optimizer's groups after a load, the rest are read each step. Every other field (shapes, dtype, batch sizes,
+optimizer's groups after a load, activation recompute computes the same step (bit-exact, or to 2e-7 under Megatron's own: nam56r/recompute.py), the
+rest are read each step. ``train.optimizer_numerics`` is not among them: it changes what the checkpoint's
+optimizer state holds (fp32 masters or not, the moments' dtype). Every other field (shapes, dtype, batch sizes,
 seed, data, plugins) changes what the checkpoint's tensors are or which batches come next: refused."""
 
 

@@ -49,6 +49,14 @@ def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_
     return summary
 
 
+def numerics_fields(train) -> dict:
+    """What the run trained with beyond its losses: the optimizer numerics and the activation recompute."""
+    from nam_core.engine.config import recompute_kinds
+    from nam_core.engine.numerics import describe as numerics
+
+    return {"numerics": numerics(train.optimizer_numerics, train.dtype), "recompute": list(recompute_kinds(train))}
+
+
 def describe(summary: dict) -> str:
     """The summary as the one line ``nam train`` prints at the end."""
     parts = [f"done: {summary['steps_run']} steps in {_duration(summary['wall_time_s'])}"]

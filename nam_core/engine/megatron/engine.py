@@ -25,7 +25,8 @@ class MegatronEngine:
         import torch
 
         checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-        checks.check_runtime(checks.runtime_facts(), dispatcher=spec.train.moe_dispatcher)
+        checks.check_runtime(checks.runtime_facts(), dispatcher=spec.train.moe_dispatcher,
+                             numerics=spec.train.optimizer_numerics)
         parallel.init_distributed()
         return Ranks(torch.distributed.get_rank(), lay.world_size)
 

@@ -75,7 +75,8 @@ def _stopped(run: EngineRun, signum: int, step: int, last_good: Path | None) -> 
 def train(run: EngineRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher)
+    checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher,
+                         numerics=run.train.optimizer_numerics)
     tc, provider, lr_at = run.train, run.model, lr_lambda(run.train)
     with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)

@@ -59,6 +59,8 @@ def slug(name: str) -> str:
 
 def command(name: str, *, steps: int, seed: int, root: Path, device: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "nam_cli", "train", "--recipe", "nam56r-tiny", "--device", device, "--quiet",
+            # the reference attention core by name: on CUDA the host refuses it for DSA unless asked for
+            "--set", "attention_backend=reference",
             "--set", "train.dtype=bfloat16", "--set", f"train.optimizer_numerics={RUNS[name]}",
             "--set", f"train.total_steps={steps}", "--set", "train.checkpoint_every=0", *SCHEDULE, *extra,
             "--max-steps", str(steps), "--seed", str(seed + SEED_OFFSET.get(name, 0)),

@@ -28,7 +28,8 @@ PLUGIN = PluginInfo(
     summary="mamba-ssm: Mamba-3 scan on mamba-ssm's kernels (SISO Triton, MIMO TileLang) with a grouped MIMO "
             "backward and kernels compiled once; CUDA",
     provides={"ssm": [NAME], "patches": ["mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd",
-                                                "mamba3-mimo-host-overhead", "mamba3-mimo-static-shapes"]},
+                                                "mamba3-mimo-host-overhead", "mamba3-mimo-static-shapes",
+                                                "mamba3-mimo-saved-tensors-once"]},
     requires=(
         # The SISO kernels build TMA descriptors (sm_90); the MIMO kernels are written and tuned for the H100.
         Requirement.cuda_capability((9, 0), reason="mamba-ssm's Mamba-3 kernels use Hopper TMA and are tuned on H100"),

@@ -139,6 +139,19 @@ def plot(curves: dict[str, list[float]], v: dict, path: Path, title: str) -> Non
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
+def redraw(saved: Path, png: Path | None) -> int:
+    """The table, and the PNG when asked, of a run saved with ``--json``."""
+    if png:
+        check_png_support()
+    d = json.loads(saved.read_text())
+    v = verdict(d["curves"], d["last"])
+    print("\n".join(table(v)))
+    if png:
+        plot(d["curves"], v, png, f"tiny NAM56R, bf16, {d['steps']} steps, {d['device']}")
+        print(f"wrote {png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=STEPS)
@@ -149,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra `nam train --set` overrides")
     ap.add_argument("--png", type=Path, help="draw the curves here (matplotlib)")
     ap.add_argument("--json", type=Path, help="write the curves and the table here")
+    ap.add_argument("--from-json", type=Path, help="train nothing: print the table of a saved --json and draw "
+                    "--png from it (the GPU host has no matplotlib)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return redraw(args.from_json, args.png)
     if set(args.runs) - set(RUNS):
         ap.error(f"--runs: among {'; '.join(RUNS)}, found {'; '.join(args.runs)}")
     if args.png:

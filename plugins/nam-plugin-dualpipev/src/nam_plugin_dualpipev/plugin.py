@@ -1,7 +1,7 @@
 """Entry point of the dualpipev plugin: what it declares and the hooks it implements.
 
 Requesting the plugin does not select the schedule: ``PluginInfo.selects`` sets model-config fields only
-(``nam56r.recipes.apply_plugin_selections`` refuses any other), and the schedule is ``train.schedule``. The
+(``nam_core.selection.select`` refuses any other), and the schedule is ``train.schedule``. The
 user sets it: ``--set train.schedule=dualpipev``; while it is not set, the host shows the plugin as active
 but unused (the kind ``schedules`` is picked by ``train.schedule``).
 

@@ -19,6 +19,7 @@ from nam56r.model import Backends, build_model
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.reference.attention import ReferenceAttention
 from nam56r.state import ForwardState
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
@@ -27,7 +28,6 @@ from nam_core.run import StepContext
 from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import prepare_corpus
 from nam_plugin_index_cache.cache import CACHE_KEY, IndexCache, default_pattern, saved_fraction, source_rank
 
 CPU = DeviceInfo.profile("cpu")

@@ -20,6 +20,7 @@ from nam56r.blocks.indexer import FullIndexer
 from nam56r.model import Backends, build_model
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.state import ForwardState
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
@@ -28,7 +29,6 @@ from nam_core.run import StepContext
 from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import prepare_corpus
 from nam_plugin_lemyx.reference import kl_rows, warmup_reference
 from nam_plugin_lemyx.strategy import Lemyx, Options, options_for
 

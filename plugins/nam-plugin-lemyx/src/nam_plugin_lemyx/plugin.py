@@ -18,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.options import Option
 from nam_core.requirements import FAIL, PASS
+from nam_plugin_lemyx.options import NAME, OPTIONS, TRITON, option_problem, options_for, shape_problem
 
-NAME = "lemyx"
 GPU_HINT = f"pip install 'nam-plugin-lemyx[gpu]' on a Hopper GPU, or choose the unfused path: --set {NAME}.backend=reference"
 KERNEL_NEEDS = (
     Requirement.cuda_capability((9, 0), reason="the fused kernel is built and tuned for Hopper (sm_90) and newer"),
@@ -35,24 +34,12 @@ PLUGIN = PluginInfo(
     requires=(),  # per backend: the Triton kernel's needs are checked by nam_check_config (KERNEL_NEEDS)
     selects={"indexer_backend": NAME},
     wraps={"indexer_backend": f"{NAME}.sparse"},
-    options=(
-        Option("warmup_steps", int, 1000, "optimizer steps of dense attention + indexer KL before the hand-over "
-               "to sparse (DeepSeek-V3.2 trains the indexer densely for its first 1000 steps)", min=0),
-        Option("backend", str, None, "triton: the fused kernel; reference: the unfused pure-PyTorch path; unset: "
-               "triton on a CUDA device, reference on a CPU", choices=("triton", "reference")),
-        Option("target", str, "head-sum", "the KL teacher: head-sum (DeepSeek-V3.2) or per-head (reference "
-               "backend only)", choices=("head-sum", "per-head")),
-        Option("freeze_main", bool, False, "train only the DSA indexers during the warm-up (local engine)"),
-        Option("sparse", str, "full", "the indexer strategy that runs after the warm-up (set by requesting it: "
-               "--plugins index-cache)"),
-    ),
+    options=OPTIONS,
 )
 
 
 @hookimpl
 def nam_check_config(config, device):
-    from nam_plugin_lemyx.strategy import option_problem, options_for, shape_problem
-
     train_device = config.train.device
     opts = options_for(config.options[NAME], train_device)
     problem = option_problem(opts)
@@ -100,8 +87,6 @@ def nam_check_config(config, device):
 @hookimpl
 def nam_preflight(device, config):
     """On a real CUDA device with the Triton backend: a tiny fused-vs-reference parity launch."""
-    from nam_plugin_lemyx.strategy import TRITON, options_for
-
     values = config.options[NAME] if config is not None else PLUGIN.parse_options(NAME)
     train_device = config.train.device if config is not None else ("cuda" if device.is_cuda else "cpu")
     if options_for(values, train_device).backend != TRITON:

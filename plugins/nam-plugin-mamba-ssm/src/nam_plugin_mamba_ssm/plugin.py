@@ -99,10 +99,11 @@ def nam_preflight(device, config):
         return [Check(NAME, "kernel launch", SKIP, "a MIMO launch", "SISO model: its Triton kernels autotune at "
                       "the first training step (about 5 minutes on an H100); no launch here")]
     from nam_plugin_mamba_ssm import patches, selftest
+    from nam_plugin_mamba_ssm.scan import MambaSSMScan
 
     needed = f"kernel == reference within {selftest.TOLERANCE:g} (output and every input gradient, ngroups 2 of 4 heads)"
     patches.apply_needed()  # a compile or launch failure raises: the host reports it as this plugin's failed check
-    err, details = selftest.parity(n=model.d_state, p=model.mamba_headdim, r=model.mamba_mimo_rank,
+    err, details = selftest.parity(MambaSSMScan(), n=model.d_state, p=model.mamba_headdim, r=model.mamba_mimo_rank,
                                    chunk_size=model.mamba_chunk)
     ok = err <= selftest.TOLERANCE
     checks = [Check(NAME, "kernel launch", PASS if ok else FAIL, needed,
@@ -117,7 +118,7 @@ def build_run_shape(model, batch: int) -> Check:
     """Build (or read from TileLang's disk cache) the MIMO kernels for the run's own sizes, so the first
     training step launches at once: the kernels are compiled for exact batch, length, heads and groups."""
     from nam_plugin_mamba_ssm import mimo, upstream
-    from nam_plugin_mamba_ssm.scan import rotary_divisor
+    from nam_plugin_mamba_ssm.kernel_args import rotary_divisor
 
     chunk = model.mamba_chunk
     dims = mimo.Dims(batch, -(-model.seq_len // chunk) * chunk, model.mamba_heads, model.mamba_ngroups)

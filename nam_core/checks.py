@@ -9,8 +9,8 @@ needed) and what to do when it fails (``hint``); the host decides *whether* to a
 * a ``LaunchCheck`` only on a real device (one skipped row per plugin on a ``--device-profile`` fake), only
   when none of the plugin's rows has failed (no kernel launches on a device or a model already refused), and
   also without a run (``nam preflight`` alone: ``measure`` gets ``None`` and checks the model's default widths);
-* PASS or FAIL from ``ok``, the hint on a failure only, and a ``measure`` that raises is a FAIL row with the
-  exception.
+* PASS or FAIL from ``ok`` (``Measured(None, ...)``: a skipped row; ``measure`` returning None: no row), the
+  hint on a failure only, and a ``measure`` that raises is a FAIL row with the exception.
 
 ``measure`` may be a function or a ``"module:function"`` string, imported only when the row is written, so a
 plugin's declaration stays importable without torch or its kernels.

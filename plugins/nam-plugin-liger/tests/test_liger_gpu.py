@@ -109,7 +109,7 @@ def test_preflight_launch_check_passes_and_activation_succeeds_here():
     host = PluginHost()
     ev = host.activate(["liger"], device)
     assert [c.status for c in ev.checks if c.name == smoke.CHECK] == [PASS]
-    assert host.registry("ce_heads").get("liger") is LigerCEHead
+    assert host.registry("ce").get("liger") is LigerCEHead
 
 
 def test_nam56r_tiny_losses_and_grads_match_the_reference_head_in_fp32():

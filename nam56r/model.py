@@ -47,10 +47,17 @@ def backends_class(kinds: Sequence[Kind]) -> type:
         return cls(**{k.name: build_backend(registries[k.name].get(getattr(cfg, k.field)), ctx) for k in kinds})
 
     def reference(cls):
-        """The pure-PyTorch backends, for tests and for counting parameters on the meta device."""
-        from nam56r.reference.plugin import reference_backends
+        """The pure-PyTorch backends (the built-in plugin ``reference``'s), without a plugin host: for tests and
+        for counting parameters on the meta device."""
+        from nam56r.blocks.indexer import FullIndexer
+        from nam56r.reference.attention import ReferenceAttention, ReferenceIndexerKernels
+        from nam56r.reference.ce import ReferenceCEHead
+        from nam56r.reference.mamba3 import ReferenceSSMScan
+        from nam56r.reference.moe import ReferenceExperts
 
-        return reference_backends()
+        return Backends(ssm=ReferenceSSMScan(), attention=ReferenceAttention(),
+                        indexer_kernels=ReferenceIndexerKernels(), indexer=FullIndexer(), ce=ReferenceCEHead(),
+                        moe=ReferenceExperts())
 
     def as_mapping(self) -> dict[str, Any]:
         """Kind -> backend object (what a ``StepContext`` carries)."""

@@ -65,13 +65,12 @@ def replaying(state: ForwardState) -> Iterator[None]:
 
 def apply(model: torch.nn.Module, kinds: Iterable[str]) -> list[str]:
     """Mark the layers of ``model`` (NAM56R's main stack and its MTP depths) whose kind ``kinds`` names; returns
-    one line per marked kind for the run log. ``layer`` marks every layer whole."""
-    from nam56r.model import Layer
-
+    one line per marked kind for the run log. ``layer`` marks every layer whole. A layer is a module with a
+    layer ``spec`` and a ``recompute`` slot (``nam56r.model.Layer``; not imported: the model imports this)."""
     kinds = frozenset(kinds)
     counts: dict[str, int] = {}
     for module in model.modules():
-        if not isinstance(module, Layer):
+        if not (hasattr(module, "recompute") and hasattr(getattr(module, "spec", None), "kind")):
             continue
         kind = "layer" if "layer" in kinds else KIND_OF_LAYER[module.spec.kind]
         module.recompute = kind if kind in kinds else None

@@ -33,7 +33,7 @@ from nam56r import memory
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
-from nam_core import bounds
+from nam_core import bounds, selection
 from nam_core.device import DeviceInfo
 from nam_core.engine.config import ENGINES, TrainConfig, recompute_kinds
 from nam_core.engine.contract import Engine, EngineRun, HookChain, Ranks
@@ -115,7 +115,7 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
     spec = RunSpec(
         recipe=rec.name, model=rec.model, train=train, engine=request.engine, layout=layout, plugins=tuple(names),
         backends=_backends(rec.model, train), options=options, explicit=rec.explicit, notes=tuple(rec.notes),
-        wrapped=_wrapped(rec.model, infos, options),
+        wrapped=selection.wrapped(rec.model, infos, options, BACKEND_KINDS),
     )
     declared = [n for info in infos.values() for n in info.provides.get("schedules", ())]
     lowering = _check_megatron(spec, declared=declared) if request.engine == "megatron" else None
@@ -374,18 +374,6 @@ def _backends(model: NAM56RConfig, train) -> dict[str, str]:
                               hint="--set train.schedule=single, or --engine megatron")
         chosen["schedules"] = train.schedule
     return chosen
-
-
-def _wrapped(model: NAM56RConfig, infos, options) -> dict[str, str]:
-    """Kind -> the name a selected wrapping plugin runs inside it (a warm-up strategy: ``{"indexer": <the value
-    of its wrapping option>}``)."""
-    by_field = {k.field: k.name for k in BACKEND_KINDS}
-    wrapped = {}
-    for name, info in infos.items():
-        for fld, option in info.wraps.items():
-            if getattr(model, fld, None) == info.selects.get(fld) and fld in by_field:
-                wrapped[by_field[fld]] = options[name][option.partition(".")[2]]
-    return wrapped
 
 
 def _layout(request: RunRequest, train) -> Layout:

@@ -16,7 +16,9 @@ Hooks come in four groups:
   a real device). Both receive the typed ``nam_core.run.RunSpec`` and run before anything is registered; a
   failed check stops activation. The host itself writes what every plugin would repeat: the selected /
   "active but unused" row, ``train.device``/``train.dtype`` against ``PluginInfo.train_device``/
-  ``train_dtypes``, the parsing of ``PluginInfo.options``, and a FAIL row for a hook that raises.
+  ``train_dtypes``, the parsing of ``PluginInfo.options``, the rows of ``PluginInfo.checks`` (shape and
+  launch checks, asked only when the run uses the plugin's backend: ``nam_core.checks``), and a FAIL row for a
+  hook that raises. These hooks are for the rules a declaration cannot state.
 * build hooks: ``nam_transform_model``, once per model (chunk) after the engine built it and before it
   builds the optimizer, in both engines.
 * lifecycle hooks: ``nam_before_step`` / ``nam_after_step`` around every optimizer step, with a

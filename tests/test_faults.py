@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
 from nam_core.engine import checkpoint, rundir
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.step import lr_lambda
 from nam_core.engine.metrics import read_metrics
-from nam_core.testing import prepare_corpus
 
 SMALL = ["--set", "seq_len=32", "--set", "train.micro_batch_size=2", "--set", "train.total_steps=60", "--quiet"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
 from nam_core.engine.metrics import read_metrics
-from nam_core.testing import prepare_corpus
 
 FAST = ["--set", "seq_len=32", "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=10",
         "--set", "train.total_steps=60", "--quiet"]

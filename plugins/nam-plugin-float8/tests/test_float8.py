@@ -18,6 +18,7 @@ from nam56r.model import build_model
 from nam56r.recipes import get_recipe
 from nam56r.run import spec_for
 from nam56r.testing import expert_errors, idle_expert_inputs, random_expert_inputs, run_experts, sorted_entry_error
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import ConfigError
 from nam_core.testing import max_rel_error, new_seed
@@ -137,7 +138,8 @@ def test_options_parse_and_refuse():
 def _rows(*overrides, device="cuda", capability=None):
     spec = spec_for("nam56r-tiny", *overrides, plugins=["float8"], device=device)
     dev = spec.device if capability is None else dataclasses.replace(spec.device, capability=capability)
-    return {r.name: r for r in plugin.nam_check_config(config=spec, device=dev)}
+    rows = plugin.nam_check_config(config=spec, device=dev) + config_rows(plugin.NAME, plugin.PLUGIN, spec)
+    return {r.name: r for r in rows}
 
 
 def test_nothing_enabled_is_one_skip_row():
@@ -292,10 +294,6 @@ def test_the_product_configuration_is_torchaos_gemm():
 
 
 def test_registered_backend_is_the_product_configuration():
-    from nam_core.registry import Registry
+    from nam_core.checks import load
 
-    reg = Registry("moe")
-    reg._open("float8", {"float8-grouped"})
-    plugin.nam_register_moe_backends(register=reg)
-    reg._close()
-    assert reg.get("float8-grouped") is Float8GroupedExperts
+    assert load(plugin.PLUGIN.classes("moe")["float8-grouped"]) is Float8GroupedExperts  # what the host registers

@@ -19,7 +19,9 @@ from nam56r.model import Backends, build_model
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.reference.attention import ReferenceAttention
 from nam56r.state import ForwardState
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
 from nam_core.errors import ConfigError, NamError, PluginActivationError
@@ -27,7 +29,6 @@ from nam_core.run import StepContext
 from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import prepare_corpus
 from nam_plugin_index_cache.cache import CACHE_KEY, IndexCache, default_pattern, saved_fraction, source_rank
 
 CPU = DeviceInfo.profile("cpu")
@@ -235,7 +236,7 @@ def spec_with(*overrides):
     ("fssfssfss", "letters ['f', 's']"),
 ])
 def test_config_check_refuses_a_bad_pattern(pattern, found):
-    checks = plugin.nam_check_config(config=spec_with(f"index-cache.pattern={pattern}"), device=CPU)
+    checks = config_rows(plugin.NAME, plugin.PLUGIN, spec_with(f"index-cache.pattern={pattern}"))
     [bad] = [c for c in checks if c.status == FAIL]
     assert bad.name == "pattern" and found in bad.found and "index-cache.pattern=FSSFSSFSS" in bad.hint
     with pytest.raises(PluginActivationError, match="index-cache: pattern"):
@@ -266,7 +267,7 @@ def test_step_hooks_ask_the_context_and_fail_closed():
 
 
 def test_config_check_passes_the_default_and_the_host_refuses_an_unknown_option():
-    [check] = plugin.nam_check_config(config=spec_with(), device=CPU)
+    [check] = config_rows(plugin.NAME, plugin.PLUGIN, spec_with())
     assert check.status == PASS and check.found.startswith("FSSFSSFSS") and "saved 67%" in check.found
     with pytest.raises(ConfigError, match="did you mean index-cache.pattern") as e:
         spec_with("index-cache.patern=FFFFFFFFF")

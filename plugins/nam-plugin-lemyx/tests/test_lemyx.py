@@ -20,7 +20,9 @@ from nam56r.blocks.indexer import FullIndexer
 from nam56r.model import Backends, build_model
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.state import ForwardState
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
 from nam_core.errors import ConfigError, PluginActivationError
@@ -28,7 +30,6 @@ from nam_core.run import StepContext
 from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import prepare_corpus
 from nam_plugin_lemyx.reference import kl_rows, warmup_reference
 from nam_plugin_lemyx.strategy import Lemyx, Options, options_for
 
@@ -120,6 +121,11 @@ def recipe(*overrides, plugins=PLUGINS, device="cpu"):
     return spec_for("nam56r-tiny", *overrides, plugins=plugins, device=device)
 
 
+def config_checks(spec, device):
+    """lemyx's config rows as the host writes them: its hook's, then the ones it declares (``PLUGIN.checks``)."""
+    return by_name(plugin.nam_check_config(config=spec, device=device) + config_rows(plugin.NAME, plugin.PLUGIN, spec))
+
+
 def by_name(checks):
     return {c.name: c for c in checks}
 
@@ -174,7 +180,7 @@ def test_requesting_lemyx_selects_it_and_wraps_the_previous_indexer():
 
 
 def test_config_check_on_cpu_says_the_reference_is_the_implementation():
-    checks = by_name(plugin.nam_check_config(config=recipe(), device=CPU))
+    checks = config_checks(recipe(), CPU)
     assert checks["backend"].status == PASS and "CPU device: the pure-PyTorch path is the implementation" in \
         checks["backend"].found
     assert "1000 dense steps, then 'full'" in checks["schedule"].found
@@ -182,20 +188,20 @@ def test_config_check_on_cpu_says_the_reference_is_the_implementation():
 
 
 def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(fake_versions, fake_a100):
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=H100))
+    checks = config_checks(recipe(device="cuda"), H100)
     assert checks["backend"].found.startswith("triton (default for cuda)")
     assert checks["CUDA capability"].needed == ">= sm_90"
     assert checks["kernel shapes"].status == PASS
     # A pre-Hopper GPU is refused with the reason and both ways out.
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=fake_a100))
+    checks = config_checks(recipe(device="cuda"), fake_a100)
     bad = checks["CUDA capability"]
     assert bad.status == FAIL and bad.found == "sm_80" and "lemyx.backend=reference" in bad.hint
     # Triton missing: refused, not a quiet switch to the reference path.
     fake_versions(triton=None)
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=H100))
+    checks = config_checks(recipe(device="cuda"), H100)
     assert checks["package triton"].status == FAIL and "nam-plugin-lemyx[gpu]" in checks["package triton"].hint
     # The user's explicit choice of the reference path is honoured and named as such.
-    checks = by_name(plugin.nam_check_config(config=recipe("lemyx.backend=reference", device="cuda"), device=H100))
+    checks = config_checks(recipe("lemyx.backend=reference", device="cuda"), H100)
     assert "chosen by you" in checks["backend"].found and "package triton" not in checks
 
 
@@ -205,7 +211,7 @@ def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(fake_v
     (("dsa_dense_warmup=true",), "dense warm-up"),
 ])
 def test_config_check_refusals(overrides, name):
-    checks = by_name(plugin.nam_check_config(config=recipe(*overrides, device="cuda"), device=H100))
+    checks = config_checks(recipe(*overrides, device="cuda"), H100)
     assert checks[name].status == FAIL, checks[name]
     with pytest.raises(PluginActivationError, match=f"lemyx: {name}"):
         PluginHost().activate(PLUGINS, H100, recipe("attention_backend=reference", *overrides, device="cuda"))
@@ -284,7 +290,7 @@ def test_on_the_megatron_engine_freezing_is_refused_and_the_hand_over_touches_no
     notes."""
     rec = recipe("lemyx.freeze_main=true", device="cuda")
     rec = rec.replace(engine="megatron", train=rec.train.replace(engine="megatron"))
-    check = by_name(plugin.nam_check_config(config=rec, device=H100))["freeze_main"]
+    check = config_checks(rec, H100)["freeze_main"]
     assert check.status == FAIL and check.hint == "--set lemyx.freeze_main=false"
     lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1))
     fake = _Run(dataclasses.replace(Backends.reference(), indexer=lemyx))

@@ -15,6 +15,7 @@ import torch
 import nam_plugin_mamba_ssm.plugin as plugin
 from nam56r.recipes import apply_overrides, get_recipe
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import NamError, PluginActivationError
 from nam_core.host import PluginHost
@@ -182,7 +183,7 @@ def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
 
 
 def test_config_check_passes_nam56r():
-    checks = {c.name: c for c in plugin.nam_check_config(config=recipe(), device=H100)}
+    checks = {c.name: c for c in config_rows(plugin.NAME, plugin.PLUGIN, recipe())}
     assert checks["kernel shapes"].status == PASS
     assert checks["kernel shapes"].found == "d_state 128, headdim 64, rank 4, chunk 16, ngroups 8"
     assert set(checks) == {"kernel shapes"}
@@ -195,7 +196,7 @@ def test_config_check_passes_nam56r():
     (("mamba_mimo_rank=1", "d_state=96"), "SISO d_state 96 is not a power of two"),
 ])
 def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment):
-    bad = {c.name: c for c in plugin.nam_check_config(config=recipe(*overrides), device=H100)}["kernel shapes"]
+    bad = {c.name: c for c in config_rows(plugin.NAME, plugin.PLUGIN, recipe(*overrides))}["kernel shapes"]
     assert bad.status == FAIL and fragment in bad.found, bad
     assert "ssm_backend=reference" in bad.hint
 

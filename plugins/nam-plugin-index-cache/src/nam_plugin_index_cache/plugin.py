@@ -4,7 +4,8 @@ and runs it after its warm-up. Torch and the model are imported inside hook bodi
 
 from __future__ import annotations
 
-from nam_core import Check, NamError, PluginInfo, hookimpl
+from nam_core import NamError, PluginInfo, hookimpl
+from nam_core.checks import Measured, ShapeCheck
 from nam_core.options import Option
 
 NAME = "index-cache"
@@ -15,6 +16,9 @@ PLUGIN = PluginInfo(
     selects={"indexer_backend": NAME},
     options=(Option("pattern", str, None, "F (computes its top-k) or S (reuses the nearest earlier F's) per DSA "
                     "layer, the first F; unset: Full every third DSA layer (FSSFSSFSS)"),),
+    # Asked whether or not the run uses it: a requested plugin's option is checked as the user wrote it.
+    checks=(ShapeCheck("pattern", "one F or S per DSA layer, the first F",
+                       "nam_plugin_index_cache.plugin:pattern_check", "", when=lambda spec: True),),
 )
 
 
@@ -31,16 +35,16 @@ def describe(pattern: str) -> str:
             f"indexer work saved {saved_fraction(pattern):.0%}")
 
 
-@hookimpl
-def nam_check_config(config, device):
+def pattern_check(spec) -> Measured:
+    """The run's ``index-cache.pattern`` (or the default) against its DSA layers."""
     from nam_plugin_index_cache.cache import default_pattern, pattern_problem
 
-    n, given = dsa_layers(config.model), config.options[NAME].pattern
+    n, given = dsa_layers(spec.model), spec.options[NAME].pattern
     pattern = default_pattern(n) if given is None else given.strip()
     problem = pattern_problem(pattern, n)
-    return [Check(NAME, "pattern", "fail" if problem else "pass", f"one F or S per DSA layer ({n}), the first F",
-                  f"{NAME}.pattern={pattern!r}: {problem}" if problem else describe(pattern),
-                  f"--set {NAME}.pattern={default_pattern(n)}  (the default)" if problem else None)]
+    return Measured(problem is None, f"{NAME}.pattern={pattern!r}: {problem}" if problem else describe(pattern),
+                    f"one F or S per DSA layer ({n}), the first F", f"--set {NAME}.pattern={default_pattern(n)}  "
+                    "(the default)")
 
 
 @hookimpl

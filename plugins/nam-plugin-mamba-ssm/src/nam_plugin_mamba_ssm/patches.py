@@ -212,7 +212,7 @@ def reproduce_grouped() -> str:
     static widths: BUG_REPRODUCED if it raises upstream's unsupported-G error or a gradient misses the
     reference by more than ``selftest.TOLERANCE``."""
     from nam_plugin_mamba_ssm import selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
 
@@ -233,7 +233,7 @@ def host_ms_per_call(calls: int = 3) -> float:
     import torch
 
     from nam_plugin_mamba_ssm import selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
     x = selftest.random_inputs(1, 64, 4, 2, 128, 64, 4, device="cuda", seed=selftest.new_seed())
@@ -263,7 +263,7 @@ def forward_kernel_ms(static: bool | None = None, b: int = 1, l: int = 2048, h: 
     import torch
 
     from nam_plugin_mamba_ssm import mimo, selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     x = selftest.random_inputs(b, l, h, g, 128, 64, 4, device="cuda", seed=selftest.new_seed())
     x["v"] = x["v"].to(torch.bfloat16)
@@ -298,7 +298,7 @@ def reproduce_saved_once() -> str:
     from torch.utils.checkpoint import CheckpointError, checkpoint
 
     from nam_plugin_mamba_ssm import selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
 

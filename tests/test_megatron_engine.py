@@ -279,6 +279,8 @@ def test_good_checkpoints_need_a_manifest_of_this_format_and_matching_files(tmp_
     assert why["step-00000010"] == "sha256 mismatch of __0_0.distcp (the file changed after it was saved)"
     assert "not listed ['rng/rank-00001.pt']" in why["step-00000012"]
     assert "missing ['rng/rank-00000.pt']" in why["step-00000014"]
+    (root / "step-00000002" / ".metadata").write_bytes(b".metadata 9")  # after a good check, in this process
+    assert engine.good_checkpoints(root) == []
 
 
 def test_resume_takes_megatron_checkpoints_only(tmp_path, capsys):

@@ -516,20 +516,22 @@ def _auto_on_branch(run_dir: Path, contents: Contents, resolve, warnings: list, 
     """``--resume auto``: the newest good checkpoint of the branch the last start was on; with none saved yet,
     the checkpoint that branch started from. A folder that records no branch (before 2026-11-25): the newest."""
     ckpts = run_dir / "checkpoints"
+    skipped: list[str] = []
+    newest = resolve("auto", ckpts, warn=skipped.append)  # the newest good one; damaged newer ones named
     history = [e for e in _history(run_dir) if e.get("branch")]
     current = history[-1]["branch"] if history else None
-    if current is None:
-        folder = resolve("auto", ckpts, warn=warnings.append)
-        return folder, _branch_of(folder) or new_branch()
-    ours = [p for p in contents.good if _branch_of(p) == current]
+    ours = [p for p in contents.good if current is not None and _branch_of(p) == current]
     origin = next((Path(e["from"]) for e in history if e["branch"] == current and e.get("from")), None)
     if ours:
         chosen, how = ours[-1], "the newest checkpoint of this run's current branch"
     elif origin is not None and origin.resolve() in [p.resolve() for p in contents.good]:
         chosen, how = origin, "the checkpoint this run's current branch started from (it has saved none since)"
-    else:
-        folder = resolve("auto", ckpts, warn=warnings.append)
-        return folder, _branch_of(folder) or current
+    else:  # no branch recorded (a folder from before 2026-11-25), or nothing of it left: the newest
+        warnings.extend(skipped)
+        return newest, _branch_of(newest) or current or new_branch()
+    warnings.extend(w.replace(f"resuming from {newest.name}", f"resuming from {chosen.name}") for w in skipped)
+    if chosen.resolve() == newest.resolve():
+        return newest, current
     folder = resolve(str(chosen), ckpts, warn=warnings.append)
     others = [p.name for p in contents.good if p.name > chosen.name and _branch_of(p) != current]
     started = next(e for e in history if e["branch"] == current)

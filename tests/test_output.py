@@ -56,3 +56,53 @@ def test_patch_names_and_retire_conditions_are_whole_lines(piped):
     for entry in patches.lane():
         assert f"{entry.impl.name}  (" in result.output
         assert f"retire when: {entry.impl.retire_when}" in result.output
+
+
+# --- noise: what an expected error, --help and nam patches do not say ---------------------------------
+
+
+def test_an_expected_error_carries_no_debug_hint(capsys, monkeypatch):
+    """Exit 2 (a bad --set) and 3 (a plugin that is not installed) say what to do; the traceback hint is for
+    exit 1, a bug."""
+    from nam_cli.main import run
+
+    monkeypatch.delenv("NAM_DEBUG", raising=False)
+    assert run(["train", "--dry-run", "--set", "no_such_field=1"]) == 2
+    assert run(["preflight", "--plugins", "surely-no-such-plugin"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("error:") == 2 and "NAM_DEBUG" not in err
+
+
+def test_an_unexpected_error_points_to_the_traceback(capsys, monkeypatch):
+    from nam_cli import main
+    from nam_core.errors import NamError
+
+    main.report(NamError("something broke"))
+    assert "set NAM_DEBUG=1 for the full traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["preflight", "--help"], ["data", "prepare", "--help"],
+                                  ["patches", "--help"], ["--help"]])
+def test_help_shows_no_type_tags_on_flags_and_lists(piped, argv):
+    result = piped.invoke(app, argv)
+    assert result.exit_code == 0
+    assert "<bool>" not in result.output and "<list[str]>" not in result.output and "--help" in result.output
+
+
+def test_usage_names_arguments_in_capitals(piped):
+    result = piped.invoke(app, ["data", "prepare", "--help"])
+    assert "Usage: nam data prepare [OPTIONS] SRC " in result.output
+    assert "{src}" not in result.output
+    assert "--set KEY=VALUE" in " ".join(piped.invoke(app, ["train", "--help"]).output.split())
+
+
+def test_patches_for_a_newer_release_are_not_applicable_here(piped):
+    """On megatron-core 0.16.1 (Python 3.11) the engine's entries target >= 0.19: not applicable, not retired."""
+    from nam_core.engine import megatron as engine
+
+    if (engine.megatron_version() or (0,)) >= engine.MIN_MEGATRON:
+        pytest.skip("megatron-core >= 0.19 is installed: the engine's entries are in range here")
+    result = piped.invoke(app, ["patches"])
+    assert "megatron-optimizer-fp32-groups  (megatron engine; megatron-core >=0.19): not-applicable" in result.output
+    assert "megatron-core 0.16.1: not applicable: needs >= 0.19" in result.output
+    assert "megatron-core 0.16.1 is outside" not in result.output

@@ -72,31 +72,38 @@ def _record(recipe, plugins: list[str], host, data: Path) -> dict:
 
 
 def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
-    """``again(resume="auto", sets={"train.lr": "3e-05"})``: this very command (``ctx``) again, with
-    ``--run-dir`` and ``--resume`` set and those ``--set`` overrides replaced; the hints of a refused start, a
-    stop and the NaN guard print it, so it must be a command that works as written."""
+    """``again(resume="auto", sets={"train.lr": "3e-05"}, max_steps=20)``: this very command (``ctx``) again,
+    with ``--run-dir`` and ``--resume`` set, those ``--set`` overrides replaced and ``--max-steps`` replaced
+    (None: dropped; left out: as given); the hints of a refused start, a stop, the NaN guard and the summary
+    print it, so it must be a command that works as written."""
     params = ctx.params if ctx is not None else {}
     base: list[str] = []
+    at = 0  # where --max-steps goes: the place of its parameter
     for param in ctx.command.params if ctx is not None else []:
         value = params.get(param.name)
-        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out") or value in (None, False) \
-                or value == param.default:
+        at = len(base) if param.name == "max_steps" else at
+        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out", "max_steps") \
+                or value in (None, False) or value == param.default:
             continue
         flag = max((o for o in param.opts if o.startswith("--")), key=len)
         base += [flag] if value is True else [flag, str(value)]
     given = list(params.get("set_") or [])
+    given_steps = params.get("max_steps")
 
-    def again(*, resume: str | None = "auto", sets: dict | None = None) -> str:
+    def again(*, resume: str | None = "auto", sets: dict | None = None, max_steps: int | None | str = "given") -> str:
         sets = sets or {}
         kept = [s for s in given if s.split("=", 1)[0].strip() not in sets]
         overrides = [*kept, *(f"{k}={v}" for k, v in sets.items())]
-        return shlex.join(["nam", "train", *base, "--run-dir", str(run_dir),
+        steps = given_steps if max_steps == "given" else max_steps
+        flags = [*base[:at], *(["--max-steps", str(steps)] if steps is not None else []), *base[at:]]
+        return shlex.join(["nam", "train", *flags, "--run-dir", str(run_dir),
                            *(a for o in overrides for a in ("--set", o)), *(["--resume", resume] if resume else [])])
 
     return again
 
 
-def _claim(run_dir: Path, record: dict, resume: str | None, *, held, rank0: bool, megatron: bool, again):
+def _claim(run_dir: Path, record: dict, resume: str | None, *, held, rank0: bool, megatron: bool, again,
+           max_steps: int | None = None):
     """The run folder for this run: usable, locked for the run's life (rank 0, which writes), and how the run
     starts in it (``rundir.plan``: fresh, restart or resume; refusals before anything is written)."""
     rundir.check_usable(run_dir)
@@ -112,7 +119,7 @@ def _claim(run_dir: Path, record: dict, resume: str | None, *, held, rank0: bool
         from nam_core.engine import checkpoint
 
         good, resolve = checkpoint.good_checkpoints, checkpoint.resolve_resume
-    start = rundir.plan(run_dir, record, resume, good=good, resolve=resolve, again=again)
+    start = rundir.plan(run_dir, record, resume, good=good, resolve=resolve, again=again, max_steps=max_steps)
     if folder is not None and folder.stale:
         start.notes.insert(0, folder.stale)
     return start
@@ -194,7 +201,8 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     run_dir = run_dir or Path("runs") / rec.name
     record = _record(rec, names, host, data_path)
     again = _again(run_dir, ctx)
-    start = _claim(run_dir, record, resume, held=held, rank0=rank0, megatron=mega is not None, again=again)
+    start = _claim(run_dir, record, resume, held=held, rank0=rank0, megatron=mega is not None, again=again,
+                   max_steps=steps)
     if mega is not None:
         _barrier()  # every rank has looked at the run folder before rank 0 writes into it
     resume_from = start.resume_from
@@ -230,16 +238,26 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     if not rank0:
         return
     from nam_core.engine.metrics import read_metrics
-    from nam_core.engine.summary import describe, summarize
+    from nam_core.engine.summary import describe, summarize, where_lines
 
     summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names, **summarize(
         read_metrics(run_dir), wall_s=time.monotonic() - started, steps_run=summary["steps"] - summary["started_at_step"],
         tokens_per_step=summary["tokens_per_step"]))
+    summary.update(_whereabouts(run_dir, summary, again, rec.train.total_steps))
     _write_json_atomic(run_dir / "summary.json", summary)
     if json_out:
         print_json(summary)
     elif not quiet:
         out.print(describe(summary), markup=False, highlight=False)
+        for line in where_lines(summary):
+            out.print(line, markup=False, highlight=False)
+
+
+def _whereabouts(run_dir: Path, summary: dict, again, total_steps: int) -> dict:
+    """The summary's where-things-are fields (``rundir.whereabouts``) from the engine's last checkpoint."""
+    last = summary.get("last_checkpoint")
+    return rundir.whereabouts(run_dir, Path(last) if last not in (None, "None") else None,
+                              steps_run=summary["steps_run"], again=again, total_steps=total_steps)
 
 
 def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet,

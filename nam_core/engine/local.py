@@ -209,8 +209,10 @@ def _step(run: LocalRun, step: int, last_good: Path | None) -> tuple[dict, int]:
 
 
 def _save(run: LocalRun, step: int) -> Path:
-    return checkpoint.save(run.run_dir / "checkpoints", step, model=run.model, optimizer=run.optimizer,
+    path = checkpoint.save(run.run_dir / "checkpoints", step, model=run.model, optimizer=run.optimizer,
                            scheduler=run.scheduler, extra={"record": run.record}, keep=run.train.keep_checkpoints)
+    run.log.note(f"checkpoint saved: {path}", echo=False)
+    return path
 
 
 def _stopped(run: LocalRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:

@@ -155,6 +155,8 @@ def train(run: MegatronRun) -> dict:
                     s.last_good = checkpoint.save_checkpoint(
                         run.run_dir / "checkpoints", step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
                         manifest={"record": run.record, "layout": s.layout})
+                    if run.log is not None:
+                        run.log.note(f"checkpoint saved: {s.last_good}", echo=False)
                 if stopping:
                     raise _stopped(run, stopping, step + 1, s.last_good)
             _gather_params(s.models, tc)

@@ -64,7 +64,8 @@ class LocalRun:
         if self.spec is None:
             raise TypeError("LocalRun.spec is unset: build the run through nam56r.run (the composition root)")
         return StepContext(step=step, spec=self.spec, backends=self.backends, parameters=self.model.named_parameters,
-                           note=lambda line: self.log.note(line) if self.log is not None else None)
+                           note=lambda line: self.log.note(line) if self.log is not None else None,
+                           max_steps=self.max_steps)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -243,7 +244,8 @@ def train(run: LocalRun) -> dict:
                     last_good = _save(run, step + 1)
                 if stop.signum is not None:
                     raise _stopped(run, stop, step + 1, last_good)
+            report = run.host.run_report(run.context(run.max_steps))
         finally:
             run.log.close()
     return {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
-            "tokens_per_step": tokens_per_step}
+            "tokens_per_step": tokens_per_step, "plugin_report": report}

@@ -78,9 +78,12 @@ def _duration(seconds: float) -> str:
 
 
 def where_lines(summary: dict) -> list[str]:
-    """The lines after the summary that say where the run's things are (``nam_core.engine.rundir.whereabouts``):
-    each a label and a path or a whole command, never wrapped, so they can be copied."""
-    lines = [f"checkpoint: {summary.get('checkpoint') or 'none (train.checkpoint_every=0)'}"]
+    """The lines after the summary: what each plugin did in the run (``plugin_report``, from the plugins'
+    ``nam_run_report``: a plugin that did nothing says so), then where the run's things are
+    (``nam_core.engine.rundir.whereabouts``): each a label and a path or a whole command, never wrapped, so
+    they can be copied."""
+    lines = [f"plugin {line}" for line in summary.get("plugin_report") or ()]
+    lines.append(f"checkpoint: {summary.get('checkpoint') or 'none (train.checkpoint_every=0)'}")
     if summary.get("continue_with"):
         lines.append(f"{summary['continue_what']}:")
         lines.append(f"  {summary['continue_with']}")

@@ -73,7 +73,7 @@ class MegatronRun:
         """What the lifecycle hooks of step ``step`` receive."""
         return StepContext(step=step, spec=self.spec, backends=self.backends, note=self._note,
                            parameters=lambda: itertools.chain.from_iterable(
-                               unwrap(c).named_parameters() for c in self.chunks))
+                               unwrap(c).named_parameters() for c in self.chunks), max_steps=self.max_steps)
 
     def _note(self, line: str) -> None:
         if self.log is not None:
@@ -160,11 +160,12 @@ def train(run: MegatronRun) -> dict:
                 if stopping:
                     raise _stopped(run, stopping, step + 1, s.last_good)
             _gather_params(s.models, tc)
+            report = run.host.run_report(run.context(run.max_steps))
         finally:
             if run.log is not None:
                 run.log.close()
     return {"steps": run.max_steps, "started_at_step": s.start, "last_checkpoint": str(s.last_good),
-            "tokens_per_step": s.tokens_per_step, "layout": s.layout}
+            "tokens_per_step": s.tokens_per_step, "layout": s.layout, "plugin_report": report}
 
 
 def _start(run: MegatronRun, patch_reports: list) -> _Session:

@@ -256,11 +256,38 @@ def test_hand_over_at_the_configured_step_then_equals_the_wrapped_strategy():
 class _Run(StepContext):
     """The StepContext an engine builds, around ``backends`` (and the model's parameters, if any)."""
 
-    def __init__(self, backends, model=None, spec=None):
+    def __init__(self, backends, model=None, spec=None, max_steps=None):
         self.notes = []
         super().__init__(step=0, spec=spec or recipe(), backends=backends.as_mapping(),
                          parameters=model.named_parameters if model is not None else (lambda: iter(())),
-                         note=self.notes.append)
+                         note=self.notes.append, max_steps=max_steps)
+
+
+def test_a_warm_up_longer_than_the_run_is_a_warning_and_the_report_says_no_hand_over():
+    """The README's first example ran 10 steps of a 1000-step warm-up: the sparse strategy never ran."""
+    lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1000))
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=lemyx), max_steps=10)
+    plugin.nam_before_step(step=0, run=fake)
+    assert fake.notes[1] == ("warning: lemyx: the indexer warm-up (1000 steps) does not end before this run stops at "
+                             "step 10: every DSA layer attends densely to the end and 'full' never runs; "
+                             "--set lemyx.warmup_steps=N with N < 10 hands over earlier")
+    fake.step = 10
+    assert plugin.nam_run_report(run=fake) == ("lemyx: dense warm-up to the last step, 10 (warm-up 1000 steps): no "
+                                               "hand-over to 'full' in this run")
+    short = Lemyx(FullIndexer(), Options(warmup_steps=4))
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=short), max_steps=10)
+    for step in range(10):
+        plugin.nam_before_step(step=step, run=fake)
+    assert not any(n.startswith("warning:") for n in fake.notes)
+    fake.step = 10
+    assert plugin.nam_run_report(run=fake) == "lemyx: dense warm-up until step 4, then 'full' to step 10"
+
+
+def test_the_config_check_warns_of_a_warm_up_past_the_schedule():
+    long = by_name(plugin.nam_check_config(config=recipe(), device=CPU))["schedule"]  # 1000 of 200 steps
+    assert long.status == PASS and "warning: not before train.total_steps (200), so 'full' never runs" in long.found
+    short = by_name(plugin.nam_check_config(config=recipe("lemyx.warmup_steps=50"), device=CPU))["schedule"]
+    assert short.found == "50 dense steps, then 'full'"
 
 
 def test_freeze_main_trains_only_the_indexers_until_the_hand_over():

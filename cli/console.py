@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -110,6 +111,15 @@ def print_hints(rows: list[tuple[str, str]], *, title: str = "next steps") -> No
     out.print(f"{title}:")
     for who, hint in seen:
         out.print(f"  {who}: {hint}", markup=False, highlight=False)
+
+
+def progress(enabled: bool) -> Callable[[str], None]:
+    """``say(line)``: what ``nam train`` is doing before its first step (the recipe, the data, the run folder,
+    the build), one line each on stderr, also when it is not a terminal (a CI log shows where a slow start
+    is). A no-op when ``enabled`` is False (``--quiet``, ``--json``, every rank but 0)."""
+    if not enabled:
+        return lambda line: None
+    return lambda line: err.print(line, markup=False, highlight=False)
 
 
 def print_json(obj) -> None:

@@ -26,7 +26,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from nam_cli import plan
-from nam_cli.console import out, print_json
+from nam_cli.console import out, print_json, progress
 from nam_cli.options import (
     DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt,
 )
@@ -193,6 +193,10 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
         return
 
     rank0 = mega is None or mega["rank"] == 0
+    say = progress(rank0 and not (quiet or json_out))
+    _announce_run(say, run, dev, engine, flops)
+    say(f"data: {data}" if data is not None else
+        f"data: the Python standard library's source, tokenized once into {cache_dir()} (reused after)")
     if mega is not None and not rank0:
         _barrier()  # rank 0 prepares the data first (one writer into the cache)
     data_path, packed = _dataset(data, rec.model.seq_len, rec.model.vocab_size, rec.train.seed, quiet or not rank0)
@@ -206,6 +210,7 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
     if mega is not None:
         _barrier()  # every rank has looked at the run folder before rank 0 writes into it
     resume_from = start.resume_from
+    say(f"run folder: {run_dir} ({_start_text(start, steps)})")
 
     keys = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
     notes = [*start.notes, *rec.notes]
@@ -222,6 +227,9 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
         })
 
     started = time.monotonic()  # the summary's wall time: training, checkpoints included
+    first = (f"the first step {'compiles kernels and ' if rec.train.device == 'cuda' else ''}warms up, so it takes "
+             "longer than the rest")
+    say(f"building the model ({rec.train.dtype}, on {rec.train.device})" + (f"; {first}" if mega else ""))
     if mega is not None:
         from nam_core.engine import megatron as megatron_engine
 
@@ -234,7 +242,8 @@ def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, 
         summary = megatron_engine.train(mrun)
     else:
         summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
-                               notes, quiet or json_out, again=again)
+                               notes, quiet or json_out, again=again,
+                               say=lambda n: say(f"model: {n:,} parameters; {first}"))
     if not rank0:
         return
     from nam_core.engine.metrics import read_metrics
@@ -260,9 +269,26 @@ def _whereabouts(run_dir: Path, summary: dict, again, total_steps: int) -> dict:
                               steps_run=summary["steps_run"], again=again, total_steps=total_steps)
 
 
+def _announce_run(say, run, dev, engine: str, flops: float) -> None:
+    """The first lines of a run: what trains, where, with which plugins."""
+    spec = run.spec
+    layout = f", {spec.layout.world_size} processes" if engine == "megatron" else ""
+    say(f"nam train: recipe {spec.recipe} ({spec.model.num_layers} layers, hidden {spec.model.hidden}, "
+        f"{flops / 1e9:.3g} GFLOPs/token), engine {engine}{layout}, device {dev.label}")
+    say(f"plugins: {', '.join(spec.plugins)}; backends: "
+        + ", ".join(f"{kind} {name}" for kind, name in spec.backends.items()))
+
+
+def _start_text(start, steps: int) -> str:
+    """How the run starts in its folder, and the steps it will train."""
+    how = {"fresh": "a new run", "restart": "a new run; the stopped one moved aside",
+           "resume": f"resuming from {start.resume_from}"}[start.kind]
+    return f"{how}; steps {start.step + 1} to {steps}"
+
+
 def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet,
-                 again=None) -> dict:
-    """``rec``: the RunSpec."""
+                 again=None, say=None) -> dict:
+    """``rec``: the RunSpec; ``say(n_parameters)``: told once the model is built."""
     import torch
 
     from nam56r.model import build_model
@@ -271,6 +297,8 @@ def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, recor
 
     torch.manual_seed(rec.train.seed)
     model = build_model(rec.model, backends, device=rec.train.device).to(dtype=getattr(torch, rec.train.dtype))
+    if say is not None:
+        say(sum(p.numel() for p in model.parameters()))
     target = torch.device(rec.train.device)
 
     def batch_at(step: int, batch_size: int) -> dict:

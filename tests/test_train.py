@@ -217,7 +217,8 @@ def test_the_continue_hint_is_a_command_that_trains_on(tmp_path, corpus, capsys)
 
     run_dir = tmp_path / "run"
     assert train(run_dir, corpus, "--max-steps", "2") == 0
-    capsys.readouterr()
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == ""  # --quiet: nothing before, during or after the steps
     assert train(run_dir, corpus, "--max-steps", "2") == 2
     hint = capsys.readouterr().err.split("hint: ", 1)[1]
     assert hint.startswith("continue it to step 4 (--max-steps is the step to stop at")
@@ -255,6 +256,12 @@ def test_step_lines_show_the_lm_loss_and_the_end_says_where_things_are(tmp_path,
     argv = ["train", "--run-dir", str(run_dir), "--data", str(corpus), *FAST[:-1], "--max-steps", "2"]
     assert run(argv) == 0
     captured = capsys.readouterr()
+    before = captured.err.split("\nstep 1 ", 1)[0]  # what is said before the first step, in this order
+    said = ["nam train: recipe nam56r-tiny (52 layers", "plugins: reference; backends: ssm reference",
+            f"data: {corpus}\n", f"run folder: {run_dir} (a new run; steps 1 to 2)", "building the model (float32, on cpu)",
+            "parameters; the first step warms up"]
+    assert [before.find(line) for line in said] == sorted(before.find(line) for line in said) and -1 not in \
+        [before.find(line) for line in said], before
     records = read_metrics(run_dir)
     for record in records:
         assert f"step {record['step']} LM loss {record['lm_loss']:.4f} (" in captured.err

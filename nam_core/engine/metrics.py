@@ -1,5 +1,6 @@
 """Where step metrics go: metrics.jsonl always, a progress bar on a terminal (plain lines otherwise),
-TensorBoard event files when the tensorboard package is installed. One-off notes (a plugin's hand-over, the
+TensorBoard event files in ``<run folder>/tensorboard`` when the tensorboard package is installed (the
+``[tensorboard]`` extra: ``pip install -e ".[tensorboard]"``; ``tensorboard --logdir <run folder>/tensorboard``). One-off notes (a plugin's hand-over, the
 fields plugins selected) go to the terminal and to ``run.log`` in the run folder, even under ``--quiet``."""
 
 from __future__ import annotations

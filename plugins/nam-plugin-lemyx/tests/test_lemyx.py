@@ -344,12 +344,19 @@ def test_nam_train_with_index_cache_and_lemyx_trains_hands_over_and_the_loss_fal
     run_dir = tmp_path / "run"
     code = run(["train", "--plugins", "index-cache,lemyx", "--max-steps", "40", "--set", "lemyx.warmup_steps=20",
                 "--set", "seq_len=32", "--data", str(corpus), "--run-dir", str(run_dir)])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 0, err
     log = (run_dir / "run.log").read_text()
     assert log.count("indexer warm-up over") == 1 and "[step 20] lemyx: step 20" in log
     assert "reference path" in log and "index-cache: FSSFSSFSS" in log
+    assert log.index("index-cache: FSSFSSFSS") > log.index("indexer warm-up over")  # announced once it ran
     assert json.loads((run_dir / "plugins.json").read_text())["backends"]["indexer"] == "Lemyx"
+    report = {line.split(":")[0]: line for line in json.loads((run_dir / "summary.json").read_text())["plugin_report"]}
+    assert report["lemyx"] == "lemyx: dense warm-up until step 20, then 'index-cache' to step 40"
+    assert report["index-cache"].startswith("index-cache: selected from step 21 to 40: ")
+    assert report["index-cache"].endswith("top-k selections reused a Full layer's (67% of indexer work saved)")
+    assert f"plugin {report['index-cache']}\n" in captured.out and f"plugin {report['lemyx']}\n" in captured.out
     metrics = read_metrics(run_dir)
     losses = [m["loss"] for m in metrics]
     assert len(losses) == 40 and statistics.mean(losses[-5:]) < 0.8 * statistics.mean(losses[:5]), losses

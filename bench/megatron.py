@@ -188,6 +188,9 @@ class NoHooks:
     def after_step(self, step, run, metrics):
         pass
 
+    def run_report(self, run):
+        return []
+
 
 class ProfileStep(NoHooks):
     """Profiles two training steps with torch.profiler, ``step`` and the one after (0-based), and writes to

@@ -25,9 +25,10 @@ RUN_FILES = {
     "config.json": "the resolved config (what makes a resume the same run)",
     "plugins.json": "active plugins, backends, patches, versions, device",
     "metrics.jsonl": "one JSON line per logged step",
-    "run.log": "one-off notes (selected fields, hand-overs, checkpoints)",
+    "run.log": "one-off notes (selected fields, hand-overs, checkpoints saved)",
     "checkpoints/": "",
-    "summary.json": "wall time, tokens/s, LM loss over the last steps",
+    "summary.json": "wall time, tokens/s, LM loss over the last steps, the newest checkpoint, the resume command",
+    "tensorboard/": "event files of every logged step, when tensorboard is installed (the [tensorboard] extra)",
 }
 """What a run folder holds (``nam_core.engine.rundir.RunFolder`` owns every file)."""
 

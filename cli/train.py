@@ -25,7 +25,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from nam_cli import plan
-from nam_cli.console import out, print_json
+from nam_cli.console import out, print_json, progress
 from nam_cli.options import (
     DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt,
 )
@@ -49,25 +49,31 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress outpu
 
 
 def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
-    """``again(resume="auto", sets={"train.lr": "3e-05"})``: this very command (``ctx``) again, with
-    ``--run-dir`` and ``--resume`` set and those ``--set`` overrides replaced; the hints of a refused start, a
-    stop and the NaN guard print it, so it must be a command that works as written."""
+    """``again(resume="auto", sets={"train.lr": "3e-05"}, max_steps=20)``: this very command (``ctx``) again,
+    with ``--run-dir`` and ``--resume`` set, those ``--set`` overrides replaced and ``--max-steps`` replaced
+    (None: dropped; left out: as given); the hints of a refused start, a stop, the NaN guard and the summary
+    print it, so it must be a command that works as written."""
     params = ctx.params if ctx is not None else {}
     base: list[str] = []
+    at = 0  # where --max-steps goes: the place of its parameter
     for param in ctx.command.params if ctx is not None else []:
         value = params.get(param.name)
-        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out") or value in (None, False) \
-                or value == param.default:
+        at = len(base) if param.name == "max_steps" else at
+        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out", "max_steps") \
+                or value in (None, False) or value == param.default:
             continue
         flag = max((o for o in param.opts if o.startswith("--")), key=len)
         base += [flag] if value is True else [flag, str(value)]
     given = list(params.get("set_") or [])
+    given_steps = params.get("max_steps")
 
-    def again(*, resume: str | None = "auto", sets: dict | None = None) -> str:
+    def again(*, resume: str | None = "auto", sets: dict | None = None, max_steps: int | None | str = "given") -> str:
         sets = sets or {}
         kept = [s for s in given if s.split("=", 1)[0].strip() not in sets]
         overrides = [*kept, *(f"{k}={v}" for k, v in sets.items())]
-        return shlex.join(["nam", "train", *base, "--run-dir", str(run_dir),
+        steps = given_steps if max_steps == "given" else max_steps
+        flags = [*base[:at], *(["--max-steps", str(steps)] if steps is not None else []), *base[at:]]
+        return shlex.join(["nam", "train", *flags, "--run-dir", str(run_dir),
                            *(a for o in overrides for a in ("--set", o)), *(["--resume", resume] if resume else [])])
 
     return again
@@ -93,38 +99,43 @@ def train(
         return plan.show(plan.on_profile(run, host, device_profile, run_dir=run_dir, data=data), json_out=json_out)
     eng = engine_for(run.spec.engine)
     ranks = eng.start(run.spec, dry_run=dry_run, relaunch=_relaunch)
-    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out)
+    say = progress(ranks.writes and not (quiet or json_out or dry_run))
+    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say)
     if dry_run:
         return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
     folder = rundir.RunFolder(run_dir or Path("runs") / run.spec.recipe)
     with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
-        summary = _train(session, folder, resume, held=held, quiet=quiet or json_out, again=_again(folder.path, ctx))
+        summary = _train(session, folder, resume, held=held, quiet=quiet or json_out, again=_again(folder.path, ctx),
+                         say=say)
     if summary is not None:
         if json_out:
             print_json(summary)
         elif not quiet:
-            from nam_core.engine.summary import describe
+            from nam_core.engine.summary import describe, where_lines
 
             out.print(describe(summary), markup=False, highlight=False)
+            for line in where_lines(summary):
+                out.print(line, markup=False, highlight=False)
     eng.finish()
 
 
-def _train(session, folder, resume: str | None, *, held, quiet: bool, again) -> dict | None:
+def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say) -> dict | None:
     """The run folder (rank 0 locks and writes it; every rank reads how the run starts), the engine's training,
     and rank 0's summary (None on the other ranks)."""
     from nam_core.engine.summary import numerics_fields, summarize
 
-    eng, writes, record = session.engine, session.ranks.writes, session.record()
+    eng, writes, record, steps = session.engine, session.ranks.writes, session.record(), session.run.max_steps
     rundir.check_usable(folder.path)
     if writes:
         held.enter_context(folder)
         held.enter_context(rundir.readable_filesystem_errors(folder.path))
-    start = folder.claim(record, resume, good=eng.good_checkpoints, resolve=eng.resolve_resume, again=again)
+    start = folder.claim(record, resume, good=eng.good_checkpoints, resolve=eng.resolve_resume, again=again,
+                         max_steps=steps)  # a resume with no step left: exit 2, nothing written
     record["branch"] = start.branch  # every checkpoint says which line it belongs to (rundir: lineage)
-    rundir.check_steps_ahead(start, session.run.max_steps, folder.path)  # no step left: exit 2, nothing written
     eng.barrier()  # every rank has looked at the run folder before rank 0 writes into it
     if writes:
         folder.begin(start, record, session.plugins_info())
+    say(f"run folder: {folder.path} ({_start_text(start, steps)})")
     started = time.monotonic()  # the summary's wall time: training, checkpoints included
     result = eng.train(session.engine_run(folder.path, resume_from=start.resume_from, notes=start.notes,
                                           quiet=quiet, again=again, record=record))
@@ -134,8 +145,19 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again) -> 
                   plugins=list(session.spec.plugins), **numerics_fields(session.spec.train), **summarize(
                       folder.metrics(), wall_s=time.monotonic() - started,
                       steps_run=result["steps"] - result["started_at_step"], tokens_per_step=result["tokens_per_step"]))
+    last = result.get("last_checkpoint")
+    result.update(rundir.whereabouts(folder.path, Path(last) if last not in (None, "None") else None,
+                                     steps_run=result["steps_run"], again=again,
+                                     total_steps=session.spec.train.total_steps))
     folder.write_summary(result)
     return result
+
+
+def _start_text(start, steps: int) -> str:
+    """How the run starts in its folder, and the steps it will train."""
+    how = {"fresh": "a new run", "restart": "a new run; the stopped one moved aside",
+           "resume": f"resuming from {start.resume_from}"}[start.kind]
+    return f"{how}; steps {start.step + 1} to {steps}"
 
 
 def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:

@@ -202,13 +202,27 @@ class Session:
     """``nam56r.model.Backends``: the backend object of every kind."""
     flops_per_token: float
     model: Any
-    """Local engine: a ``LocalModel`` on the run's device; megatron engine: a ``NamMegatronModel`` (built on
+    """Local engine: a ``LocalModel`` on the run's device, built by ``trainable()`` (after the run folder has
+    accepted the run, so a refused start allocates nothing); megatron engine: a ``NamMegatronModel`` (built on
     each rank by the engine); a dry run: NAM56R on the meta device (allocates nothing)."""
     notes: list[str]
     """Lines for the run log: how plugins changed the config, then what the blocks report while training."""
     data: Path | None = None
     batches: Callable[[int, int], dict] | None = None
     """``batches(index, batch_size)``: micro-batch ``index`` of the data (None on a dry run)."""
+    say: Callable[[str], None] = lambda line: None
+    init_from: Path | None = None
+
+    def trainable(self):
+        """The model the engine trains (the local engine's is built here, once, on first use)."""
+        if self.model is None:
+            spec = self.spec
+            first = (f"the first step {'compiles kernels and ' if spec.train.device == 'cuda' else ''}warms up, so "
+                     "it takes longer than the rest")
+            self.say(f"building the model ({spec.train.dtype}, on {spec.train.device})")
+            self.model = _local_model(spec, self.backends, self.notes, self.init_from)
+            self.say(f"model: {sum(p.numel() for p in self.model.module.parameters()):,} parameters; {first}")
+        return self.model
 
     @property
     def spec(self) -> RunSpec[NAM56RConfig]:
@@ -257,7 +271,7 @@ class Session:
         schedules = self.host.registry("schedules")
         self.notes[:0] = list(notes)
         return EngineRun(
-            run_dir=Path(run_dir), spec=self.spec, model=self.model,
+            run_dir=Path(run_dir), spec=self.spec, model=self.trainable(),
             host=HookChain(self.host, hooks) if hooks is not None else self.host,
             batch_at=self.batches,
             max_steps=self.run.max_steps, flops_per_token=self.flops_per_token,
@@ -268,14 +282,16 @@ class Session:
 
 def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *, data: Path | None = None,
           dry_run: bool = False, quiet: bool = False, device: DeviceInfo | None = None,
-          init_from: Path | None = None, batches: Callable[[int, int], dict] | None = None) -> Session:
+          init_from: Path | None = None, batches: Callable[[int, int], dict] | None = None,
+          say: Callable[[str], None] = lambda line: None) -> Session:
     """Stages 3 and 4 (the device, activation), then everything ``engine`` needs to train ``run``: the patch
     lane applied, the backends, FLOPs per token, the model or model provider, the data (rank 0 prepares it
     first; the other ranks wait), in that order, so a refusal comes before any allocation.
 
     ``device``: in place of the probed one (the gloo suite's double); ``init_from``: a nam ``model.pt`` the
     weights start from instead of nam's initialisation at the seed (the benches' shared initial state);
-    ``batches``: rows in place of a dataset (the tests' fixed random rows)."""
+    ``batches``: rows in place of a dataset (the tests' fixed random rows); ``say(line)``: what is being done,
+    before each slow part (``nam train`` prints it before the first step)."""
     from nam56r import memory
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
@@ -290,15 +306,20 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     backends = Backends.from_registries(host.registries, spec.model, options=spec.options, device=spec.train.device)
     session = Session(run=run, host=host, engine=engine, ranks=ranks, device=device, patches=patches,
                       backends=backends, flops_per_token=flops_per_token(spec.model).total, model=None,
-                      notes=list(spec.notes))
+                      notes=list(spec.notes), say=say, init_from=init_from)
     if dry_run:
         session.model = build_model(spec.model, backends, device="meta")  # it builds with these backends
         return session
-    session.model = (_megatron_model(run, backends, host, init_from) if megatron
-                     else _local_model(spec, backends, session.notes, init_from))
+    _announce(say, session)
+    if megatron:
+        say(f"building the model ({spec.train.dtype}, on {spec.train.device}); the first step compiles kernels "
+            "and warms up, so it takes longer than the rest")
+        session.model = _megatron_model(run, backends, host, init_from)
     if batches is not None:
         session.batches = batches
         return session
+    say(f"data: {data}" if data is not None else
+        "data: the Python standard library's source, tokenized once into nam's cache (reused after)")
     if not ranks.writes:
         engine.barrier()  # rank 0 prepares the data first (one writer into the cache)
     session.data, packed = _dataset(data, spec, quiet=quiet or not ranks.writes)
@@ -306,6 +327,16 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
         engine.barrier()
     session.batches = lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in BATCH_KEYS}
     return session
+
+
+def _announce(say: Callable[[str], None], session: Session) -> None:
+    """The first lines of a run: what trains, where, with which plugins."""
+    spec = session.spec
+    layout = f", {spec.layout.world_size} processes" if spec.engine == "megatron" else ""
+    say(f"nam train: recipe {spec.recipe} ({spec.model.num_layers} layers, hidden {spec.model.hidden}, "
+        f"{session.flops_per_token / 1e9:.3g} GFLOPs/token), engine {spec.engine}{layout}, device {session.device.label}")
+    say(f"plugins: {', '.join(spec.plugins)}; backends: "
+        + ", ".join(f"{kind} {name}" for kind, name in spec.backends.items()))
 
 
 def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | None):

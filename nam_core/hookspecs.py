@@ -22,7 +22,7 @@ Hooks come in four groups:
 * build hooks: ``nam_transform_model``, once per model (chunk) after the engine built it and before it
   builds the optimizer, in both engines.
 * lifecycle hooks: ``nam_before_step`` / ``nam_after_step`` around every optimizer step, with a
-  ``nam_core.run.StepContext`` that both engines build.
+  ``nam_core.run.StepContext`` that both engines build, and ``nam_run_report`` once after the last step.
 """
 
 from __future__ import annotations
@@ -144,4 +144,18 @@ def nam_after_step(step: int, run: "StepContext", metrics: dict) -> None:
     A hook may add keys to ``metrics``.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def nam_run_report(run: "StepContext") -> "str | None":
+    """Called once when a run has trained its last step (both engines, every rank; rank 0's lines go into the
+    summary), with the ``StepContext`` of the step it stopped at (``run.step``).
+
+    Return one line saying what the plugin did in this run, from what it counted while it ran (not from what
+    its configuration promises): a plugin whose feature never ran says so ("did nothing: ...", and why) and
+    claims no saving. None: nothing to report (the run did not use the plugin's backends). ``nam train`` prints
+    the lines after its summary and writes them to ``summary.json`` (``plugin_report``).
+
+    .. versionadded:: 0.4
     """

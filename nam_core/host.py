@@ -365,6 +365,10 @@ class PluginHost:
     def after_step(self, step: int, run: StepContext, metrics: dict) -> None:
         self.pm.hook.nam_after_step(step=step, run=_context(run), metrics=metrics)
 
+    def run_report(self, run: StepContext) -> list[str]:
+        """Every active plugin's ``nam_run_report`` line (what it did in the run that just ended)."""
+        return [line for line in self.pm.hook.nam_run_report(run=_context(run)) if line]
+
     def _new_manager(self) -> pluggy.PluginManager:
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)

@@ -382,8 +382,8 @@ def test_a_resume_with_no_step_left_is_refused_not_negative(tmp_path, corpus, ba
     history = (run_dir / rundir.HISTORY).read_text()
     assert run(args(run_dir, corpus, "--max-steps", "3", "--resume", "auto")) == 2
     err = capsys.readouterr().err
-    assert "--max-steps 3: the run resumes at step 4" in err and "no step left to train" in err
-    assert "pass --max-steps above 4" in err
+    assert "is at step 4 and this run stops at step 3" in err and "nothing to train" in err
+    assert "--resume auto" in err and "--max-steps 3 " not in err  # the hint names a later step
     assert (run_dir / rundir.HISTORY).read_text() == history and not (run_dir / rundir.LOCK).exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps_run"] >= 0
 

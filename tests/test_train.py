@@ -227,3 +227,73 @@ def test_engine_logs_each_pending_note_once():
     run.notes.extend(["b", "c"])  # what forward appends from ForwardState.log on a later step
     _drain_notes(run, state)
     assert logged == ["a", "b", "c"] and run.notes == []
+
+
+# --- what a newcomer is told: the continue hint, the step line, where things are (issue 34) ---------------
+
+
+def test_the_continue_hint_is_a_command_that_trains_on(tmp_path, corpus, capsys):
+    """The refused second start names a command that trains more steps; a resume with no step left is exit 2."""
+    import shlex
+
+    run_dir = tmp_path / "run"
+    assert train(run_dir, corpus, "--max-steps", "2") == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == ""  # --quiet: nothing before, during or after the steps
+    assert train(run_dir, corpus, "--max-steps", "2") == 2
+    hint = capsys.readouterr().err.split("hint: ", 1)[1]
+    assert hint.startswith("continue it to step 4 (--max-steps is the step to stop at")
+    argv = shlex.split(hint.split("): ", 1)[1].split("; or choose another --run-dir", 1)[0])
+    assert argv[:2] == ["nam", "train"] and argv[argv.index("--max-steps") + 1] == "4"
+    assert run(argv[1:]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["started_at_step"], summary["steps_run"]) == (2, 2)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+    assert train(run_dir, corpus, "--max-steps", "4", "--resume", "auto") == 2  # nothing left to train
+    err = capsys.readouterr().err
+    assert "is at step 4 and this run stops at step 4" in err and "nothing to train" in err
+    assert "continue it to step 8" in err and "NAM_DEBUG" not in err
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 2  # the refusal wrote nothing
+
+
+def test_at_the_end_of_the_schedule_the_hint_lengthens_it(tmp_path, corpus, capsys):
+    import shlex
+
+    run_dir = tmp_path / "run"
+    short = ["--set", "train.total_steps=2", "--set", "train.warmup_steps=1"]
+    assert train(run_dir, corpus, *short) == 0
+    assert train(run_dir, corpus, *short, "--resume", "auto") == 2
+    hint = capsys.readouterr().err.split("hint: ", 1)[1]
+    assert "reached train.total_steps (2)" in hint and "continue it to step 4" in hint
+    argv = shlex.split(hint.split("schedule that long: ", 1)[1].strip())
+    assert "train.total_steps=4" in argv
+    assert run(argv[1:]) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 2
+
+
+def test_step_lines_show_the_lm_loss_and_the_end_says_where_things_are(tmp_path, corpus, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run_dir), "--data", str(corpus), *FAST[:-1], "--max-steps", "2"]
+    assert run(argv) == 0
+    captured = capsys.readouterr()
+    before = captured.err.split("\nstep 1 ", 1)[0]  # what is said before the first step, in this order
+    said = ["nam train: recipe nam56r-tiny (52 layers", "plugins: reference; backends: ssm reference",
+            f"data: {corpus}\n", f"run folder: {run_dir} (a new run; steps 1 to 2)", "building the model (float32, on cpu)",
+            "parameters; the first step warms up"]
+    assert [before.find(line) for line in said] == sorted(before.find(line) for line in said) and -1 not in \
+        [before.find(line) for line in said], before
+    records = read_metrics(run_dir)
+    for record in records:
+        assert f"step {record['step']} LM loss {record['lm_loss']:.4f} (" in captured.err
+        assert f"mtp_loss {record['mtp_loss']:.4g}" in captured.err
+        assert record["lm_loss"] != record["loss"]  # the line shows the summary's loss, not the total
+    summary = json.loads((run_dir / "summary.json").read_text())
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    assert summary["checkpoint"] == str(checkpoint) and checkpoint.is_dir()
+    assert summary["metrics"] == str(run_dir / "metrics.jsonl")
+    assert " --max-steps 4 " in summary["continue_with"] and summary["continue_with"].endswith(" --resume auto")
+    assert f"checkpoint: {checkpoint}\n" in captured.out
+    assert f"  {summary['continue_with']}\n" in captured.out and "--resume auto" in summary["continue_with"]
+    assert f"metrics: {run_dir / 'metrics.jsonl'}" in captured.out
+    assert f"checkpoint saved: {checkpoint}" in (run_dir / "run.log").read_text()

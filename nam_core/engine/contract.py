@@ -69,7 +69,8 @@ class EngineRun:
     def context(self, step: int, *, parameters: Callable, note: Callable[[str], None]) -> StepContext:
         """What the lifecycle hooks of step ``step`` receive (``parameters``: the engine's trainable ones by
         name; ``note``: its run log)."""
-        return StepContext(step=step, spec=self.spec, backends=self.backends, parameters=parameters, note=note)
+        return StepContext(step=step, spec=self.spec, backends=self.backends, parameters=parameters, note=note,
+                           max_steps=self.max_steps)
 
     def continue_command(self, **changes) -> str:
         """The command that continues this run (with ``changes``), for hints."""
@@ -95,6 +96,9 @@ class HookChain:
     def after_step(self, step: int, ctx: StepContext, metrics: dict) -> None:
         for host in self.hosts:
             host.after_step(step, ctx, metrics)
+
+    def run_report(self, ctx: StepContext) -> list[str]:
+        return [line for host in self.hosts for line in host.run_report(ctx)]
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,10 @@ def _step(run: EngineRun, state: _State, step: int, last_good: Path | None) -> t
 
 
 def _save(run: EngineRun, state: _State, step: int) -> Path:
-    return checkpoint.save(run.folder.checkpoints, step, model=run.model.module, optimizer=state.optimizer,
+    path = checkpoint.save(run.folder.checkpoints, step, model=run.model.module, optimizer=state.optimizer,
                            scheduler=state.scheduler, extra={"record": run.record}, keep=run.train.keep_checkpoints)
+    state.log.note(f"checkpoint saved: {path}", echo=False)
+    return path
 
 
 def _stopped(run: EngineRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
@@ -210,7 +212,9 @@ def train(run: EngineRun) -> dict:
                     last_good = _save(run, state, step + 1)
                 if stop.signum is not None:
                     raise _stopped(run, stop, step + 1, last_good)
+            report = run.host.run_report(run.context(run.max_steps, parameters=run.model.module.named_parameters,
+                                                     note=state.log.note))
         finally:
             state.log.close()
     return {"steps": run.max_steps, "started_at_step": state.start, "last_checkpoint": str(last_good),
-            "tokens_per_step": tokens_per_step}
+            "tokens_per_step": tokens_per_step, "plugin_report": report}

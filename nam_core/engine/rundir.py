@@ -236,9 +236,9 @@ class RunFolder:
 
         return truncate_metrics(self.path, last_step)
 
-    def claim(self, record: dict, resume: str | None, *, good, resolve, again) -> "Start":
+    def claim(self, record: dict, resume: str | None, *, good, resolve, again, max_steps: int | None = None) -> "Start":
         """How this run starts here (``plan``), with a note of a stale lock taken over. Call under the lock."""
-        start = plan(self.path, record, resume, good=good, resolve=resolve, again=again)
+        start = plan(self.path, record, resume, good=good, resolve=resolve, again=again, max_steps=max_steps)
         if self.stale:
             start.notes.insert(0, self.stale)
         return start
@@ -404,26 +404,80 @@ class Start:
 
 
 def plan(run_dir: Path, record: dict, resume: str | None, *, good: Callable[[Path], list[Path]],
-         resolve: Callable[..., Path], again: Callable[..., str]) -> Start:
+         resolve: Callable[..., Path], again: Callable[..., str], max_steps: int | None = None) -> Start:
     """Decide how to start: refuse (ConfigError, exit 2) a folder of another run, a checkpoint of another
-    config or damaged checkpoints alone; start afresh in a folder whose run never saved a checkpoint.
+    config, damaged checkpoints alone, or a resume with no step left to train; start afresh in a folder whose
+    run never saved a checkpoint.
 
     ``good(ckpt_root)``/``resolve(spec, ckpt_root, warn=)``: the engine's checkpoint format. ``again(resume=,
-    sets=)``: this command again (for hints)."""
+    sets=, max_steps=)``: this command again (for hints). ``max_steps``: the step this run stops at
+    (``--max-steps``; ``train.total_steps`` of ``record`` when None)."""
     contents = Contents.read(run_dir, good)
+    max_steps = max_steps if max_steps is not None else record["train"]["total_steps"]
     if resume is None or (resume == "auto" and not contents.steps):
-        return _plan_new(run_dir, contents, resume, again)
-    return _plan_resume(run_dir, contents, record, resume, resolve)
+        return _plan_new(run_dir, contents, resume, record, again, max_steps)
+    start = _plan_resume(run_dir, contents, record, resume, resolve)
+    if start.step >= max_steps:
+        raise ConfigError(
+            f"--resume {resume}: checkpoint {start.resume_from} is at step {start.step} and this run stops at step "
+            f"{max_steps} (--max-steps is the step to stop at, counted from the run's start): nothing to train",
+            hint=": ".join(continue_command(again, step=start.step, total_steps=record["train"]["total_steps"],
+                                            max_steps=max_steps)))
+    return start
 
 
-def _plan_new(run_dir: Path, contents: Contents, resume: str | None, again: Callable[..., str]) -> Start:
+def continue_command(again: Callable[..., str], *, step: int, total_steps: int, max_steps: int) -> tuple[str, str]:
+    """What trains on from a checkpoint at ``step``: ``(what it does, the command)``.
+
+    ``--max-steps`` is absolute (the step to stop at), so the command names a later step: the one this command
+    asked for when it lies ahead, else ``step`` plus as many steps again, at most ``total_steps`` (then without
+    ``--max-steps``). A run at the end of its LR schedule (``train.total_steps``) goes on only with a longer
+    schedule, which a resume may set: the command doubles it."""
+    if step < total_steps:
+        target = max_steps if max_steps > step else min(total_steps, step + max_steps)
+        command = again(resume="auto", max_steps=None if target == total_steps else target)
+        return f"continue it to step {target} (--max-steps is the step to stop at, counted from the run's start)", \
+            command
+    longer = 2 * total_steps
+    command = again(resume="auto", sets={"train.total_steps": longer}, max_steps=None)
+    return (f"the run reached train.total_steps ({total_steps}), the end of its LR schedule; continue it to step "
+            f"{longer} with a schedule that long"), command
+
+
+def whereabouts(run_dir: Path, last_checkpoint: Path | None, *, steps_run: int, again: Callable[..., str],
+                total_steps: int) -> dict:
+    """Where a finished run's things are, for ``summary.json`` and the lines after the summary: the newest
+    checkpoint, the command that continues from it (as many steps again as this run trained, ``steps_run``),
+    the metrics, the run log and TensorBoard's events."""
+    found = {"checkpoint": str(last_checkpoint) if last_checkpoint is not None else None,
+             "continue_with": None, "continue_what": None,
+             "metrics": str(run_dir / "metrics.jsonl"), "run_log": str(run_dir / "run.log"),
+             "tensorboard": str(run_dir / "tensorboard") if (run_dir / "tensorboard").is_dir() else None}
+    if last_checkpoint is not None:
+        step = _checkpoint_step(last_checkpoint)
+        found["continue_what"], found["continue_with"] = continue_command(
+            again, step=step, total_steps=total_steps, max_steps=min(total_steps, step + max(1, steps_run)))
+    return found
+
+
+def _checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoint folder: its manifest's, else its name's (``step-00000010``)."""
+    step = _manifest(folder).get("step")
+    return int(step) if step is not None else int(folder.name.rsplit("-", 1)[-1])
+
+
+def _plan_new(run_dir: Path, contents: Contents, resume: str | None, record: dict, again: Callable[..., str],
+              max_steps: int) -> Start:
     auto = (f"--resume auto: run folder {run_dir} holds no checkpoint yet, so this run starts afresh"
             if resume == "auto" else None)
     if not contents.names - {HISTORY, "run.log"}:
         return Start("fresh", notes=[auto] if auto else [], branch=new_branch())
     if contents.good:
-        raise ConfigError(f"run folder {run_dir} already holds a run (newest checkpoint: {contents.good[-1].name})",
-                          hint=f"continue it: {again(resume='auto')}; or choose another --run-dir")
+        newest = contents.good[-1]
+        go_on = continue_command(again, step=_checkpoint_step(newest), total_steps=record["train"]["total_steps"],
+                                 max_steps=max_steps)
+        raise ConfigError(f"run folder {run_dir} already holds a run (newest checkpoint: {newest.name})",
+                          hint=f"{': '.join(go_on)}; or choose another --run-dir")
     if contents.steps:
         raise ConfigError(f"run folder {run_dir} holds only damaged checkpoints: "
                           + ", ".join(p.name for p in contents.steps),
@@ -563,16 +617,6 @@ def _refuse_other_data(run_dir: Path, refused: list, record: dict) -> None:
                           f"trained on ({lines})",
                           hint="resume on the data it was trained on (prepare it again from the same source, or "
                                "point --data at it), or train on the new data in a new --run-dir")
-
-
-def check_steps_ahead(start: Start, max_steps: int, run_dir: Path) -> None:
-    """A resume must have a step left to train: ``--max-steps`` at or below the checkpoint's step is refused
-    (ConfigError, exit 2) instead of a run that trains nothing and reports negative steps."""
-    if start.kind == "resume" and max_steps <= start.step:
-        raise ConfigError(f"--max-steps {max_steps}: the run resumes at step {start.step} ({start.resume_from}), "
-                          f"so there is no step left to train",
-                          hint=f"pass --max-steps above {start.step} (the run trains steps {start.step + 1}.."
-                               f"--max-steps), or read what it did in {run_dir / 'summary.json'}")
 
 
 def _manifest(folder: Path) -> dict:

@@ -83,3 +83,20 @@ def _duration(seconds: float) -> str:
         return f"{seconds:.1f} s"
     minutes, s = divmod(round(seconds), 60)
     return f"{minutes} min {s:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def where_lines(summary: dict) -> list[str]:
+    """The lines after the summary: what each plugin did in the run (``plugin_report``, from the plugins'
+    ``nam_run_report``: a plugin that did nothing says so), then where the run's things are
+    (``nam_core.engine.rundir.whereabouts``): each a label and a path or a whole command, never wrapped, so
+    they can be copied."""
+    lines = [f"plugin {line}" for line in summary.get("plugin_report") or ()]
+    lines.append(f"checkpoint: {summary.get('checkpoint') or 'none (train.checkpoint_every=0)'}")
+    if summary.get("continue_with"):
+        lines.append(f"{summary['continue_what']}:")
+        lines.append(f"  {summary['continue_with']}")
+    logs = f"metrics: {summary.get('metrics')} (one JSON line per logged step); notes: {summary.get('run_log')}"
+    lines.append(logs)
+    if summary.get("tensorboard"):
+        lines.append(f"tensorboard: tensorboard --logdir {summary['tensorboard']}")
+    return lines

@@ -131,7 +131,7 @@ def local_run(args, recipe) -> None:
     if args.perturb:  # the floor: the same run from weights moved at rounding level
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
-            for p in session.model.module.parameters():
+            for p in session.trainable().module.parameters():
                 p.mul_(1 + args.perturb * (2 * torch.rand(p.shape, generator=g) - 1))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     engine.train(session.engine_run(args.run_dir, quiet=True))

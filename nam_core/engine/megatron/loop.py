@@ -111,14 +111,17 @@ def train(run: EngineRun) -> dict:
                     s.last_good = checkpoint.save_checkpoint(
                         run.folder.checkpoints, step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
                         manifest={"record": run.record, "layout": s.layout})
+                    if s.log is not None:
+                        s.log.note(f"checkpoint saved: {s.last_good}", echo=False)
                 if stopping:
                     raise _stopped(run, stopping, step + 1, s.last_good)
             _gather_params(s.models, tc)
+            report = run.host.run_report(run.context(run.max_steps, parameters=s.parameters, note=s.note))
         finally:
             if s.log is not None:
                 s.log.close()
     return {"steps": run.max_steps, "started_at_step": s.start, "last_checkpoint": str(s.last_good),
-            "tokens_per_step": s.tokens_per_step, "layout": s.layout}
+            "tokens_per_step": s.tokens_per_step, "layout": s.layout, "plugin_report": report}
 
 
 def _start(run: EngineRun, patch_reports: list) -> _Session:

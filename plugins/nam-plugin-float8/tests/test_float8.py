@@ -226,6 +226,9 @@ def test_the_local_engine_transforms_before_it_builds_the_optimizer(tmp_path):
         def after_step(self, step, run, metrics):
             pass
 
+        def run_report(self, run):
+            return []
+
     host = Host()
     spec = spec_for("nam56r-tiny", "train.dtype=float32", "train.micro_batch_size=1", "train.lr=1e-2",
                     "train.warmup_steps=1", "train.total_steps=1", "train.checkpoint_every=100",

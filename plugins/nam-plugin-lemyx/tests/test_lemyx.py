@@ -262,11 +262,41 @@ def test_hand_over_at_the_configured_step_then_equals_the_wrapped_strategy():
 class _Run(StepContext):
     """The StepContext an engine builds, around ``backends`` (and the model's parameters, if any)."""
 
-    def __init__(self, backends, model=None, spec=None):
+    def __init__(self, backends, model=None, spec=None, max_steps=None):
         self.notes = []
         super().__init__(step=0, spec=spec or recipe(), backends=backends.as_mapping(),
                          parameters=model.named_parameters if model is not None else (lambda: iter(())),
-                         note=self.notes.append)
+                         note=self.notes.append, max_steps=max_steps)
+
+
+def test_a_warm_up_longer_than_the_run_is_a_warning_and_the_report_says_no_hand_over():
+    """The README's first example ran 10 steps of a 1000-step warm-up: the sparse strategy never ran."""
+    lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1000))
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=lemyx), max_steps=10)
+    plugin.nam_before_step(step=0, run=fake)
+    assert fake.notes[1] == ("warning: lemyx: the indexer warm-up (1000 steps) does not end before this run stops at "
+                             "step 10: every DSA layer attends densely to the end and 'full' never runs; "
+                             "--set lemyx.warmup_steps=N with N < 10 hands over earlier")
+    fake.step = 10
+    assert plugin.nam_run_report(run=fake) == ("lemyx: dense warm-up to the last step, 10 (warm-up 1000 steps): no "
+                                               "hand-over to 'full' in this run")
+    short = Lemyx(FullIndexer(), Options(warmup_steps=4))
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=short), max_steps=10)
+    for step in range(10):
+        plugin.nam_before_step(step=step, run=fake)
+    assert not any(n.startswith("warning:") for n in fake.notes)
+    fake.step = 10
+    assert plugin.nam_run_report(run=fake) == "lemyx: dense warm-up until step 4, then 'full' to step 10"
+
+
+def test_the_config_check_warns_of_a_warm_up_past_the_schedule():
+    def schedule_row(spec):
+        return by_name(config_rows(plugin.NAME, plugin.PLUGIN, spec))["schedule"]
+
+    long = schedule_row(recipe())  # 1000 of 200 steps
+    assert long.status == PASS and "warning: not before train.total_steps (200), so 'full' never runs" in long.found
+    short = schedule_row(recipe("lemyx.warmup_steps=50"))
+    assert short.found == "50 dense steps, then 'full'"
 
 
 def test_freeze_main_trains_only_the_indexers_until_the_hand_over():
@@ -323,12 +353,19 @@ def test_nam_train_with_index_cache_and_lemyx_trains_hands_over_and_the_loss_fal
     run_dir = tmp_path / "run"
     code = run(["train", "--plugins", "index-cache,lemyx", "--max-steps", "40", "--set", "lemyx.warmup_steps=20",
                 "--set", "seq_len=32", "--data", str(corpus), "--run-dir", str(run_dir)])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 0, err
     log = (run_dir / "run.log").read_text()
     assert log.count("indexer warm-up over") == 1 and "[step 20] lemyx: step 20" in log
     assert "reference path" in log and "index-cache: FSSFSSFSS" in log
+    assert log.index("index-cache: FSSFSSFSS") > log.index("indexer warm-up over")  # announced once it ran
     assert json.loads((run_dir / "plugins.json").read_text())["backends"]["indexer"] == "Lemyx"
+    report = {line.split(":")[0]: line for line in json.loads((run_dir / "summary.json").read_text())["plugin_report"]}
+    assert report["lemyx"] == "lemyx: dense warm-up until step 20, then 'index-cache' to step 40"
+    assert report["index-cache"].startswith("index-cache: selected from step 21 to 40: ")
+    assert report["index-cache"].endswith("top-k selections reused a Full layer's (67% of indexer work saved)")
+    assert f"plugin {report['index-cache']}\n" in captured.out and f"plugin {report['lemyx']}\n" in captured.out
     metrics = read_metrics(run_dir)
     losses = [m["loss"] for m in metrics]
     assert len(losses) == 40 and statistics.mean(losses[-5:]) < 0.8 * statistics.mean(losses[:5]), losses

@@ -66,15 +66,32 @@ def _strategy(run):
 
 
 @hookimpl
-def nam_before_step(step, run):
+def nam_after_step(step, run, metrics):
+    """Announce the pattern once the strategy has selected (not before: a warm-up that wraps it, lemyx's, keeps
+    the DSA layers dense until its hand-over), then pass on its miss notes."""
     strategy = _strategy(run)
-    if strategy is not None and not strategy.announced:
-        strategy.announced = True
+    if strategy is None:
+        return
+    if strategy.selections and not strategy.announced:
+        strategy.announced, strategy.first_step = True, step
         run.note(f"{NAME}: {describe(strategy.pattern_for(dsa_layers(run.spec.model)))}")
+    while strategy.notes:
+        run.note(strategy.notes.pop(0))
 
 
 @hookimpl
-def nam_after_step(step, run, metrics):
+def nam_run_report(run):
+    """What the strategy did, from its counts: the share of top-k selections that reused a Full layer's (MTP
+    layers and misses compute their own), or that it never ran, and why when a warm-up held it off."""
     strategy = _strategy(run)
-    while strategy is not None and strategy.notes:
-        run.note(strategy.notes.pop(0))
+    if strategy is None:
+        return None
+    if not strategy.selections:
+        outer = [b for b in run.backends_of("indexer") if callable(getattr(b, "warming_up", None))]
+        why = (f": '{getattr(outer[0], 'name', type(outer[0]).__name__)}' warmed up (dense attention) to the last "
+               f"step, {run.step}, so no DSA layer asked it for a top-k" if outer and outer[0].warming_up() else
+               ": no DSA layer asked it for a top-k")
+        return f"{NAME}: did nothing in this run{why}; no indexer work saved"
+    share = strategy.reused / strategy.selections
+    return (f"{NAME}: selected from step {strategy.first_step + 1} to {run.step}: {strategy.reused} of "
+            f"{strategy.selections} top-k selections reused a Full layer's ({share:.0%} of indexer work saved)")

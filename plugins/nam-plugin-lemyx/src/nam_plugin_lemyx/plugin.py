@@ -53,8 +53,21 @@ def kernel_shapes(spec) -> tuple[bool, str]:
 
 
 def schedule(spec) -> tuple[bool, str]:
-    opts = options_of(spec)
-    return True, f"{opts.warmup_steps} dense steps, then '{opts.sparse}'"
+    opts, total = options_of(spec), spec.train.total_steps
+    never = (f"; warning: not before train.total_steps ({total}), so '{opts.sparse}' never runs"
+             if opts.warmup_steps >= total else "")
+    return True, f"{opts.warmup_steps} dense steps, then '{opts.sparse}'{never}"
+
+
+def warmup_outlasts(strategy, max_steps: int | None) -> str | None:
+    """The warning for a warm-up that does not end before the run stops (every DSA layer dense to the end, the
+    wrapped strategy never runs), or None."""
+    w = strategy.options.warmup_steps
+    if max_steps is None or not strategy.warming_up() or w < max_steps:
+        return None
+    return (f"warning: {NAME}: the indexer warm-up ({w} steps) does not end before this run stops at step "
+            f"{max_steps}: every DSA layer attends densely to the end and '{strategy.options.sparse}' never runs; "
+            f"--set {NAME}.warmup_steps=N with N < {max_steps} hands over earlier")
 
 
 PLUGIN = PluginInfo(
@@ -131,12 +144,30 @@ def nam_before_step(step, run):
     if not strategy.announced:
         strategy.announced = True
         run.note(f"{NAME}: {strategy.describe()}")
+        warning = warmup_outlasts(strategy, run.max_steps)
+        if warning is not None:
+            run.note(warning)
     if strategy.at_step(step):
         _unfreeze(dict(run.parameters()), strategy)
         run.note(f"{NAME}: step {step}: indexer warm-up over after {strategy.options.warmup_steps} steps; DSA layers "
                  f"now attend to their top-{run.spec.model.index_topk} keys chosen by '{strategy.options.sparse}'")
     elif strategy.warming_up() and strategy.options.freeze_main:
         _freeze(dict(run.parameters()), strategy)
+
+
+@hookimpl
+def nam_run_report(run):
+    """The warm-up and the hand-over as they happened in this run."""
+    strategy = _strategy(run)
+    if strategy is None:
+        return None
+    o = strategy.options
+    if strategy.handed_over_at is not None:
+        return (f"{NAME}: dense warm-up until step {strategy.handed_over_at}, then '{o.sparse}' to step {run.step}")
+    if strategy.warming_up():
+        return (f"{NAME}: dense warm-up to the last step, {run.step} (warm-up {o.warmup_steps} steps): no "
+                f"hand-over to '{o.sparse}' in this run")
+    return f"{NAME}: no warm-up in this run ({NAME}.warmup_steps={o.warmup_steps}): '{o.sparse}' throughout"
 
 
 def _freeze(params, strategy) -> None:

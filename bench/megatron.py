@@ -45,7 +45,10 @@ runs one megatron row per GPU count and entry, with the engine's communication o
 (``OVERLAPS``: train.overlap_grad_reduce, moe_shared_expert_overlap); the default is
 ``none``, the engine's defaults. ``--float8 none,rowwise,tensorwise`` runs one local row per entry, the dense
 projections in FP8 through nam-plugin-float8 (``--moe float8-grouped`` puts the routed experts there too);
-``--engines local`` runs the baseline row alone. Each row is
+``--engines local`` runs the baseline row alone. ``--numerics fp32-master,bf16-moments,...`` and ``--recompute
+none/mamba/mamba,moe/full`` run every row once per optimizer numerics and activation-recompute choice
+(``RECOMPUTE_CHOICES``; the megatron engine has no rows for the numerics it refuses); the first row is the one
+the ``vs first`` column divides by. Each row is
 printed, and the JSON rewritten (``complete`` false until the last), as its run ends, so a run cut short by a
 time limit keeps the rows it finished.
 """
@@ -68,6 +71,8 @@ from pathlib import Path
 # This file shares its name with the megatron package: with bench/ first on the import path (as `python
 # bench/megatron.py` and torchrun put it), `import megatron.core` would find this file. Drop bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from nam_core.engine.config import NUMERICS  # noqa: E402 (after the path fix above)
 
 RESUME_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
 """Resumed vs uninterrupted run, per step. Measured bit-exact on CPU (gloo, fp32, EP 2, 20 steps); on GPU the
@@ -104,17 +109,9 @@ OVERLAPS = {"none": {}, "grad": {"overlap_grad_reduce": True}, "shared": {"moe_s
 ``train.overlap_param_gather`` is not among them: the engine refuses it (``checks.check_layout``)."""
 PUBLISHED_FLOP_PER_TOKEN = 31.2e9
 """NAM56R's record: 289 TFLOP/s per GPU at ~9,250 tokens/s per GPU (issue 8)."""
-KEYS = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
 
 
 # --- one run, in its own process ---------------------------------------------------------------------------
-
-
-def model_config(spec: dict):
-    from nam56r.recipes import get_recipe
-
-    return get_recipe(spec["recipe"]).model.replace(**spec.get("model", {}))
-
 
 SSM_BACKENDS = ("mamba-ssm", "mimo-scan")
 """``throughput --ssm``: the Mamba-3 scan of the fast backends (kind ``ssm``, by its plugin's name)."""
@@ -122,72 +119,25 @@ FAST = {"attention_backend": "sparse-mla", "indexer_kernels_backend": "sparse-ml
 """The fast backends besides the scan, by config field (what the nam56r recipe selects)."""
 
 
-def ssm_scan(name: str):
-    """The ``ssm`` backend ``name`` of SSM_BACKENDS, built directly (mamba-ssm with its patches applied)."""
-    if name == "mamba-ssm":
-        from nam_plugin_mamba_ssm import patches, upstream
-        from nam_plugin_mamba_ssm.scan import MambaSSMScan
-
-        upstream.install_shim()
-        patches.apply_needed()
-        return MambaSSMScan()
-    if name == "mimo-scan":
-        from nam_plugin_mimo_scan.scan import MimoScan
-
-        return MimoScan()
-    raise ValueError(f"ssm backend {name!r}: expected one of {', '.join(SSM_BACKENDS)}")
-
-
 MOE_BACKENDS = {"grouped": "grouped-moe", "float8-grouped": "float8", "reference": "reference"}
+"""``throughput --moe``: the routed experts (kind ``moe``) by backend name -> the plugin providing it."""
 FLOAT8_LINEARS = ("none", "rowwise", "tensorwise")
 """``throughput --float8``: the local engine's dense projections as they are, or swapped for torchao's
-Float8Linear by nam-plugin-float8's ``convert`` (the same swap ``--plugins float8 --set float8.linears=...``
-makes)."""
-"""``throughput --moe``: the routed experts (kind ``moe``) by backend name -> the plugin providing it."""
+Float8Linear by nam-plugin-float8 (``--plugins float8 --set float8.linears=...``)."""
 
 
-def experts(name: str):
-    if name == "grouped":
-        from nam_plugin_grouped_moe.experts import GroupedExperts
-
-        return GroupedExperts()
-    if name == "float8-grouped":
-        from nam_plugin_float8.experts import Float8GroupedExperts
-
-        return Float8GroupedExperts()
-    if name == "reference":
-        from nam56r.reference.moe import ReferenceExperts
-
-        return ReferenceExperts()
-    raise ValueError(f"moe backend {name!r}: expected one of {', '.join(MOE_BACKENDS)}")
-
-
-def backends_for(name: str, ssm: str = "mamba-ssm", moe: str = "grouped"):
-    """``reference``: every kind's reference; ``fast``: the scan ``ssm``, sparse-mla's attention core and
-    indexer kernels, liger's CE head, the routed experts ``moe`` (the nam56r recipe's choices), the reference
-    for the rest."""
-    from nam56r.model import Backends
-
-    if name == "reference":
-        return Backends.reference()
-    from nam_plugin_liger.head import LigerCEHead
-    from nam_plugin_sparse_mla.attention import SparseMLA, SparseMLAIndexerKernels
-
-    return dataclasses.replace(Backends.reference(), ssm=ssm_scan(ssm), attention=SparseMLA(),
-                               indexer_kernels=SparseMLAIndexerKernels(), ce=LigerCEHead(), moe=experts(moe))
-
-
-def run_spec(spec: dict, train):
-    """This run's ``RunSpec`` from the composition root (``nam56r.run.spec_for``), which the engines hand the
-    lifecycle hooks: the recipe with the bench's model and train changes as ``--set`` overrides, and the fast
-    backends' plugins by name. The backends themselves are built directly (``backends_for``), not activated, so
-    no plugin self-test runs in a timed process; the spec's device is a profile (nothing touches CUDA here)."""
+def request_for(spec: dict, train):
+    """This run as ``nam train`` would ask for it (``nam56r.run.RunRequest``): the recipe with the bench's model
+    and train changes as ``--set`` overrides, and the fast backends' plugins by name (``--float8``: the float8
+    plugin's ``linears`` option, the swap ``--plugins float8`` makes). ``build`` then activates them on this
+    GPU (their self-tests run before the first timed step), lowers the model and checks the layout, exactly as
+    ``nam train`` does."""
     from nam56r.recipes import get_recipe
-    from nam56r.run import spec_for
+    from nam56r.run import RunRequest
 
     base = get_recipe(spec["recipe"]).train
     overrides = [f"{k}={v}" for k, v in spec.get("model", {}).items()]
-    overrides += [f"train.{f.name}={getattr(train, f.name)}" for f in dataclasses.fields(train)
+    overrides += [f"train.{f.name}={_setting(getattr(train, f.name))}" for f in dataclasses.fields(train)
                   if f.name not in ("engine", "device", "tp", "pp", "ep", "plugin_options")
                   and getattr(train, f.name) != getattr(base, f.name)]
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
@@ -195,8 +145,24 @@ def run_spec(spec: dict, train):
         ssm, moe = spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped")
         overrides += [f"ssm_backend={ssm}", f"moe_backend={moe}", *(f"{k}={v}" for k, v in FAST.items())]
         plugins += [ssm, MOE_BACKENDS[moe], *dict.fromkeys(FAST.values())]
-    return spec_for(spec["recipe"], *overrides, plugins=plugins, device=train.device, engine=train.engine,
-                    tp=train.tp, pp=train.pp, ep=train.ep)
+    if spec.get("float8", "none") != "none":
+        plugins += [] if "float8" in plugins else ["float8"]
+        overrides += [f"float8.linears={spec['float8']}"]
+    return RunRequest(recipe=spec["recipe"], plugins=list(dict.fromkeys(plugins)), overrides=overrides,
+                      engine=train.engine, device=train.device, tp=train.tp, pp=train.pp, ep=train.ep,
+                      max_steps=spec.get("steps"), env_plugins=False)
+
+
+def session_for(spec: dict, train, **build):
+    """The built run (``nam56r.run.build``) of ``spec`` on this process's GPU, with its engine started."""
+    from nam56r.run import build as build_run, resolve
+    from nam_core.engine.contract import engine_for
+    from nam_core.host import PluginHost
+
+    host = PluginHost()
+    run = resolve(request_for(spec, train), host)
+    engine = engine_for(train.engine)
+    return build_run(run, host, engine, engine.start(run.spec, dry_run=False), quiet=True, **build)
 
 
 def packed_rows(seq_len: int, seed: int):
@@ -212,7 +178,7 @@ def packed_rows(seq_len: int, seed: int):
 
 
 class NoHooks:
-    """A host with no active plugin hooks (the backends are built directly, as bench/period.py does)."""
+    """Lifecycle hooks that do nothing: the base of a benchmark's own hooks, which run beside the plugins'."""
 
     def transform_model(self, model, spec):
         return []
@@ -222,6 +188,9 @@ class NoHooks:
 
     def after_step(self, step, run, metrics):
         pass
+
+    def run_report(self, run):
+        return []
 
 
 class ProfileStep(NoHooks):
@@ -375,85 +344,46 @@ def hooks_for(spec: dict):
             moe.LocalDispatcher = MoEAlltoAllTokenDispatcher  # the control run only
         return SyncCheck(spec["warmup_steps"], Path(spec["sync_check_out"]))
     if spec.get("profile_step") is None:
-        return NoHooks()
+        return None
     return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
+
+
+def _setting(value) -> str:
+    """A train field's value as ``--set`` takes it (a tuple as a comma list)."""
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def run_worker(spec: dict) -> None:
     """One engine run described by ``spec`` (written by ``launch``); metrics land in ``spec['run_dir']``."""
-    import torch
-
-    from nam56r.flops import flops_per_token
     from nam_core.engine.config import TrainConfig
 
-    cfg = model_config(spec)
-    train = TrainConfig(**spec["train"])
-    backends = backends_for(spec["backends"], spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped"))
-    packed = packed_rows(cfg.seq_len, train.seed)
+    train = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["train"].items()})  # JSON lists
+    train = train.replace(device="cuda")
     run_dir = Path(spec["run_dir"])
     init = Path(spec["init"]) if spec.get("init") else None
-    flops = flops_per_token(cfg).total
     if spec["engine"] == "grads":
-        from nam_core.engine import megatron
-
+        session = session_for(spec, train.replace(engine="megatron", ep=spec["ep"]))
         run_dir.mkdir(parents=True, exist_ok=True)
-        train = train.replace(engine="megatron", ep=spec["ep"])
-        step1_gradients(cfg, train, backends, lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
-                        run_dir)
-        megatron.shutdown()
+        step1_gradients(session, run_dir)
+        session.engine.finish()
         return
     if spec["engine"] == "megatron":
-        from nam56r.megatron import NamMegatronModel, lower
-        from nam_core.engine import megatron
-
         train = train.replace(engine="megatron", ep=spec["ep"], pp=spec.get("pp", 1))
-        lowering = lower(cfg, ep=train.ep, pp=train.pp, micro_batch_size=train.micro_batch_size,
-                         bf16=train.dtype == "bfloat16", schedule=train.schedule)
-        schedules = {}
-        if train.schedule == "dualpipev":  # what `--plugins dualpipev` registers
-            from nam_plugin_dualpipev.engine import DualPipeV
-
-            schedules["dualpipev"] = DualPipeV
-        run = megatron.MegatronRun(
-            run_dir=run_dir, spec=run_spec(spec, train), train=train, backends=backends.as_mapping(),
-            model=NamMegatronModel(cfg, backends, lowering, seed=train.seed, init_from=init),
-            host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops,
-            batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in KEYS},
-            resume_from=Path(spec["resume"]) if spec.get("resume") else None, quiet=True,
-            checkpoints=spec.get("checkpoints", True), schedules=schedules)
-        megatron.train(run)
-        megatron.shutdown()  # after success only: on an error the other ranks may sit in a collective
-        return
-    from nam56r.model import build_model
-    from nam56r.state import ForwardState
-    from nam_core.engine.local import LocalRun, train as local_train
-
-    torch.manual_seed(train.seed)
-    model = build_model(cfg, backends, device="cuda")
-    if init is not None:
-        model.load_state_dict(torch.load(init, map_location="cuda", weights_only=True))
-    model = model.to(getattr(torch, train.dtype))
-    if spec.get("float8", "none") != "none":
-        from nam_plugin_float8.linears import convert
-
-        print(convert(model, spec["float8"]), file=sys.stderr, flush=True)
-
-    def forward(batch: dict, micro: int) -> dict:
-        return model(**batch, state=ForwardState(micro_batch=micro, seq_layout=tuple(batch["tokens"].shape)))
-
-    def batch_at(index: int, size: int) -> dict:
-        return {k: v.cuda() for k, v in packed.batch_at(index, size).items() if k in KEYS}
-
+    else:
+        train = train.replace(engine="local")
+    session = session_for(spec, train, init_from=init)
     run_dir.mkdir(parents=True, exist_ok=True)
-    local_train(LocalRun(run_dir=run_dir, train=train, model=model, forward=forward, batch_at=batch_at,
-                         host=hooks_for(spec), max_steps=spec["steps"], flops_per_token=flops, quiet=True,
-                         spec=run_spec(spec, train.replace(engine="local")), backends=backends.as_mapping()))
+    session.engine.train(session.engine_run(
+        run_dir, resume_from=Path(spec["resume"]) if spec.get("resume") else None, quiet=True,
+        hooks=hooks_for(spec), checkpoints=spec.get("checkpoints", True)))
+    session.engine.finish()  # after success only: on an error the other ranks may sit in a collective
 
 
-def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]:
-    """Under torchrun (PP 1): step 1's forward-backward through the megatron engine's model, no optimizer step,
-    against the local model's gradients on the same rows, for every Megatron parameter on this rank. Writes
-    ``out_dir/grads_rank<R>.json`` (this rank's rows, worst first) and returns the rows.
+def step1_gradients(session, out_dir: Path) -> list[dict]:
+    """Under torchrun (PP 1): step 1's forward-backward through the megatron engine's model (``session``: a
+    built megatron run, ``nam56r.run.build``), no optimizer step, against the local model's gradients on the
+    same rows, for every Megatron parameter on this rank. Writes ``out_dir/grads_rank<R>.json`` (this rank's
+    rows, worst first) and returns the rows.
 
     Both start from nam's initialisation at ``train.seed``; the local model runs all ``dp x grad_accum``
     micro-batches on each rank, and its gradients are renamed and sliced for this rank (``for_this_rank``).
@@ -463,13 +393,12 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from nam56r.megatron import NamMegatronModel, for_this_rank, lower
+    from nam56r.megatron import for_this_rank
     from nam56r.model import build_model
     from nam56r.state import ForwardState
     from nam_core.engine import megatron as engine
 
-    lowering = lower(cfg, ep=train.ep, micro_batch_size=train.micro_batch_size, bf16=train.dtype == "bfloat16")
-    provider = NamMegatronModel(cfg, backends, lowering, seed=train.seed)
+    provider, train, cfg = session.model, session.spec.train, session.spec.model
     pg = engine.init_parallel(**provider.parallel, seed=train.seed)
     device = engine.device()
     config, (ddp,) = engine.build_ddp(provider, train, pg, distributed_optimizer=False)  # whole gradients; pp 1
@@ -479,7 +408,7 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     dp, dp_rank, n, mbs = pg.dp.size(), pg.dp.rank(), train.grad_accum, train.micro_batch_size
 
     def rows_of(i):
-        return {k: v.to(device) for k, v in batch_at(i, mbs).items()}
+        return {k: v.to(device) for k, v in session.batches(i, mbs).items()}
 
     get_forward_backward_func()(
         forward_step_func=provider.forward_step, data_iterator=((dp_rank * n + j, rows_of(dp_rank * n + j))
@@ -488,13 +417,13 @@ def step1_gradients(cfg, train, backends, batch_at, out_dir: Path) -> list[dict]
     got = {name: p.main_grad.detach().float() for name, p in module.named_parameters()}
 
     torch.manual_seed(train.seed)
-    local = build_model(cfg, backends, device=device).to(getattr(torch, train.dtype))
+    local = build_model(cfg, session.backends, device=device).to(getattr(torch, train.dtype))
     for i in range(dp * n):
         batch = rows_of(i)
         out_i = local(**batch, state=ForwardState(micro_batch=i, seq_layout=tuple(batch["tokens"].shape)))
         (out_i["loss"] / (dp * n)).backward()
     want = for_this_rank(module, {k: p.grad.float() for k, p in local.named_parameters() if p.grad is not None},
-                         lowering, pg)
+                         provider.lowering, pg)
     rows = []
     for name, g in got.items():
         w = want.get(name)
@@ -774,19 +703,20 @@ def throughput(args) -> int:
     train = dataclasses.asdict(recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=steps,
                                                     warmup_steps=1, checkpoint_every=0, schedule="single"))
     rows = []
-    runs = ([("local", 1, "none", f8) for f8 in args.float8] if "local" in args.engines else []) + \
-        ([("megatron", n, o, "none") for n in args.gpus for o in args.overlap] if "megatron" in args.engines else [])
+    runs = throughput_runs(args)
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
-    print("| engine | GPUs | topology | overlap | MBS | tokens/s per GPU | TFLOP/s per GPU "
-          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs local |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for engine, n, overlap, f8 in runs:
+    print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
+          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs first |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for engine, n, overlap, f8, numerics, recompute in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
-            (f"-float8-{f8}" if f8 != "none" else "")
+            (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}"
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
                 "engine": engine, "float8": f8,
-                "run_dir": str(work / name), "steps": steps, "ep": n, "train": {**train, **OVERLAPS[overlap]},
+                "run_dir": str(work / name), "steps": steps, "ep": n,
+                "train": {**train, **OVERLAPS[overlap], "optimizer_numerics": numerics,
+                          "recompute": RECOMPUTE_CHOICES[recompute]},
                 "checkpoints": False}
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
@@ -796,14 +726,15 @@ def throughput(args) -> int:
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
         rows.append({"engine": engine if f8 == "none" else f"{engine}, float8 linears {f8}", "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
-                     "overlap": overlap, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
+                     "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics), "first_step_s": logged[0]["step_time_s"]})
         shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]
-        vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x" if runs[0][0] == "local" else "-"
-        print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['mbs']} "
+        vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x"
+        print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['numerics']} | {r['recompute']} "
+              f"| {r['mbs']} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} "
               f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} "
               f"| {r['first_step_s']:.1f} | {vs} |",
@@ -816,6 +747,28 @@ def throughput(args) -> int:
         print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+RECOMPUTE_CHOICES = {"none": (), "mamba": ("mamba",), "moe": ("moe",), "attention": ("attention",),
+                     "mamba,moe": ("mamba", "moe"), "mixers": ("mixers",), "full": ("full",)}
+"""``throughput --recompute``: the ``train.recompute`` each row runs (a kind, a set, or a preset)."""
+
+
+def throughput_runs(args) -> list[tuple]:
+    """(engine, GPUs, overlap, float8, numerics, recompute) of each throughput row: the local rows (one per float8
+    entry), then the megatron rows (one per GPU count and overlap), each once per numerics and recompute choice.
+    Numerics the megatron engine refuses (nam_core/engine/megatron/optimizer.py) get no megatron row; the table
+    says so below it."""
+    from nam_core.engine.megatron.optimizer import NUMERICS_REFUSED
+
+    runs = []
+    for numerics in args.numerics:
+        for recompute in args.recompute:
+            if "local" in args.engines:
+                runs += [("local", 1, "none", f8, numerics, recompute) for f8 in args.float8]
+            if "megatron" in args.engines and numerics not in NUMERICS_REFUSED:
+                runs += [("megatron", n, o, "none", numerics, recompute) for n in args.gpus for o in args.overlap]
+    return runs
 
 
 def syncs(args) -> int:
@@ -908,6 +861,11 @@ def main() -> int:
     t.add_argument("--float8", type=lambda s: s.split(","), default=["none"],
                    help=f"comma-separated, one local row each: {', '.join(FLOAT8_LINEARS)} (the dense projections "
                         "through nam-plugin-float8; the first row is the ratios' baseline)")
+    t.add_argument("--numerics", type=lambda s: s.split(","), default=["fp32-master"],
+                   help=f"train.optimizer_numerics of each row, among {', '.join(NUMERICS)} (the megatron engine "
+                        "refuses stochastic-rounding and bf16: local rows only)")
+    t.add_argument("--recompute", type=lambda s: s.split("/"), default=["none"],
+                   help=f"train.recompute of each row, '/'-separated, among {' / '.join(RECOMPUTE_CHOICES)}")
     t.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (at least 1: the first "
                    "step builds kernels; its time is the 'first step s' column)")
     t.add_argument("--iters", type=int, default=4)
@@ -935,6 +893,10 @@ def main() -> int:
         ap.error(f"--overlap: among {', '.join(OVERLAPS)}, found {','.join(args.overlap)}")
     if args.command == "throughput" and set(args.float8) - set(FLOAT8_LINEARS):
         ap.error(f"--float8: any of {', '.join(FLOAT8_LINEARS)}, found {','.join(args.float8)}")
+    if args.command == "throughput" and set(args.numerics) - set(NUMERICS):
+        ap.error(f"--numerics: any of {', '.join(NUMERICS)}, found {','.join(args.numerics)}")
+    if args.command == "throughput" and set(args.recompute) - set(RECOMPUTE_CHOICES):
+        ap.error(f"--recompute: '/'-separated among {' / '.join(RECOMPUTE_CHOICES)}, found {'/'.join(args.recompute)}")
     if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
         ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
     if args.command in ("check", "pipeline") and args.steps % 2:

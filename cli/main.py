@@ -15,7 +15,39 @@ from nam_cli.console import err
 from nam_core import __version__
 from nam_core.errors import Interrupted, NamError
 
+class _Group(typer.core.TyperGroup):
+    """The root group: once the command tree is assembled, its help reads as nam's docs write it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        tidy_help(self)
+
+
+def tidy_help(command) -> None:
+    """Help and usage lines without type tags: a flag shows no ``<bool>``, an option shows its declared
+    metavar (``--set KEY=VALUE``) or its type, an argument reads ``SRC`` (``nam data prepare [OPTIONS] SRC``)
+    instead of ``{src}``. Walks ``command`` and every subcommand; idempotent."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+        elif param.param_type_name == "argument":
+            param.metavar = param.metavar or param.name.upper()
+            param.get_usage_pieces = lambda ctx, p=param: [p.metavar + ("..." if p.nargs != 1 else "")]
+    if not getattr(command, "_nam_tidy", False):  # --help is made per call: tidy it as it is made
+        command._nam_tidy, made = True, command.get_help_option
+        command.get_help_option = lambda ctx: _no_metavar(made(ctx))
+    for sub in getattr(command, "commands", {}).values():
+        tidy_help(sub)
+
+
+def _no_metavar(option):
+    if option is not None:
+        option.metavar = ""
+    return option
+
+
 app = typer.Typer(
+    cls=_Group,
     name="nam",
     help="Train NAM56R: fail-closed plugins, preflight checks, a patch lane for upstream bugs.",
     no_args_is_help=True,
@@ -52,7 +84,8 @@ def report(error: NamError) -> None:
     err.print(f"[bold red]{label}:[/bold red] {error.message}", markup=True, highlight=False)
     if error.hint:
         err.print(f"[bold]hint:[/bold] {error.hint}", highlight=False)
-    err.print("set NAM_DEBUG=1 for the full traceback", style="dim")
+    if error.exit_code == 1:  # a failure nobody expected (a bug); the others are expected and say what to do
+        err.print("set NAM_DEBUG=1 for the full traceback", style="dim")
 
 
 def _interrupt(signum: int, frame) -> None:

@@ -18,7 +18,7 @@ DeviceProfileOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="KEY=VALUE override: a model field, "
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="KEY=VALUE override: a model field, "
                    "train.<field>, or <plugin>.<option>. Repeatable.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: the recipe's).")]
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="megatron: start torchrun with this many "

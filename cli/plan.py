@@ -25,12 +25,13 @@ RUN_FILES = {
     "config.json": "the resolved config (what makes a resume the same run)",
     "plugins.json": "active plugins, backends, patches, versions, device",
     "metrics.jsonl": "one JSON line per logged step",
-    "run.log": "one-off notes (selected fields, hand-overs, checkpoints)",
+    "run.log": "one-off notes (selected fields, hand-overs, checkpoints saved)",
     "checkpoints/": "",
-    "summary.json": "steady-state tokens/s and TFLOP/s, first step apart, LM loss over the last steps",
+    "summary.json": "steady-state tokens/s and TFLOP/s, first step apart, LM loss over the last steps, the newest "
+                    "checkpoint, the resume command",
+    "tensorboard/": "event files of every logged step, when tensorboard is installed (the [tensorboard] extra)",
 }
-"""What a run folder holds (nam_core/engine: rundir.py, metrics.py, checkpoint.py; cli/train.py's config and
-summary)."""
+"""What a run folder holds (``nam_core.engine.rundir.RunFolder`` owns every file)."""
 
 
 # --- building the plan ----------------------------------------------------------------------------------
@@ -87,6 +88,14 @@ def on_profile(run, host, profile: str, *, run_dir: Path | None, data: Path | No
     return build(run, host, device, run_dir=run_dir, data=data, packages_needed=tuple(packages))
 
 
+def of_session(session, *, run_dir: Path | None, data: Path | None) -> dict:
+    """The plan of a built dry-run ``session`` (``nam56r.run.build(..., dry_run=True)``): its activated
+    plugins, built backends, applied patches and, on the megatron engine, its layout."""
+    megatron = session.megatron_layout() if session.spec.engine == "megatron" else None
+    return build(session.run, session.host, session.device, run_dir=run_dir, data=data, backends=session.backends,
+                 patches=session.patches, megatron=megatron)
+
+
 def build(run, host, device, *, run_dir: Path | None, data: Path | None, backends=None, patches=None,
           megatron: dict | None = None, packages_needed: tuple[str, ...] = ()) -> dict:
     """The plan as JSON-ready data. ``backends`` (the built objects) and ``patches`` (the patch reports) come
@@ -133,39 +142,74 @@ def model_section(cfg) -> dict:
 
 
 def memory_section(spec, device) -> dict:
-    """Per-device memory: the static part counted exactly, activations where they were measured
-    (nam56r/memory.py says what is counted and what measured)."""
+    """Per-device memory under the run's optimizer numerics and activation recompute: the static part counted
+    exactly, activations where they were measured, split by block kind (estimates under recompute until
+    measured; nam56r/memory.py says what is counted, measured and estimated)."""
     import torch
 
     from nam56r import memory
+    from nam_core.engine.config import recompute_kinds
+    from nam_core.engine.numerics import describe
 
     cfg, train, lay = spec.model, spec.train, spec.layout
     dense, routed = memory.parameter_split(cfg)
     capacity = device.memory_bytes / memory.GIB if device.memory_bytes else None
-    section = {"capacity_gib": capacity, "outside_allocator_gib": None, "activations": None, "fits": None}
+    kinds = recompute_kinds(train)
+    section = {"capacity_gib": capacity, "outside_allocator_gib": None, "activations": None, "fits": None,
+               "numerics": describe(train.optimizer_numerics, train.dtype), "recompute": list(kinds),
+               "activations_by_kind": None}
+    measured = memory.activations_measured(cfg)
     if spec.engine == "local":
         nbytes = torch.empty((), dtype=getattr(torch, train.dtype)).element_size()
-        section.update(scope="one process holds everything, in " + train.dtype, **memory.local_static_gib(
-            dense + routed, nbytes), activations="not estimated for the local engine")
+        section.update(scope="one process holds everything, in " + train.dtype,
+                       **memory.local_static_gib(dense + routed, nbytes, train.optimizer_numerics))
+        if not measured or nbytes != 2:
+            section["activations"] = ("not estimated: the local engine's were measured only in bfloat16 at "
+                                      + ", ".join(f"{k} {v}" for k, v in memory.MEASURED_SHAPE.items()))
+            return section
+        rows = memory.activations_by_kind(cfg, kinds, per_sequence=memory.LOCAL_GIB_PER_SEQUENCE)
+        per_seq = memory.per_sequence_gib(rows)
+        plan = memory.local_plan(dense + routed, nbytes, numerics=train.optimizer_numerics,
+                                 mbs=train.micro_batch_size, per_sequence=per_seq)
+        section.update(plan, activations=_activations_note(kinds), activations_by_kind=rows,
+                       outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB)
+        if capacity is not None:
+            fits = lambda mbs: memory.local_plan(dense + routed, nbytes, numerics=train.optimizer_numerics, mbs=mbs,
+                                                 per_sequence=per_seq)["total_gib"] + memory.OUTSIDE_ALLOCATOR_GIB \
+                <= capacity
+            section.update(fits=fits(train.micro_batch_size),
+                           largest_micro_batch=max([m for m in range(1, 65) if fits(m)], default=0))
         return section
     if lay.pp > 1 or lay.tp > 1:
         section.update(scope="per GPU", activations=f"not estimated: the model is for pp 1 and tp 1 (found pp "
                                                     f"{lay.pp}, tp {lay.tp})")
         return section
-    measured = memory.activations_measured(cfg)
-    kw = {} if measured else {"other_gib_per_sequence": 0.0, "other_gib_fixed": 0.0}
-    plan = memory.megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size, **kw)
+    rows = memory.activations_by_kind(cfg, kinds, per_sequence=memory.OTHER_GIB_PER_SEQUENCE) if measured else None
+    per_seq = memory.per_sequence_gib(rows) if rows else 0.0
+    kw = {"other_gib_per_sequence": per_seq} if measured else {"other_gib_per_sequence": 0.0, "other_gib_fixed": 0.0}
+    numerics = train.optimizer_numerics if train.optimizer_numerics in memory.MEGATRON_OPTIMIZER else "fp32-master"
+    plan = memory.megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
+                                numerics=numerics, **kw)
     section.update(scope=f"per GPU, {lay.world_size} GPUs at ep {lay.ep}, micro-batch {train.micro_batch_size}",
                    **plan.to_dict())
     if not measured:
         section["activations"] = ("not estimated: measured only at " + ", ".join(
             f"{k} {v}" for k, v in memory.MEASURED_SHAPE.items()))
         return section
-    section.update(activations="measured (nam56r/memory.py)", outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB)
+    section.update(activations=_activations_note(kinds), activations_by_kind=rows,
+                   outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB)
     if capacity is not None:
         section.update(fits=plan.fits(capacity), largest_micro_batch=memory.largest_mbs(
-            dense, routed, world=lay.world_size, ep=lay.ep, capacity_gib=capacity))
+            dense, routed, world=lay.world_size, ep=lay.ep, capacity_gib=capacity, per_sequence=per_seq,
+            numerics=numerics))
     return section
+
+
+def _activations_note(kinds) -> str:
+    if not kinds:
+        return "measured (nam56r/memory.py); split by kind: an estimate"
+    return (f"measured without recompute; under recompute of {', '.join(kinds)}: an ESTIMATE until measured "
+            "(nam56r/memory.py activations_by_kind; bench/megatron.py throughput --recompute measures it)")
 
 
 def backend_providers(spec, host) -> dict[str, dict]:
@@ -279,16 +323,22 @@ def _model(plan: dict) -> list[str]:
 
 def _memory(plan: dict) -> list[str]:
     m = plan["memory"]
+    head = [f"numerics: {m['numerics']}", f"activation recompute: {', '.join(m['recompute']) or 'none'}"]
     if "static_gib" not in m:
-        return ["", f"memory: {m['activations']}"]
-    lines = ["", f"memory ({m['scope']}): weights {_gib(m['weights_gib'])} + gradients {_gib(m['grads_gib'])} + "
-                 f"optimizer {_gib(m['optimizer_gib'])} = {_gib(m['static_gib'])} static"]
+        return ["", *head, f"memory: {m['activations']}"]
+    lines = ["", *head, f"memory ({m['scope']}): weights {_gib(m['weights_gib'])} + gradients {_gib(m['grads_gib'])} "
+                        f"+ optimizer {_gib(m['optimizer_gib'])} = {_gib(m['static_gib'])} static"]
     if m.get("outside_allocator_gib") is None:
         lines.append(f"  activations: {m['activations']}")
     else:
         need = m["total_gib"] + m["outside_allocator_gib"]
-        lines.append(f"  + activations and temporaries {m['other_gib']:.1f} GiB (measured) = peak {m['total_gib']:.1f} "
-                     f"GiB; + {m['outside_allocator_gib']:.1f} GiB outside the allocator = {need:.1f} GiB")
+        rows = m.get("activations_by_kind") or {}
+        by_kind = ", ".join(f"{k} {r['gib']:.2f}" + (" (recomputed)" if r["recomputed"] else "")
+                            for k, r in rows.items() if r["layers"])
+        lines.append(f"  activations per sequence by kind, GiB: {by_kind}  [{m['activations']}]")
+        at = f" (at the {m['peak_at']})" if m.get("peak_at") else ""
+        lines.append(f"  + activations and temporaries {m['other_gib']:.1f} GiB = peak {m['total_gib']:.1f} GiB{at}; "
+                     f"+ {m['outside_allocator_gib']:.1f} GiB outside the allocator = {need:.1f} GiB")
     if m.get("fits") is not None:
         verdict = "fits" if m["fits"] else "does NOT fit"
         lines.append(f"  {verdict} in {m['capacity_gib']:.1f} GiB; largest micro-batch that fits: "

@@ -44,8 +44,17 @@ def list_plugins(json_out: JsonOpt = False, device_profile: DeviceProfileOpt = N
               title=f"nam plugins (checked against {device.label})", show_lines=True, names=("plugin", "distribution", "here"))
     for row in rows:
         provides = "\n".join(f"{k}: {', '.join(v)}" for k, v in row["provides"].items()) or "-"
-        requires = "\n".join(f"{r['check']} {r['needed']}: {STATUS_STYLE[r['status']]} ({r['found']})"
+        requires = "\n".join(f"{_requirement(r)}: {STATUS_STYLE[r['status']]} ({r['found']})"
                              for r in row["requires"]) or "-"
         here = "[green]yes[/green]" if row["meets_requirements"] else "[red]no[/red]"
         t.add_row(row["name"], f"{row['distribution']}\n{row['version']}", provides, requires, here)
     out.print(t)
+
+
+def _requirement(req: dict) -> str:
+    """A requirement as one phrase: ``CUDA capability >= sm_90``, ``torch>=2.11``, ``a CUDA device`` (the check's
+    name only where what is needed does not already say it)."""
+    check, needed = req["check"], req["needed"]
+    if not needed:
+        return check
+    return needed if check.split()[-1].lower() in needed.lower() else f"{check} {needed}"

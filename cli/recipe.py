@@ -65,14 +65,17 @@ def list_recipes(json_out: JsonOpt = False) -> None:
 
 
 def describe_megatron(name: str, *, tp: int, pp: int, ep: int) -> dict:
-    """The recipe's Megatron lowering as JSON-ready data, with the equivalent command-line flags."""
-    from nam56r.megatron import lower, megatron_args
-    from nam56r.recipes import get_recipe
+    """The recipe's Megatron lowering at ``tp/pp/ep`` as JSON-ready data, with the equivalent command-line
+    flags: the lowering ``nam train --engine megatron`` makes (``nam56r.run.lowering_for``), shown with its
+    open gaps rather than refused, so a user sees what a layout still lacks."""
+    from nam56r.megatron import megatron_args
+    from nam56r.run import RunRequest, lowering_for, resolve
+    from nam_core.run import Layout
 
-    recipe = get_recipe(name)
-    lowering = lower(recipe.model, tp=tp, pp=pp, ep=ep, micro_batch_size=recipe.train.micro_batch_size,
-                     schedule=recipe.train.schedule, bf16=recipe.train.dtype == "bfloat16")
-    return {"recipe": recipe.name, **lowering.to_dict(), "flags": megatron_args(lowering)}
+    spec = resolve(RunRequest(recipe=name, env_plugins=False)).spec
+    spec = spec.replace(engine="megatron", layout=Layout(tp=tp, pp=pp, ep=ep, world_size=tp * pp * ep))
+    lowering = lowering_for(spec)
+    return {"recipe": spec.recipe, **lowering.to_dict(), "flags": megatron_args(lowering)}
 
 
 def _print_megatron(m: dict) -> None:

@@ -1,8 +1,10 @@
 """``nam train``: resolve, check everything, then train. Nothing is written until every check has passed.
 
-Order: recipe + overrides -> engine/device -> plugin activation (exit 3 on failure) -> patch lane ->
-dataset (exit 4 on failure) -> run folder identity -> build -> train. ``--dry-run`` stops after building the
-model on the meta device and prints the plan.
+Order: recipe + overrides (``nam56r.run.resolve``) -> the engine starts -> ``nam56r.run.build`` (device,
+plugin activation: exit 3 on failure; patch lane; backends; model; dataset: exit 4 on failure) -> the run
+folder (``RunFolder``: lock, how the run starts, its files) -> the engine trains -> the summary. ``--dry-run``
+stops after building the model on the meta device and prints the plan. This module holds the command's
+options and its hints; what a run is and how it trains live in ``nam56r.run`` and ``nam_core.engine``.
 
 ``--engine megatron`` runs one process per GPU under torchrun (``--nproc N`` starts torchrun itself): the
 allocator is set before CUDA starts, the runtime (megatron-core >= 0.19, CUDA, torchrun, psutil) and the
@@ -13,10 +15,7 @@ rank 0 alone prepares the data and writes the run folder's files.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -26,11 +25,10 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from nam_cli import plan
-from nam_cli.console import out, print_json
+from nam_cli.console import out, print_json, progress
 from nam_cli.options import (
     DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt,
 )
-from nam_core.cache import cache_dir
 from nam_core.engine import rundir
 
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (`nam recipe list`).")]
@@ -39,9 +37,6 @@ MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Stop af
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default runs/<recipe>).")]
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="Prepared dataset folder (`nam data prepare`); "
                     "default: the Python standard library corpus, prepared once into the cache.")]
-EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Prepared dataset folder to evaluate on "
-                        "(train.eval_every); default: the training data's validation split (nam data prepare "
-                        "--val-fraction).")]
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="'auto' (newest good checkpoint of "
                       "--run-dir; none yet: start afresh) or a checkpoint folder of this config. A resume may "
                       f"change {', '.join(rundir.RESUMABLE)} (recorded in history.jsonl).")]
@@ -51,113 +46,40 @@ EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, build on the meta device, "
                       "print the plan; train nothing, write nothing.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
-
-
-def _dataset(data: Path | None, seq_len: int, vocab: int, seed: int, quiet: bool):
-    from nam_core.data.dataset import PackedSequences, open_dataset
-
-    if data is None:
-        from nam56r.blocks.structure import char_structure_ids
-        from nam_core.data.prepare import build_stdlib_corpus
-        from nam_core.data.tokenizer import ByteTokenizer
-
-        data = build_stdlib_corpus(cache_dir(), ByteTokenizer(), char_structure_ids, progress=not quiet)
-    dataset = open_dataset(data)
-    dataset.check_vocab(vocab)
-    return data, PackedSequences(dataset.split("train"), seq_len, seed)  # never the held-out documents
-
-
-def _held_out(train, dataset, eval_data: Path | None, seq_len: int, vocab: int, keys: tuple):
-    """The validation rows (nam_core/engine/validation.py) when ``train.eval_every`` asks for them: ``--eval-data``
-    (a whole prepared dataset, the training data's tokenizer), else the training dataset's validation split.
-    None when the run does not evaluate; DataError (exit 4) when it should and there is nothing to evaluate on."""
-    from nam_core.data.dataset import PackedSequences, open_dataset
-    from nam_core.engine.validation import HeldOut
-    from nam_core.errors import DataError
-
-    if train.eval_every == 0:
-        return None
-    if eval_data is not None:
-        held = open_dataset(eval_data)
-        held.check_vocab(vocab)
-        if held.tokenizer != dataset.tokenizer:
-            raise DataError(f"--eval-data {eval_data} was tokenized with {held.tokenizer.get('name')!r}, the "
-                            f"training data {dataset.path} with {dataset.tokenizer.get('name')!r}",
-                            hint=f"prepare it with the training data's tokenizer: nam data prepare SRC --out "
-                                 f"{eval_data} --tokenizer ... --overwrite")
-        source = str(held.path)
-    elif dataset.validation_documents:
-        held, source = open_dataset(dataset.path).split("validation"), f"{dataset.path}, validation split"
-    else:
-        raise DataError(f"train.eval_every={train.eval_every} needs held-out data; {dataset.path} holds none out",
-                        hint=f"prepare it with a validation split (nam data prepare SRC --out {dataset.path} "
-                             "--val-fraction 0.01 --overwrite), pass --eval-data DIR, or --set train.eval_every=0")
-    rows = PackedSequences(held, seq_len, train.seed)
-    return HeldOut(batch_at=lambda i, b: {k: v for k, v in rows.batch_at(i, b).items() if k in keys},
-                   rows=len(rows), seq_len=seq_len, source=source)
-
-
-def _record(recipe, plugins: list[str], host, data: Path) -> dict:
-    """What makes two runs the same run: resuming under a different record is refused."""
-    from nam_core.data.dataset import identity
-
-    train = dataclasses.asdict(recipe.train)
-    return {"recipe": recipe.name, "model": dataclasses.asdict(recipe.model), "train": train,
-            "plugins": {n: host.installed[n].version for n in plugins}, "data": str(Path(data).resolve()),
-            "dataset": identity(data)}
+EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Prepared dataset folder to evaluate on "
+                        "(train.eval_every); default: the training data's validation split (nam data prepare "
+                        "--val-fraction).")]
 
 
 def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
-    """``again(resume="auto", sets={"train.lr": "3e-05"})``: this very command (``ctx``) again, with
-    ``--run-dir`` and ``--resume`` set and those ``--set`` overrides replaced; the hints of a refused start, a
-    stop and the NaN guard print it, so it must be a command that works as written."""
+    """``again(resume="auto", sets={"train.lr": "3e-05"}, max_steps=20)``: this very command (``ctx``) again,
+    with ``--run-dir`` and ``--resume`` set, those ``--set`` overrides replaced and ``--max-steps`` replaced
+    (None: dropped; left out: as given); the hints of a refused start, a stop, the NaN guard and the summary
+    print it, so it must be a command that works as written."""
     params = ctx.params if ctx is not None else {}
     base: list[str] = []
+    at = 0  # where --max-steps goes: the place of its parameter
     for param in ctx.command.params if ctx is not None else []:
         value = params.get(param.name)
-        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out") or value in (None, False) \
-                or value == param.default:
+        at = len(base) if param.name == "max_steps" else at
+        if param.name in ("run_dir", "resume", "set_", "dry_run", "json_out", "max_steps") \
+                or value in (None, False) or value == param.default:
             continue
         flag = max((o for o in param.opts if o.startswith("--")), key=len)
         base += [flag] if value is True else [flag, str(value)]
     given = list(params.get("set_") or [])
+    given_steps = params.get("max_steps")
 
-    def again(*, resume: str | None = "auto", sets: dict | None = None) -> str:
+    def again(*, resume: str | None = "auto", sets: dict | None = None, max_steps: int | None | str = "given") -> str:
         sets = sets or {}
         kept = [s for s in given if s.split("=", 1)[0].strip() not in sets]
         overrides = [*kept, *(f"{k}={v}" for k, v in sets.items())]
-        return shlex.join(["nam", "train", *base, "--run-dir", str(run_dir),
+        steps = given_steps if max_steps == "given" else max_steps
+        flags = [*base[:at], *(["--max-steps", str(steps)] if steps is not None else []), *base[at:]]
+        return shlex.join(["nam", "train", *flags, "--run-dir", str(run_dir),
                            *(a for o in overrides for a in ("--set", o)), *(["--resume", resume] if resume else [])])
 
     return again
-
-
-def _claim(run_dir: Path, record: dict, resume: str | None, *, held, rank0: bool, megatron: bool, again):
-    """The run folder for this run: usable, locked for the run's life (rank 0, which writes), and how the run
-    starts in it (``rundir.plan``: fresh, restart or resume; refusals before anything is written)."""
-    rundir.check_usable(run_dir)
-    folder = None
-    if rank0:
-        folder = held.enter_context(rundir.RunFolder(run_dir))
-        held.enter_context(rundir.readable_filesystem_errors(run_dir))
-    if megatron:
-        from nam_core.engine import megatron as meg
-
-        good, resolve = meg.good_checkpoints, lambda spec, root, warn: meg.resolve_resume(spec, root)
-    else:
-        from nam_core.engine import checkpoint
-
-        good, resolve = checkpoint.good_checkpoints, checkpoint.resolve_resume
-    start = rundir.plan(run_dir, record, resume, good=good, resolve=resolve, again=again)
-    if folder is not None and folder.stale:
-        start.notes.insert(0, folder.stale)
-    return start
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def train(
@@ -168,7 +90,8 @@ def train(
     json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None, eval_data: EvalDataOpt = None,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
-    from nam56r.run import RunRequest, resolve
+    from nam56r.run import RunRequest, build, resolve
+    from nam_core.engine.contract import engine_for
     from nam_core.host import PluginHost
 
     plan.check_profile_flag(device_profile, dry_run)
@@ -177,140 +100,69 @@ def train(
                              device=device, seed=seed, tp=tp, pp=pp, ep=ep, nproc=nproc, max_steps=max_steps), host)
     if device_profile is not None:  # a GPU run planned on a machine without that GPU: no engine, no CUDA
         return plan.show(plan.on_profile(run, host, device_profile, run_dir=run_dir, data=data), json_out=json_out)
-    mega = None
-    if engine == "megatron":
-        mega = _megatron_start(run, dry_run=dry_run)
-    with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
-        if mega is None:
-            return _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run,
-                          quiet=quiet, json_out=json_out, held=held, ctx=ctx, eval_data=eval_data)
-        _train(run, host, mega=mega, run_dir=run_dir, data=data, resume=resume, dry_run=dry_run, quiet=quiet,
-               json_out=json_out, held=held, ctx=ctx, eval_data=eval_data)
-    from nam_core.engine.megatron import shutdown
-
-    shutdown()  # on success only: after an error on one rank, the others may sit in a collective (torchrun
-    # then stops them), and a barrier here would wait for them forever
-
-
-def _train(run, host, *, mega, run_dir, data, resume, dry_run, quiet, json_out, held, ctx=None,
-           eval_data=None) -> None:
-    """What follows the engine's start: activation, patches, data, run folder, training (rank 0 writes)."""
-    import torch
-
-    from nam56r import memory
-    from nam56r.flops import flops_per_token
-    from nam56r.model import Backends, build_model
-    from nam56r.run import activate, run_device
-    from nam_core.patches import apply_all
-
-    engine = "local" if mega is None else "megatron"
-    dev = run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if mega else 0)
-    run = activate(run, host, dev)  # PluginActivationError (exit 3) lists every failed check
-    memory.check_fits(run.spec, dev)  # ConfigError (exit 2) with the plan's numbers: nothing allocated or written
-    rec, names, steps = run.recipe, list(run.spec.plugins), run.max_steps
-    patch_reports = apply_all(host.registry("patches"))
-    backends = Backends.from_registries(host.registries, rec.model, options=run.spec.options,
-                                        device=rec.train.device)
-    flops = flops_per_token(rec.model).total
-    provider = None
-    if mega is not None:
-        provider = _megatron_model(run, backends, host)
-
+    eng = engine_for(run.spec.engine)
+    ranks = eng.start(run.spec, dry_run=dry_run, relaunch=_relaunch)
+    say = progress(ranks.writes and not (quiet or json_out or dry_run))
+    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say,
+                    eval_data=eval_data)
     if dry_run:
-        build_model(rec.model, backends, device="meta")  # the model builds with these backends; allocates nothing
-        megatron = ({"world_size": mega["world_size"], **provider.parallel,
-                     "hybrid_layer_pattern": provider.lowering.hybrid_layer_pattern} if provider is not None else None)
-        plan.show(plan.build(run, host, dev, run_dir=run_dir, data=data, backends=backends, patches=patch_reports,
-                             megatron=megatron), json_out=json_out)
-        return
+        return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
+    folder = rundir.RunFolder(run_dir or Path("runs") / run.spec.recipe)
+    with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
+        summary = _train(session, folder, resume, held=held, quiet=quiet or json_out, again=_again(folder.path, ctx),
+                         say=say)
+    if summary is not None:
+        if json_out:
+            print_json(summary)
+        elif not quiet:
+            from nam_core.engine.summary import describe, where_lines
 
-    rank0 = mega is None or mega["rank"] == 0
-    if mega is not None and not rank0:
-        _barrier()  # rank 0 prepares the data first (one writer into the cache)
-    keys = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
-    data_path, packed = _dataset(data, rec.model.seq_len, rec.model.vocab_size, rec.train.seed, quiet or not rank0)
-    held_out = _held_out(rec.train, packed.dataset, eval_data, rec.model.seq_len, rec.model.vocab_size, keys)
-    if mega is not None and rank0:
-        _barrier()
-    run_dir = run_dir or Path("runs") / rec.name
-    record = _record(rec, names, host, data_path)
-    again = _again(run_dir, ctx)
-    start = _claim(run_dir, record, resume, held=held, rank0=rank0, megatron=mega is not None, again=again)
+            out.print(describe(summary), markup=False, highlight=False)
+            for line in where_lines(summary):
+                out.print(line, markup=False, highlight=False)
+    eng.finish()
+
+
+def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say) -> dict | None:
+    """The run folder (rank 0 locks and writes it; every rank reads how the run starts), the engine's training,
+    and rank 0's summary (None on the other ranks)."""
+    from nam_core.engine.summary import numerics_fields, summarize
+
+    eng, writes, record, steps = session.engine, session.ranks.writes, session.record(), session.run.max_steps
+    rundir.check_usable(folder.path)
+    if writes:
+        held.enter_context(folder)
+        held.enter_context(rundir.readable_filesystem_errors(folder.path))
+    start = folder.claim(record, resume, good=eng.good_checkpoints, resolve=eng.resolve_resume, again=again,
+                         max_steps=steps)  # a resume with no step left: exit 2, nothing written
     record["branch"] = start.branch  # every checkpoint says which line it belongs to (rundir: lineage)
-    rundir.check_steps_ahead(start, steps, run_dir)  # a resume with no step left: exit 2, nothing written
-    if mega is not None:
-        _barrier()  # every rank has looked at the run folder before rank 0 writes into it
-    resume_from = start.resume_from
-
-    notes = [*start.notes, *rec.notes]
-    if rank0:
-        rundir.begin(run_dir, start)
-        _write_json_atomic(run_dir / "config.json", record)
-        _write_json_atomic(run_dir / "plugins.json", {
-            "active": {n: {"distribution": host.installed[n].distribution, "version": host.installed[n].version}
-                       for n in names},
-            "backends": {k: type(b).__name__ for k, b in backends.as_mapping().items()},
-            "patches": [r.to_dict() for r in patch_reports],
-            "python": platform.python_version(), "torch": torch.__version__, "device": dev.to_dict(),
-            **({"megatron": {"world_size": mega["world_size"], **provider.parallel}} if mega else {}),
-        })
-
+    eng.barrier()  # every rank has looked at the run folder before rank 0 writes into it
+    if writes:
+        folder.begin(start, record, session.plugins_info())
+    say(f"run folder: {folder.path} ({_start_text(start, steps)})")
     started = time.monotonic()  # the summary's wall time: training, checkpoints included
-    if mega is not None:
-        from nam_core.engine import megatron as megatron_engine
-
-        schedules = host.registry("schedules")
-        mrun = megatron_engine.MegatronRun(
-            run_dir=run_dir, spec=run.spec, train=rec.train, model=provider, host=host, max_steps=steps,
-            flops_per_token=flops, batch_at=lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in keys},
-            schedules={n: schedules.get(n) for n in schedules.names()}, backends=backends.as_mapping(), record=record,
-            resume_from=resume_from, quiet=quiet or json_out, notes=notes, again=again, held_out=held_out)
-        summary = megatron_engine.train(mrun)
-    else:
-        summary = _train_local(run.spec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from,
-                               notes, quiet or json_out, again=again, held_out=held_out)
-    if not rank0:
-        return
-    from nam_core.engine.metrics import read_metrics
-    from nam_core.engine.summary import describe, summarize
-
-    summary.update(run_dir=str(run_dir), recipe=rec.name, engine=engine, plugins=names, **summarize(
-        read_metrics(run_dir), wall_s=time.monotonic() - started, steps_run=summary["steps"] - summary["started_at_step"],
-        tokens_per_step=summary["tokens_per_step"], first_step=summary["started_at_step"] + 1))
-    _write_json_atomic(run_dir / "summary.json", summary)
-    if json_out:
-        print_json(summary)
-    elif not quiet:
-        out.print(describe(summary), markup=False, highlight=False)
+    result = eng.train(session.engine_run(folder.path, resume_from=start.resume_from, notes=start.notes,
+                                          quiet=quiet, again=again, record=record))
+    if not writes:
+        return None
+    result.update(run_dir=str(folder.path), recipe=session.spec.recipe, engine=session.spec.engine,
+                  plugins=list(session.spec.plugins), **numerics_fields(session.spec.train), **summarize(
+                      folder.metrics(), wall_s=time.monotonic() - started,
+                      steps_run=result["steps"] - result["started_at_step"], tokens_per_step=result["tokens_per_step"],
+                      first_step=result["started_at_step"] + 1))
+    last = result.get("last_checkpoint")
+    result.update(rundir.whereabouts(folder.path, Path(last) if last not in (None, "None") else None,
+                                     steps_run=result["steps_run"], again=again,
+                                     total_steps=session.spec.train.total_steps))
+    folder.write_summary(result)
+    return result
 
 
-def _train_local(rec, backends, host, packed, keys, run_dir, steps, flops, record, resume_from, notes, quiet,
-                 again=None, held_out=None) -> dict:
-    """``rec``: the RunSpec."""
-    import torch
-
-    from nam56r.model import build_model
-    from nam56r.state import ForwardState
-    from nam_core.engine.local import LocalRun, train as local_train
-
-    torch.manual_seed(rec.train.seed)
-    model = build_model(rec.model, backends, device=rec.train.device).to(dtype=getattr(torch, rec.train.dtype))
-    target = torch.device(rec.train.device)
-
-    def batch_at(step: int, batch_size: int) -> dict:
-        batch = packed.batch_at(step, batch_size)
-        return {k: v.to(target) for k, v in batch.items() if k in keys}
-
-    def forward(batch: dict, micro_batch: int) -> dict:
-        state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
-        out = model(**batch, state=state)
-        notes.extend(state.log)  # the engine logs each distinct line once
-        return out
-
-    return local_train(LocalRun(run_dir=run_dir, train=rec.train, model=model, forward=forward, batch_at=batch_at,
-                                host=host, max_steps=steps, flops_per_token=flops, record=record,
-                                resume_from=resume_from, quiet=quiet, notes=notes, spec=rec,
-                                backends=backends.as_mapping(), again=again, held_out=held_out))
+def _start_text(start, steps: int) -> str:
+    """How the run starts in its folder, and the steps it will train."""
+    how = {"fresh": "a new run", "restart": "a new run; the stopped one moved aside",
+           "resume": f"resuming from {start.resume_from}"}[start.kind]
+    return f"{how}; steps {start.step + 1} to {steps}"
 
 
 def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
@@ -327,41 +179,7 @@ def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
             "-m", "nam_cli", *rest]
 
 
-def _megatron_start(run, *, dry_run) -> dict:
-    """Before anything touches CUDA: the allocator, the runtime; then the process group. The layout and the
-    lowering were checked by the composition root (``nam56r.run.resolve``).
-
-    Returns ``{"rank", "world_size"}``. With ``--nproc`` and no torchrun around this process, it
-    replaces itself with torchrun running the same command (so this never returns there).
-    """
-    from nam_core.engine import megatron as meg
-
-    lay, train = run.spec.layout, run.spec.train
-    if dry_run:
-        return {"rank": 0, "world_size": lay.world_size}
-    if "WORLD_SIZE" not in os.environ and lay.nproc is not None:
-        argv = _torchrun_argv(sys.argv[1:], lay.nproc)
-        os.execv(argv[0], argv)  # noqa: the same command, once per GPU
-    import torch
-
-    meg.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    meg.check_runtime(meg.runtime_facts(), dispatcher=train.moe_dispatcher)
-    meg.init_distributed()
-    return {"rank": torch.distributed.get_rank(), "world_size": lay.world_size}
-
-
-def _megatron_model(run, backends, host):
-    """NAM56R for the megatron engine from the activated run's lowering (``nam56r.run.activate`` lowered it
-    with the registered schedule and checked the layout), checked before anything is written."""
-    from nam56r.megatron import NamMegatronModel
-
-    schedules = host.registry("schedules")
-    model = NamMegatronModel(run.spec.model, backends, run.lowering, seed=run.spec.train.seed)
-    model.check(registered_schedules={n: schedules.get(n) for n in schedules.names()})
-    return model
-
-
-def _barrier() -> None:
-    import torch
-
-    torch.distributed.barrier()
+def _relaunch(nproc: int) -> None:
+    """Replace this process with torchrun running this same command on ``nproc`` processes."""
+    argv = _torchrun_argv(sys.argv[1:], nproc)
+    os.execv(argv[0], argv)  # noqa: the same command, once per GPU

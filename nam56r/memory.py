@@ -25,6 +25,9 @@ from dataclasses import dataclass
 GIB = 2**30
 BF16_WEIGHT, FP32_GRAD, FP32_OPTIMIZER = 2, 4, 12
 """Bytes per parameter: bf16 weights; fp32 gradient buffers; fp32 main weights plus Adam's two moments."""
+MEGATRON_OPTIMIZER = {"fp32-master": FP32_OPTIMIZER, "bf16-moments": 4 + 2 + 2}
+"""The distributed optimizer's bytes per parameter under ``train.optimizer_numerics`` (fp32 main weights; two
+fp32 or two bf16 moments). The megatron engine refuses the other numerics."""
 
 OTHER_GIB_PER_SEQUENCE = 22.95
 OTHER_GIB_FIXED = 2.8
@@ -88,21 +91,24 @@ class MemoryPlan:
 
 def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int,
                   other_gib_per_sequence: float = OTHER_GIB_PER_SEQUENCE,
-                  other_gib_fixed: float = OTHER_GIB_FIXED) -> MemoryPlan:
-    """Peak memory per GPU at pipeline size 1 (see the module docstring for what is counted and what measured)."""
+                  other_gib_fixed: float = OTHER_GIB_FIXED, numerics: str = "fp32-master") -> MemoryPlan:
+    """Peak memory per GPU at pipeline size 1 (see the module docstring for what is counted and what measured).
+    ``other_gib_per_sequence``: the activations of one sequence (``activations_by_kind`` under recompute)."""
     if world < 1 or ep < 1 or world % ep or mbs < 1:
         raise ValueError(f"world={world}, ep={ep}, mbs={mbs}: need world, ep, mbs >= 1 and ep dividing world")
     local = dense + routed / ep
     sharded = dense / world + routed / world  # experts: routed/ep over world/ep ranks
     return MemoryPlan(world=world, ep=ep, mbs=mbs, local_params=local, weights_gib=BF16_WEIGHT * local / GIB,
-                      grads_gib=FP32_GRAD * local / GIB, optimizer_gib=FP32_OPTIMIZER * sharded / GIB,
+                      grads_gib=FP32_GRAD * local / GIB, optimizer_gib=MEGATRON_OPTIMIZER[numerics] * sharded / GIB,
                       other_gib=other_gib_fixed + other_gib_per_sequence * mbs)
 
 
-def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB) -> int:
+def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB,
+                per_sequence: float = OTHER_GIB_PER_SEQUENCE, numerics: str = "fp32-master") -> int:
     """The largest micro-batch whose plan ``fits`` a GPU of ``capacity_gib`` (0 if not even MBS 1 fits)."""
-    base = megatron_plan(dense, routed, world=world, ep=ep, mbs=1, other_gib_per_sequence=0).total_gib
-    return max(0, math.floor((capacity_gib - OUTSIDE_ALLOCATOR_GIB - base) / OTHER_GIB_PER_SEQUENCE))
+    base = megatron_plan(dense, routed, world=world, ep=ep, mbs=1, other_gib_per_sequence=0,
+                         numerics=numerics).total_gib
+    return max(0, math.floor((capacity_gib - OUTSIDE_ALLOCATOR_GIB - base) / per_sequence))
 
 
 MEASURED_SHAPE = {"hidden": 4096, "seq_len": 4096, "num_layers": 52}
@@ -116,13 +122,98 @@ def activations_measured(cfg) -> bool:
     return all(getattr(cfg, k) == v for k, v in MEASURED_SHAPE.items())
 
 
-def local_static_gib(params: int, dtype_bytes: int) -> dict[str, float]:
-    """The local engine's static memory: weights, gradients and AdamW's two moments, all in the training dtype
-    (the model is cast to it, and torch's AdamW keeps its moments in the parameters' dtype). One process holds
-    everything: nothing is sharded."""
+def local_static_gib(params: int, dtype_bytes: int, numerics: str = "bf16") -> dict[str, float]:
+    """The local engine's static memory: weights and gradients in the training dtype, and the optimizer's states
+    under ``train.optimizer_numerics`` (nam_core/engine/numerics.py ``STATE_BYTES``; a float32 run's parameters
+    are their own masters: two fp32 moments). One process holds everything: nothing is sharded."""
+    from nam_core.engine.numerics import STATE_BYTES
+
     weights = params * dtype_bytes / GIB
-    return {"weights_gib": weights, "grads_gib": weights, "optimizer_gib": 2 * weights,
-            "static_gib": 4 * weights}
+    state = STATE_BYTES[numerics] if dtype_bytes == 2 else 8
+    optimizer = params * state / GIB
+    return {"weights_gib": weights, "grads_gib": weights, "optimizer_gib": optimizer,
+            "static_gib": 2 * weights + optimizer}
+
+
+LOCAL_GIB_PER_SEQUENCE = 21.27
+LOCAL_GIB_FIXED = 4.4
+"""The local engine's activations at NAM56R's shape (``MEASURED_SHAPE``), one H200: peaks 72.2 and 114.8 GiB at
+MBS 2 and 4 (bench/results/megatron_throughput_h200_1gpu.json, megatron_throughput_h200_local_mbs4.json; bf16
+parameters and moments) over weights and moments of 26.4 GiB: 21.27 GiB per sequence, 4.4 GiB fixed. The
+gradients are not in that peak's static part: the backward allocates them as it frees activations."""
+
+
+# --- activations by block kind, under activation recompute (estimates until measured) ---------------------
+
+KINDS = ("mamba", "moe", "attention")
+"""Recompute kinds by layer kind (nam56r/recompute.py ``KIND_OF_LAYER``)."""
+
+
+def kept_bytes_per_token(cfg) -> dict[str, tuple[int, float]]:
+    """Kind -> (layers, bytes per token one layer keeps for backward without recompute), by an analytic model:
+    every matrix keeps its input and its output for backward (bf16, 2 bytes each); a routed expert matrix
+    ``[E, a, b]`` does so for each of the ``moe_topk`` experts a token visits. It counts what sizes the layers
+    in proportion to one another; ``activations_by_kind`` scales it to the measured total."""
+    from nam56r.model import build_model
+    from nam56r.recompute import KIND_OF_LAYER
+
+    totals: dict[str, list] = {}
+    for layer in build_model(cfg, device="meta").layers:
+        per_token = 0
+        for p in layer.parameters():
+            if p.ndim == 2:
+                per_token += p.shape[0] + p.shape[1]
+            elif p.ndim == 3:
+                per_token += cfg.moe_topk * (p.shape[1] + p.shape[2])
+        row = totals.setdefault(KIND_OF_LAYER[layer.spec.kind], [0, 0])
+        row[0] += 1
+        row[1] += 2 * per_token
+    return {k: (n, total / n) for k, (n, total) in totals.items()}
+
+
+def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> dict[str, dict]:
+    """GiB of activations per sequence by recompute kind (``mamba``, ``moe``, ``attention``) under the recompute
+    ``kinds``, and ``replay``: the one layer a recompute rebuilds at a time in backward. ESTIMATES until measured
+    per kind (``bench/megatron.py throughput --recompute``):
+
+    * without recompute, the measured ``per_sequence`` (everything the run keeps for one sequence, the MTP depths
+      and the CE head included) is split among the kinds in proportion to ``kept_bytes_per_token``;
+    * a recomputed mixer keeps its input and its norm's input (2 x hidden bf16 per token and layer); a recomputed
+      whole layer (``layer``) keeps its input (1 x hidden);
+    * the replay holds one layer of the largest recomputed kind's activations, as without recompute.
+    """
+    kept = kept_bytes_per_token(cfg)
+    modelled = sum(n * b for n, b in kept.values()) * cfg.seq_len / GIB
+    scale = per_sequence / modelled
+    rows, replay = {}, 0.0
+    for kind, (n, per_layer) in kept.items():
+        full = n * per_layer * cfg.seq_len * scale / GIB
+        recomputed = "layer" in kinds or kind in kinds
+        inputs = (1 if "layer" in kinds else 2) * cfg.hidden * 2
+        rows[kind] = {"layers": n, "gib": n * inputs * cfg.seq_len / GIB if recomputed else full,
+                      "recomputed": recomputed, "without_recompute_gib": full}
+        if recomputed:
+            replay = max(replay, full / n)
+    rows["replay"] = {"layers": 1 if replay else 0, "gib": replay, "recomputed": False, "without_recompute_gib": 0.0}
+    return rows
+
+
+def per_sequence_gib(rows: dict[str, dict]) -> float:
+    """One sequence's activations under a recompute choice (``activations_by_kind``)."""
+    return sum(r["gib"] for r in rows.values())
+
+
+def local_plan(params: int, dtype_bytes: int, *, numerics: str, mbs: int, per_sequence: float) -> dict:
+    """The local engine's peak: the larger of the backward's (weights, optimizer states, activations; the
+    gradients replace freed activations, ``LOCAL_GIB_FIXED``) and the optimizer step's (weights, optimizer
+    states, the gradients it reads: fp32 with fp32 masters)."""
+    static = local_static_gib(params, dtype_bytes, numerics)
+    held = static["weights_gib"] + static["optimizer_gib"]
+    grads = params * (4 if dtype_bytes == 4 or numerics in ("fp32-master", "bf16-moments") else 2) / GIB
+    backward = held + LOCAL_GIB_FIXED + per_sequence * mbs
+    step = held + grads
+    return {**static, "other_gib": per_sequence * mbs + LOCAL_GIB_FIXED, "total_gib": max(backward, step),
+            "peak_at": "backward" if backward >= step else "optimizer step"}
 
 
 # --- before anything is allocated or written: can this run fit at all? ----------------------------------
@@ -191,9 +282,11 @@ def check_fits(spec, device) -> dict:
                           hint=_smaller(cfg, train)) from e
     if megatron:
         static = megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                               other_gib_per_sequence=0.0, other_gib_fixed=0.0).static_gib
+                               other_gib_per_sequence=0.0, other_gib_fixed=0.0,
+                               numerics=train.optimizer_numerics).static_gib
     else:
-        static = local_static_gib(dense + routed, DTYPE_BYTES.get(train.dtype, 4))["static_gib"]
+        static = local_static_gib(dense + routed, DTYPE_BYTES.get(train.dtype, 4),
+                                  train.optimizer_numerics)["static_gib"]
     plan.update(static_gib=static, parameters=dense + routed, exact=True)
     if capacity and static + bound["activations_gib"] > capacity / GIB:
         raise _too_big(plan, where, cfg, train, "")

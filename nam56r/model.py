@@ -29,6 +29,7 @@ from nam56r.blocks.structure import StructureEmbedding
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.pattern import LayerSpec, resolve
+from nam56r.recompute import checkpointed
 from nam56r.state import ForwardState
 from nam_core.kinds import Kind
 
@@ -46,10 +47,17 @@ def backends_class(kinds: Sequence[Kind]) -> type:
         return cls(**{k.name: build_backend(registries[k.name].get(getattr(cfg, k.field)), ctx) for k in kinds})
 
     def reference(cls):
-        """The pure-PyTorch backends, for tests and for counting parameters on the meta device."""
-        from nam56r.reference.plugin import reference_backends
+        """The pure-PyTorch backends (the built-in plugin ``reference``'s), without a plugin host: for tests and
+        for counting parameters on the meta device."""
+        from nam56r.blocks.indexer import FullIndexer
+        from nam56r.reference.attention import ReferenceAttention, ReferenceIndexerKernels
+        from nam56r.reference.ce import ReferenceCEHead
+        from nam56r.reference.mamba3 import ReferenceSSMScan
+        from nam56r.reference.moe import ReferenceExperts
 
-        return reference_backends()
+        return Backends(ssm=ReferenceSSMScan(), attention=ReferenceAttention(),
+                        indexer_kernels=ReferenceIndexerKernels(), indexer=FullIndexer(), ce=ReferenceCEHead(),
+                        moe=ReferenceExperts())
 
     def as_mapping(self) -> dict[str, Any]:
         """Kind -> backend object (what a ``StepContext`` carries)."""
@@ -83,7 +91,18 @@ class Layer(nn.Module):
             self.mixer = DSA(cfg, backends.attention, backends.indexer, dsa_rank=spec.dsa_rank, is_mtp=is_mtp,
                              indexer_kernels=backends.indexer_kernels)
 
+    recompute: str | None = None
+    """``None``, or the recompute kind that covers this layer (``nam56r.recompute.apply``): ``layer`` recomputes
+    norm and mixer in backward, any other kind the mixer alone."""
+
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        if self.recompute == "layer":
+            return checkpointed(self._body, state, x)
+        if self.recompute is not None:
+            return x + checkpointed(self.mixer, state, self.norm(x))
+        return self._body(x, state)
+
+    def _body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         return x + self.mixer(self.norm(x), state)
 
 

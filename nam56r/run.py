@@ -26,15 +26,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from nam56r import memory
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
-from nam_core import bounds
+from nam_core import bounds, selection
 from nam_core.device import DeviceInfo
-from nam_core.engine.config import ENGINES, TrainConfig
+from nam_core.engine.config import ENGINES, TrainConfig, recompute_kinds
+from nam_core.engine.contract import Engine, EngineRun, HookChain, Ranks
 from nam_core.errors import CannotRunHere, ConfigError, PluginActivationError
 from nam_core.host import Evaluation, PluginHost, requested_plugins
 from nam_core.run import Layout, RunSpec
@@ -43,6 +45,8 @@ BUILTIN_PLUGINS = ("reference",)
 """nam56r's own plugin, active in every run: the provider of every kind's default."""
 LOCAL_SCHEDULES = ("single",)
 """The local engine runs micro-batches one after the other and nothing else."""
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "segment_ids", "structure")
+"""What NAM56R reads of a packed row (``nam_core.data.dataset.PackedSequences.batch_at`` gives more)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
     spec = RunSpec(
         recipe=rec.name, model=rec.model, train=train, engine=request.engine, layout=layout, plugins=tuple(names),
         backends=_backends(rec.model, train), options=options, explicit=rec.explicit, notes=tuple(rec.notes),
-        wrapped=_wrapped(rec.model, infos, options),
+        wrapped=selection.wrapped(rec.model, infos, options, BACKEND_KINDS),
     )
     declared = [n for info in infos.values() for n in info.provides.get("schedules", ())]
     lowering = _check_megatron(spec, declared=declared) if request.engine == "megatron" else None
@@ -183,6 +187,244 @@ def spec_for(recipe: str | Recipe = "nam56r-tiny", *overrides: str, plugins: Seq
     return spec.replace(device=run_device(spec, profile=profile))
 
 
+@dataclass
+class Session:
+    """A built run: what ``build`` made from an activated ``Run``, everything an engine needs."""
+
+    run: Run
+    host: PluginHost
+    engine: Engine
+    ranks: Ranks
+    device: DeviceInfo
+    patches: list
+    """The patch lane's reports (``nam_core.patches.PatchReport``), applied for this process."""
+    backends: Any
+    """``nam56r.model.Backends``: the backend object of every kind."""
+    flops_per_token: float
+    model: Any
+    """Local engine: a ``LocalModel`` on the run's device, built by ``trainable()`` (after the run folder has
+    accepted the run, so a refused start allocates nothing); megatron engine: a ``NamMegatronModel`` (built on
+    each rank by the engine); a dry run: NAM56R on the meta device (allocates nothing)."""
+    notes: list[str]
+    """Lines for the run log: how plugins changed the config, then what the blocks report while training."""
+    data: Path | None = None
+    batches: Callable[[int, int], dict] | None = None
+    """``batches(index, batch_size)``: micro-batch ``index`` of the data (None on a dry run)."""
+    held_out: Any = None
+    """The validation rows (``HeldOut``) when ``train.eval_every`` asks for them."""
+    say: Callable[[str], None] = lambda line: None
+    init_from: Path | None = None
+
+    def trainable(self):
+        """The model the engine trains (the local engine's is built here, once, on first use)."""
+        if self.model is None:
+            spec = self.spec
+            first = (f"the first step {'compiles kernels and ' if spec.train.device == 'cuda' else ''}warms up, so "
+                     "it takes longer than the rest")
+            self.say(f"building the model ({spec.train.dtype}, on {spec.train.device})")
+            self.model = _local_model(spec, self.backends, self.notes, self.init_from)
+            self.say(f"model: {sum(p.numel() for p in self.model.module.parameters()):,} parameters; {first}")
+        return self.model
+
+    @property
+    def spec(self) -> RunSpec[NAM56RConfig]:
+        return self.run.spec
+
+    def record(self) -> dict:
+        """What makes two runs the same run (config.json; every checkpoint's manifest): resuming under a
+        different record is refused, except for the fields ``rundir.RESUMABLE`` names; a resume on data
+        replaced under the same path is refused by the dataset's identity (its checksums)."""
+        from nam_core.data.dataset import identity
+
+        s = self.spec
+        return {"recipe": s.recipe, "model": dataclasses.asdict(s.model), "train": dataclasses.asdict(s.train),
+                "plugins": {n: self.host.installed[n].version for n in s.plugins},
+                "data": str(Path(self.data).resolve()) if self.data is not None else None,
+                "dataset": identity(self.data) if self.data is not None else None}
+
+    def plugins_info(self) -> dict:
+        """What ran (plugins.json): plugins and their distributions, backends, patches, versions, device."""
+        import platform
+
+        import torch
+
+        installed = self.host.installed
+        info = {"active": {n: {"distribution": installed[n].distribution, "version": installed[n].version}
+                           for n in self.spec.plugins},
+                "backends": {k: type(b).__name__ for k, b in self.backends.as_mapping().items()},
+                "patches": [r.to_dict() for r in self.patches],
+                "python": platform.python_version(), "torch": torch.__version__, "device": self.device.to_dict()}
+        if self.spec.engine == "megatron":
+            info["megatron"] = self.megatron_layout()
+        return info
+
+    def megatron_layout(self) -> dict:
+        """The megatron engine's process count, parallel sizes and layer pattern (for the plan and plugins.json)."""
+        lay, lowering = self.spec.layout, self.run.lowering
+        return {"world_size": self.ranks.world_size, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep,
+                "hybrid_layer_pattern": lowering.hybrid_layer_pattern}
+
+    def engine_run(self, run_dir: Path, *, resume_from: Path | None = None, notes: Sequence[str] = (),
+                   quiet: bool = False, again=None, hooks: Any = None, checkpoints: bool = True,
+                   record: dict | None = None) -> EngineRun:
+        """The ``EngineRun`` of this session in ``run_dir``. ``hooks``: lifecycle hooks that run after the
+        plugins' (a benchmark's profiler); ``notes``: lines of the start (resume, restart) before the session's;
+        ``record``: the identity the run folder recorded (``record()`` and the start's branch)."""
+        schedules = self.host.registry("schedules")
+        self.notes[:0] = list(notes)
+        return EngineRun(
+            run_dir=Path(run_dir), spec=self.spec, model=self.trainable(),
+            host=HookChain(self.host, hooks) if hooks is not None else self.host,
+            batch_at=self.batches,
+            max_steps=self.run.max_steps, flops_per_token=self.flops_per_token,
+            backends=self.backends.as_mapping(), schedules={n: schedules.get(n) for n in schedules.names()},
+            held_out=self.held_out, record=record if record is not None else self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
+            checkpoints=checkpoints)
+
+
+def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *, data: Path | None = None,
+          dry_run: bool = False, quiet: bool = False, device: DeviceInfo | None = None,
+          init_from: Path | None = None, batches: Callable[[int, int], dict] | None = None,
+          say: Callable[[str], None] = lambda line: None, eval_data: Path | None = None) -> Session:
+    """Stages 3 and 4 (the device, activation), then everything ``engine`` needs to train ``run``: the patch
+    lane applied, the backends, FLOPs per token, the model or model provider, the data (rank 0 prepares it
+    first; the other ranks wait), in that order, so a refusal comes before any allocation.
+
+    ``device``: in place of the probed one (the gloo suite's double); ``init_from``: a nam ``model.pt`` the
+    weights start from instead of nam's initialisation at the seed (the benches' shared initial state);
+    ``batches``: rows in place of a dataset (the tests' fixed random rows); ``say(line)``: what is being done,
+    before each slow part (``nam train`` prints it before the first step); ``eval_data``: a prepared dataset to
+    evaluate on (``--eval-data``) in place of the training data's validation split."""
+    from nam56r import memory
+    from nam56r.flops import flops_per_token
+    from nam56r.model import Backends, build_model
+    from nam_core.patches import apply_all
+
+    megatron = run.spec.engine == "megatron"
+    device = device or run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if megatron else 0)
+    run = activate(run, host, device)  # PluginActivationError (exit 3) lists every failed check
+    spec = run.spec
+    memory.check_fits(spec, device)  # ConfigError (exit 2) with the plan's numbers: nothing allocated or written
+    patches = apply_all(host.registry("patches"))
+    backends = Backends.from_registries(host.registries, spec.model, options=spec.options, device=spec.train.device)
+    session = Session(run=run, host=host, engine=engine, ranks=ranks, device=device, patches=patches,
+                      backends=backends, flops_per_token=flops_per_token(spec.model).total, model=None,
+                      notes=list(spec.notes), say=say, init_from=init_from)
+    if dry_run:
+        session.model = build_model(spec.model, backends, device="meta")  # it builds with these backends
+        return session
+    _announce(say, session)
+    if megatron:
+        say(f"building the model ({spec.train.dtype}, on {spec.train.device}); the first step compiles kernels "
+            "and warms up, so it takes longer than the rest")
+        session.model = _megatron_model(run, backends, host, init_from)
+    if batches is not None:
+        session.batches = batches
+        return session
+    say(f"data: {data}" if data is not None else
+        "data: the Python standard library's source, tokenized once into nam's cache (reused after)")
+    if not ranks.writes:
+        engine.barrier()  # rank 0 prepares the data first (one writer into the cache)
+    session.data, packed = _dataset(data, spec, quiet=quiet or not ranks.writes)
+    if ranks.writes and megatron:
+        engine.barrier()
+    session.held_out = _held_out(spec, packed.dataset, eval_data)
+    session.batches = lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in BATCH_KEYS}
+    return session
+
+
+def _announce(say: Callable[[str], None], session: Session) -> None:
+    """The first lines of a run: what trains, where, with which plugins."""
+    spec = session.spec
+    layout = f", {spec.layout.world_size} processes" if spec.engine == "megatron" else ""
+    say(f"nam train: recipe {spec.recipe} ({spec.model.num_layers} layers, hidden {spec.model.hidden}, "
+        f"{session.flops_per_token / 1e9:.3g} GFLOPs/token), engine {spec.engine}{layout}, device {session.device.label}")
+    say(f"plugins: {', '.join(spec.plugins)}; backends: "
+        + ", ".join(f"{kind} {name}" for kind, name in spec.backends.items()))
+
+
+def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | None):
+    import torch
+
+    from nam56r import recompute
+    from nam56r.model import build_model
+    from nam56r.state import ForwardState
+    from nam_core.engine.local import LocalModel
+
+    torch.manual_seed(spec.train.seed)
+    module = build_model(spec.model, backends, device=spec.train.device)
+    if init_from is not None:
+        module.load_state_dict(torch.load(init_from, map_location=spec.train.device, weights_only=True))
+    module = module.to(dtype=getattr(torch, spec.train.dtype))
+    notes.extend(recompute.apply(module, recompute_kinds(spec.train)))  # train.recompute: checkpointed blocks
+
+    def forward(batch: dict, micro_batch: int) -> dict:
+        state = ForwardState(micro_batch=micro_batch, seq_layout=tuple(batch["tokens"].shape))
+        out = module(**batch, state=state)
+        notes.extend(state.log)  # the engine logs each distinct line once
+        return out
+
+    return LocalModel(module, forward)
+
+
+def _megatron_model(run: Run, backends, host: PluginHost, init_from: Path | None):
+    """NAM56R for the megatron engine from the activated run's lowering (``activate`` lowered it with the
+    registered schedule and checked the layout), checked before anything is written."""
+    from nam56r.megatron import NamMegatronModel
+
+    model = NamMegatronModel(run.spec.model, backends, run.lowering, seed=run.spec.train.seed, init_from=init_from)
+    model.check(registered_schedules=_schedules(host))
+    return model
+
+
+def _dataset(data: Path | None, spec: RunSpec, *, quiet: bool):
+    """The prepared dataset ``data`` (default: the Python standard library corpus, prepared once into nam's
+    cache) and its packed rows at the run's sequence length and seed."""
+    from nam_core.data.dataset import PackedSequences, open_dataset
+
+    if data is None:
+        from nam56r.blocks.structure import char_structure_ids
+        from nam_core.cache import cache_dir
+        from nam_core.data.prepare import build_stdlib_corpus
+        from nam_core.data.tokenizer import ByteTokenizer
+
+        data = build_stdlib_corpus(cache_dir(), ByteTokenizer(), char_structure_ids, progress=not quiet)
+    dataset = open_dataset(data)
+    dataset.check_vocab(spec.model.vocab_size)
+    return data, PackedSequences(dataset.split("train"), spec.model.seq_len, spec.train.seed)  # never held-out rows
+
+
+def _held_out(spec: RunSpec, dataset, eval_data: Path | None):
+    """The validation rows (nam_core/engine/validation.py) when ``train.eval_every`` asks for them: ``--eval-data``
+    (a whole prepared dataset, the training data's tokenizer), else the training dataset's validation split.
+    None when the run does not evaluate; DataError (exit 4) when it should and there is nothing to evaluate on."""
+    from nam_core.data.dataset import PackedSequences, open_dataset
+    from nam_core.engine.validation import HeldOut
+    from nam_core.errors import DataError
+
+    train, seq_len = spec.train, spec.model.seq_len
+    if train.eval_every == 0:
+        return None
+    if eval_data is not None:
+        held = open_dataset(eval_data)
+        held.check_vocab(spec.model.vocab_size)
+        if held.tokenizer != dataset.tokenizer:
+            raise DataError(f"--eval-data {eval_data} was tokenized with {held.tokenizer.get('name')!r}, the "
+                            f"training data {dataset.path} with {dataset.tokenizer.get('name')!r}",
+                            hint=f"prepare it with the training data's tokenizer: nam data prepare SRC --out "
+                                 f"{eval_data} --tokenizer ... --overwrite")
+        source = str(held.path)
+    elif dataset.validation_documents:
+        held, source = open_dataset(dataset.path).split("validation"), f"{dataset.path}, validation split"
+    else:
+        raise DataError(f"train.eval_every={train.eval_every} needs held-out data; {dataset.path} holds none out",
+                        hint=f"prepare it with a validation split (nam data prepare SRC --out {dataset.path} "
+                             "--val-fraction 0.01 --overwrite), pass --eval-data DIR, or --set train.eval_every=0")
+    rows = PackedSequences(held, seq_len, train.seed)
+    return HeldOut(batch_at=lambda i, b: {k: v for k, v in rows.batch_at(i, b).items() if k in BATCH_KEYS},
+                   rows=len(rows), seq_len=seq_len, source=source)
+
+
 # --- the pieces ----------------------------------------------------------------------------------------
 
 
@@ -198,18 +440,6 @@ def _backends(model: NAM56RConfig, train) -> dict[str, str]:
                               hint="--set train.schedule=single, or --engine megatron")
         chosen["schedules"] = train.schedule
     return chosen
-
-
-def _wrapped(model: NAM56RConfig, infos, options) -> dict[str, str]:
-    """Kind -> the name a selected wrapping plugin runs inside it (a warm-up strategy: ``{"indexer": <the value
-    of its wrapping option>}``)."""
-    by_field = {k.field: k.name for k in BACKEND_KINDS}
-    wrapped = {}
-    for name, info in infos.items():
-        for fld, option in info.wraps.items():
-            if getattr(model, fld, None) == info.selects.get(fld) and fld in by_field:
-                wrapped[by_field[fld]] = options[name][option.partition(".")[2]]
-    return wrapped
 
 
 def _layout(request: RunRequest, train) -> Layout:
@@ -242,19 +472,29 @@ def _schedules(host: PluginHost) -> dict[str, Any]:
     return {n: reg.get(n) for n in reg.names()}
 
 
+def lowering_for(spec: RunSpec, *, schedule: Any = None):
+    """NAM56R lowered for the megatron engine at ``spec``'s layout (the one place ``lower`` is called).
+    ``schedule``: a registered schedule object (its chunks and stages), else ``train.schedule`` by name."""
+    from nam56r.megatron.lowering import lower
+
+    train, lay = spec.train, spec.layout
+    return lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
+                 schedule=schedule if schedule is not None else train.schedule, bf16=train.dtype == "bfloat16",
+                 dispatcher=train.moe_dispatcher, recompute=recompute_kinds(train))
+
+
 def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):
     """The megatron engine's layout and lowering checks, and the lowering. Before activation (``registered``
     None) a plugin schedule is taken on trust if a requested plugin declares it (``declared``) and lowered
     with Megatron's layout; after it, the lowering is made from the registered schedule's instance, so its
     chunks and stages are the schedule's."""
-    from nam56r.megatron.lowering import check_lowering, lower
+    from nam56r.megatron.lowering import check_lowering
     from nam_core.engine import megatron as meg
 
     train, lay = spec.train, spec.layout
     schedule = (meg.schedule_for(train.schedule, pp=lay.pp, registered=registered) if registered is not None
-                else train.schedule)
-    lowering = lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
-                     schedule=schedule, bf16=train.dtype == "bfloat16", dispatcher=train.moe_dispatcher)
+                else None)
+    lowering = lowering_for(spec, schedule=schedule)
     meg.check_layout(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, ep=lay.ep, train=train,
                      registered_schedules=registered if registered is not None else {train.schedule: None})
     check_lowering(lowering, registered_schedules=registered if registered is not None

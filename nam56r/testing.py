@@ -3,6 +3,10 @@
 ``random_scan_inputs`` draws the arguments of an ``SSMScan`` (``nam56r.backends``) the way the Mamba-3 mixer
 makes them (``nam56r/blocks/mamba3.py``), so the scan plugins and the benchmarks test their scans on one
 distribution. It lives with the model, not in ``nam_core.testing``: the core knows no Mamba-3.
+
+``prepare_corpus(tmp_path_factory, modules, chars)`` prepares a small dataset from the source of a few
+standard-library modules as ``nam data prepare`` does (byte tokenizer, NAM56R's structure ids), faster than the
+full stdlib default of ``nam train``.
 """
 
 from __future__ import annotations
@@ -194,3 +198,20 @@ def moe_step_without_host_sync(experts) -> None:
         moe(x).float().square().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def prepare_corpus(tmp_path_factory, modules, chars: int):
+    """The first ``chars`` characters of each module's source, prepared as ``nam data prepare SRC --out DIR``
+    prepares it (byte tokenizer, structure ids): the dataset folder."""
+    import inspect
+
+    from nam56r.blocks.structure import char_structure_ids
+    from nam_core.data.prepare import prepare
+    from nam_core.data.tokenizer import load_tokenizer
+
+    src = tmp_path_factory.mktemp("src")
+    for i, mod in enumerate(modules):
+        (src / f"m{i}.py").write_text(inspect.getsource(mod)[:chars])
+    out = tmp_path_factory.mktemp("data") / "ds"
+    prepare(src, out, load_tokenizer("byte"), annotate=char_structure_ids, progress=False)
+    return out

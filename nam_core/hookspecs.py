@@ -16,11 +16,13 @@ Hooks come in four groups:
   a real device). Both receive the typed ``nam_core.run.RunSpec`` and run before anything is registered; a
   failed check stops activation. The host itself writes what every plugin would repeat: the selected /
   "active but unused" row, ``train.device``/``train.dtype`` against ``PluginInfo.train_device``/
-  ``train_dtypes``, the parsing of ``PluginInfo.options``, and a FAIL row for a hook that raises.
+  ``train_dtypes``, the parsing of ``PluginInfo.options``, the rows of ``PluginInfo.checks`` (shape and
+  launch checks, asked only when the run uses the plugin's backend: ``nam_core.checks``), and a FAIL row for a
+  hook that raises. These hooks are for the rules a declaration cannot state.
 * build hooks: ``nam_transform_model``, once per model (chunk) after the engine built it and before it
   builds the optimizer, in both engines.
 * lifecycle hooks: ``nam_before_step`` / ``nam_after_step`` around every optimizer step, with a
-  ``nam_core.run.StepContext`` that both engines build.
+  ``nam_core.run.StepContext`` that both engines build, and ``nam_run_report`` once after the last step.
 """
 
 from __future__ import annotations
@@ -142,4 +144,18 @@ def nam_after_step(step: int, run: "StepContext", metrics: dict) -> None:
     A hook may add keys to ``metrics``.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def nam_run_report(run: "StepContext") -> "str | None":
+    """Called once when a run has trained its last step (both engines, every rank; rank 0's lines go into the
+    summary), with the ``StepContext`` of the step it stopped at (``run.step``).
+
+    Return one line saying what the plugin did in this run, from what it counted while it ran (not from what
+    its configuration promises): a plugin whose feature never ran says so ("did nothing: ...", and why) and
+    claims no saving. None: nothing to report (the run did not use the plugin's backends). ``nam train`` prints
+    the lines after its summary and writes them to ``summary.json`` (``plugin_report``).
+
+    .. versionadded:: 0.4
     """

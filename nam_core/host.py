@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 import pluggy
 
-from nam_core import hookspecs
+from nam_core import checks, hookspecs
 from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError
 from nam_core.kinds import RENAMED, Kind, installed_kinds, provider_hookspecs
@@ -246,7 +246,7 @@ class PluginHost:
     def _selection_rows(self, name: str, info: PluginInfo, spec: RunSpec) -> list[Check]:
         """The plugin's "selected" row (what of it the run uses, or "active but unused") and, when used, its
         ``train_device`` / ``train_dtypes`` against the run's."""
-        fielded = [(self.kinds[k], names) for k, names in info.provides.items()
+        fielded = [(self.kinds[k], list(names)) for k, names in info.provides.items()
                    if k in self.kinds and self.kinds[k].field and names]
         if not fielded:
             return []
@@ -268,13 +268,17 @@ class PluginHost:
         return rows
 
     def _run_check_hooks(self, ev: Evaluation, config: RunSpec | None) -> None:
+        """Config rows (the plugin's hook, then its declared ``ShapeCheck`` rows), then launch rows (declared
+        ``LaunchCheck`` rows, then the hook) on a real device, for a plugin none of whose rows failed."""
         for name, module in ev.modules.items():
             if config is None:
                 break  # config rules need a run; `nam preflight` without one judges the device alone
             caller = _only(ev.pm, module, "nam_check_config")
             ev.checks.extend(_collect(name, "config", lambda: caller(config=config, device=ev.device)))
+            ev.checks.extend(checks.config_rows(name, module.PLUGIN, config))
         for name, module in ev.modules.items():
-            if not hasattr(module, "nam_preflight"):
+            declared = any(isinstance(c, checks.LaunchCheck) for c in module.PLUGIN.checks)
+            if not hasattr(module, "nam_preflight") and not declared:
                 continue
             if ev.device.is_fake:
                 ev.checks.append(Check(
@@ -283,6 +287,7 @@ class PluginHost:
                 continue
             if any(c.status == FAIL for c in ev.checks if c.plugin == name):
                 continue  # never launch kernels on a device the declared requirements already refused
+            ev.checks.extend(checks.launch_rows(name, module.PLUGIN, config))
             caller = _only(ev.pm, module, "nam_preflight")
             ev.checks.extend(_collect(name, "launch", lambda: caller(device=ev.device, config=config)))
 
@@ -293,6 +298,8 @@ class PluginHost:
                 reg = registries[kind]
                 reg._open(name, set(module.PLUGIN.provides.get(kind, ())))
                 try:
+                    for impl, path in module.PLUGIN.classes(kind).items():
+                        reg(impl, checks.load(path))
                     _only(ev.pm, module, hook_name)(register=reg)
                 except RegistrationError as e:
                     ev.checks.append(Check(name, f"register {kind}", FAIL, "consistent registration", str(e)))
@@ -357,6 +364,10 @@ class PluginHost:
 
     def after_step(self, step: int, run: StepContext, metrics: dict) -> None:
         self.pm.hook.nam_after_step(step=step, run=_context(run), metrics=metrics)
+
+    def run_report(self, run: StepContext) -> list[str]:
+        """Every active plugin's ``nam_run_report`` line (what it did in the run that just ended)."""
+        return [line for line in self.pm.hook.nam_run_report(run=_context(run)) if line]
 
     def _new_manager(self) -> pluggy.PluginManager:
         pm = pluggy.PluginManager(hookspecs.PROJECT)

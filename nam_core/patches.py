@@ -8,7 +8,9 @@ PR that makes it unnecessary. Plugins register patches through ``nam_register_pa
 States, in the order they are decided:
 
 * ``not-installed``: the target distribution is absent; nothing to do.
-* ``retired``: the installed version is outside the range, or ``detect()`` says the bug is absent. The
+* ``not-applicable``: the installed version is older than the range (``needs >= 0.19``): the patch is for a
+  release this machine does not run yet; nothing to do here, and nothing upstream has fixed.
+* ``retired``: the installed version is past the range, or ``detect()`` says the bug is absent. The
   patch is not applied, and ``nam patches`` says so: time to delete it once every supported version is out.
 * ``needed`` -> ``applied`` by ``apply_all``. A patch that raises while applying, or whose ``detect()``
   still reports the bug afterwards, stops the run (``PatchError``).
@@ -32,7 +34,8 @@ from nam_core.requirements import version_in
 BUG_REPRODUCED = "BUG_REPRODUCED"
 FIX_VALIDATED = "FIX_VALIDATED"
 
-NOT_INSTALLED, RETIRED, NEEDED, APPLIED = "not-installed", "retired", "needed", "applied"
+NOT_INSTALLED, NOT_APPLICABLE, RETIRED, NEEDED, APPLIED = (
+    "not-installed", "not-applicable", "retired", "needed", "applied")
 
 
 @dataclass(eq=False)
@@ -71,10 +74,28 @@ class Patch:
         if version is None:
             return NOT_INSTALLED, f"{self.target} is not installed"
         if not version_in(version, self.versions):
+            floor = unmet_floor(version, self.versions)
+            if floor is not None:
+                return NOT_APPLICABLE, f"{self.target} {version}: not applicable: needs {floor}"
             return RETIRED, f"{self.target} {version} is outside {self.versions}; fixed upstream"
         if not self.detect():
             return RETIRED, f"{self.target} {version}: bug not present"
         return NEEDED, f"{self.target} {version}: bug present"
+
+
+def unmet_floor(version: str, versions: str) -> str | None:
+    """The lower bound of ``versions`` that ``version`` is below (``">= 0.19"`` for 0.16.1 in ``">=0.19"``), or
+    None when ``version`` is not below the range (inside it, or past its upper end)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    have = Version(version)
+    for spec in SpecifierSet(versions):
+        if spec.contains(have, prereleases=True):
+            continue
+        if spec.operator in (">=", ">") or (spec.operator in ("~=", "==") and have < Version(spec.version.rstrip(".*"))):
+            return f"{spec.operator} {spec.version}"
+    return None
 
 
 @dataclass(frozen=True)

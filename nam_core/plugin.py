@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from nam_core.checks import LaunchCheck, ShapeCheck
 from nam_core.options import Option, OptionValues, parse_options
 from nam_core.requirements import Requirement
 
@@ -13,9 +14,11 @@ from nam_core.requirements import Requirement
 class PluginInfo:
     summary: str
     """One line: what the plugin does."""
-    provides: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    provides: Mapping[str, Sequence[str] | Mapping[str, str]] = field(default_factory=dict)
     """Kind -> names it registers, e.g. ``{"indexer": ["my-strategy"]}`` (kinds: ``nam_core.kinds``, and the
-    model's table, e.g. ``nam56r/kinds.py``; the host refuses a kind it does not know)."""
+    model's table, e.g. ``nam56r/kinds.py``; the host refuses a kind it does not know). A name mapped to a
+    ``"module:Class"`` path (``{"ce": {"my-head": "nam_plugin_x.head:MyHead"}}``) is registered by the host at
+    activation, with no provider hook; a name in a list is registered by the plugin's hook."""
     requires: Sequence[Requirement] = ()
     """Declarative needs, evaluated at activation and shown by ``nam plugins list``."""
     conflicts: Sequence[str] = ()
@@ -39,6 +42,9 @@ class PluginInfo:
     ``my-strategy`` indexer. An explicit ``--set field=...`` always wins; two requested plugins selecting
     different values for one field is a config error unless one of them ``wraps`` the field.
     """
+    checks: Sequence[ShapeCheck | LaunchCheck] = ()
+    """Rows the host writes (``nam_core.checks``): ``ShapeCheck`` at activation, ``LaunchCheck`` on a real
+    device, each only when the run uses the plugin's backend (or its ``when`` says so)."""
     wraps: Mapping[str, str] = field(default_factory=dict)
     """Field -> option of this plugin that receives the value its selection displaced.
 
@@ -56,6 +62,19 @@ class PluginInfo:
         for opt in self.options:
             if not isinstance(opt, Option):
                 raise TypeError(f"PluginInfo.options holds {opt!r}; expected Option objects")
+        for check in self.checks:
+            if not isinstance(check, (ShapeCheck, LaunchCheck)):
+                raise TypeError(f"PluginInfo.checks holds {check!r}; expected ShapeCheck or LaunchCheck objects")
+        for kind, names in self.provides.items():
+            paths = names.values() if isinstance(names, Mapping) else ()
+            if any(not isinstance(p, str) or ":" not in p for p in paths):
+                raise ValueError(f"PluginInfo.provides[{kind!r}] maps names to {dict(names)}; expected 'module:Class' "
+                                 "paths")
+
+    def classes(self, kind: str) -> Mapping[str, str]:
+        """Name -> ``"module:Class"`` of the ``kind`` names the host registers for this plugin."""
+        names = self.provides.get(kind, ())
+        return dict(names) if isinstance(names, Mapping) else {}
 
     def parse_options(self, plugin: str, raw: Mapping[str, object] | None = None) -> OptionValues:
         """``plugin``'s entries of ``raw`` (``train.plugin_options``) as typed values; defaults when None."""

@@ -90,6 +90,8 @@ class StepContext:
     """The trainable parameters by name (``model.named_parameters``), for a hook that freezes some."""
     note: Callable[[str], None]
     """Add one line to the run log (printed and written to run.log), once per distinct line."""
+    max_steps: int | None = None
+    """The step this run stops at (``--max-steps``, else ``train.total_steps``); None outside a run."""
 
     def backend(self, kind: str) -> Any:
         """The backend object of ``kind`` (KeyError naming the kinds there are otherwise)."""

@@ -1,8 +1,5 @@
 """Test helpers shared by nam's tests and by plugin test suites.
 
-``prepare_corpus(tmp_path_factory, modules, chars)`` prepares a small dataset from the source of a few
-standard-library modules through ``nam data prepare`` (faster than the full stdlib default of ``nam train``).
-
 ``new_seed()`` draws a fresh seed for a parity check (the check reports it, so a failure can be replayed) and
 ``max_rel_error(a, ref)`` is the error every parity check reports: ``max |a - ref| / max |ref|`` in float64,
 ``inf`` when ``a`` has a non-finite value; ``rel_norm_error(a, ref)`` is ``||a - ref|| / ||ref||``, the steadier
@@ -183,22 +180,6 @@ def fake_installed(tmp_path, monkeypatch, plugins: dict[str, str]) -> dict:
         ep = importlib.metadata.EntryPoint(name=name, value=module, group="nam.plugins")
         installed[name] = InstalledPlugin(name, ep, f"nam-plugin-{name}", "0.0.test")
     return installed
-
-
-def prepare_corpus(tmp_path_factory, modules, chars: int):
-    """The first ``chars`` characters of each module's source, prepared with ``nam data prepare``: its folder."""
-    import inspect
-
-    from nam_cli.main import run
-
-    src = tmp_path_factory.mktemp("src")
-    for i, mod in enumerate(modules):
-        (src / f"m{i}.py").write_text(inspect.getsource(mod)[:chars])
-    out = tmp_path_factory.mktemp("data") / "ds"
-    code = run(["data", "prepare", str(src), "--out", str(out)])
-    if code != 0:
-        raise RuntimeError(f"nam data prepare exited {code}")
-    return out
 
 
 # --- fake devices (the fixtures in nam_core.pytest_plugin build on these) ------------------------------

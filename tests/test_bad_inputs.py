@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
-from nam_core.testing import prepare_corpus
 
 # (flags, exit code, fragments the error must hold). In flags, {name} is a dataset folder of the ``data``
 # fixture; without --data, the good dataset is used.

@@ -42,3 +42,19 @@ def test_initial_states_perturb_each_floor_within_perturb_and_differently(bench,
             assert rel.max() <= bench.PERTURB + 2 * torch.finfo(torch.float32).eps, k  # (1 + u) rounds in fp32
     assert any(not torch.equal(first[k], second[k]) for k in moved)
     assert any(not torch.equal(first[k], base[k]) for k in moved)
+
+
+def test_bench_runs_are_requested_as_nam_train_would_request_them(bench):
+    """The bench's runs go through the composition root: its fast row names the plugins whose backends it
+    times, and a float8 row the float8 plugin's option, so activation checks them as `nam train` does."""
+    from nam56r.run import resolve
+    from nam_core.engine.config import TrainConfig
+
+    train = TrainConfig(engine="megatron", device="cuda", micro_batch_size=2, ep=1)
+    spec = {"recipe": "nam56r", "backends": "fast", "ssm": "mimo-scan", "moe": "grouped", "steps": 3,
+            "float8": "rowwise", "model": {"seq_len": 2048}}
+    run = resolve(bench.request_for(spec, train))
+    assert run.max_steps == 3 and run.spec.model.seq_len == 2048 and run.spec.train.micro_batch_size == 2
+    assert {"mimo-scan", "grouped-moe", "sparse-mla", "liger", "float8"} <= set(run.spec.plugins)
+    assert run.spec.backends["ssm"] == "mimo-scan" and run.spec.options["float8"].linears == "rowwise"
+    assert run.lowering is not None and run.lowering.moe_dispatcher == train.moe_dispatcher

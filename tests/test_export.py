@@ -11,7 +11,7 @@ import torch
 
 from nam_cli.main import run
 from nam_core.engine import checkpoint
-from nam_core.testing import prepare_corpus
+from nam56r.testing import prepare_corpus
 
 pytest.importorskip("safetensors", reason="nam's export extra (in the test extra: CI has it)")
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
 from nam_core.engine import checkpoint, rundir
 from nam_core.engine.config import TrainConfig
-from nam_core.engine.local import lr_lambda
+from nam_core.engine.step import lr_lambda
 from nam_core.engine.metrics import read_metrics
-from nam_core.testing import prepare_corpus
 
 SMALL = ["--set", "seq_len=32", "--set", "train.micro_batch_size=2", "--set", "train.total_steps=60", "--quiet"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -393,8 +393,8 @@ def test_a_resume_with_no_step_left_is_refused_not_negative(tmp_path, corpus, ba
     history = (run_dir / rundir.HISTORY).read_text()
     assert run(args(run_dir, corpus, "--max-steps", "3", "--resume", "auto")) == 2
     err = capsys.readouterr().err
-    assert "--max-steps 3: the run resumes at step 4" in err and "no step left to train" in err
-    assert "pass --max-steps above 4" in err
+    assert "is at step 4 and this run stops at step 3" in err and "nothing to train" in err
+    assert "--resume auto" in err and "--max-steps 3 " not in err  # the hint names a later step
     assert (run_dir / rundir.HISTORY).read_text() == history and not (run_dir / rundir.LOCK).exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps_run"] >= 0
 

@@ -279,6 +279,8 @@ def test_good_checkpoints_need_a_manifest_of_this_format_and_matching_files(tmp_
     assert why["step-00000010"] == "sha256 mismatch of __0_0.distcp (the file changed after it was saved)"
     assert "not listed ['rng/rank-00001.pt']" in why["step-00000012"]
     assert "missing ['rng/rank-00000.pt']" in why["step-00000014"]
+    (root / "step-00000002" / ".metadata").write_bytes(b".metadata 9")  # after a good check, in this process
+    assert engine.good_checkpoints(root) == []
 
 
 def test_resume_takes_megatron_checkpoints_only(tmp_path, capsys):
@@ -453,7 +455,8 @@ def test_the_engine_lane_lists_its_patches_with_revert_and_retirement():
         assert entry.plugin == "megatron engine" and p.target == "megatron-core" and p.revert is not None
         assert p.retire_when and p.reproduce is not None
         if (engine.megatron_version() or (0,)) < engine.MIN_MEGATRON:
-            assert p.state()[0] == "retired"  # the engine refuses these versions anyway
+            assert p.state()[0] == "not-applicable"  # a release older than the range: nothing fixed upstream
+            assert f"not applicable: needs >= {engine.MIN_MEGATRON[0]}.{engine.MIN_MEGATRON[1]}" in p.state()[1]
 
 
 @needs_019
@@ -618,3 +621,29 @@ def test_overlapped_param_gather_is_refused_before_the_run():
         _layout(2, ep=2, train=GPU_TRAIN.replace(overlap_param_gather=True))
     assert e.value.hint.startswith("--set train.overlap_param_gather=false")
     assert _layout(2, ep=2, train=GPU_TRAIN.replace(overlap_grad_reduce=True, moe_shared_expert_overlap=True)) == 2
+
+
+def test_numerics_through_megatrons_options_and_the_refused_ones_say_why():
+    """fp32-master is Megatron's default; bf16-moments its precision-aware optimizer (bf16 exp_avg and
+    exp_avg_sq over fp32 main params), which needs Transformer Engine; stochastic rounding and bf16-only have no
+    Megatron optimizer and are refused before anything is built."""
+    import torch
+
+    from nam_core.engine.config import TrainConfig
+    from nam_core.engine.megatron.optimizer import numerics_options
+    from nam_core.errors import ConfigError
+
+    bf16 = TrainConfig(dtype="bfloat16", device="cuda")
+    assert numerics_options(bf16) == {}
+    assert numerics_options(bf16.replace(optimizer_numerics="bf16-moments")) == {
+        "use_precision_aware_optimizer": True, "main_params_dtype": torch.float32,
+        "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+    for name, why in (("stochastic-rounding", "none updates bf16 parameters with stochastic rounding"),
+                      ("bf16", "always builds fp32 main params")):
+        with pytest.raises(ConfigError, match=why):
+            engine.check_layout(world_size=1, tp=1, pp=1, ep=1, train=bf16.replace(optimizer_numerics=name),
+                                registered_schedules={"1f1b": None})
+    with pytest.raises(NamError, match=r"Transformer Engine \(precision-aware optimizer\): needs transformer_engine"):
+        engine.check_runtime(READY, numerics="bf16-moments")
+    engine.check_runtime({**READY, "fused_adam": "transformer_engine"}, numerics="bf16-moments")
+    assert "Transformer Engine (precision-aware optimizer)" not in {c.name for c in engine.runtime_checks(READY)}

@@ -206,3 +206,20 @@ def test_dispatcher_is_the_run_s_choice_and_flex_names_deepep():
             flex.config_args["moe_flex_dispatcher_backend"]) == ("flex", "flex", "deepep")
     with pytest.raises(ConfigError, match="MoE dispatcher 'deepep': expected one of alltoall, flex"):
         lower(cfg, dispatcher="deepep")
+
+
+@pytest.mark.parametrize("kinds, config, slots", [
+    ((), {}, ()),
+    (("layer",), {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, ()),
+    (("mamba", "moe"), {"recompute_granularity": "selective", "recompute_modules": ["moe"]}, ("mamba",)),
+    (("mamba", "attention"), {}, ("mamba", "attention")),
+])
+def test_recompute_lowers_to_megatrons_own_where_it_has_one(cfg, kinds, config, slots):
+    """``layer`` and ``moe``: Megatron's full and selective-moe recompute; Mamba and attention: nam's slots."""
+    lowering = lower(cfg, recompute=kinds)
+    got = {k: v for k, v in lowering.config_args.items() if k.startswith("recompute")}
+    assert got == config and lowering.recompute_in_slots == slots
+    if "recompute_modules" in config:
+        flags = megatron_args(lowering)
+        assert flags[flags.index("--recompute-modules") + 1] == "moe"
+        assert json.loads(json.dumps(lowering.to_dict()))["config_args"]["recompute_modules"] == ["moe"]

@@ -64,3 +64,32 @@ def test_largest_mbs_fits_and_one_more_does_not(split):
     assert largest_mbs(*split, world=4, ep=4) == 3  # measured: MBS 3 ran at EP 4, MBS 4 ran out of memory
     assert largest_mbs(*split, world=1, ep=1, capacity_gib=80.0) == 0  # an H100 cannot hold it with this engine
     assert OTHER_GIB_PER_SEQUENCE > 0 and OTHER_GIB_FIXED >= 0 and H200_GIB > 139
+
+
+def test_numerics_change_the_optimizer_bytes(split):
+    fp32 = megatron_plan(*split, world=8, ep=8, mbs=1)
+    moments = megatron_plan(*split, world=8, ep=8, mbs=1, numerics="bf16-moments")
+    assert moments.optimizer_gib == pytest.approx(fp32.optimizer_gib * 8 / 12)
+    from nam56r.memory import local_static_gib
+
+    local = local_static_gib(1000, 2, "fp32-master")
+    assert local["optimizer_gib"] * GIB == pytest.approx(12_000) and local["static_gib"] * GIB == pytest.approx(16_000)
+    assert local_static_gib(1000, 2, "stochastic-rounding")["static_gib"] * GIB == pytest.approx(8_000)
+
+
+def test_activations_by_kind_split_the_measured_total_and_recompute_keeps_inputs():
+    """Without recompute the kinds sum to the measured per-sequence total; a recomputed mixer keeps two hidden
+    vectors per token and layer (its input and its norm's), a recomputed layer one; the replay holds one layer."""
+    from nam56r.memory import activations_by_kind, per_sequence_gib
+
+    cfg = get_recipe("nam56r").model
+    none = activations_by_kind(cfg, (), per_sequence=OTHER_GIB_PER_SEQUENCE)
+    assert per_sequence_gib(none) == pytest.approx(OTHER_GIB_PER_SEQUENCE) and none["replay"]["gib"] == 0
+    assert {k: r["layers"] for k, r in none.items() if k != "replay"} == {"attention": 13, "moe": 22, "mamba": 17}
+    mamba = activations_by_kind(cfg, ("mamba",), per_sequence=OTHER_GIB_PER_SEQUENCE)
+    assert mamba["mamba"]["gib"] * GIB == 17 * 2 * cfg.hidden * 2 * cfg.seq_len
+    assert mamba["moe"]["gib"] == none["moe"]["gib"]
+    assert mamba["replay"]["gib"] == pytest.approx(none["mamba"]["gib"] / 17)
+    full = activations_by_kind(cfg, ("layer",), per_sequence=OTHER_GIB_PER_SEQUENCE)
+    assert full["moe"]["gib"] * GIB == 22 * cfg.hidden * 2 * cfg.seq_len
+    assert per_sequence_gib(full) < per_sequence_gib(mamba) < OTHER_GIB_PER_SEQUENCE

@@ -3,7 +3,7 @@
 import pytest
 
 from nam_core.errors import PatchError
-from nam_core.patches import APPLIED, NOT_INSTALLED, RETIRED, Patch, apply_all
+from nam_core.patches import APPLIED, NOT_APPLICABLE, NOT_INSTALLED, RETIRED, Patch, apply_all, unmet_floor
 from nam_core.registry import Entry
 
 
@@ -31,6 +31,22 @@ def test_version_outside_range_is_retired_and_not_applied():
     [report] = apply_all([Entry("demo", patch, "p")])
     assert report.state == RETIRED and state["applied"] == 0
     assert "outside <0.1" in report.detail
+
+
+def test_version_below_range_is_not_applicable_not_retired():
+    """A patch for a newer release than the installed one: nothing was fixed upstream, it just does not apply."""
+    patch, state = make(versions=">=999.1")
+    [report] = apply_all([Entry("demo", patch, "p")])
+    assert report.state == NOT_APPLICABLE and state["applied"] == 0
+    assert report.detail.endswith("not applicable: needs >= 999.1") and "fixed upstream" not in report.detail
+
+
+@pytest.mark.parametrize("version, versions, floor", [
+    ("0.16.1", ">=0.19", ">= 0.19"), ("0.19.2", ">=0.19", None), ("0.8.2", "<0.8.2", None),
+    ("1.0", ">=1.2,<2", ">= 1.2"), ("2.5", ">=1.2,<2", None), ("0.1", ">0.1", "> 0.1"), ("0.0.9", ">0.1", "> 0.1"),
+])
+def test_unmet_floor(version, versions, floor):
+    assert unmet_floor(version, versions) == floor
 
 
 def test_bug_absent_is_retired():

@@ -95,3 +95,21 @@ def test_profile_refusals(flags, code, message, capsys, no_cuda, tmp_path):
     assert run(["train", "--run-dir", str(tmp_path / "run"), *flags]) == code
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_plan_shows_numerics_recompute_and_activations_by_kind(capsys, no_cuda):
+    """--dry-run says which numerics and recompute the run uses; the megatron plan at EP 8 with Mamba and MoE
+    recomputed fits MBS 8 (an estimate) where no recompute does not."""
+    plan = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--engine", "megatron", "--nproc",
+                     "8", "--ep", "8", "--set", "train.micro_batch_size=8", "--set", "train.recompute=mamba,moe")
+    mem = plan["memory"]
+    assert mem["numerics"].startswith("fp32-master") and mem["recompute"] == ["mamba", "moe"]
+    assert mem["activations_by_kind"]["mamba"]["recomputed"] and not mem["activations_by_kind"]["attention"]["recomputed"]
+    assert mem["fits"] is True and mem["largest_micro_batch"] >= 8 and "ESTIMATE" in mem["activations"]
+    none = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--engine", "megatron", "--nproc",
+                     "8", "--ep", "8", "--set", "train.micro_batch_size=8")["memory"]
+    assert none["fits"] is False and none["total_gib"] > mem["total_gib"]
+    local = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--set", "train.micro_batch_size=4",
+                      "--set", "train.recompute=mamba")["memory"]
+    assert local["optimizer_gib"] == pytest.approx(12 / 2 * local["weights_gib"])  # fp32 masters + fp32 moments
+    assert local["fits"] is True and local["largest_micro_batch"] == 4

@@ -9,7 +9,7 @@ import pytest
 
 from nam_cli.main import run
 from nam_core.engine.metrics import read_metrics
-from nam_core.testing import prepare_corpus
+from nam56r.testing import prepare_corpus
 
 pytest.importorskip("matplotlib", reason="nam's plot extra (in the test extra: CI has it)")
 

@@ -73,7 +73,7 @@ def test_a_run_without_records_still_has_its_time():
 def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys):
     from nam_cli.main import run
     from nam_core.engine.metrics import read_metrics
-    from nam_core.testing import prepare_corpus
+    from nam56r.testing import prepare_corpus
 
     import textwrap
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
 from nam_core.engine.metrics import read_metrics
-from nam_core.testing import prepare_corpus
 
 FAST = ["--set", "seq_len=32", "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=10",
         "--set", "train.total_steps=60", "--quiet"]
@@ -51,6 +51,26 @@ def test_resumed_run_equals_uninterrupted_run_step_for_step(tmp_path, corpus):
     assert summary["started_at_step"] == 30
     lrs = [m["lr"] for m in read_metrics(full)]
     assert lrs == [m["lr"] for m in read_metrics(split)]
+
+
+@pytest.mark.slow
+def test_bf16_fp32_master_resume_is_bit_exact_and_a_change_of_numerics_is_refused(tmp_path, corpus, capsys):
+    """The default numerics of a bf16 run (fp32 master weights, nam_core/engine/numerics.py): the checkpoint
+    carries the masters, so a resumed run equals an uninterrupted one bit for bit; resuming it under other
+    numerics is refused (exit 2) with the field's old and new value."""
+    bf16 = ["--set", "train.dtype=bfloat16", "--set", "train.checkpoint_every=2"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train(full, corpus, *bf16, "--max-steps", "4") == 0
+    assert train(split, corpus, *bf16, "--max-steps", "2") == 0
+    assert train(split, corpus, *bf16, "--set", "train.optimizer_numerics=bf16", "--max-steps", "4",
+                 "--resume", "auto") == 2
+    assert "train.optimizer_numerics: 'fp32-master' -> 'bf16'" in capsys.readouterr().err
+    assert train(split, corpus, *bf16, "--max-steps", "4", "--resume", "auto") == 0
+    assert losses(full) == losses(split) and len(losses(full)) == 4
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["numerics"].startswith("fp32-master: fp32 master weights")
+    manifest = json.loads((split / "checkpoints" / "step-00000004" / "manifest.json").read_text())
+    assert manifest["record"]["train"]["optimizer_numerics"] == "fp32-master"
 
 
 def test_kill_during_save_keeps_the_last_good_checkpoint_and_resume_matches(tmp_path, corpus):
@@ -198,11 +218,82 @@ def test_run_folder_contents(tmp_path, corpus):
 def test_engine_logs_each_pending_note_once():
     from types import SimpleNamespace
 
-    from nam_core.engine.local import _drain_notes
+    from nam_core.engine.local import _drain_notes, _State
 
     logged = []
-    run = SimpleNamespace(notes=["a", "b", "a"], log=SimpleNamespace(note=logged.append))
-    _drain_notes(run)
+    run = SimpleNamespace(notes=["a", "b", "a"])
+    state = _State(optimizer=None, scheduler=None, log=SimpleNamespace(note=logged.append), start=0)
+    _drain_notes(run, state)
     run.notes.extend(["b", "c"])  # what forward appends from ForwardState.log on a later step
-    _drain_notes(run)
+    _drain_notes(run, state)
     assert logged == ["a", "b", "c"] and run.notes == []
+
+
+# --- what a newcomer is told: the continue hint, the step line, where things are (issue 34) ---------------
+
+
+def test_the_continue_hint_is_a_command_that_trains_on(tmp_path, corpus, capsys):
+    """The refused second start names a command that trains more steps; a resume with no step left is exit 2."""
+    import shlex
+
+    run_dir = tmp_path / "run"
+    assert train(run_dir, corpus, "--max-steps", "2") == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == ""  # --quiet: nothing before, during or after the steps
+    assert train(run_dir, corpus, "--max-steps", "2") == 2
+    hint = capsys.readouterr().err.split("hint: ", 1)[1]
+    assert hint.startswith("continue it to step 4 (--max-steps is the step to stop at")
+    argv = shlex.split(hint.split("): ", 1)[1].split("; or choose another --run-dir", 1)[0])
+    assert argv[:2] == ["nam", "train"] and argv[argv.index("--max-steps") + 1] == "4"
+    assert run(argv[1:]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["started_at_step"], summary["steps_run"]) == (2, 2)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+    assert train(run_dir, corpus, "--max-steps", "4", "--resume", "auto") == 2  # nothing left to train
+    err = capsys.readouterr().err
+    assert "is at step 4 and this run stops at step 4" in err and "nothing to train" in err
+    assert "continue it to step 8" in err and "NAM_DEBUG" not in err
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 2  # the refusal wrote nothing
+
+
+def test_at_the_end_of_the_schedule_the_hint_lengthens_it(tmp_path, corpus, capsys):
+    import shlex
+
+    run_dir = tmp_path / "run"
+    short = ["--set", "train.total_steps=2", "--set", "train.warmup_steps=1"]
+    assert train(run_dir, corpus, *short) == 0
+    assert train(run_dir, corpus, *short, "--resume", "auto") == 2
+    hint = capsys.readouterr().err.split("hint: ", 1)[1]
+    assert "reached train.total_steps (2)" in hint and "continue it to step 4" in hint
+    argv = shlex.split(hint.split("schedule that long: ", 1)[1].strip())
+    assert "train.total_steps=4" in argv
+    assert run(argv[1:]) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["steps_run"] == 2
+
+
+def test_step_lines_show_the_lm_loss_and_the_end_says_where_things_are(tmp_path, corpus, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run_dir), "--data", str(corpus), *FAST[:-1], "--max-steps", "2"]
+    assert run(argv) == 0
+    captured = capsys.readouterr()
+    before = captured.err.split("\nstep 1 ", 1)[0]  # what is said before the first step, in this order
+    said = ["nam train: recipe nam56r-tiny (52 layers", "plugins: reference; backends: ssm reference",
+            f"data: {corpus}\n", f"run folder: {run_dir} (a new run; steps 1 to 2)", "building the model (float32, on cpu)",
+            "parameters; the first step warms up"]
+    assert [before.find(line) for line in said] == sorted(before.find(line) for line in said) and -1 not in \
+        [before.find(line) for line in said], before
+    records = read_metrics(run_dir)
+    for record in records:
+        assert f"step {record['step']} LM loss {record['lm_loss']:.4f} (" in captured.err
+        assert f"mtp_loss {record['mtp_loss']:.4g}" in captured.err
+        assert record["lm_loss"] != record["loss"]  # the line shows the summary's loss, not the total
+    summary = json.loads((run_dir / "summary.json").read_text())
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    assert summary["checkpoint"] == str(checkpoint) and checkpoint.is_dir()
+    assert summary["metrics"] == str(run_dir / "metrics.jsonl")
+    assert " --max-steps 4 " in summary["continue_with"] and summary["continue_with"].endswith(" --resume auto")
+    assert f"checkpoint: {checkpoint}\n" in captured.out
+    assert f"  {summary['continue_with']}\n" in captured.out and "--resume auto" in summary["continue_with"]
+    assert f"metrics: {run_dir / 'metrics.jsonl'}" in captured.out
+    assert f"checkpoint saved: {checkpoint}" in (run_dir / "run.log").read_text()

@@ -113,7 +113,7 @@ def test_the_progress_line_and_the_summary_line_show_it(capsys):
         log = MetricsLog(Path(tmp), start_step=0, total_steps=1)
         log.log({"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "val_loss": 1.23456})
         log.close()
-    assert "step 1 loss 2.0000 lr 1.00e-03 grad_norm 1.000 tok/s 10 val_loss 1.2346" in capsys.readouterr().err
+    assert "step 1 LM loss 2.0000 lr 1.00e-03 grad_norm 1.000 tok/s 10 val_loss 1.2346" in capsys.readouterr().err
     records = [{"step": 1, "loss": 2.0, "lm_loss": 2.0}, {"step": 2, "loss": 1.5, "lm_loss": 1.5, "val_loss": 1.7}]
     line = describe(dict(summarize(records, wall_s=1.0, steps_run=2, tokens_per_step=8), run_dir="r"))
     assert "validation LM loss 1.7000 at step 2" in line

@@ -46,11 +46,13 @@ import enum
 import io
 import keyword
 import tokenize
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from nam56r.config import NAM56RConfig
+if TYPE_CHECKING:
+    from nam56r.config import NAM56RConfig  # the config's rules count Structure: no import back at run time
 
 
 class Structure(enum.IntEnum):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from nam56r.config import NAM56RConfig
 from nam56r.kinds import kind
@@ -114,6 +114,10 @@ class Lowering:
     cuda_graphs: bool
     gaps: tuple[Gap, ...]
     notes: tuple[str, ...]
+    recompute_in_slots: tuple[str, ...] = ()
+    """``train.recompute`` kinds nam's slot adapters run under ``nam56r.recompute.checkpointed`` (``mamba``,
+    ``attention``: Megatron's selective modules do not reach nam's blocks); ``layer`` and ``moe`` are Megatron's
+    own recompute, in ``config_args`` (``recompute_args``)."""
 
     @property
     def open_gaps(self) -> tuple[Gap, ...]:
@@ -387,6 +391,26 @@ def _model_args(cfg: NAM56RConfig, pattern: str) -> dict:
     }
 
 
+MEGATRON_RECOMPUTES = {"layer": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                  "recompute_num_layers": 1},
+                        "moe": {"recompute_granularity": "selective", "recompute_modules": ["moe"]}}
+"""``train.recompute`` kinds Megatron-Core 0.19 recomputes itself: ``layer`` as its full recompute of every layer
+of the hybrid stack and the MTP depths (``HybridStack.forward``'s checkpointed_forward, one layer per unit);
+``moe`` as its selective ``moe`` module (``MoELayer``: router, dispatch, experts and combine). Its other
+selective modules (``core_attn``, ``mla_up_proj``, ``moe_act``, ``layernorm``) recompute parts of Megatron's own
+attention and experts, which NAM56R's slots replace, so nam recomputes Mamba and attention in its adapters."""
+NAM_RECOMPUTES = ("mamba", "attention")
+
+
+def recompute_args(kinds: Sequence[str]) -> tuple[dict, tuple[str, ...]]:
+    """(Megatron config args, kinds nam's slots recompute) for the recompute ``kinds`` (expanded
+    ``train.recompute``; ``layer`` comes alone, the train config's rule)."""
+    if "layer" in kinds:
+        return dict(MEGATRON_RECOMPUTES["layer"]), ()
+    args = dict(MEGATRON_RECOMPUTES["moe"]) if "moe" in kinds else {}
+    return args, tuple(k for k in NAM_RECOMPUTES if k in kinds)
+
+
 # --- gaps ---------------------------------------------------------------------------------------------------
 
 
@@ -461,12 +485,14 @@ def lower(
     schedule: str | PipelineSchedule = "1f1b",
     bf16: bool = True,
     dispatcher: str = "alltoall",
+    recompute: Sequence[str] = (),
 ) -> Lowering:
     """Lower ``cfg`` for Megatron-Core >= 0.19 at the given tensor/pipeline/expert parallel sizes.
 
     ``schedule``: a ``PipelineSchedule`` (a registered schedule's instance), whose ``chunks_per_rank`` and
     ``stage_of`` lay out ``pp x chunks`` stages; or the run's ``train.schedule`` name, lowered with Megatron's
-    layout (one chunk per rank). Raises ConfigError for a parallel layout the model or the lowering cannot take.
+    layout (one chunk per rank). ``recompute``: the run's recompute kinds (``recompute_args``). Raises ConfigError
+    for a parallel layout the model or the lowering cannot take.
     """
     if dispatcher not in MOE_DISPATCHERS:  # train.moe_dispatcher (§5): Megatron's all-to-all, or flex on DeepEP
         raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(MOE_DISPATCHERS)}",
@@ -493,6 +519,10 @@ def lower(
         "EP all-to-all overlap (combined_1f1b) stays off: it needs GPTModel.build_schedule_plan and "
         f"mtp_num_layers <= 1, NAM56R has {cfg.mtp_depths} (§5)",
     ]
+    megatron_recompute, slot_recompute = recompute_args(recompute)
+    if megatron_recompute or slot_recompute:
+        notes.append(f"activation recompute: Megatron's {megatron_recompute or 'none'}; nam's slots: "
+                     f"{', '.join(slot_recompute) or 'none'}")
     last = where[pp * chunks - 1][0]
     if pp == 1:
         notes.append("CUDA graphs off: nam's config check refuses CUDA graphs at pp == 1")
@@ -512,7 +542,8 @@ def lower(
         mtp_depths=cfg.mtp_depths,
         layers=layers,
         slots=_slots(cfg, dispatcher),
-        config_args=_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main), dispatcher=dispatcher),
+        config_args={**_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main), dispatcher=dispatcher),
+                     **megatron_recompute},
         model_args=_model_args(cfg, pattern),
         micro_batch_size=micro_batch_size,
         schedule=sched.name,
@@ -522,6 +553,7 @@ def lower(
         cuda_graphs=False,
         gaps=_gaps(cfg, tp=tp, schedule=sched),
         notes=tuple(notes),
+        recompute_in_slots=slot_recompute,
     )
 
 
@@ -569,7 +601,7 @@ def megatron_args(lowering: Lowering) -> list[str]:
             if value:
                 args.append(flag)
             continue
-        args += [flag, str(value)]
+        args += [flag, *map(str, value)] if isinstance(value, (list, tuple)) else [flag, str(value)]
     if not merged["add_bias_linear"]:
         args.append("--disable-bias-linear")
     if not merged["share_embeddings_and_output_weights"]:

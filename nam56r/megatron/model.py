@@ -180,7 +180,8 @@ class NamMegatronModel:
 
         lowering = self.lowering
         dsa_ranks = {layer["layer_number"]: layer["dsa_rank"] for layer in lowering.layers if layer["megatron"] == "D"}
-        slots = Slots(self.cfg, self.backends, dsa_ranks, device=device)  # nam blocks are built on the GPU directly
+        slots = Slots(self.cfg, self.backends, dsa_ranks, device=device,  # nam blocks are built on the GPU directly
+                      recompute=lowering.recompute_in_slots)
         norm = slot_class(next(s for s in lowering.slots if s.path == "final_norm"))
         build = functools.partial(nam_hybrid_model_class(), config, hybrid_stack_spec(lowering, slots), slots=slots,
                                   norm=norm, **lowering.model_args, pg_collection=pg_collection)

@@ -3,22 +3,28 @@ what the adapters of one model chunk share. The lowering names them (``Slot.adap
 
 from __future__ import annotations
 
-from typing import Mapping
+from contextlib import nullcontext
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from nam56r.recompute import checkpointed, replaying
 from nam_core.errors import NamError
 
 
 class Slots:
     """What every nam adapter of one model chunk shares: the nam config and backends, the DSA rank of each
     Megatron ``layer_number``, the device nam blocks are built on, the ``ForwardState`` of the forward in
-    flight, and this step's aux-loss sums and log lines."""
+    flight, and this step's aux-loss sums and log lines; the recompute kinds the adapters run under
+    ``nam56r.recompute.checkpointed`` (``Lowering.recompute_in_slots``)."""
 
-    def __init__(self, cfg, backends, dsa_ranks: Mapping[int, int], device: torch.device | str = "cpu"):
+    def __init__(self, cfg, backends, dsa_ranks: Mapping[int, int], device: torch.device | str = "cpu",
+                 recompute: Sequence[str] = ()):
         self.cfg, self.backends, self.dsa_ranks, self.device = cfg, backends, dict(dsa_ranks), torch.device(device)
+        self.recompute = frozenset(recompute)
         self.state = None
+        self.ran: set[int] = set()
         self.aux: dict[str, torch.Tensor] = {}
         self.notes: list[str] = []
 
@@ -27,6 +33,20 @@ class Slots:
         if self.state is not None:
             self.notes.extend(self.state.log)
         self.state = state
+        self.ran = set()
+
+    def replay(self, adapter: nn.Module) -> bool:
+        """Whether ``adapter`` already ran in this forward: Megatron's full recompute (``train.recompute=layer``)
+        runs each layer's forward again inside backward, and nam's blocks must know (``nam56r.recompute``)."""
+        again = id(adapter) in self.ran
+        self.ran.add(id(adapter))
+        return again
+
+    def run(self, kind: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``block(x, state)``, under nam's recompute when ``kind`` is one of the slots' recompute kinds."""
+        if kind in self.recompute:
+            return checkpointed(block, self.state, x)
+        return block(x, self.state)
 
     def log(self, name: str, value: torch.Tensor) -> None:
         self.aux[name] = self.aux.get(name, 0) + value.detach().float()
@@ -63,7 +83,9 @@ class MambaSlot(nn.Module):
 
     def forward(self, hidden_states, inference_context=None, packed_seq_params=None):
         _refuse_unsupported(inference_context, packed_seq_params)
-        out = self.block(hidden_states.transpose(0, 1), self.nam.state)  # [b, s, h]
+        replay = self.nam.replay(self)
+        with replaying(self.nam.state) if replay and self.nam.state is not None else nullcontext():
+            out = self.nam.run("mamba", self.block, hidden_states.transpose(0, 1))  # [b, s, h]
         return out.transpose(0, 1), None
 
 
@@ -97,13 +119,16 @@ class AttentionSlot(nn.Module):
                 **unused):  # rotary_pos_emb/cos/sin, attention_bias, sequence_len_offset: None here (MLA ropes itself)
         _refuse_unsupported(inference_context, packed_seq_params)
         state = self.nam.state
-        before = {name: len(values) for name, values in state.aux_losses.items()}
-        out = self.block(hidden_states.transpose(0, 1), state).transpose(0, 1)  # [s, b, h]
-        for name, values in state.aux_losses.items():
-            added = values[before.get(name, 0):]
-            if added:
-                loss = torch.stack(added).sum()
-                out = self.attach(out, loss)
-                self.nam.log(name, loss)
+        replay = self.nam.replay(self)  # the replay re-attaches its losses to the graph it rebuilds, logs none
+        with replaying(state) if replay else nullcontext():
+            before = {name: len(values) for name, values in state.aux_losses.items()}
+            out = self.nam.run("attention", self.block, hidden_states.transpose(0, 1)).transpose(0, 1)  # [s, b, h]
+            for name, values in state.aux_losses.items():
+                added = values[before.get(name, 0):]
+                if added:
+                    loss = torch.stack(added).sum()
+                    out = self.attach(out, loss)
+                    if not replay:
+                        self.nam.log(name, loss)
         return out, None
 

@@ -97,15 +97,3 @@ def nam_register_indexer_backends(register):
 
     register("full", FullIndexer)
 
-
-def reference_backends():
-    """The reference backends without a plugin host (tests, meta-device counting)."""
-    from nam56r.blocks.indexer import FullIndexer
-    from nam56r.model import Backends
-    from nam56r.reference.attention import ReferenceAttention, ReferenceIndexerKernels
-    from nam56r.reference.ce import ReferenceCEHead
-    from nam56r.reference.mamba3 import ReferenceSSMScan
-    from nam56r.reference.moe import ReferenceExperts
-
-    return Backends(ssm=ReferenceSSMScan(), attention=ReferenceAttention(), indexer_kernels=ReferenceIndexerKernels(),
-                    indexer=FullIndexer(), ce=ReferenceCEHead(), moe=ReferenceExperts())

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ import torch
 
 from nam_core.data.integrity import file_sha256, verify
 from nam_core.errors import DataError
+from nam_core.files import write_json_atomic
 
 MANIFEST = "dataset.json"
 FORMAT = "nam-dataset"
@@ -379,9 +379,7 @@ def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str
             _check_largest(path, name, largest, int(allowed), what)
         added[name] = (digest, largest, np.dtype(dtype))
     manifest["sha256"] = {**manifest["sha256"], **{name: digest for name, (digest, _, _) in added.items()}}
-    tmp = path / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path / MANIFEST)
+    write_json_atomic(path / MANIFEST, manifest, sort_keys=True)
     for name, (digest, largest, dtype) in added.items():
         record(path, name, digest, largest, dtype)  # hashed just now: the next open need not hash again
     open_dataset(path)  # everything else must check out too

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from nam_core.errors import DataError
+from nam_core.files import write_json_atomic
 
 BLOCK = 8 << 20
 """Read size: 8 MiB, a multiple of every token dtype's width, large enough that the hash dominates."""
@@ -93,13 +94,11 @@ def _save_stamp(folder: Path, name: str, entry: dict) -> None:
     target = stamp_path(folder)
     stamps = _load_stamps(folder)
     stamps[name] = entry
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, target)
+        write_json_atomic(target, stamps, indent=1, sort_keys=True)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass  # the stamp only saves a later hash; the data it describes is unchanged
 
 
 def record(folder: Path, name: str, digest: str, largest: int, dtype: np.dtype) -> None:

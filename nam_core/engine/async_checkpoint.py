@@ -131,11 +131,35 @@ def _fault_injection(path: Path) -> None:
 
 
 def state_dicts(model, optimizer) -> tuple[dict, dict]:
-    """The model's and the optimizer's state under parameter names (DCP's ``get_state_dict``), the optimizer's
-    state created when it is empty (a fresh optimizer before a load)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """The model's and the optimizer's own state dicts (the optimizer's by parameter index, with the fp32 masters
+    of ``train.optimizer_numerics=fp32-master`` in it: nam_core/engine/numerics.py; its parameters are the
+    masters, not the model's, so DCP's name-keyed ``get_state_dict`` cannot map them). An empty optimizer state
+    (a fresh optimizer before a load) is created first, so the load has tensors of the right shapes to read into."""
+    _materialize(optimizer)
+    return model.state_dict(), optimizer.state_dict()
 
-    return get_state_dict(model, optimizer)
+
+def _materialize(optimizer) -> None:
+    """Create an empty optimizer's state: one step on zero gradients at lr 0 (AdamW's decay is lr x weight decay:
+    no parameter moves), then the gradients dropped. Refuses (RuntimeError) an optimizer that still has none."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None for p in params):
+        raise RuntimeError("an optimizer with gradients but no state: a load must come before the first backward")
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    if not optimizer.state:
+        raise RuntimeError(f"{type(optimizer).__name__} created no state from a step: nothing to load a checkpoint into")
 
 
 @dataclass
@@ -252,7 +276,6 @@ def load(folder: Path, *, model, optimizer, scheduler, rng_template: dict) -> di
     """Model, optimizer, scheduler and RNG state from a verified format-3 folder (through ``SafeReader`` and
     ``SafeLoadPlanner``); returns the RNG state for ``checkpoint.set_rng_state``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     SafeReader, SafeLoadPlanner, _ = _readers()
     model_sd, optim_sd = state_dicts(model, optimizer)
@@ -261,7 +284,8 @@ def load(folder: Path, *, model, optimizer, scheduler, rng_template: dict) -> di
         # Read the index first: torch 2.13's load folds a failed index read into an AssertionError's text.
         SafeReader(str(folder / STATE)).read_metadata()
         dcp.load(state, storage_reader=SafeReader(str(folder / STATE)), planner=SafeLoadPlanner(), no_dist=True)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return state["rng"]
 
@@ -289,7 +313,7 @@ def state_files(folder: Path) -> list[str]:
 
 
 def write_manifest(tmp: Path, manifest: dict) -> None:
-    from nam_core.engine.checkpoint import fsync_dir
+    from nam_core.files import fsync_dir
 
     with open(tmp / "manifest.json", "w") as f:
         f.write(json.dumps(manifest, indent=2))

@@ -35,17 +35,12 @@ import torch
 from nam_core.data.dataset import file_sha256
 from nam_core.engine import rundir
 from nam_core.errors import ConfigError, NamError, RunFolderError
+from nam_core.files import fsync_dir
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
 FORMAT = 2  # 2: rng.pt holds tensors and plain numbers only (1: numpy's pickled state)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from nam_core.bounds import bounded
+from nam_core.bounds import Rule, bounded
 
 MOE_DISPATCHERS = ("alltoall", "flex")
 """``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
@@ -18,6 +18,21 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 """What the engines train in: the local engine casts the model to it, the megatron engine lowers to it
 (nam_core/engine/megatron/checks.py); nothing here runs float16 or float8 as the parameter dtype."""
+
+
+NUMERICS = ("fp32-master", "bf16-moments", "stochastic-rounding", "bf16")
+"""``train.optimizer_numerics``: what AdamW updates and keeps (nam_core/engine/numerics.py has the table)."""
+RECOMPUTE_KINDS = ("mamba", "moe", "attention", "layer")
+"""``train.recompute``: the blocks whose activations are recomputed in backward instead of kept (Mamba-3
+mixers; MoE blocks, router and experts; DSA and MLA attention; whole layers, norm and mixer)."""
+RECOMPUTE_PRESETS = {"none": (), "mixers": ("mamba", "moe", "attention"), "full": ("layer",)}
+"""Names for common sets of ``RECOMPUTE_KINDS``."""
+
+
+def recompute_kinds(train: "TrainConfig") -> tuple[str, ...]:
+    """``train.recompute`` with its presets expanded, in ``RECOMPUTE_KINDS`` order."""
+    named = {k for item in train.recompute for k in RECOMPUTE_PRESETS.get(item, (item,))}
+    return tuple(k for k in RECOMPUTE_KINDS if k in named)
 
 
 @dataclass(kw_only=True)
@@ -62,6 +77,25 @@ class TrainConfig:
     adam_eps: float = bounded(1e-8, gt=0, aka=("eps", "epsilon"))
     grad_clip: float = bounded(1.0, ge=0, note="0 disables", aka=("clip_grad", "max_grad_norm", "gradient_clipping"))
     """Global grad-norm clip; 0 disables."""
+    optimizer_numerics: str = bounded("fp32-master", choices=NUMERICS,
+                                      aka=("master_weights", "main_params_dtype", "exp_avg_dtype",
+                                           "use_precision_aware_optimizer", "bf16_stochastic_round"))
+    """Which copy of each weight AdamW updates and in which dtype it keeps its moments
+    (nam_core/engine/numerics.py): ``fp32-master`` (fp32 master weights and moments, bf16 compute parameters:
+    the published record's numerics and both engines' default), ``bf16-moments`` (fp32 masters, bf16 moments),
+    ``stochastic-rounding`` (bf16 parameters updated with stochastic rounding, torchao; local engine only) or
+    ``bf16`` (bf16 parameters and moments, round-to-nearest: updates under half a bf16 ulp are lost; local
+    engine only). A float32 run takes ``fp32-master`` only. A resume keeps the checkpoint's numerics."""
+
+    recompute: tuple[str, ...] = bounded((), choices=(*RECOMPUTE_KINDS, *RECOMPUTE_PRESETS),
+                                         aka=("recompute_granularity", "recompute_modules", "activation_checkpointing",
+                                              "gradient_checkpointing"))
+    """Activation recompute, a comma list of kinds or one preset (``--set train.recompute=mamba,moe``):
+    ``mamba``, ``moe``, ``attention`` (DSA and MLA), ``layer`` (each layer whole); presets ``none``,
+    ``mixers`` (the three mixers) and ``full`` (= ``layer``). A recomputed block keeps its input and runs its
+    forward again in backward: less memory (nam56r/memory.py), one more forward of it per step. Bit-exact
+    against no recompute where nam checkpoints (the local engine; Mamba and attention in the megatron engine),
+    within 2e-7 where Megatron does (nam56r/recompute.py says how each engine runs it). Default: none."""
 
     log_every: int = bounded(1, ge=1, aka=("log_interval", "logging_steps"))
     """Write a metrics.jsonl line every N steps, and for the first and last step of each invocation (the
@@ -103,6 +137,14 @@ class TrainConfig:
     """Megatron engine, MoE layers: run the shared expert on a side CUDA stream while the routed tokens are
     dispatched (Megatron's ``moe_shared_expert_overlap``; alltoall or flex dispatcher). Off: measured no gain, as
     above (1 GPU: 8,350 tokens/s against 8,393)."""
+
+    RULES = (
+        Rule(("recompute",), "layer (or full) and none alone: a whole layer already covers its mixer",
+             lambda c: len(c.recompute) <= 1 or not {"layer", "full", "none"} & set(c.recompute)),
+        Rule(("optimizer_numerics", "dtype"), "optimizer_numerics=fp32-master unless dtype=bfloat16 (float32 "
+             "parameters are their own masters)", lambda c: c.optimizer_numerics == "fp32-master"
+             or c.dtype == "bfloat16"),
+    )
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -16,85 +16,71 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
-from nam_core.engine import checkpoint
+from nam_core.engine import checkpoint, numerics
 from nam_core.engine.config import TrainConfig
-from nam_core.engine.metrics import MetricsLog, truncate_metrics
+from nam_core.engine.contract import EngineRun, Ranks
+from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
-from nam_core.engine.validation import HeldOut, mean_loss
+from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
+from nam_core.engine.validation import mean_loss
 from nam_core.errors import Interrupted, TrainingGuardError
-from nam_core.run import RunSpec, StepContext
 
 
 @dataclass
-class LocalRun:
-    """Everything one run needs. ``forward(batch, micro_batch_id) -> dict`` must return ``loss``."""
+class LocalModel:
+    """What the local engine trains: ``module`` (its parameters, its train mode) and ``forward(batch,
+    micro_batch_id) -> dict`` with at least ``loss`` (a model package builds it: ``nam56r.run.build``)."""
 
-    run_dir: Path
-    train: TrainConfig
-    model: torch.nn.Module
+    module: torch.nn.Module
     forward: Callable[[dict, int], dict]
-    batch_at: Callable[[int, int], dict]
-    host: Any
-    max_steps: int
-    flops_per_token: float
-    record: dict = field(default_factory=dict)
-    """Identity of the run (config, plugins) stored in every checkpoint manifest."""
-    resume_from: Path | None = None
-    quiet: bool = False
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: Any = None
-    log: MetricsLog | None = None
-    step: int = 0
-    notes: list[str] = field(default_factory=list)
-    """Lines for the run log, each logged once: before the first step (the fields requested plugins
-    selected) and after each step (what ``forward`` appended, e.g. blocks' ``ForwardState.log``)."""
-    spec: RunSpec | None = None
-    """The run the plugins were activated for; lifecycle hooks read it through their ``StepContext``."""
-    backends: Mapping[str, Any] = field(default_factory=dict)
-    """Kind -> the backend object the model runs (``StepContext.backend``)."""
-    again: Callable[..., str] | None = None
-    """``again(resume="auto", sets={"train.lr": "3e-05"})``: the command that continues this run, for the
-    hints of a stop or a guard (the CLI knows the options it was started with)."""
-    held_out: HeldOut | None = None
-    """Validation rows (``train.eval_every``); None: the run does not evaluate."""
-
-    def context(self, step: int) -> StepContext:
-        """What the lifecycle hooks of step ``step`` receive."""
-        if self.spec is None:
-            raise TypeError("LocalRun.spec is unset: build the run through nam56r.run (the composition root)")
-        return StepContext(step=step, spec=self.spec, backends=self.backends, parameters=self.model.named_parameters,
-                           note=lambda line: self.log.note(line) if self.log is not None else None)
 
 
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """Linear warmup to the peak, cosine decay to ``min_lr_ratio`` at ``total_steps``, flat after."""
+class LocalEngine:
+    """One process on the CPU or one GPU (``nam_core.engine.contract.Engine``)."""
 
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    name = "local"
 
-    return f
+    def start(self, spec, *, dry_run: bool, relaunch=None) -> Ranks:
+        return Ranks()
+
+    def good_checkpoints(self, ckpt_root: Path) -> list[Path]:
+        return checkpoint.good_checkpoints(ckpt_root)
+
+    def resolve_resume(self, spec: str, ckpt_root: Path, *, warn: Callable[[str], None]) -> Path:
+        return checkpoint.resolve_resume(spec, ckpt_root, warn=warn)
+
+    def barrier(self) -> None:
+        pass
+
+    def train(self, run: EngineRun) -> dict:
+        return train(run)
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class _State:
+    """What ``_start`` set up for the loop."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    log: MetricsLog
+    start: int
+    noted: set = field(default_factory=set)
+    saver: Any = None
+    """The background checkpoint writer (``train.async_checkpoints``), made at the first save."""
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on vectors (norm weights, biases, per-head scalars).
-
-    On CUDA it runs torch's fused implementation: one kernel per parameter group and dtype instead of the
-    multi-tensor path's dozen passes over the state (NAM56R, one H200, MBS 2: 64.6 ms of a 966 ms step on the
-    multi-tensor path, bench/README.md). Elsewhere torch's default."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    on_cuda = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True if on_cuda else None,
-    )
+    """AdamW under ``train.optimizer_numerics`` (nam_core/engine/numerics.py: fp32 masters or not, moment
+    dtypes, fused on CUDA); no weight decay on vectors (norm weights, biases, per-head scalars)."""
+    return numerics.make_optimizer(model.parameters(), numerics=cfg.optimizer_numerics, weight_decay=cfg.weight_decay,
+                                   lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
 def _memory_gib(device: str) -> float:
@@ -104,23 +90,13 @@ def _memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def first_non_finite(model: torch.nn.Module) -> str:
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            return f"parameter {name}"
-        if p.grad is not None and not torch.isfinite(p.grad).all():
-            return f"gradient of {name}"
-    return "none (the loss itself is non-finite)"
-
-
-def _drain_notes(run: LocalRun) -> None:
+def _drain_notes(run: EngineRun, state: _State) -> None:
     """Log each pending note once (selected fields before step 0; blocks' ForwardState.log lines after)."""
-    seen = run.__dict__.setdefault("_noted", set())
     while run.notes:
         line = run.notes.pop(0)
-        if line not in seen:
-            seen.add(line)
-            run.log.note(line)
+        if line not in state.noted:
+            state.noted.add(line)
+            state.log.note(line)
 
 
 def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfig) -> None:
@@ -134,120 +110,114 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfi
     scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
     for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # make_optimizer's two groups
         group["initial_lr"] = cfg.lr
-        group["lr"] = cfg.lr * factor
+        numerics.set_group_lr(group, cfg.lr * factor)  # a tensor under torchao's AdamW
         group["weight_decay"] = decay
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    scheduler._last_lr = [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def _again(run: LocalRun, **changes) -> str:
-    if run.again is not None:
-        return run.again(**changes)
-    return f"nam train --run-dir {run.run_dir} --resume auto (with this run's other options)"
-
-
-def _start(run: LocalRun) -> int:
-    """Optimizer, schedule and log; the checkpoint's state when resuming. Returns the first step."""
-    cfg = run.train
-    run.notes.extend(run.host.transform_model(run.model, run.spec))  # nam_transform_model: before the optimizer
-    run.optimizer = make_optimizer(run.model, cfg)
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg))
+def _start(run: EngineRun) -> _State:
+    """Optimizer, schedule and log; the checkpoint's state when resuming."""
+    cfg, module = run.train, run.model.module
+    run.notes.extend(run.host.transform_model(module, run.spec))  # nam_transform_model: before the optimizer
+    optimizer = make_optimizer(module, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    folder = run.folder
     start, cut = 0, []
     if run.resume_from is not None:
         loading = time.perf_counter()
-        manifest = checkpoint.load(run.resume_from, model=run.model, optimizer=run.optimizer,
-                                   scheduler=run.scheduler)
+        manifest = checkpoint.load(run.resume_from, model=module, optimizer=optimizer, scheduler=scheduler)
         loading = time.perf_counter() - loading
-        resume_schedule(run.optimizer, run.scheduler, cfg)
+        resume_schedule(optimizer, scheduler, cfg)
         start = manifest["step"]
-        cut = truncate_metrics(run.run_dir, start)
-    run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
+        cut = folder.truncate_metrics(start)
+    state = _State(optimizer, scheduler, folder.metrics_log(start_step=start, total_steps=run.max_steps,
+                                                             quiet=run.quiet), start)
     if run.resume_from is not None:
-        run.log.note(f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s)")
+        state.log.note(f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s)")
     for line in cut:
-        run.log.note(line)
-    _drain_notes(run)
-    return start
+        state.log.note(line)
+    _drain_notes(run, state)
+    return state
 
 
-def _step(run: LocalRun, step: int, last_good: Path | None) -> tuple[dict, int]:
+def _step(run: EngineRun, state: _State, step: int, last_good: Path | None) -> tuple[dict, int]:
     """One optimizer step; its metrics line and its token count."""
-    cfg = run.train
-    ctx = run.context(step)
+    cfg, module = run.train, run.model.module
+    ctx = run.context(step, parameters=module.named_parameters, note=state.log.note)
     run.host.before_step(step, ctx)
     t0 = time.perf_counter()
-    run.model.train()
+    module.train()
     totals: dict[str, float] = {}
     n_tokens = 0
     for micro in range(cfg.grad_accum):
-        batch = run.batch_at(step * cfg.grad_accum + micro, cfg.micro_batch_size)
-        out = run.forward(batch, step * cfg.grad_accum + micro)
+        index = step * cfg.grad_accum + micro
+        batch = {k: v.to(cfg.device) for k, v in run.batch_at(index, cfg.micro_batch_size).items()}
+        out = run.model.forward(batch, index)
         (out["loss"] / cfg.grad_accum).backward()
         for key, value in out.items():
             totals[key] = totals.get(key, 0.0) + value.detach().float().item() / cfg.grad_accum
         n_tokens += batch["tokens"].numel()
-    params = [p for p in run.model.parameters() if p.grad is not None]
+    params = [p for p in module.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
     if not (math.isfinite(totals["loss"]) and math.isfinite(grad_norm)):
         # A lower lr from the last good checkpoint; with none, the folder starts afresh (rundir.plan).
-        retry = _again(run, resume="auto" if last_good else None, sets={"train.lr": f"{cfg.lr / 10:g}"})
+        retry = run.continue_command(resume="auto" if last_good else None, sets={"train.lr": f"{cfg.lr / 10:g}"})
         raise TrainingGuardError(
             f"non-finite {'loss' if not math.isfinite(totals['loss']) else 'gradient norm'} at step "
-            f"{step}: first non-finite is {first_non_finite(run.model)}; "
+            f"{step}: first non-finite is {first_non_finite(module)}; "
             f"last good checkpoint: {last_good or 'none'}",
             hint=f"{'resume from it' if last_good else 'start again'} with a lower lr: {retry}",
         )
-    lr = run.scheduler.get_last_lr()[0]
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
+    lr = float(state.scheduler.get_last_lr()[0])  # a tensor under torchao's AdamW
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
     if cfg.device == "cuda":
         torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tokens_per_s = n_tokens / dt
-    metrics = {"step": step + 1, **{k: round(v, 6) for k, v in totals.items()}, "lr": lr,
-               "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-               "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12,
-               "mem_gib": _memory_gib(cfg.device), "step_time_s": dt}
+    metrics = step_metrics(step, totals, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
+                           seconds=time.perf_counter() - t0, flops_per_token=run.flops_per_token,
+                           mem_gib=_memory_gib(cfg.device))
     run.host.after_step(step, ctx, metrics)
     return metrics, n_tokens
 
 
-def evaluate(run: LocalRun) -> dict:
+def evaluate(run: EngineRun) -> dict:
     """``{"val_loss": ...}``: the LM loss on the held-out rows (nam_core/engine/validation.py), no gradients,
     the model in eval mode for the pass and back in train mode after it."""
-    cfg = run.train
+    cfg, module = run.train, run.model.module
     n = run.held_out.micro_batches(eval_tokens=cfg.eval_tokens, micro_batch_size=cfg.micro_batch_size)
     total = 0.0
-    run.model.eval()
+    module.eval()
     try:
         with torch.no_grad():
             for i in range(n):
                 batch = run.held_out.batch_at(i, cfg.micro_batch_size)
-                out = run.forward({k: v.to(cfg.device) for k, v in batch.items()}, i)
+                out = run.model.forward({k: v.to(cfg.device) for k, v in batch.items()}, i)
                 total += out["lm_loss"].float().item()
     finally:
-        run.model.train()
+        module.train()
     return {"val_loss": mean_loss(total, n)}
 
 
-def _save(run: LocalRun, step: int, last_good: Path | None, *, wait: bool) -> Path | None:
+def _save(run: EngineRun, state: _State, step: int, last_good: Path | None, *, wait: bool) -> Path | None:
     """Checkpoint ``step``; the newest checkpoint on disk after it. With ``train.async_checkpoints`` the files are
     written in the background (nam_core/engine/async_checkpoint.py): the save before it is waited for, and this
     one too when ``wait`` (the last step, a stop)."""
-    root, cfg = run.run_dir / "checkpoints", run.train
+    root, cfg, module = run.folder.checkpoints, run.train, run.model.module
     if not cfg.async_checkpoints:
         t0 = time.perf_counter()
-        saved = checkpoint.save(root, step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+        saved = checkpoint.save(root, step, model=module, optimizer=state.optimizer, scheduler=state.scheduler,
                                 extra={"record": run.record}, keep=cfg.keep_checkpoints)
-        run.log.note(f"checkpoint {saved.name}: training paused {time.perf_counter() - t0:.1f} s (written on the "
-                     "training thread)")
+        state.log.note(f"checkpoint {saved}: training paused {time.perf_counter() - t0:.1f} s (written on the "
+                       "training thread)", echo=False)
         return saved
-    saver = run.__dict__.setdefault("_saver", checkpoint_saver(cfg))
-    last_good = _finish_save(run, saver) or last_good
-    checkpoint.start_save(root, step, saver=saver, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                          extra={"record": run.record}, keep=cfg.keep_checkpoints)
-    return (_finish_save(run, saver) or last_good) if wait else last_good
+    if state.saver is None:
+        state.saver = checkpoint_saver(cfg)
+    last_good = _finish_save(run, state) or last_good
+    checkpoint.start_save(root, step, saver=state.saver, model=module, optimizer=state.optimizer,
+                          scheduler=state.scheduler, extra={"record": run.record}, keep=cfg.keep_checkpoints)
+    return (_finish_save(run, state) or last_good) if wait else last_good
 
 
 def checkpoint_saver(cfg: TrainConfig):
@@ -257,51 +227,53 @@ def checkpoint_saver(cfg: TrainConfig):
     return AsyncSaver(pinned=cfg.device == "cuda")
 
 
-def _finish_save(run: LocalRun, saver) -> Path | None:
+def _finish_save(run: EngineRun, state: _State) -> Path | None:
     """Wait for the save in flight; note what it cost (the stall, the background write); its folder."""
-    pending = saver.pending
-    done = checkpoint.finish_save(saver, run.run_dir / "checkpoints", run.model, run.optimizer)
+    pending = state.saver.pending
+    done = checkpoint.finish_save(state.saver, run.folder.checkpoints, run.model.module, state.optimizer)
     if pending is not None:
-        run.log.note(f"checkpoint {done.name}: training paused {pending.stall_s:.1f} s (copy to host memory), "
-                     f"written in {time.perf_counter() - pending.started:.1f} s in the background")
+        state.log.note(f"checkpoint {done}: training paused {pending.stall_s:.1f} s (copy to host memory), "
+                       f"written in {time.perf_counter() - pending.started:.1f} s in the background", echo=False)
     return done
 
 
-def _stopped(run: LocalRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
-    return stopped(stop.signum, step, run.max_steps, last_good, saves=run.train.checkpoint_every > 0,
-                   continue_with=_again(run, resume="auto"))
+def _stopped(run: EngineRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
+    return stopped(stop.signum, step, run.max_steps, last_good, saves=run.checkpoints and run.train.checkpoint_every > 0,
+                   continue_with=run.continue_command(resume="auto"))
 
 
-def train(run: LocalRun) -> dict:
+def train(run: EngineRun) -> dict:
     """Train from the start (or the checkpoint) to ``max_steps``. SIGINT/SIGTERM stop it after the current
     step with a checkpoint of that step (Interrupted, exit 130/143), unless ``checkpoint_every`` is 0."""
     cfg = run.train
     with StopRequests() as stop:
-        start = _start(run)
-        good = checkpoint.good_checkpoints(run.run_dir / "checkpoints")
+        state = _start(run)
+        good = checkpoint.good_checkpoints(run.folder.checkpoints)
         last_good = good[-1] if good else None
         tokens_per_step = None
         try:
             if stop.signum is not None:  # asked to stop while loading: nothing new to save
-                raise _stopped(run, stop, start, last_good)
-            for step in range(start, run.max_steps):
-                run.step = step
-                metrics, tokens_per_step = _step(run, step, last_good)
+                raise _stopped(run, stop, state.start, last_good)
+            for step in range(state.start, run.max_steps):
+                metrics, tokens_per_step = _step(run, state, step, last_good)
+                _drain_notes(run, state)
                 if cfg.evaluates_after(step + 1, run.max_steps):
                     metrics.update(evaluate(run))
-                _drain_notes(run)
-                if (step + 1) % cfg.log_every == 0 or step in (start, run.max_steps - 1) or "val_loss" in metrics \
-                        or stop.signum is not None:
-                    run.log.log(metrics)
-                run.log.advance()
-                if cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every):
-                    last_good = _save(run, step + 1, last_good,
+                if (step + 1) % cfg.log_every == 0 or step in (state.start, run.max_steps - 1) \
+                        or "val_loss" in metrics or stop.signum is not None:
+                    state.log.log(metrics)
+                state.log.advance()
+                saves = cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every)
+                if run.checkpoints and saves:
+                    last_good = _save(run, state, step + 1, last_good,
                                       wait=stop.signum is not None or step + 1 == run.max_steps)
                 if stop.signum is not None:
                     raise _stopped(run, stop, step + 1, last_good)
+            report = run.host.run_report(run.context(run.max_steps, parameters=run.model.module.named_parameters,
+                                                     note=state.log.note))
         finally:
-            if "_saver" in run.__dict__:  # an error mid-run: the save in flight still lands (or is removed)
-                _finish_save(run, run.__dict__["_saver"])
-            run.log.close()
-    return {"steps": run.max_steps, "started_at_step": start, "last_checkpoint": str(last_good),
-            "tokens_per_step": tokens_per_step}
+            if state.saver is not None and state.saver.pending is not None:  # an error mid-run: the save in
+                _finish_save(run, state)  # flight still lands (or is removed)
+            state.log.close()
+    return {"steps": run.max_steps, "started_at_step": state.start, "last_checkpoint": str(last_good),
+            "tokens_per_step": tokens_per_step, "plugin_report": report}

@@ -1,16 +1,18 @@
 """Where step metrics go: metrics.jsonl always, a progress bar on a terminal (plain lines otherwise),
-TensorBoard event files when the tensorboard package is installed. One-off notes (a plugin's hand-over, the
+TensorBoard event files in ``<run folder>/tensorboard`` when the tensorboard package is installed (the
+``[tensorboard]`` extra: ``pip install -e ".[tensorboard]"``; ``tensorboard --logdir <run folder>/tensorboard``). One-off notes (a plugin's hand-over, the
 fields plugins selected) go to the terminal and to ``run.log`` in the run folder, even under ``--quiet``."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
+
+from nam_core.files import write_atomic
 
 
 class MetricsLog:
@@ -35,12 +37,11 @@ class MetricsLog:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
-        line = (f"step {step} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
-                f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:.0f}")
+        line = f"step {step} {step_line(metrics)}"
         if "val_loss" in metrics:
             line += f" val_loss {metrics['val_loss']:.4f}"
         if self.bar is not None:
-            self.bar.set_postfix_str(line.split(" ", 2)[2])
+            self.bar.set_postfix_str(step_line(metrics))
         elif not self.quiet:
             print(line, file=sys.stderr, flush=True)
 
@@ -49,10 +50,13 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.update(1)
 
-    def note(self, message: str) -> None:
+    def note(self, message: str, *, echo: bool = True) -> None:
         """A one-off message (plugin hand-over, checkpoint saved), without breaking the bar. A ``warning: ``
-        line is shown even under --quiet (something was skipped that the user should know about)."""
+        line is shown even under --quiet (something was skipped that the user should know about).
+        ``echo=False``: run.log only (each checkpoint saved; the summary names the newest)."""
         self._notes.write(f"[step {self.step}] {message}\n")
+        if not echo:
+            return
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
         elif not self.quiet or message.startswith("warning: "):
@@ -65,6 +69,19 @@ class MetricsLog:
             self.tb.close()
         self._file.close()
         self._notes.close()
+
+
+def step_line(metrics: dict) -> str:
+    """A step's numbers as the progress line shows them: the LM loss (the loss the summary reports), the other
+    loss terms apart in brackets (MTP, router balance, the indexer's KL: they move for their own reasons), then
+    lr, grad norm and speed."""
+    from nam_core.engine.summary import STEP_FIELDS
+
+    lm = metrics.get("lm_loss", metrics["loss"])  # a model without the split logs one loss
+    others = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())
+                       if k not in STEP_FIELDS and isinstance(v, (int, float)))
+    return (f"LM loss {lm:.4f}{f' ({others})' if others else ''} lr {metrics['lr']:.2e} "
+            f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:.0f}")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -89,9 +106,7 @@ def truncate_metrics(run_dir: Path, last_step: int) -> list[str]:
             continue
         if step <= last_step:
             keep.append(line)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a kill mid-rewrite keeps the old file
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(l + "\n" for l in keep))  # a kill mid-rewrite keeps the old file
     if not torn:
         return []
     which = "its last line" if torn == [number] else f"line(s) {', '.join(map(str, torn))}"

@@ -1,9 +1,17 @@
-"""The run folder's life: one owner at a time, what a new start does with what it finds, what a resume may
-change, a stop on request, and filesystem failures as one-block errors.
+"""The run folder: what is in it, who owns it, what a new start does with what it finds, what a resume may
+change, a stop on request, and filesystem failures as one-block errors. ``RunFolder`` owns every file:
 
+    runs/<name>/config.json       the run's identity (recipe, model, train, plugins, data): a resume must match it
+    runs/<name>/plugins.json      active plugins, backends, patches, versions, device
+    runs/<name>/metrics.jsonl     one record per logged step (``metrics.MetricsLog``)
+    runs/<name>/run.log           one-off notes (plugin hand-overs, resumes, skipped checkpoints)
+    runs/<name>/summary.json      the end-of-run summary
+    runs/<name>/checkpoints/      step-<N>/ folders (the engine's format: ``checkpoint.py``, ``megatron/checkpoint.py``)
     runs/<name>/run.lock          held (flock) by the live run; its pid, host and start time, for messages
     runs/<name>/history.jsonl     one line per start: fresh, restart or resume, with the fields it changed
     runs/<name>/stopped-<time>/   what a run that stopped before its first checkpoint left (moved aside)
+
+Every whole-file write goes through ``nam_core.files.write_atomic`` (aside, then rename).
 
 Why flock: the kernel lets go of it when its process dies, however it dies (SIGKILL, the OOM killer), so a
 lock never outlives its owner on this machine and a crash never leaves a folder that needs ``rm -rf``. The
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from nam_core.errors import ConfigError, Interrupted, RunFolderError
+from nam_core.files import write_json_atomic
 
 LOCK = "run.lock"
 HISTORY = "history.jsonl"
@@ -43,10 +52,12 @@ MOVED_ASIDE = ("config.json", "plugins.json", "metrics.jsonl", "summary.json", "
 
 RESUMABLE = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.total_steps", "train.grad_clip",
              "train.weight_decay", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.eval_every", "train.eval_tokens", "train.async_checkpoints")
+             "train.eval_every", "train.eval_tokens", "train.async_checkpoints", "train.recompute")
 """Fields a resume may change. They steer the run from the next step on and change no tensor's shape or
 meaning: the LR schedule is rebuilt from (step, these fields) at every start, weight decay is set on the
-optimizer's groups after a load, the rest are read each step. Every other field (shapes, dtype, batch sizes,
+optimizer's groups after a load, activation recompute computes the same step (bit-exact, or to 2e-7 under Megatron's own: nam56r/recompute.py), the
+rest are read each step. ``train.optimizer_numerics`` is not among them: it changes what the checkpoint's
+optimizer state holds (fp32 masters or not, the moments' dtype). Every other field (shapes, dtype, batch sizes,
 seed, data, plugins) changes what the checkpoint's tensors are or which batches come next: refused."""
 
 
@@ -176,8 +187,10 @@ def describe_owner(text: str) -> tuple[str, int | None]:
 
 
 class RunFolder:
-    """The run folder, held for the run's life: created if needed, locked, and given back on any exit
-    (``with RunFolder(path) as folder:``). ``stale`` names the previous owner when it died holding the lock."""
+    """The run folder and every file in it. Held for the run's life by the process that writes it: created if
+    needed, locked, and given back on any exit (``with RunFolder(path) as folder:``); ``stale`` names the
+    previous owner when it died holding the lock. Unlocked, it is a view that reads (and lets an engine's
+    ranks find where metrics and checkpoints go)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -185,6 +198,58 @@ class RunFolder:
         self.stale: str | None = None
         self._fd: int | None = None
         self._created: list[Path] = []
+
+    # --- the files ---
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def config(self) -> dict | None:
+        """The recorded identity (config.json), or None when there is none or it is not JSON."""
+        return _read_json(self.path / "config.json")
+
+    def write_config(self, record: dict) -> None:
+        write_json_atomic(self.path / "config.json", record)
+
+    def write_plugins(self, info: dict) -> None:
+        write_json_atomic(self.path / "plugins.json", info)
+
+    def write_summary(self, summary: dict) -> None:
+        write_json_atomic(self.path / "summary.json", summary)
+
+    def metrics(self) -> list[dict]:
+        from nam_core.engine.metrics import read_metrics
+
+        return read_metrics(self.path)
+
+    def metrics_log(self, *, start_step: int, total_steps: int, quiet: bool):
+        """The log an engine writes metrics.jsonl and run.log through (rank 0)."""
+        from nam_core.engine.metrics import MetricsLog
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        return MetricsLog(self.path, start_step=start_step, total_steps=total_steps, quiet=quiet)
+
+    def truncate_metrics(self, last_step: int) -> list[str]:
+        """Drop metrics after ``last_step`` (a resume makes them again); what was cut, as notes."""
+        from nam_core.engine.metrics import truncate_metrics
+
+        return truncate_metrics(self.path, last_step)
+
+    def claim(self, record: dict, resume: str | None, *, good, resolve, again, max_steps: int | None = None) -> "Start":
+        """How this run starts here (``plan``), with a note of a stale lock taken over. Call under the lock."""
+        start = plan(self.path, record, resume, good=good, resolve=resolve, again=again, max_steps=max_steps)
+        if self.stale:
+            start.notes.insert(0, self.stale)
+        return start
+
+    def begin(self, start: "Start", record: dict, plugins: dict) -> None:
+        """Under the lock, after every check: the start's history line, then the run's identity files."""
+        begin(self.path, start)
+        self.write_config(record)
+        self.write_plugins(plugins)
+
+    # --- the lock ---
 
     def __enter__(self) -> "RunFolder":
         self.acquire()
@@ -308,12 +373,7 @@ class Contents:
     @classmethod
     def read(cls, run_dir: Path, good: Callable[[Path], list[Path]]) -> "Contents":
         names = {p.name for p in run_dir.iterdir()} - {LOCK} if run_dir.is_dir() else set()
-        config = None
-        if "config.json" in names:
-            try:
-                config = json.loads((run_dir / "config.json").read_text())
-            except ValueError:
-                config = None
+        config = _read_json(run_dir / "config.json") if "config.json" in names else None
         ckpts = run_dir / "checkpoints"
         steps = sorted(p for p in ckpts.glob("step-*") if p.is_dir()) if ckpts.is_dir() else []
         return cls(names, config, steps, good(ckpts) if steps else [])
@@ -344,26 +404,80 @@ class Start:
 
 
 def plan(run_dir: Path, record: dict, resume: str | None, *, good: Callable[[Path], list[Path]],
-         resolve: Callable[..., Path], again: Callable[..., str]) -> Start:
+         resolve: Callable[..., Path], again: Callable[..., str], max_steps: int | None = None) -> Start:
     """Decide how to start: refuse (ConfigError, exit 2) a folder of another run, a checkpoint of another
-    config or damaged checkpoints alone; start afresh in a folder whose run never saved a checkpoint.
+    config, damaged checkpoints alone, or a resume with no step left to train; start afresh in a folder whose
+    run never saved a checkpoint.
 
     ``good(ckpt_root)``/``resolve(spec, ckpt_root, warn=)``: the engine's checkpoint format. ``again(resume=,
-    sets=)``: this command again (for hints)."""
+    sets=, max_steps=)``: this command again (for hints). ``max_steps``: the step this run stops at
+    (``--max-steps``; ``train.total_steps`` of ``record`` when None)."""
     contents = Contents.read(run_dir, good)
+    max_steps = max_steps if max_steps is not None else record["train"]["total_steps"]
     if resume is None or (resume == "auto" and not contents.steps):
-        return _plan_new(run_dir, contents, resume, again)
-    return _plan_resume(run_dir, contents, record, resume, resolve)
+        return _plan_new(run_dir, contents, resume, record, again, max_steps)
+    start = _plan_resume(run_dir, contents, record, resume, resolve)
+    if start.step >= max_steps:
+        raise ConfigError(
+            f"--resume {resume}: checkpoint {start.resume_from} is at step {start.step} and this run stops at step "
+            f"{max_steps} (--max-steps is the step to stop at, counted from the run's start): nothing to train",
+            hint=": ".join(continue_command(again, step=start.step, total_steps=record["train"]["total_steps"],
+                                            max_steps=max_steps)))
+    return start
 
 
-def _plan_new(run_dir: Path, contents: Contents, resume: str | None, again: Callable[..., str]) -> Start:
+def continue_command(again: Callable[..., str], *, step: int, total_steps: int, max_steps: int) -> tuple[str, str]:
+    """What trains on from a checkpoint at ``step``: ``(what it does, the command)``.
+
+    ``--max-steps`` is absolute (the step to stop at), so the command names a later step: the one this command
+    asked for when it lies ahead, else ``step`` plus as many steps again, at most ``total_steps`` (then without
+    ``--max-steps``). A run at the end of its LR schedule (``train.total_steps``) goes on only with a longer
+    schedule, which a resume may set: the command doubles it."""
+    if step < total_steps:
+        target = max_steps if max_steps > step else min(total_steps, step + max_steps)
+        command = again(resume="auto", max_steps=None if target == total_steps else target)
+        return f"continue it to step {target} (--max-steps is the step to stop at, counted from the run's start)", \
+            command
+    longer = 2 * total_steps
+    command = again(resume="auto", sets={"train.total_steps": longer}, max_steps=None)
+    return (f"the run reached train.total_steps ({total_steps}), the end of its LR schedule; continue it to step "
+            f"{longer} with a schedule that long"), command
+
+
+def whereabouts(run_dir: Path, last_checkpoint: Path | None, *, steps_run: int, again: Callable[..., str],
+                total_steps: int) -> dict:
+    """Where a finished run's things are, for ``summary.json`` and the lines after the summary: the newest
+    checkpoint, the command that continues from it (as many steps again as this run trained, ``steps_run``),
+    the metrics, the run log and TensorBoard's events."""
+    found = {"checkpoint": str(last_checkpoint) if last_checkpoint is not None else None,
+             "continue_with": None, "continue_what": None,
+             "metrics": str(run_dir / "metrics.jsonl"), "run_log": str(run_dir / "run.log"),
+             "tensorboard": str(run_dir / "tensorboard") if (run_dir / "tensorboard").is_dir() else None}
+    if last_checkpoint is not None:
+        step = _checkpoint_step(last_checkpoint)
+        found["continue_what"], found["continue_with"] = continue_command(
+            again, step=step, total_steps=total_steps, max_steps=min(total_steps, step + max(1, steps_run)))
+    return found
+
+
+def _checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoint folder: its manifest's, else its name's (``step-00000010``)."""
+    step = _manifest(folder).get("step")
+    return int(step) if step is not None else int(folder.name.rsplit("-", 1)[-1])
+
+
+def _plan_new(run_dir: Path, contents: Contents, resume: str | None, record: dict, again: Callable[..., str],
+              max_steps: int) -> Start:
     auto = (f"--resume auto: run folder {run_dir} holds no checkpoint yet, so this run starts afresh"
             if resume == "auto" else None)
     if not contents.names - {HISTORY, "run.log"}:
         return Start("fresh", notes=[auto] if auto else [], branch=new_branch())
     if contents.good:
-        raise ConfigError(f"run folder {run_dir} already holds a run (newest checkpoint: {contents.good[-1].name})",
-                          hint=f"continue it: {again(resume='auto')}; or choose another --run-dir")
+        newest = contents.good[-1]
+        go_on = continue_command(again, step=_checkpoint_step(newest), total_steps=record["train"]["total_steps"],
+                                 max_steps=max_steps)
+        raise ConfigError(f"run folder {run_dir} already holds a run (newest checkpoint: {newest.name})",
+                          hint=f"{': '.join(go_on)}; or choose another --run-dir")
     if contents.steps:
         raise ConfigError(f"run folder {run_dir} holds only damaged checkpoints: "
                           + ", ".join(p.name for p in contents.steps),
@@ -456,20 +570,22 @@ def _auto_on_branch(run_dir: Path, contents: Contents, resolve, warnings: list, 
     """``--resume auto``: the newest good checkpoint of the branch the last start was on; with none saved yet,
     the checkpoint that branch started from. A folder that records no branch (before 2026-11-25): the newest."""
     ckpts = run_dir / "checkpoints"
+    skipped: list[str] = []
+    newest = resolve("auto", ckpts, warn=skipped.append)  # the newest good one; damaged newer ones named
     history = [e for e in _history(run_dir) if e.get("branch")]
     current = history[-1]["branch"] if history else None
-    if current is None:
-        folder = resolve("auto", ckpts, warn=warnings.append)
-        return folder, _branch_of(folder) or new_branch()
-    ours = [p for p in contents.good if _branch_of(p) == current]
+    ours = [p for p in contents.good if current is not None and _branch_of(p) == current]
     origin = next((Path(e["from"]) for e in history if e["branch"] == current and e.get("from")), None)
     if ours:
         chosen, how = ours[-1], "the newest checkpoint of this run's current branch"
     elif origin is not None and origin.resolve() in [p.resolve() for p in contents.good]:
         chosen, how = origin, "the checkpoint this run's current branch started from (it has saved none since)"
-    else:
-        folder = resolve("auto", ckpts, warn=warnings.append)
-        return folder, _branch_of(folder) or current
+    else:  # no branch recorded (a folder from before 2026-11-25), or nothing of it left: the newest
+        warnings.extend(skipped)
+        return newest, _branch_of(newest) or current or new_branch()
+    warnings.extend(w.replace(f"resuming from {newest.name}", f"resuming from {chosen.name}") for w in skipped)
+    if chosen.resolve() == newest.resolve():
+        return newest, current
     folder = resolve(str(chosen), ckpts, warn=warnings.append)
     others = [p.name for p in contents.good if p.name > chosen.name and _branch_of(p) != current]
     started = next(e for e in history if e["branch"] == current)
@@ -503,21 +619,15 @@ def _refuse_other_data(run_dir: Path, refused: list, record: dict) -> None:
                                "point --data at it), or train on the new data in a new --run-dir")
 
 
-def check_steps_ahead(start: Start, max_steps: int, run_dir: Path) -> None:
-    """A resume must have a step left to train: ``--max-steps`` at or below the checkpoint's step is refused
-    (ConfigError, exit 2) instead of a run that trains nothing and reports negative steps."""
-    if start.kind == "resume" and max_steps <= start.step:
-        raise ConfigError(f"--max-steps {max_steps}: the run resumes at step {start.step} ({start.resume_from}), "
-                          f"so there is no step left to train",
-                          hint=f"pass --max-steps above {start.step} (the run trains steps {start.step + 1}.."
-                               f"--max-steps), or read what it did in {run_dir / 'summary.json'}")
-
-
 def _manifest(folder: Path) -> dict:
+    return _read_json(folder / "manifest.json") or {}
+
+
+def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads((folder / "manifest.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        return None
 
 
 def begin(run_dir: Path, start: Start) -> None:

@@ -77,6 +77,14 @@ def steady_state(records: list[dict], first_step: int) -> dict:
             "first_step_s": first[-1].get("step_time_s") if first else None}
 
 
+def numerics_fields(train) -> dict:
+    """What the run trained with beyond its losses: the optimizer numerics and the activation recompute."""
+    from nam_core.engine.config import recompute_kinds
+    from nam_core.engine.numerics import describe as numerics
+
+    return {"numerics": numerics(train.optimizer_numerics, train.dtype), "recompute": list(recompute_kinds(train))}
+
+
 def describe(summary: dict) -> str:
     """The summary as the one line ``nam train`` prints at the end."""
     parts = [f"done: {summary['steps_run']} steps in {_duration(summary['wall_time_s'])}"]
@@ -121,3 +129,20 @@ def _duration(seconds: float) -> str:
         return f"{seconds:.1f} s"
     minutes, s = divmod(round(seconds), 60)
     return f"{minutes} min {s:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def where_lines(summary: dict) -> list[str]:
+    """The lines after the summary: what each plugin did in the run (``plugin_report``, from the plugins'
+    ``nam_run_report``: a plugin that did nothing says so), then where the run's things are
+    (``nam_core.engine.rundir.whereabouts``): each a label and a path or a whole command, never wrapped, so
+    they can be copied."""
+    lines = [f"plugin {line}" for line in summary.get("plugin_report") or ()]
+    lines.append(f"checkpoint: {summary.get('checkpoint') or 'none (train.checkpoint_every=0)'}")
+    if summary.get("continue_with"):
+        lines.append(f"{summary['continue_what']}:")
+        lines.append(f"  {summary['continue_with']}")
+    logs = f"metrics: {summary.get('metrics')} (one JSON line per logged step); notes: {summary.get('run_log')}"
+    lines.append(logs)
+    if summary.get("tensorboard"):
+        lines.append(f"tensorboard: tensorboard --logdir {summary['tensorboard']}")
+    return lines

@@ -3,8 +3,8 @@ runs on CPU processes over gloo (tests/test_megatron_engine_gloo.py). Imported f
 processes only; never by nam itself.
 
 What it replaces, and why that is safe for the numbers the test compares: streams and events (Megatron
-overlaps copies with them; on one CPU stream everything is already ordered), the CUDA RNG tracker (nam56r
-has no dropout), device placement (tensor factories asked for ``cuda`` get the CPU), peak-memory counters
+overlaps copies with them; on one CPU stream everything is already ordered), the CUDA RNG tracker and the CUDA
+RNG state Megatron's activation checkpoint saves (nam56r has no dropout), device placement (tensor factories asked for ``cuda`` get the CPU), peak-memory counters
 (reported as 0), and the dispatcher's device-to-host copy of split sizes (already on the host).
 """
 
@@ -105,6 +105,10 @@ def install() -> None:
 
     megatron_random._CUDA_RNG_STATE_TRACKER = _NoRngTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Megatron's activation checkpoint (train.recompute=layer or moe) saves and restores the CUDA RNG state
+    # around its replay; there is no CUDA generator here (the CPU one it saves too is real)
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     token_dispatcher.maybe_move_tensor_to_cpu = (  # split sizes are None at EP 1
         lambda tensor, as_numpy=False, record_stream=False: tensor.numpy() if as_numpy and torch.is_tensor(tensor)
         else tensor)

@@ -48,17 +48,6 @@ def held_out(cfg):
                    source="step 3's rows")
 
 
-class NoHooks:
-    def transform_model(self, model, spec):
-        return []
-
-    def before_step(self, step, run):
-        pass
-
-    def after_step(self, step, run, metrics):
-        pass
-
-
 def _install_double():
     """The CUDA double, and the engine's NCCL/CUDA entry points pointed at gloo and the CPU."""
     import cuda_double  # this folder is on sys.path: the script runs from it
@@ -86,19 +75,20 @@ def _install_double():
     engine.init_parallel = parallel.init_parallel = init_parallel
     engine.device = parallel.device = lambda: torch.device("cpu")
     engine.runtime_facts = checks.runtime_facts = facts
+    engine.init_distributed = parallel.init_distributed = (
+        lambda: torch.distributed.is_initialized() or torch.distributed.init_process_group("gloo"))
     return engine
 
 
 def megatron_run(args, recipe) -> None:
-    """The run through the composition root, as ``nam train`` builds it: resolve, activate (on an H100 profile:
-    the plugins' checks; nothing touches CUDA), the backends from the registries, the lowering ``activate`` made
-    from the registered schedule, the host's lifecycle hooks."""
-    engine = _install_double()
-    from nam56r.flops import flops_per_token
-    from nam56r.megatron import NamMegatronModel
-    from nam56r.model import Backends
-    from nam56r.run import RunRequest, activate, resolve
+    """The run through the composition root, as ``nam train`` builds it: resolve, start the engine, build
+    (activation on an H100 profile: the plugins' checks, nothing touches CUDA; the backends from the
+    registries; the lowering made from the registered schedule), the host's lifecycle hooks; the worker's own
+    rows in place of the corpus."""
+    _install_double()
+    from nam56r.run import RunRequest, build, resolve
     from nam_core.device import DeviceInfo
+    from nam_core.engine.contract import engine_for
     from nam_core.host import PluginHost
 
     schedule = args.schedule or ("1f1b" if args.pp > 1 else "single")
@@ -109,19 +99,13 @@ def megatron_run(args, recipe) -> None:
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe.name, plugins=["dualpipev"] if schedule == "dualpipev" else [],
                              overrides=overrides, engine="megatron", device="cuda", pp=args.pp, ep=args.ep,
-                             env_plugins=False), host)
-    run = activate(run, host, DeviceInfo.profile("h100"))
-    spec, cfg = run.spec, run.spec.model
-    backends = Backends.from_registries(host.registries, cfg, options=spec.options, device=spec.train.device)
-    schedules = host.registry("schedules")
-    mrun = engine.MegatronRun(
-        run_dir=args.run_dir, spec=spec, train=spec.train, host=host, max_steps=args.steps,
-        model=NamMegatronModel(cfg, backends, run.lowering, seed=spec.train.seed), backends=backends.as_mapping(),
-        batch_at=lambda i, b: batch_at(i, b, cfg), schedules={n: schedules.get(n) for n in schedules.names()},
-        flops_per_token=flops_per_token(cfg).total, quiet=True, resume_from=args.resume,
-        held_out=held_out(cfg) if args.eval else None)
-    engine.train(mrun)
-    engine.shutdown()  # after success only: on an error the other ranks may sit in a collective
+                             max_steps=args.steps, env_plugins=False), host)
+    engine = engine_for("megatron")
+    session = build(run, host, engine, engine.start(run.spec, dry_run=False), device=DeviceInfo.profile("h100"),
+                    quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model))
+    session.held_out = held_out(run.spec.model) if args.eval else None
+    engine.train(session.engine_run(args.run_dir, resume_from=args.resume, quiet=True))
+    engine.finish()  # after success only: on an error the other ranks may sit in a collective
 
 
 def grads_run(args, recipe) -> None:
@@ -129,56 +113,55 @@ def grads_run(args, recipe) -> None:
     import importlib.util
 
     _install_double()
-    from nam56r.model import Backends
+    from nam56r.run import RunRequest, build, resolve
+    from nam_core.device import DeviceInfo
+    from nam_core.engine.contract import engine_for
+    from nam_core.host import PluginHost
 
     spec = importlib.util.spec_from_file_location("bench_megatron", Path(__file__).parents[2] / "bench" / "megatron.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    cfg = recipe.model
-    train = recipe.train.replace(engine="megatron", device="cuda", dtype="float32", micro_batch_size=MICRO_BATCH,
-                                 grad_accum=PER_RANK_ACCUM, ep=args.ep)
+    overrides = ["attention_backend=reference", "train.dtype=float32", f"train.micro_batch_size={MICRO_BATCH}",
+                 f"train.grad_accum={PER_RANK_ACCUM}"]
+    host = PluginHost()
+    run = resolve(RunRequest(recipe=recipe.name, overrides=overrides, engine="megatron", device="cuda", ep=args.ep,
+                             env_plugins=False), host)
+    engine = engine_for("megatron")
+    session = build(run, host, engine, engine.start(run.spec, dry_run=False), device=DeviceInfo.profile("h100"),
+                    quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model))
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    bench.step1_gradients(cfg, train, Backends.reference(), lambda i, b: batch_at(i, b, cfg), args.run_dir)
+    bench.step1_gradients(session, args.run_dir)
 
 
 def local_run(args, recipe) -> None:
-    from nam56r.flops import flops_per_token
-    from nam56r.model import Backends, build_model
-    from nam56r.run import spec_for
-    from nam56r.state import ForwardState
-    from nam_core.engine.local import LocalRun, train
+    """The local engine through the composition root on the worker's rows (``--perturb``: the floor run)."""
+    from nam56r.run import RunRequest, build, resolve
+    from nam_core.engine.contract import engine_for
+    from nam_core.host import PluginHost
 
-    cfg = recipe.model
-    tc = recipe.train.replace(dtype="float32", micro_batch_size=MICRO_BATCH, grad_accum=args.grad_accum,
-                              checkpoint_every=100, total_steps=20)
-    if args.eval:
-        tc = tc.replace(**{k.split(".")[1]: int(v) for k, v in (e.split("=") for e in EVAL)})
-    torch.manual_seed(tc.seed)
-    model = build_model(cfg, Backends.reference(), device="cpu")
+    overrides = ["train.dtype=float32", f"train.micro_batch_size={MICRO_BATCH}", f"train.grad_accum={args.grad_accum}",
+                 "train.checkpoint_every=100", "train.total_steps=20", *(EVAL if args.eval else [])]
+    host = PluginHost()
+    run = resolve(RunRequest(recipe=recipe.name, overrides=overrides, device="cpu", max_steps=args.steps,
+                             env_plugins=False), host)
+    engine = engine_for("local")
+    session = build(run, host, engine, quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model))
     if args.perturb:  # the floor: the same run from weights moved at rounding level
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
-            for p in model.parameters():
+            for p in session.trainable().module.parameters():
                 p.mul_(1 + args.perturb * (2 * torch.rand(p.shape, generator=g) - 1))
-
-    def forward(batch, micro):
-        return model(**batch, state=ForwardState(micro_batch=micro, seq_layout=tuple(batch["tokens"].shape)))
-
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    train(LocalRun(run_dir=args.run_dir, train=tc, model=model, forward=forward,
-                   batch_at=lambda i, b: batch_at(i, b, cfg), host=NoHooks(), max_steps=args.steps,
-                   flops_per_token=flops_per_token(cfg).total, quiet=True,
-                   spec=spec_for("nam56r-tiny", device="cpu"),  # the engine builds each step's hook context
-                   held_out=held_out(cfg) if args.eval else None))
+    session.held_out = held_out(run.spec.model) if args.eval else None
+    engine.train(session.engine_run(args.run_dir, quiet=True))
 
 
 def cli_run(args, recipe) -> None:
-    engine = _install_double()
+    _install_double()
     from nam56r import run as root
     from nam_cli import main as cli_main
     from nam_core.device import DeviceInfo
 
-    engine.init_distributed = lambda: torch.distributed.is_initialized() or torch.distributed.init_process_group("gloo")
     root.run_device = lambda spec, *, profile=None, index=0: DeviceInfo.profile("h100")  # what the plugins' checks see
     code = cli_main.run([*args.command, "--run-dir", str(args.run_dir), "--max-steps", str(args.steps)])
     if code:

@@ -12,7 +12,8 @@ lowering); the engine runs it and knows nothing of NAM56R. Its parts, one module
 * ``optimizer``: the distributed optimizer and nam's learning-rate schedule on it;
 * ``patches``: the patch-lane entries for what Megatron-Core's optimizer gets wrong here, applied for the run;
 * ``checkpoint``: dist-checkpointing save and resume;
-* ``loop``: ``MegatronRun`` and ``train``.
+* ``loop``: ``train`` (an ``EngineRun`` whose model is a ``MegatronModel``);
+* ``engine``: ``MegatronEngine``, the engine contract (``nam_core.engine.contract.Engine``).
 
 Megatron is imported inside functions only, so the package imports, and its checks run, on a CPU machine with
 any megatron-core (CI has 0.16.1 on Python 3.11). The rest runs on GPU hosts (tests/test_megatron_engine_gpu.py,
@@ -37,7 +38,8 @@ from nam_core.engine.megatron.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from nam_core.engine.megatron.loop import MegatronRun, train
+from nam_core.engine.megatron.engine import MegatronEngine
+from nam_core.engine.megatron.loop import train
 from nam_core.engine.megatron.model import MegatronModel, build_ddp, unwrap
 from nam_core.engine.megatron.parallel import device, init_distributed, init_parallel, shutdown
 from nam_core.engine.megatron.schedule import (
@@ -50,7 +52,7 @@ from nam_core.engine.megatron.schedule import (
 
 __all__ = [
     "ALLOC_CONF", "CHECKPOINT_FORMAT", "MEGATRON_SCHEDULES", "MIN_MEGATRON", "MegatronModel",
-    "MegatronRun", "MegatronSchedule", "PipelineSchedule", "build_ddp", "check_layout", "check_runtime", "device",
+    "MegatronEngine", "MegatronSchedule", "PipelineSchedule", "build_ddp", "check_layout", "check_runtime", "device",
     "good_checkpoints", "init_distributed", "init_parallel", "load_checkpoint", "megatron_version",
     "prepare_allocator", "resolve_resume", "resolve_schedule", "runtime_checks", "runtime_facts", "save_checkpoint",
     "schedule_for", "shutdown", "train", "unwrap",

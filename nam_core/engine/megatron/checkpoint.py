@@ -86,10 +86,28 @@ def inspect(folder: Path) -> tuple[dict | None, str]:
     if on_disk != set(listed):
         missing, extra = sorted(set(listed) - on_disk), sorted(on_disk - set(listed))
         return None, f"files differ from the manifest (missing {missing[:3]}, not listed {extra[:3]})"
+    key = _verified_key(folder, listed)
+    if key in _VERIFIED:
+        return manifest, ""
     for name, digest in listed.items():
         if file_sha256(folder / name) != digest:
             return None, f"sha256 mismatch of {name} (the file changed after it was saved)"
+    _VERIFIED.add(key)
     return manifest, ""
+
+
+_VERIFIED: set = set()
+"""Folders this process has hashed and found good, keyed by every file's digest and stat (size, mtime, ctime,
+inode): a NAM56R checkpoint is ~66 GB, and discovery, pruning and the load would otherwise each hash it again.
+A write to any file moves its mtime and ctime, so a changed file is hashed again."""
+
+
+def _verified_key(folder: Path, digests: dict) -> tuple:
+    stats = []
+    for name in sorted(digests):
+        st = (folder / name).stat()
+        stats.append((name, digests[name], st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    return (str(folder.resolve()), tuple(stats))
 
 
 def good_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -153,6 +171,7 @@ def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, 
         shutil.rmtree(final)
     os.rename(tmp, final)
     files.fsync_dir(ckpt_root)
+    _VERIFIED.add(_verified_key(final, body["sha256"]))  # hashed just above: pruning need not hash it again
     for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old)
 

@@ -10,6 +10,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from nam_core.engine.config import MOE_DISPATCHERS, TrainConfig
+from nam_core.engine.megatron.optimizer import numerics_options
 from nam_core.engine.megatron.schedule import resolve_schedule
 from nam_core.errors import CannotRunHere, ConfigError
 from nam_core.requirements import PASS, SKIP, Check, Requirement
@@ -104,7 +105,14 @@ def _deep_ep(dispatcher: str) -> Requirement:
                                reason=f"for train.moe_dispatcher={dispatcher}" if dispatcher == "flex" else "")
 
 
-def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True) -> list[Check]:
+TE_FUSED_ADAM = Requirement.package(
+    "transformer_engine", label="Transformer Engine (precision-aware optimizer)",
+    install_hint="install transformer-engine, or --set train.optimizer_numerics=fp32-master",
+    reason="for train.optimizer_numerics=bf16-moments: Megatron's precision-aware optimizer runs only in its FusedAdam")
+
+
+def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True,
+                   numerics: str = "fp32-master") -> list[Check]:
     """One ``Check`` per thing the megatron engine needs from this process: the requirements above evaluated
     against ``facts`` (``runtime_facts``: this process's, or a test's). ``nam preflight --engine megatron``
     prints them; ``check_runtime`` raises on the failed ones. ``launched=False`` skips the torchrun row
@@ -127,6 +135,9 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
     else:
         rows.append(Check(WHO, FLEX, SKIP, "only for train.moe_dispatcher=flex",
                           "not installed: MoE tokens move through Megatron's all-to-all dispatcher"))
+    if numerics == "bf16-moments":
+        te = "installed" if facts.get("fused_adam") == "transformer_engine" else None
+        rows.append(TE_FUSED_ADAM.check_installed(WHO, te))
     fused = facts.get("fused_adam")  # a report, not a requirement: Megatron falls back on its own
     rows.append(Check(WHO, "optimizer", PASS if fused else SKIP,
                       "Transformer Engine's or Apex's fused Adam, which Megatron uses when importable",
@@ -137,9 +148,9 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
     return rows
 
 
-def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall") -> None:
+def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall", numerics: str = "fp32-master") -> None:
     """One ``CannotRunHere`` (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
-    failed = [c for c in runtime_checks(facts, dispatcher=dispatcher) if not c.ok]
+    failed = [c for c in runtime_checks(facts, dispatcher=dispatcher, numerics=numerics) if not c.ok]
     if failed:
         raise CannotRunHere("the megatron engine cannot run here; missing: "
                             + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in failed),
@@ -165,6 +176,7 @@ def check_layout(*, world_size: int, tp: int, pp: int, ep: int, train: TrainConf
     if train.device != "cuda":
         raise ConfigError(f"train.device={train.device!r}: the megatron engine runs on CUDA devices only",
                           hint="--device cuda, or --engine local on the CPU")
+    numerics_options(train)  # stochastic rounding and bf16-only: refused with Megatron's reason
     if train.overlap_param_gather:
         # On the full-width NAM56R (one H200, 2026-11-23, `bench/megatron.py throughput --overlap all`) Megatron-Core
         # 0.19.2 stopped at its second or third step in DDP's forward pre-hook of the MTP's eh_proj:

@@ -1,4 +1,4 @@
-"""The megatron engine's run: ``MegatronRun`` (what one run needs) and ``train`` (its loop).
+"""The megatron engine's loop: ``train(run)`` for an ``EngineRun`` whose model is a ``MegatronModel``.
 
 ``train`` checks the process and the layout, applies the engine's patch lane for the run, builds the
 process groups, the model chunks the schedule asks for, the optimizer, resumes, then loops: zero the
@@ -14,73 +14,21 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from nam_core.engine.config import TrainConfig
-from nam_core.engine.local import first_non_finite, lr_lambda
+from nam_core.engine.contract import EngineRun
 from nam_core.engine.megatron import checks, checkpoint, optimizer, parallel, patches
-from nam_core.engine.megatron.model import MegatronModel, build_ddp, unwrap
+from nam_core.engine.megatron.model import build_ddp, unwrap
 from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
-from nam_core.engine.metrics import MetricsLog, truncate_metrics
+from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
-from nam_core.engine.validation import HeldOut, mean_loss
+from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
+from nam_core.engine.validation import mean_loss
 from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 from nam_core.patches import applied
-from nam_core.run import RunSpec, StepContext
-
-
-@dataclass
-class MegatronRun:
-    """Everything one megatron-engine run needs; the counterpart of ``nam_core.engine.local.LocalRun``.
-
-    ``batch_at(index, batch_size)`` returns micro-batch ``index`` (a dict of [b, s] CPU tensors, what
-    ``model.forward_step`` reads) as a pure function of the index. Data-parallel rank ``r`` runs micro-batches
-    ``step * dp * grad_accum + r * grad_accum + j``, so the local engine with ``grad_accum * dp`` micro-batches
-    sees the same rows in the same steps.
-    """
-
-    run_dir: Path
-    train: TrainConfig
-    model: MegatronModel
-    batch_at: Callable[[int, int], dict]
-    host: Any
-    max_steps: int
-    flops_per_token: float
-    spec: RunSpec
-    """The run the plugins were activated for (``nam56r.run``, the composition root); lifecycle hooks read it
-    through their ``StepContext``."""
-    schedules: Mapping[str, Any] = field(default_factory=dict)
-    """The ``schedules`` registry (name -> implementation)."""
-    record: dict = field(default_factory=dict)
-    resume_from: Path | None = None
-    quiet: bool = False
-    notes: list[str] = field(default_factory=list)
-    checkpoints: bool = True
-    """False: write none, not even at the end (throughput benchmarks, whose state nobody resumes)."""
-    again: Callable[..., str] | None = None
-    """``again(resume="auto")``: the command that continues this run, for the hint of a stop (the CLI knows
-    the options it was started with)."""
-    step: int = 0
-    log: MetricsLog | None = None
-    """Rank 0's metrics log while training (None on the other ranks)."""
-    backends: Mapping[str, Any] = field(default_factory=dict)
-    """Kind -> the backend object the model runs (``StepContext.backend``)."""
-    chunks: list = field(default_factory=list)
-    """This rank's DDP model chunks while training."""
-    held_out: HeldOut | None = None
-    """Validation rows (``train.eval_every``); None: the run does not evaluate."""
-
-    def context(self, step: int) -> StepContext:
-        """What the lifecycle hooks of step ``step`` receive."""
-        return StepContext(step=step, spec=self.spec, backends=self.backends, note=self._note,
-                           parameters=lambda: itertools.chain.from_iterable(
-                               unwrap(c).named_parameters() for c in self.chunks))
-
-    def _note(self, line: str) -> None:
-        if self.log is not None:
-            self.log.note(line)
 
 
 @dataclass
@@ -96,7 +44,17 @@ class _Session:
     start: int
     last_good: Path | None
     tokens_per_step: int
+    log: MetricsLog | None = None
+    """Rank 0's metrics log (None on the other ranks)."""
     noted: set = field(default_factory=set)
+
+    def note(self, line: str) -> None:
+        if self.log is not None:
+            self.log.note(line)
+
+    def parameters(self):
+        """This rank's trainable parameters by name, over its model chunks (``StepContext.parameters``)."""
+        return itertools.chain.from_iterable(unwrap(c).named_parameters() for c in self.models)
 
 
 def _agreed_stop(stop: StopRequests) -> int:
@@ -110,24 +68,22 @@ def _agreed_stop(stop: StopRequests) -> int:
     return int(flag.item())
 
 
-def _stopped(run: MegatronRun, signum: int, step: int, last_good: Path | None) -> Interrupted:
-    again = run.again(resume="auto") if run.again else f"nam train --engine megatron --run-dir {run.run_dir} " \
-        "--resume auto (with this run's other options)"
+def _stopped(run: EngineRun, signum: int, step: int, last_good: Path | None) -> Interrupted:
     return stopped(signum, step, run.max_steps, last_good, saves=run.checkpoints and run.train.checkpoint_every > 0,
-                   continue_with=again)
+                   continue_with=run.continue_command(resume="auto"))
 
 
-def train(run: MegatronRun) -> dict:
+def train(run: EngineRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
-    checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher)
+    checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher,
+                         numerics=run.train.optimizer_numerics)
     tc, provider, lr_at = run.train, run.model, lr_lambda(run.train)
     with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)
         try:
             for step in range(s.start, run.max_steps):
-                run.step = step
-                ctx = run.context(step)
+                ctx = run.context(step, parameters=s.parameters, note=s.note)
                 run.host.before_step(step, ctx)
                 t0 = time.perf_counter()
                 for model in s.models:
@@ -144,11 +100,9 @@ def train(run: MegatronRun) -> dict:
                 dt, mem = _peaks(t0)
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)
                 _guard(step, update_ok, means["loss"], grad_norm, s)
-                tokens_per_s = s.tokens_per_step / dt / torch.distributed.get_world_size()  # per GPU
-                metrics = {"step": step + 1, **{k: round(v, 6) for k, v in means.items()}, "lr": lr,
-                           "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                           "tflops_per_device": tokens_per_s * run.flops_per_token / 1e12, "mem_gib": mem,
-                           "step_time_s": dt}
+                metrics = step_metrics(step, means, lr=lr, grad_norm=grad_norm, tokens=s.tokens_per_step,
+                                       seconds=dt, flops_per_token=run.flops_per_token, mem_gib=mem,
+                                       devices=torch.distributed.get_world_size())  # per GPU
                 if tc.evaluates_after(step + 1, run.max_steps):
                     metrics.update(evaluate(run, s))
                 run.host.after_step(step, ctx, metrics)
@@ -158,80 +112,22 @@ def train(run: MegatronRun) -> dict:
                                         or (stopping and tc.checkpoint_every)):
                     _gather_params(s.models, tc)
                     s.last_good = checkpoint.save_checkpoint(
-                        run.run_dir / "checkpoints", step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
+                        run.folder.checkpoints, step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
                         manifest={"record": run.record, "layout": s.layout})
+                    if s.log is not None:
+                        s.log.note(f"checkpoint saved: {s.last_good}", echo=False)
                 if stopping:
                     raise _stopped(run, stopping, step + 1, s.last_good)
             _gather_params(s.models, tc)
+            report = run.host.run_report(run.context(run.max_steps, parameters=s.parameters, note=s.note))
         finally:
-            if run.log is not None:
-                run.log.close()
+            if s.log is not None:
+                s.log.close()
     return {"steps": run.max_steps, "started_at_step": s.start, "last_checkpoint": str(s.last_good),
-            "tokens_per_step": s.tokens_per_step, "layout": s.layout}
+            "tokens_per_step": s.tokens_per_step, "layout": s.layout, "plugin_report": report}
 
 
-def _start(run: MegatronRun, patch_reports: list) -> _Session:
-    """Checks, process groups, the model chunks, the optimizer, the resume and rank 0's log."""
-    provider, tc = run.model, run.train
-    par = dict(provider.parallel)
-    if par != {"tp": tc.tp, "pp": tc.pp, "ep": tc.ep}:
-        raise ConfigError(f"the model was lowered for {par}, the train config says tp={tc.tp} pp={tc.pp} ep={tc.ep}",
-                          hint="lower the model with the run's train.tp/pp/ep")
-    world = int(os.environ["WORLD_SIZE"])
-    dp = checks.check_layout(world_size=world, **par, train=tc, registered_schedules=run.schedules)
-    provider.check(registered_schedules=run.schedules)
-    schedule = schedule_for(tc.schedule, pp=par["pp"], registered=run.schedules)
-    if schedule.chunks_per_rank != provider.chunks:
-        raise ConfigError(f"train.schedule={tc.schedule!r} runs {schedule.chunks_per_rank} model chunk(s) per "
-                          f"pipeline rank, the model was lowered for {provider.chunks}",
-                          hint=f"lower the model with the run's schedule ({tc.schedule!r})")
-    pg = parallel.init_parallel(**par, seed=tc.seed, schedule=schedule)
-    chunks = schedule.chunks_per_rank
-    layout = {"world_size": world, **par, **({"chunks": chunks} if chunks > 1 else {})}
-    config, models = build_ddp(provider, tc, pg, distributed_optimizer=True, schedule=schedule,
-                               transform=lambda chunk: run.notes.extend(run.host.transform_model(chunk, run.spec)))
-    run.chunks = models
-    for model in models:
-        model.broadcast_params()
-    opt = optimizer.build_optimizer(models, tc, config)
-    optimizer.wire(config, models, opt, schedule)
-    start = 0
-    if run.resume_from is not None:
-        start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
-    rank0 = torch.distributed.get_rank() == 0
-    if rank0:
-        if run.resume_from is not None:
-            truncate_metrics(run.run_dir, start)
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        run.log = MetricsLog(run.run_dir, start_step=start, total_steps=run.max_steps, quiet=run.quiet)
-        resumed = [f"resumed from {run.resume_from} at step {start}"] if run.resume_from is not None else []
-        lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
-        for line in [*resumed, *run.notes, *lane, _overlaps(config, models[0].ddp_config)]:
-            run.log.note(line)
-    good = checkpoint.good_checkpoints(run.run_dir / "checkpoints")
-    tokens = dp * tc.grad_accum * tc.micro_batch_size * provider.seq_len
-    return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens)
-
-
-def _overlaps(config, ddp_config) -> str:
-    """The log line naming the communication Megatron overlaps in this run, as Megatron's configs hold it."""
-    on = [name for name, value in (("grad reduce", ddp_config.overlap_grad_reduce),
-                                   ("param gather", ddp_config.overlap_param_gather),
-                                   ("shared expert", getattr(config, "moe_shared_expert_overlap", False))) if value]
-    return f"overlap: {', '.join(on) or 'none'} (train.overlap_grad_reduce, overlap_param_gather, " \
-           "moe_shared_expert_overlap)"
-
-
-def _gather_params(models: list, train: TrainConfig) -> None:
-    """With ``train.overlap_param_gather`` the optimizer step leaves the other ranks' shards of the updated
-    weights to the next forward pass (bucket by bucket, in its pre-hooks); a checkpoint, and the caller after the
-    run, need them now. Megatron's training loop does the same before it saves. Collective (every rank)."""
-    if train.overlap_param_gather:
-        for model in models:
-            model.start_param_sync(force_sync=True)
-
-
-def evaluate(run: MegatronRun, s: _Session) -> dict:
+def evaluate(run: EngineRun, s: _Session) -> dict:
     """``{"val_loss": ...}`` on every rank: one forward-only pass through the schedule over this rank's share of
     the held-out rows (nam_core/engine/validation.py), no gradients, the chunks in eval mode for the pass (as
     Megatron's own ``evaluate``). What the pass leaves in the blocks' aux-loss sums and in Megatron's MoE
@@ -271,7 +167,67 @@ def evaluate(run: MegatronRun, s: _Session) -> dict:
     return {"val_loss": mean_loss(*sums.tolist())}
 
 
-def _batches(run: MegatronRun, step: int, dp_rank: int, dp: int):
+def _start(run: EngineRun, patch_reports: list) -> _Session:
+    """Checks, process groups, the model chunks, the optimizer, the resume and rank 0's log."""
+    provider, tc = run.model, run.train
+    par = dict(provider.parallel)
+    if par != {"tp": tc.tp, "pp": tc.pp, "ep": tc.ep}:
+        raise ConfigError(f"the model was lowered for {par}, the train config says tp={tc.tp} pp={tc.pp} ep={tc.ep}",
+                          hint="lower the model with the run's train.tp/pp/ep")
+    world = int(os.environ["WORLD_SIZE"])
+    dp = checks.check_layout(world_size=world, **par, train=tc, registered_schedules=run.schedules)
+    provider.check(registered_schedules=run.schedules)
+    schedule = schedule_for(tc.schedule, pp=par["pp"], registered=run.schedules)
+    if schedule.chunks_per_rank != provider.chunks:
+        raise ConfigError(f"train.schedule={tc.schedule!r} runs {schedule.chunks_per_rank} model chunk(s) per "
+                          f"pipeline rank, the model was lowered for {provider.chunks}",
+                          hint=f"lower the model with the run's schedule ({tc.schedule!r})")
+    pg = parallel.init_parallel(**par, seed=tc.seed, schedule=schedule)
+    chunks = schedule.chunks_per_rank
+    layout = {"world_size": world, **par, **({"chunks": chunks} if chunks > 1 else {})}
+    config, models = build_ddp(provider, tc, pg, distributed_optimizer=True, schedule=schedule,
+                               transform=lambda chunk: run.notes.extend(run.host.transform_model(chunk, run.spec)))
+    for model in models:
+        model.broadcast_params()
+    opt = optimizer.build_optimizer(models, tc, config)
+    optimizer.wire(config, models, opt, schedule)
+    start = 0
+    if run.resume_from is not None:
+        start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
+    log = None
+    if torch.distributed.get_rank() == 0:
+        folder = run.folder
+        cut = folder.truncate_metrics(start) if run.resume_from is not None else []
+        log = folder.metrics_log(start_step=start, total_steps=run.max_steps, quiet=run.quiet)
+        resumed = [f"resumed from {run.resume_from} at step {start}"] if run.resume_from is not None else []
+        lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
+        for line in [*resumed, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config)]:
+            log.note(line)
+        run.notes.clear()
+    good = checkpoint.good_checkpoints(run.folder.checkpoints)
+    tokens = dp * tc.grad_accum * tc.micro_batch_size * provider.seq_len
+    return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens, log)
+
+
+def _overlaps(config, ddp_config) -> str:
+    """The log line naming the communication Megatron overlaps in this run, as Megatron's configs hold it."""
+    on = [name for name, value in (("grad reduce", ddp_config.overlap_grad_reduce),
+                                   ("param gather", ddp_config.overlap_param_gather),
+                                   ("shared expert", getattr(config, "moe_shared_expert_overlap", False))) if value]
+    return f"overlap: {', '.join(on) or 'none'} (train.overlap_grad_reduce, overlap_param_gather, " \
+           "moe_shared_expert_overlap)"
+
+
+def _gather_params(models: list, train: TrainConfig) -> None:
+    """With ``train.overlap_param_gather`` the optimizer step leaves the other ranks' shards of the updated
+    weights to the next forward pass (bucket by bucket, in its pre-hooks); a checkpoint, and the caller after the
+    run, need them now. Megatron's training loop does the same before it saves. Collective (every rank)."""
+    if train.overlap_param_gather:
+        for model in models:
+            model.start_param_sync(force_sync=True)
+
+
+def _batches(run: EngineRun, step: int, dp_rank: int, dp: int):
     n, mbs = run.train.grad_accum, run.train.micro_batch_size
     device = parallel.device()
     for j in range(n):
@@ -279,7 +235,7 @@ def _batches(run: MegatronRun, step: int, dp_rank: int, dp: int):
         yield index, {k: v.to(device, non_blocking=True) for k, v in run.batch_at(index, mbs).items()}
 
 
-def _step_means(run: MegatronRun, s: _Session, losses: list[dict]) -> tuple[dict[str, float], list[str]]:
+def _step_means(run: EngineRun, s: _Session, losses: list[dict]) -> tuple[dict[str, float], list[str]]:
     """Per-step means over micro-batches and data-parallel replicas, summed over pipeline stages: the same
     numbers the local engine logs; and the chunks' log lines. Collective (every rank)."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -332,17 +288,18 @@ def _guard(step: int, update_ok: bool, loss: float, grad_norm: float, s: _Sessio
         hint=f"resume from it with a lower lr: --resume {s.last_good or 'auto'} --set train.lr=...")
 
 
-def _log(run: MegatronRun, s: _Session, step: int, metrics: dict, notes: list[str]) -> None:
+def _log(run: EngineRun, s: _Session, step: int, metrics: dict, notes: list[str]) -> None:
     """Rank 0: each distinct block message once per run (as the local engine), the metrics line."""
-    if run.log is None:
+    if s.log is None:
         return
-    for line in dict.fromkeys(notes):
+    for line in dict.fromkeys([*notes, *run.notes]):
         if line not in s.noted:
             s.noted.add(line)
-            run.log.note(line)
+            s.log.note(line)
+    run.notes.clear()
     if (step + 1) % run.train.log_every == 0 or step in (s.start, run.max_steps - 1) or "val_loss" in metrics:
-        run.log.log(metrics)
-    run.log.advance()
+        s.log.log(metrics)
+    s.log.advance()
 
 
 def _first_non_finite(models: list) -> str:

@@ -11,6 +11,35 @@ import torch
 
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.megatron.schedule import PipelineSchedule
+from nam_core.errors import ConfigError
+
+NUMERICS_OPTIONS = {
+    "fp32-master": {},  # Megatron's default: fp32 main params and fp32 moments, sharded by the distributed optimizer
+    "bf16-moments": {"use_precision_aware_optimizer": True, "main_params_dtype": "float32",
+                     "exp_avg_dtype": "bfloat16", "exp_avg_sq_dtype": "bfloat16"},
+}
+"""``train.optimizer_numerics`` -> Megatron's ``OptimizerConfig`` fields (megatron-core 0.19). bf16 moments are
+its precision-aware optimizer, which only Transformer Engine's FusedAdam runs (``OptimizerConfig.__post_init__``
+raises without it; ``checks.runtime_checks`` refuses it first)."""
+NUMERICS_REFUSED = {
+    "stochastic-rounding": "Megatron-Core 0.19's optimizers update fp32 main params (fp16 ones with the "
+                           "precision-aware optimizer) and copy them into the bf16 model; none updates bf16 "
+                           "parameters with stochastic rounding",
+    "bf16": "Megatron-Core 0.19 always builds fp32 main params for a bf16 model (its mixed-precision and distributed "
+            "optimizers have no bf16-only mode)",
+}
+"""Numerics Megatron cannot train with, and why (``checks.check_layout`` refuses them before anything is built)."""
+
+
+def numerics_options(train: TrainConfig) -> dict:
+    """The ``OptimizerConfig`` fields for ``train.optimizer_numerics`` (dtypes as torch dtypes)."""
+    if train.optimizer_numerics in NUMERICS_REFUSED:
+        raise ConfigError(f"train.optimizer_numerics={train.optimizer_numerics}: the megatron engine cannot train "
+                          f"with it: {NUMERICS_REFUSED[train.optimizer_numerics]}",
+                          hint="--set train.optimizer_numerics=fp32-master (or bf16-moments, with Transformer "
+                               "Engine), or --engine local")
+    return {k: getattr(torch, v) if k.endswith("dtype") else v
+            for k, v in NUMERICS_OPTIONS[train.optimizer_numerics].items()}
 
 
 def build_optimizer(models: list, train: TrainConfig, config):
@@ -22,7 +51,8 @@ def build_optimizer(models: list, train: TrainConfig, config):
         optimizer="adam", lr=train.lr, min_lr=train.lr * train.min_lr_ratio, weight_decay=train.weight_decay,
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
         clip_grad=train.grad_clip, bf16=train.dtype == "bfloat16", params_dtype=config.params_dtype,
-        use_distributed_optimizer=True, overlap_param_gather=train.overlap_param_gather)  # as DDP's, Megatron asks
+        use_distributed_optimizer=True, overlap_param_gather=train.overlap_param_gather,  # as DDP's, Megatron asks
+        **numerics_options(train))
     return get_megatron_optimizer(opt_config, models)
 
 

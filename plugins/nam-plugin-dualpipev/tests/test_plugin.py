@@ -14,6 +14,7 @@ import nam_plugin_dualpipev.plugin as plugin
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.run import spec_for
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import NamError, PluginActivationError
 from nam_core.host import PluginHost
@@ -51,7 +52,7 @@ def test_activates_without_a_config_and_registers_the_schedule():
 
 
 def test_a_layout_it_accepts_passes_every_check():
-    checks = by_name(plugin.nam_check_config(config=recipe(), device=H100))
+    checks = by_name(config_rows(plugin.NAME, plugin.PLUGIN, recipe()))
     assert {n for n, c in checks.items() if c.status == PASS} == {"layout", "V stages"} == set(checks)
     assert checks["layout"].found == "pp=2, ep=1, grad_accum=4"
 
@@ -68,7 +69,7 @@ def test_a_layout_it_accepts_passes_every_check():
 ])
 def test_config_refusals_say_what_was_needed_found_and_what_to_do(train, name, found, hint):
     """The layout rows are DualPipeV.check_layout's refusals (the rules the engine applies), with its numbers."""
-    check = by_name(plugin.nam_check_config(config=recipe(**train), device=H100))[name]
+    check = by_name(config_rows(plugin.NAME, plugin.PLUGIN, recipe(**train)))[name]
     assert check.status == FAIL
     assert found in check.found and hint in check.hint
     with pytest.raises(PluginActivationError, match=rf"dualpipev: {name}: needs .*, found .*{re.escape(found)}") as e:

@@ -18,6 +18,7 @@ from nam56r.model import build_model
 from nam56r.recipes import get_recipe
 from nam56r.run import spec_for
 from nam56r.testing import expert_errors, idle_expert_inputs, random_expert_inputs, run_experts, sorted_entry_error
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import ConfigError
 from nam_core.testing import max_rel_error, new_seed
@@ -137,7 +138,8 @@ def test_options_parse_and_refuse():
 def _rows(*overrides, device="cuda", capability=None):
     spec = spec_for("nam56r-tiny", *overrides, plugins=["float8"], device=device)
     dev = spec.device if capability is None else dataclasses.replace(spec.device, capability=capability)
-    return {r.name: r for r in plugin.nam_check_config(config=spec, device=dev)}
+    rows = plugin.nam_check_config(config=spec, device=dev) + config_rows(plugin.NAME, plugin.PLUGIN, spec)
+    return {r.name: r for r in rows}
 
 
 def test_nothing_enabled_is_one_skip_row():
@@ -206,8 +208,8 @@ def test_host_activates_and_transforms_a_model():
 
 def test_the_local_engine_transforms_before_it_builds_the_optimizer(tmp_path):
     """A transform that swaps a module for one with a new parameter: the optimizer must step the new one."""
-    from nam_core.engine.config import TrainConfig
-    from nam_core.engine.local import LocalRun, train
+    from nam_core.engine.contract import EngineRun
+    from nam_core.engine.local import LocalModel, train
 
     model = nn.Sequential(nn.Linear(4, 4))
 
@@ -224,13 +226,17 @@ def test_the_local_engine_transforms_before_it_builds_the_optimizer(tmp_path):
         def after_step(self, step, run, metrics):
             pass
 
+        def run_report(self, run):
+            return []
+
     host = Host()
-    tc = TrainConfig(device="cpu", dtype="float32", micro_batch_size=1, lr=1e-2, warmup_steps=1, total_steps=1,
-                     checkpoint_every=100, weight_decay=0.0)
+    spec = spec_for("nam56r-tiny", "train.dtype=float32", "train.micro_batch_size=1", "train.lr=1e-2",
+                    "train.warmup_steps=1", "train.total_steps=1", "train.checkpoint_every=100",
+                    "train.weight_decay=0.0", device="cpu")
     batch = {"tokens": torch.randn(1, 4)}
-    train(LocalRun(run_dir=tmp_path, train=tc, model=model, forward=lambda b, i: {"loss": model(b["tokens"]).square().mean()},
-                   batch_at=lambda i, b: batch, host=host, max_steps=1, flops_per_token=1.0, quiet=True,
-                   spec=spec_for("nam56r-tiny", device="cpu")))
+    train(EngineRun(run_dir=tmp_path, spec=spec, host=host, max_steps=1, flops_per_token=1.0, quiet=True,
+                    model=LocalModel(model, lambda b, i: {"loss": model(b["tokens"]).square().mean()}),
+                    batch_at=lambda i, b: batch))
     assert model[0].weight is host.new and not torch.equal(host.new.detach(), host.start)
     assert "swapped layer 0" in (tmp_path / "run.log").read_text()
 
@@ -291,10 +297,6 @@ def test_the_product_configuration_is_torchaos_gemm():
 
 
 def test_registered_backend_is_the_product_configuration():
-    from nam_core.registry import Registry
+    from nam_core.checks import load
 
-    reg = Registry("moe")
-    reg._open("float8", {"float8-grouped"})
-    plugin.nam_register_moe_backends(register=reg)
-    reg._close()
-    assert reg.get("float8-grouped") is Float8GroupedExperts
+    assert load(plugin.PLUGIN.classes("moe")["float8-grouped"]) is Float8GroupedExperts  # what the host registers

@@ -38,7 +38,10 @@ def test_float8_linear_matches_nn_linear(recipe, d_in, d_out):
 def test_preflight_rows():
     import nam_plugin_float8.plugin as plugin
 
-    rows = {r.name: r for r in plugin.nam_preflight(device=None, config=None)}  # no run: both parts
+    from nam_core.checks import launch_rows
+
+    rows = launch_rows(plugin.NAME, plugin.PLUGIN, None) + plugin.nam_preflight(device=None, config=None)
+    rows = {r.name: r for r in rows}  # no run: both parts
     for r in rows.values():
         print(r.name, r.status, r.found)
     assert rows["linears parity"].status == "pass" and rows["experts parity"].status == "pass", rows

@@ -60,13 +60,16 @@ def test_sort_by_expert_groups_rows_stably_and_counts_them():
 
 
 def test_unaligned_expert_widths_are_refused_before_a_run():
-    from types import SimpleNamespace
-
     import nam_plugin_grouped_moe.plugin as plugin
+    from nam56r.run import spec_for
+    from nam_core.checks import config_rows
 
-    model = SimpleNamespace(moe_backend="grouped", hidden=4096, moe_ffn_hidden=150)
-    [row] = plugin.nam_check_config(config=SimpleNamespace(model=model), device=None)
-    assert row.status == "fail" and "moe_ffn_hidden=150" in row.found, row
-    model.moe_ffn_hidden = 160
-    [row] = plugin.nam_check_config(config=SimpleNamespace(model=model), device=None)
-    assert row.status == "pass", row
+    def rows(*overrides):
+        spec = spec_for("nam56r-tiny", "hidden=4096", *overrides, plugins=["grouped-moe"], device="cuda")
+        return config_rows(plugin.NAME, plugin.PLUGIN, spec)
+
+    [row] = rows("moe_ffn_hidden=150")
+    assert row.status == "fail" and row.found == "moe_ffn_hidden=150" and "moe_backend=reference" in row.hint, row
+    [row] = rows("moe_ffn_hidden=160")
+    assert row.status == "pass" and row.found == "hidden=4096, moe_ffn_hidden=160" and row.hint is None, row
+    assert rows("moe_ffn_hidden=150", "moe_backend=reference") == []  # not used by the run: not asked

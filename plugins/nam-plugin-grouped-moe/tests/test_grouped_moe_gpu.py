@@ -22,8 +22,9 @@ def test_grouped_experts_match_the_reference(t, d, e, k, f):
 
 def test_preflight_row_passes():
     import nam_plugin_grouped_moe.plugin as plugin
+    from nam_core.checks import launch_rows
 
-    [row] = plugin.nam_preflight(device=None, config=None)
+    [row] = launch_rows(plugin.NAME, plugin.PLUGIN, None)
     print(row.found)
     assert row.status == "pass", row
 

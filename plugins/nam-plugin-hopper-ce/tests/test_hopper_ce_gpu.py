@@ -21,8 +21,9 @@ def test_matches_the_reference_with_shared_weights_and_masks(tokens, hidden, voc
 
 def test_preflight_row_passes():
     import nam_plugin_hopper_ce.plugin as plugin
+    from nam_core.checks import launch_rows
 
-    [row] = plugin.nam_preflight(device=None, config=None)
+    [row] = launch_rows(plugin.NAME, plugin.PLUGIN, None)
     print(row.found)
     assert row.status == "pass", row
 

@@ -19,7 +19,9 @@ from nam56r.model import Backends, build_model
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.reference.attention import ReferenceAttention
 from nam56r.state import ForwardState
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
 from nam_core.errors import ConfigError, NamError, PluginActivationError
@@ -27,7 +29,6 @@ from nam_core.run import StepContext
 from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import prepare_corpus
 from nam_plugin_index_cache.cache import CACHE_KEY, IndexCache, default_pattern, saved_fraction, source_rank
 
 CPU = DeviceInfo.profile("cpu")
@@ -235,7 +236,7 @@ def spec_with(*overrides):
     ("fssfssfss", "letters ['f', 's']"),
 ])
 def test_config_check_refuses_a_bad_pattern(pattern, found):
-    checks = plugin.nam_check_config(config=spec_with(f"index-cache.pattern={pattern}"), device=CPU)
+    checks = config_rows(plugin.NAME, plugin.PLUGIN, spec_with(f"index-cache.pattern={pattern}"))
     [bad] = [c for c in checks if c.status == FAIL]
     assert bad.name == "pattern" and found in bad.found and "index-cache.pattern=FSSFSSFSS" in bad.hint
     with pytest.raises(PluginActivationError, match="index-cache: pattern"):
@@ -252,21 +253,59 @@ def context(strategy, notes, *, uses=True):
 
 def test_step_hooks_ask_the_context_and_fail_closed():
     """The hooks read the run (DSA layers from its config) and the strategy from the context, through wrappers;
-    a run that selected index-cache but whose indexer is something else is an error, not a silent skip."""
-    notes = []
-    plugin.nam_before_step(step=0, run=context(IndexCache(), notes))
-    plugin.nam_after_step(step=0, run=context(IndexCache(), notes), metrics={})
+    the pattern is announced once the strategy has selected, not before; a run that selected index-cache but
+    whose indexer is something else is an error, not a silent skip."""
+    notes, strategy = [], IndexCache()
+    plugin.nam_after_step(step=0, run=context(strategy, notes), metrics={})
+    assert notes == []  # it has not run yet (a warm-up may hold the DSA layers dense): no claim
+    strategy.reused, strategy.computed = 6, 3
+    plugin.nam_after_step(step=1, run=context(strategy, notes), metrics={})
+    plugin.nam_after_step(step=2, run=context(strategy, notes), metrics={})
     assert notes == ["index-cache: FSSFSSFSS: 6 of 9 DSA layers reuse a Full layer's top-k; indexer work saved 67%"]
-    wrapper = types.SimpleNamespace(wrapped=IndexCache())  # e.g. lemyx, which runs it after its warm-up
-    plugin.nam_before_step(step=0, run=context(wrapper, notes))
+    wrapped = IndexCache()
+    wrapped.computed = 1
+    wrapper = types.SimpleNamespace(wrapped=wrapped)  # e.g. lemyx, which runs it after its warm-up
+    plugin.nam_after_step(step=0, run=context(wrapper, notes), metrics={})
     assert len(notes) == 2
-    plugin.nam_before_step(step=0, run=context(FullIndexer(), notes, uses=False))  # not used: nothing to say
+    plugin.nam_after_step(step=0, run=context(FullIndexer(), notes, uses=False), metrics={})  # not used: nothing
+    assert plugin.nam_run_report(run=context(FullIndexer(), notes, uses=False)) is None
     with pytest.raises(NamError, match="index-cache is selected but the run's indexer backends are"):
-        plugin.nam_before_step(step=0, run=context(FullIndexer(), notes))
+        plugin.nam_after_step(step=0, run=context(FullIndexer(), notes), metrics={})
+
+
+def test_the_report_counts_what_ran_and_a_strategy_that_never_ran_claims_nothing():
+    strategy = IndexCache()
+    strategy.reused, strategy.computed, strategy.first_step = 12, 6, 1
+    ctx = dataclasses.replace(context(strategy, []), step=3)
+    assert plugin.nam_run_report(run=ctx) == ("index-cache: selected from step 2 to 3: 12 of 18 top-k selections "
+                                              "reused a Full layer's (67% of indexer work saved)")
+    warm = types.SimpleNamespace(wrapped=IndexCache(), warming_up=lambda: True, name="lemyx")
+    line = plugin.nam_run_report(run=dataclasses.replace(context(warm, []), step=10))
+    assert line == ("index-cache: did nothing in this run: 'lemyx' warmed up (dense attention) to the last step, 10, "
+                    "so no DSA layer asked it for a top-k; no indexer work saved")
+    assert "saved 67%" not in line
+    idle = plugin.nam_run_report(run=dataclasses.replace(context(IndexCache(), []), step=10))
+    assert idle == "index-cache: did nothing in this run: no DSA layer asked it for a top-k; no indexer work saved"
+
+
+def test_the_strategy_counts_reused_and_computed_selections():
+    """What the report is made of: every Shared layer that took its Full layer's top-k, every layer that ran its
+    own indexer (Full layers, MTP layers, misses); a recompute replay counts nothing again."""
+    strategy = IndexCache()  # FSSFSSFSS
+    x, qr = inputs()
+    state = state_for(x)
+    for layer in dsa_stack(strategy) + dsa_stack(strategy, n=1, is_mtp=True):
+        strategy.select(layer, x, qr, state)
+    assert (strategy.reused, strategy.computed) == (6, 3 + 1)
+    state.micro_batch = 1  # a stale cache: Shared layers miss and compute
+    for layer in dsa_stack(strategy, n=3)[1:]:
+        strategy.select(layer, x, qr, state)
+    assert (strategy.reused, strategy.computed) == (6, 4 + 2)
+    assert IndexCache().selections == 0
 
 
 def test_config_check_passes_the_default_and_the_host_refuses_an_unknown_option():
-    [check] = plugin.nam_check_config(config=spec_with(), device=CPU)
+    [check] = config_rows(plugin.NAME, plugin.PLUGIN, spec_with())
     assert check.status == PASS and check.found.startswith("FSSFSSFSS") and "saved 67%" in check.found
     with pytest.raises(ConfigError, match="did you mean index-cache.pattern") as e:
         spec_with("index-cache.patern=FFFFFFFFF")

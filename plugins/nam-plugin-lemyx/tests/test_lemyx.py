@@ -20,7 +20,9 @@ from nam56r.blocks.indexer import FullIndexer
 from nam56r.model import Backends, build_model
 from nam56r.recipes import apply_overrides, get_recipe
 from nam56r.state import ForwardState
+from nam56r.testing import prepare_corpus
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.engine.metrics import read_metrics
 from nam_core.errors import ConfigError, PluginActivationError
@@ -28,7 +30,6 @@ from nam_core.run import StepContext
 from nam56r.run import spec_for
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import prepare_corpus
 from nam_plugin_lemyx.reference import kl_rows, warmup_reference
 from nam_plugin_lemyx.strategy import Lemyx, Options, options_for
 
@@ -120,6 +121,11 @@ def recipe(*overrides, plugins=PLUGINS, device="cpu"):
     return spec_for("nam56r-tiny", *overrides, plugins=plugins, device=device)
 
 
+def config_checks(spec, device):
+    """lemyx's config rows as the host writes them: its hook's, then the ones it declares (``PLUGIN.checks``)."""
+    return by_name(plugin.nam_check_config(config=spec, device=device) + config_rows(plugin.NAME, plugin.PLUGIN, spec))
+
+
 def by_name(checks):
     return {c.name: c for c in checks}
 
@@ -174,7 +180,7 @@ def test_requesting_lemyx_selects_it_and_wraps_the_previous_indexer():
 
 
 def test_config_check_on_cpu_says_the_reference_is_the_implementation():
-    checks = by_name(plugin.nam_check_config(config=recipe(), device=CPU))
+    checks = config_checks(recipe(), CPU)
     assert checks["backend"].status == PASS and "CPU device: the pure-PyTorch path is the implementation" in \
         checks["backend"].found
     assert "1000 dense steps, then 'full'" in checks["schedule"].found
@@ -182,20 +188,20 @@ def test_config_check_on_cpu_says_the_reference_is_the_implementation():
 
 
 def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(fake_versions, fake_a100):
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=H100))
+    checks = config_checks(recipe(device="cuda"), H100)
     assert checks["backend"].found.startswith("triton (default for cuda)")
     assert checks["CUDA capability"].needed == ">= sm_90"
     assert checks["kernel shapes"].status == PASS
     # A pre-Hopper GPU is refused with the reason and both ways out.
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=fake_a100))
+    checks = config_checks(recipe(device="cuda"), fake_a100)
     bad = checks["CUDA capability"]
     assert bad.status == FAIL and bad.found == "sm_80" and "lemyx.backend=reference" in bad.hint
     # Triton missing: refused, not a quiet switch to the reference path.
     fake_versions(triton=None)
-    checks = by_name(plugin.nam_check_config(config=recipe(device="cuda"), device=H100))
+    checks = config_checks(recipe(device="cuda"), H100)
     assert checks["package triton"].status == FAIL and "nam-plugin-lemyx[gpu]" in checks["package triton"].hint
     # The user's explicit choice of the reference path is honoured and named as such.
-    checks = by_name(plugin.nam_check_config(config=recipe("lemyx.backend=reference", device="cuda"), device=H100))
+    checks = config_checks(recipe("lemyx.backend=reference", device="cuda"), H100)
     assert "chosen by you" in checks["backend"].found and "package triton" not in checks
 
 
@@ -205,7 +211,7 @@ def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(fake_v
     (("dsa_dense_warmup=true",), "dense warm-up"),
 ])
 def test_config_check_refusals(overrides, name):
-    checks = by_name(plugin.nam_check_config(config=recipe(*overrides, device="cuda"), device=H100))
+    checks = config_checks(recipe(*overrides, device="cuda"), H100)
     assert checks[name].status == FAIL, checks[name]
     with pytest.raises(PluginActivationError, match=f"lemyx: {name}"):
         PluginHost().activate(PLUGINS, H100, recipe("attention_backend=reference", *overrides, device="cuda"))
@@ -256,11 +262,41 @@ def test_hand_over_at_the_configured_step_then_equals_the_wrapped_strategy():
 class _Run(StepContext):
     """The StepContext an engine builds, around ``backends`` (and the model's parameters, if any)."""
 
-    def __init__(self, backends, model=None, spec=None):
+    def __init__(self, backends, model=None, spec=None, max_steps=None):
         self.notes = []
         super().__init__(step=0, spec=spec or recipe(), backends=backends.as_mapping(),
                          parameters=model.named_parameters if model is not None else (lambda: iter(())),
-                         note=self.notes.append)
+                         note=self.notes.append, max_steps=max_steps)
+
+
+def test_a_warm_up_longer_than_the_run_is_a_warning_and_the_report_says_no_hand_over():
+    """The README's first example ran 10 steps of a 1000-step warm-up: the sparse strategy never ran."""
+    lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1000))
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=lemyx), max_steps=10)
+    plugin.nam_before_step(step=0, run=fake)
+    assert fake.notes[1] == ("warning: lemyx: the indexer warm-up (1000 steps) does not end before this run stops at "
+                             "step 10: every DSA layer attends densely to the end and 'full' never runs; "
+                             "--set lemyx.warmup_steps=N with N < 10 hands over earlier")
+    fake.step = 10
+    assert plugin.nam_run_report(run=fake) == ("lemyx: dense warm-up to the last step, 10 (warm-up 1000 steps): no "
+                                               "hand-over to 'full' in this run")
+    short = Lemyx(FullIndexer(), Options(warmup_steps=4))
+    fake = _Run(dataclasses.replace(Backends.reference(), indexer=short), max_steps=10)
+    for step in range(10):
+        plugin.nam_before_step(step=step, run=fake)
+    assert not any(n.startswith("warning:") for n in fake.notes)
+    fake.step = 10
+    assert plugin.nam_run_report(run=fake) == "lemyx: dense warm-up until step 4, then 'full' to step 10"
+
+
+def test_the_config_check_warns_of_a_warm_up_past_the_schedule():
+    def schedule_row(spec):
+        return by_name(config_rows(plugin.NAME, plugin.PLUGIN, spec))["schedule"]
+
+    long = schedule_row(recipe())  # 1000 of 200 steps
+    assert long.status == PASS and "warning: not before train.total_steps (200), so 'full' never runs" in long.found
+    short = schedule_row(recipe("lemyx.warmup_steps=50"))
+    assert short.found == "50 dense steps, then 'full'"
 
 
 def test_freeze_main_trains_only_the_indexers_until_the_hand_over():
@@ -284,7 +320,7 @@ def test_on_the_megatron_engine_freezing_is_refused_and_the_hand_over_touches_no
     notes."""
     rec = recipe("lemyx.freeze_main=true", device="cuda")
     rec = rec.replace(engine="megatron", train=rec.train.replace(engine="megatron"))
-    check = by_name(plugin.nam_check_config(config=rec, device=H100))["freeze_main"]
+    check = config_checks(rec, H100)["freeze_main"]
     assert check.status == FAIL and check.hint == "--set lemyx.freeze_main=false"
     lemyx = Lemyx(FullIndexer(), Options(warmup_steps=1))
     fake = _Run(dataclasses.replace(Backends.reference(), indexer=lemyx))
@@ -317,12 +353,19 @@ def test_nam_train_with_index_cache_and_lemyx_trains_hands_over_and_the_loss_fal
     run_dir = tmp_path / "run"
     code = run(["train", "--plugins", "index-cache,lemyx", "--max-steps", "40", "--set", "lemyx.warmup_steps=20",
                 "--set", "seq_len=32", "--data", str(corpus), "--run-dir", str(run_dir)])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 0, err
     log = (run_dir / "run.log").read_text()
     assert log.count("indexer warm-up over") == 1 and "[step 20] lemyx: step 20" in log
     assert "reference path" in log and "index-cache: FSSFSSFSS" in log
+    assert log.index("index-cache: FSSFSSFSS") > log.index("indexer warm-up over")  # announced once it ran
     assert json.loads((run_dir / "plugins.json").read_text())["backends"]["indexer"] == "Lemyx"
+    report = {line.split(":")[0]: line for line in json.loads((run_dir / "summary.json").read_text())["plugin_report"]}
+    assert report["lemyx"] == "lemyx: dense warm-up until step 20, then 'index-cache' to step 40"
+    assert report["index-cache"].startswith("index-cache: selected from step 21 to 40: ")
+    assert report["index-cache"].endswith("top-k selections reused a Full layer's (67% of indexer work saved)")
+    assert f"plugin {report['index-cache']}\n" in captured.out and f"plugin {report['lemyx']}\n" in captured.out
     metrics = read_metrics(run_dir)
     losses = [m["loss"] for m in metrics]
     assert len(losses) == 40 and statistics.mean(losses[-5:]) < 0.8 * statistics.mean(losses[:5]), losses

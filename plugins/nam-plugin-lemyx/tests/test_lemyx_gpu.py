@@ -84,9 +84,9 @@ def test_tiny_model_trains_the_same_on_the_kernel_and_the_reference():
 
 def test_preflight_launches_the_kernel_on_this_device():
     import nam_plugin_lemyx.plugin as plugin
-    from nam_core.device import DeviceInfo
+    from nam_core.checks import launch_rows
 
-    [check] = plugin.nam_preflight(device=DeviceInfo.probe(), config=None)
+    [check] = launch_rows(plugin.NAME, plugin.PLUGIN, None)
     print(check.describe())
     from nam_core.requirements import PASS
 

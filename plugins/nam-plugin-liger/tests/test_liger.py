@@ -300,9 +300,16 @@ def test_the_host_wants_cuda_when_the_head_is_used_and_says_when_it_is_unused(li
 
 
 @pytest.mark.parametrize("device", [H100, DeviceInfo(kind="cpu", name="cpu")], ids=["fake-h100", "real-cpu"])
-def test_launch_check_is_a_skip_row_without_a_real_gpu(device):
-    [row] = plugin.nam_preflight(device=device, config=None)
-    assert (row.plugin, row.name, row.status) == ("liger", "fused CE launch", SKIP)
+def test_launch_check_is_not_run_without_a_real_gpu(device, liger_release):
+    """The host skips the declared launch on a fake device (one skipped row) and never launches on a device whose
+    requirements failed (the CPU): the check's function is not called."""
+    liger_release("0.8.5")
+    rows = {c.name: c for c in PluginHost().evaluate(["liger"], device).checks if c.plugin == "liger"}
+    assert "fused CE launch" not in rows
+    if device.is_fake:
+        assert rows["launch checks"].status == SKIP
+    else:
+        assert rows["CUDA device"].status == FAIL and "launch checks" not in rows
 
 
 def test_preflight_command_exits_3_on_the_cpu_profile(liger_release, capsys):

@@ -10,9 +10,11 @@ import dataclasses
 import pytest
 import torch
 
+import nam_plugin_liger.plugin as plugin
 from nam56r.model import Backends, build_model
 from nam56r.recipes import get_recipe
 from nam56r.reference.ce import ReferenceCEHead
+from nam_core.checks import launch_rows
 from nam_core.device import DeviceInfo
 from nam_core.host import PluginHost
 from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED
@@ -101,13 +103,13 @@ def test_reproducer_matches_the_patch_lanes_claim_for_the_installed_release():
 
 def test_preflight_launch_check_passes_and_activation_succeeds_here():
     device = DeviceInfo.probe()
-    row = smoke.launch_check(device)
+    [row] = launch_rows("liger", plugin.PLUGIN, None)
     print(row)
     assert row.status == PASS, row
     host = PluginHost()
     ev = host.activate(["liger"], device)
     assert [c.status for c in ev.checks if c.name == smoke.CHECK] == [PASS]
-    assert host.registry("ce_heads").get("liger") is LigerCEHead
+    assert host.registry("ce").get("liger") is LigerCEHead
 
 
 def test_nam56r_tiny_losses_and_grads_match_the_reference_head_in_fp32():

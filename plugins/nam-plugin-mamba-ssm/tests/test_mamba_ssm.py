@@ -15,6 +15,7 @@ import torch
 import nam_plugin_mamba_ssm.plugin as plugin
 from nam56r.recipes import apply_overrides, get_recipe
 from nam_cli.main import run
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import NamError, PluginActivationError
 from nam_core.host import PluginHost
@@ -79,7 +80,12 @@ def fake_tree(tmp_path, monkeypatch):
             "ops/tilelang/mamba3/mamba3_mimo.py": (
                 "from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_fwd import mamba_mimo_forward\n"
                 "from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo_bwd import mamba_mimo_bwd_combined\n"
-                "def mamba3_mimo(*a, **k):\n    return mamba_mimo_forward(*a, **k)\n"),
+                "def mamba3_mimo(*a, **k):\n    return mamba_mimo_forward(*a, **k)\n"
+                "class _Mamba3Function:\n    @staticmethod\n    def backward(ctx, dout):\n"
+                + ("        (q,) = ctx.saved_tensors\n" if fixed else
+                   "        if len(ctx.saved_tensors) == 0:\n            raise RuntimeError\n"
+                   "        (q,) = ctx.saved_tensors\n")
+                + "        return dout\n"),
         }
         if fixed:
             files["ops/triton/mamba3/grouped_head_reduction.py"] = "def reduce_grouped_qk_grads(*a):\n    pass\n"
@@ -177,7 +183,7 @@ def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
 
 
 def test_config_check_passes_nam56r():
-    checks = {c.name: c for c in plugin.nam_check_config(config=recipe(), device=H100)}
+    checks = {c.name: c for c in config_rows(plugin.NAME, plugin.PLUGIN, recipe())}
     assert checks["kernel shapes"].status == PASS
     assert checks["kernel shapes"].found == "d_state 128, headdim 64, rank 4, chunk 16, ngroups 8"
     assert set(checks) == {"kernel shapes"}
@@ -190,7 +196,7 @@ def test_config_check_passes_nam56r():
     (("mamba_mimo_rank=1", "d_state=96"), "SISO d_state 96 is not a power of two"),
 ])
 def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment):
-    bad = {c.name: c for c in plugin.nam_check_config(config=recipe(*overrides), device=H100)}["kernel shapes"]
+    bad = {c.name: c for c in config_rows(plugin.NAME, plugin.PLUGIN, recipe(*overrides))}["kernel shapes"]
     assert bad.status == FAIL and fragment in bad.found, bad
     assert "ssm_backend=reference" in bad.hint
 
@@ -271,7 +277,7 @@ def test_the_stand_in_extension_refuses_mamba1_use_by_name(releases, fake_tree):
 def test_on_a_fixed_tree_the_shim_grouped_and_static_patches_retire(releases, fake_tree):
     fake_tree(fixed=True)
     assert states() == {patches.SHIM: RETIRED, patches.GROUPED: RETIRED, patches.HOST: NEEDED,
-                        patches.STATIC: RETIRED}
+                        patches.STATIC: RETIRED, patches.SAVED_ONCE: RETIRED}
 
 
 def test_the_shim_reproducer_tells_the_bug_from_the_fix(releases, fake_tree):
@@ -289,7 +295,7 @@ def test_the_shim_reproducer_passes_a_fixed_tree(releases, fake_tree):
 def test_patches_declare_reproducers_and_retirement():
     for p in patches.make_patches().values():
         assert p.reproduce is not None and p.retire_when and p.target == "mamba-ssm"
-    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, True, True, True]
+    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, True, True, True, True]
 
 
 # --- the grouped reduction -----------------------------------------------------------------------------
@@ -622,3 +628,49 @@ def test_detection_reads_the_installed_source_not_the_version(fake_tree, fixed):
     root = fake_tree(fixed=fixed)
     assert upstream.imports_extension_unguarded(root / "mamba_ssm") is (not fixed)
     assert upstream.has_grouped_backward(root / "mamba_ssm") is fixed
+
+
+class _UnpacksTwice(torch.autograd.Function):
+    """The shape of upstream's MIMO autograd function's flaw: its backward reads ``ctx.saved_tensors`` twice."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return (x * w).tanh()
+
+    @staticmethod
+    def backward(ctx, dout):
+        if len(ctx.saved_tensors) == 0:
+            raise RuntimeError("forward ran without grad")
+        x, w = ctx.saved_tensors
+        d = dout * (1 - (x * w).tanh() ** 2)
+        return d * w, (d * x).sum(0)
+
+
+def test_saved_once_lets_non_reentrant_checkpointing_run_a_backward_that_unpacks_twice():
+    """train.recompute=mamba wraps the mixer in torch.utils.checkpoint (non-reentrant), which refuses a second
+    unpack of a saved tensor; the patch runs the backward on a context that unpacks once: same gradients."""
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+
+    from nam_plugin_mamba_ssm import patches
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 5, generator=g, requires_grad=True), torch.randn(5, generator=g, requires_grad=True)
+    want = torch.autograd.grad(_UnpacksTwice.apply(x, w).square().sum(), (x, w))
+
+    def checkpointed():
+        out = checkpoint(_UnpacksTwice.apply, x, w, use_reentrant=False)
+        return torch.autograd.grad(out.square().sum(), (x, w))
+
+    assert patches.unpacks_twice(_UnpacksTwice)
+    with pytest.raises(CheckpointError, match="already unpacked once"):
+        checkpointed()
+    patches.apply_saved_once(_UnpacksTwice)
+    try:
+        assert not patches.unpacks_twice(_UnpacksTwice)
+        got = checkpointed()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        patches.apply_saved_once(_UnpacksTwice)  # idempotent
+    finally:
+        patches.revert_saved_once(_UnpacksTwice)
+    assert patches.unpacks_twice(_UnpacksTwice)

@@ -56,8 +56,9 @@ def test_siso_matches_the_reference(h, g, l, chunk):
 
 def test_preflight_launch_passes():
     import nam_plugin_mamba_ssm.plugin as plugin
+    from nam_core.checks import launch_rows
 
-    [row] = plugin.nam_preflight(device=None, config=None)
+    [row] = launch_rows(plugin.NAME, plugin.PLUGIN, None)
     print(row.found)
     assert row.status == "pass", row
 

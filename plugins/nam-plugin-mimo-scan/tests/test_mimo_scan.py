@@ -13,6 +13,7 @@ from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost
 from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.testing import fake_device
 
 CPU = DeviceInfo.profile("cpu")
 H100 = DeviceInfo.profile("h100")
@@ -179,4 +180,7 @@ def test_the_host_wants_cuda_and_bf16_from_the_declaration():
 
 
 def test_preflight_launch_is_not_attempted_on_a_config_it_refuses():
-    assert plugin.nam_preflight(device=H100, config=recipe("mamba_mimo_rank=1")) == []
+    real = fake_device("h100", profile_name=None)  # the host takes it for a real GPU: its launch checks run
+    rows = checks_of(recipe("mamba_mimo_rank=1").replace(device=real), real)
+    assert rows["kernel shapes"].status == FAIL
+    assert "kernel launch" not in rows and "launch check" not in rows  # a launch here would raise on the CPU

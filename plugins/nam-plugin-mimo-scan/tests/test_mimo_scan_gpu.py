@@ -90,7 +90,8 @@ def test_forward_and_backward_capture_in_a_cuda_graph():
 
 def test_preflight_launch_passes():
     import nam_plugin_mimo_scan.plugin as plugin
+    from nam_core.checks import launch_rows
 
-    [row] = plugin.nam_preflight(device=None, config=None)
+    [row] = launch_rows(plugin.NAME, plugin.PLUGIN, None)
     print(row.found)
     assert row.status == "pass", row

@@ -17,11 +17,9 @@ import pytest
 import torch
 
 import nam_plugin_sparse_mla.plugin as plugin
-from nam56r.recipes import get_recipe
-from nam_core.device import DeviceInfo
+from nam_core.checks import config_rows
 from nam_core.requirements import FAIL, PASS
 
-H100 = DeviceInfo.profile("h100")
 FP16_TOLERANCE = 5e-3  # selftest.TOLERANCE[torch.float16]: fp16 rounding of dq and dk (~5e-4) with 10x margin
 FP32_TOLERANCE = 1e-4  # selftest.FP32_OUTPUT_TOLERANCE: scores, dw, teacher are fp32; only summation order differs
 
@@ -169,18 +167,22 @@ def by_name(checks):
     return {c.name: c for c in checks}
 
 
+def spec(recipe, *overrides):
+    """The RunSpec of ``--plugins sparse-mla`` on ``recipe`` on a fake H100 (the plugin selects its kernels)."""
+    from nam56r.run import spec_for
+
+    return spec_for(recipe, *overrides, plugins=["sparse-mla"], device="cuda")
+
+
 def test_config_check_passes_nam56r_and_tiny_index_widths():
-    tiny = by_name(plugin.nam_check_config(config=get_recipe("nam56r-tiny"), device=H100))["indexer kernel shapes"]
+    tiny = by_name(config_rows(plugin.NAME, plugin.PLUGIN, spec("nam56r-tiny")))["indexer kernel shapes"]
     assert tiny.status == PASS and tiny.found == "index_head_dim 16, 4 index heads"
-    full = by_name(plugin.nam_check_config(config=get_recipe("nam56r"), device=H100))["indexer kernel shapes"]
+    full = by_name(config_rows(plugin.NAME, plugin.PLUGIN, spec("nam56r")))["indexer kernel shapes"]
     assert full.status == PASS and full.found == "index_head_dim 64, 32 index heads"
 
 
 def test_config_check_refuses_an_index_width_the_kernels_cannot_take():
-    import dataclasses
-
-    rec = get_recipe("nam56r-tiny")
-    rec = dataclasses.replace(rec, model=rec.model.replace(index_head_dim=24))
-    bad = by_name(plugin.nam_check_config(config=rec, device=H100))["indexer kernel shapes"]
+    bad = by_name(config_rows(plugin.NAME, plugin.PLUGIN, spec("nam56r-tiny", "index_head_dim=24")))
+    bad = bad["indexer kernel shapes"]
     assert bad.status == FAIL and "index head width index_head_dim is 24" in bad.found, bad
     assert "attention_backend=reference" in bad.hint

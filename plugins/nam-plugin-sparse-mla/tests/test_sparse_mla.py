@@ -16,6 +16,7 @@ import torch
 import nam_plugin_sparse_mla.plugin as plugin
 from nam56r.backends import AttentionCore
 from nam56r.recipes import apply_overrides, get_recipe
+from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost
@@ -212,12 +213,12 @@ def test_an_explicit_choice_wins_and_the_check_says_the_plugin_is_unused():
 
 
 def test_config_check_passes_nam56r_and_tiny_widths():
-    checks = by_name(plugin.nam_check_config(config=recipe(), device=H100))
+    checks = by_name(config_rows(plugin.NAME, plugin.PLUGIN, recipe()))
     assert checks["kernel shapes"].status == PASS
     assert checks["kernel shapes"].found == "dk 32 (kv_lora_rank 16 + qk_rope_dim 16), dv 16, 4 heads, top-k 16"
     from nam56r.run import spec_for
 
-    found = by_name(plugin.nam_check_config(config=spec_for("nam56r"), device=H100))["kernel shapes"].found
+    found = by_name(config_rows(plugin.NAME, plugin.PLUGIN, spec_for("nam56r")))["kernel shapes"].found
     assert found == "dk 128 (kv_lora_rank 64 + qk_rope_dim 64), dv 64, 32 heads, top-k 256"
 
 
@@ -229,7 +230,7 @@ def test_config_check_passes_nam56r_and_tiny_widths():
 ])
 def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment):
     rec = recipe(*overrides)
-    bad = by_name(plugin.nam_check_config(config=rec, device=H100))["kernel shapes"]
+    bad = by_name(config_rows(plugin.NAME, plugin.PLUGIN, rec))["kernel shapes"]
     assert bad.status == FAIL and fragment in bad.found, bad
     assert "attention_backend=reference" in bad.hint
     with pytest.raises(PluginActivationError, match="sparse-mla: kernel shapes"):

@@ -113,10 +113,10 @@ def test_forward_and_backward_capture_in_a_cuda_graph():
 
 def test_preflight_launches_the_kernels_on_this_device():
     import nam_plugin_sparse_mla.plugin as plugin
-    from nam_core.device import DeviceInfo
+    from nam_core.checks import launch_rows
     from nam_core.requirements import PASS
 
-    [check] = plugin.nam_preflight(device=DeviceInfo.probe(), config=None)
+    [check] = launch_rows(plugin.NAME, plugin.PLUGIN, None)
     print(check.describe(), check.found)
     assert check.status == PASS, check
 

@@ -16,6 +16,7 @@ empty). This module stays light (no torch, no torchao at import) so ``nam plugin
 from __future__ import annotations
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
+from nam_core.checks import LaunchCheck, ShapeCheck
 from nam_core.options import Option
 from nam_core.requirements import FAIL, PASS, SKIP
 
@@ -53,27 +54,6 @@ measured; the preflight row then says "not measured yet"."""
 BENCH = {"linears": "python bench/megatron.py throughput --gpus 1 --engines local --float8 none,rowwise",
          "experts": "python bench/moe.py (the grouped FP8 column)"}
 
-PLUGIN = PluginInfo(
-    summary="float8: FP8 training through torchao: dense projections as Float8Linear (tensorwise or rowwise) "
-            "and routed experts on torchao's FP8 grouped GEMM (moe: float8-grouped); each part off until set",
-    provides={"moe": [BACKEND]},
-    requires=(
-        Requirement.cuda_device(reason="torchao's float8 casts are Triton kernels and its GEMMs cuBLAS/CUTLASS FP8"),
-        Requirement.cuda_capability((8, 9), reason="FP8 tensor cores arrived with Ada (sm_89) and Hopper (sm_90)"),
-        Requirement.package("torch>=2.11", install_hint="pip install 'torch>=2.11'",
-                            reason="torch._scaled_grouped_mm and rowwise torch._scaled_mm"),
-        Requirement.package("torchao==0.18.*", install_hint=GPU_HINT,
-                            reason="known-good: its float8 training API and moe_training grouped GEMM are "
-                                   "prototype APIs that change between releases"),
-    ),
-    options=(
-        Option("linears", str, "none", "the dense projections (Mamba in/out, MLA/DSA, shared expert, MTP) as "
-               "torchao Float8Linear: none, tensorwise (per-tensor scales) or rowwise (per-row power-of-two "
-               "scales)", choices=LINEAR_RECIPES),
-        Option("experts", str, "off", "the routed experts on torchao's FP8 rowwise grouped GEMM: off or rowwise "
-               "(rowwise also needs --set moe_backend=float8-grouped)", choices=EXPERT_RECIPES),
-    ),
-)
 
 
 def enabled_parts(opts) -> dict[str, str]:
@@ -101,11 +81,8 @@ def nam_check_config(config, device):
         rows.append(Check(NAME, "train.dtype", FAIL, f"train.dtype=bfloat16{why}", f"train.dtype={train.dtype}",
                           hint=f"--set train.dtype=bfloat16, or drop --plugins {NAME}"))
     if "experts" in parts:
-        rows.append(_expert_shapes(model))
         rows.append(Requirement.cuda_capability(
             (9, 0), reason="torch._scaled_grouped_mm runs FP8 on sm_90 and newer").check(NAME, device))
-    if "linears" in parts:
-        rows.append(_linear_shapes(model, engine=config.engine))
     return rows
 
 
@@ -121,72 +98,87 @@ def _experts_selection(opts, model) -> list[Check]:
     return []
 
 
-def _expert_shapes(model) -> Check:
-    bad = {k: v for k, v in (("hidden", model.hidden), ("moe_ffn_hidden", model.moe_ffn_hidden)) if v % MULTIPLE}
-    return Check(NAME, "expert GEMM shapes", FAIL if bad else PASS,
-                 f"hidden and moe_ffn_hidden divisible by {MULTIPLE} (K and N of both FP8 grouped GEMMs)",
-                 ", ".join(f"{k}={v}" for k, v in bad.items()) if bad else
-                 f"hidden={model.hidden}, moe_ffn_hidden={model.moe_ffn_hidden}",
-                 hint=f"choose widths divisible by {MULTIPLE}, or --set {NAME}.experts=off "
-                      f"--set moe_backend=grouped" if bad else None)
+def parts_of(spec) -> dict[str, str]:
+    """Part -> its recipe for the run; both parts (rowwise) without a run (``nam preflight --plugins float8``)."""
+    return enabled_parts(spec.options[NAME]) if spec is not None else {"linears": "rowwise", "experts": "rowwise"}
 
 
-def _linear_shapes(model, *, engine: str) -> Check:
+def linears_on(spec) -> bool:
+    return "linears" in parts_of(spec)
+
+
+def experts_on(spec) -> bool:
+    return "experts" in parts_of(spec)
+
+
+def expert_shapes(spec) -> tuple[bool, str]:
+    model = spec.model
+    widths = {"hidden": model.hidden, "moe_ffn_hidden": model.moe_ffn_hidden}
+    bad = {k: v for k, v in widths.items() if v % MULTIPLE}
+    return not bad, ", ".join(f"{k}={v}" for k, v in (bad or widths).items())
+
+
+def linear_shapes(spec) -> tuple[bool, str]:
     from nam_plugin_float8.linears import misaligned, projections_of
 
-    chosen = projections_of(model)
+    chosen = projections_of(spec.model)
     bad = misaligned(chosen)
-    needed = f"every selected projection's in and out features divisible by {MULTIPLE}"
     if bad:
         shown = ", ".join(p.describe() for p in bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        return Check(NAME, "linear shapes", FAIL, needed, f"{len(bad)} of {len(chosen)} are not: {shown}",
-                     hint=f"choose widths that make them divisible by {MULTIPLE} (the Mamba in_proj is "
-                          f"2*d_inner + 2*B/C + 3*heads + angles wide), or --set {NAME}.linears=none")
+        return False, f"{len(bad)} of {len(chosen)} are not: {shown}"
     found = f"{len(chosen)} projections"
-    if engine == "megatron":
+    if spec.engine == "megatron":
         found += ("; on the megatron engine the shared expert and the MTP projections are Megatron's parallel "
                   "linears and stay bf16")
-    return Check(NAME, "linear shapes", PASS, needed, found)
+    return True, found
+
+
+CHECKS = (
+    ShapeCheck("expert GEMM shapes", f"hidden and moe_ffn_hidden divisible by {MULTIPLE} (K and N of both FP8 "
+               "grouped GEMMs)", expert_shapes, f"choose widths divisible by {MULTIPLE}, or --set {NAME}.experts=off "
+               "--set moe_backend=grouped", when=experts_on),
+    ShapeCheck("linear shapes", f"every selected projection's in and out features divisible by {MULTIPLE}",
+               linear_shapes, f"choose widths that make them divisible by {MULTIPLE} (the Mamba in_proj is "
+               f"2*d_inner + 2*B/C + 3*heads + angles wide), or --set {NAME}.linears=none", when=linears_on),
+    LaunchCheck("linears parity", f"output and gradients within {LINEARS_TOLERANCE:g} (relative L2) of nn.Linear in "
+                "fp32", "nam_plugin_float8.selftest:linears", f"report it; meanwhile --set {NAME}.linears=none",
+                when=linears_on),
+    LaunchCheck("experts parity", f"output and every gradient within {EXPERTS_TOLERANCE:g} (relative L2) of the fp32 "
+                "reference experts", "nam_plugin_float8.selftest:experts", f"report it with the seed; meanwhile "
+                f"--set {NAME}.experts=off --set moe_backend=grouped", when=experts_on),
+)
+"""``PLUGIN.checks``: the host writes these rows for the parts the run turns on (both parts' launches without a
+run)."""
+
+
+PLUGIN = PluginInfo(
+    summary="float8: FP8 training through torchao: dense projections as Float8Linear (tensorwise or rowwise) "
+            "and routed experts on torchao's FP8 grouped GEMM (moe: float8-grouped); each part off until set",
+    provides={"moe": {BACKEND: "nam_plugin_float8.experts:Float8GroupedExperts"}},
+    requires=(
+        Requirement.cuda_device(reason="torchao's float8 casts are Triton kernels and its GEMMs cuBLAS/CUTLASS FP8"),
+        Requirement.cuda_capability((8, 9), reason="FP8 tensor cores arrived with Ada (sm_89) and Hopper (sm_90)"),
+        Requirement.package("torch>=2.11", install_hint="pip install 'torch>=2.11'",
+                            reason="torch._scaled_grouped_mm and rowwise torch._scaled_mm"),
+        Requirement.package("torchao==0.18.*", install_hint=GPU_HINT,
+                            reason="known-good: its float8 training API and moe_training grouped GEMM are "
+                                   "prototype APIs that change between releases"),
+    ),
+    options=(
+        Option("linears", str, "none", "the dense projections (Mamba in/out, MLA/DSA, shared expert, MTP) as "
+               "torchao Float8Linear: none, tensorwise (per-tensor scales) or rowwise (per-row power-of-two "
+               "scales)", choices=LINEAR_RECIPES),
+        Option("experts", str, "off", "the routed experts on torchao's FP8 rowwise grouped GEMM: off or rowwise "
+               "(rowwise also needs --set moe_backend=float8-grouped)", choices=EXPERT_RECIPES),
+    ),
+    checks=CHECKS,
+)
 
 
 @hookimpl
 def nam_preflight(device, config):
-    """On a real CUDA device: each enabled part (both without a run) against fp32, and its measured speed."""
-    parts = enabled_parts(config.options[NAME]) if config is not None else {"linears": "rowwise",
-                                                                               "experts": "rowwise"}
-    rows = []
-    if "linears" in parts:
-        rows.append(_linear_parity(parts["linears"]))
-        rows.append(speed_row("linears", MEASURED))
-    if "experts" in parts:
-        rows.append(_expert_parity())
-        rows.append(speed_row("experts", MEASURED))
-    return rows
-
-
-def _linear_parity(recipe: str) -> Check:
-    from nam_plugin_float8.linears import linear_error
-
-    r = linear_error(recipe)
-    ok = max(r.values()) <= LINEARS_TOLERANCE
-    found = ", ".join(f"{k} {v:.3f}" for k, v in r.items()) + f" ({recipe}; 4096 tokens, 1024 -> 2048)"
-    return Check(NAME, "linears parity", PASS if ok else FAIL,
-                 f"output and gradients within {LINEARS_TOLERANCE:g} (relative L2) of nn.Linear in fp32", found,
-                 hint=None if ok else f"report it; meanwhile --set {NAME}.linears=none")
-
-
-def _expert_parity() -> Check:
-    from nam56r.testing import compare_experts, worst_error
-    from nam_plugin_float8.experts import Float8GroupedExperts
-
-    r = compare_experts(Float8GroupedExperts(), device="cuda")
-    ok = worst_error(r) <= EXPERTS_TOLERANCE
-    found = (", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "seed")
-             + f" (512 tokens, 8 experts of 64, top-2; seed {r['seed']})")
-    return Check(NAME, "experts parity", PASS if ok else FAIL,
-                 f"output and every gradient within {EXPERTS_TOLERANCE:g} (relative L2) of the fp32 reference "
-                 "experts", found, hint=None if ok else f"report it with the seed; meanwhile --set {NAME}.experts=off "
-                 "--set moe_backend=grouped")
+    """On a real CUDA device, after the parity rows (``CHECKS``): each enabled part's measured speed."""
+    return [speed_row(part, MEASURED) for part in parts_of(config)]
 
 
 def speed_row(part: str, measured: dict) -> Check:
@@ -212,10 +204,3 @@ def nam_transform_model(model, spec):
     from nam_plugin_float8.linears import convert
 
     return convert(model, recipe)
-
-
-@hookimpl
-def nam_register_moe_backends(register):
-    from nam_plugin_float8.experts import Float8GroupedExperts
-
-    register(BACKEND, Float8GroupedExperts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from nam_core.checks import Measured
 from nam_core.testing import max_rel_error, new_seed
 
 TOLERANCE = 2e-2
@@ -60,3 +61,15 @@ def compare(head, *, tokens: int = 300, hidden: int = 256, vocab: int = 1000, ca
 
 def passed(result: dict) -> bool:
     return result["masked_dh"] == 0.0 and all(result[k] <= TOLERANCE for k in ("loss", "dhidden", "dweight"))
+
+
+def launch(spec) -> Measured:
+    """The activation self-test on a real CUDA device (``PLUGIN.checks``; the host skips it on fakes and CPUs)."""
+    from nam_plugin_hopper_ce.head import HopperCEHead
+
+    needed = (f"loss, every dL/dhidden and the shared dL/dW within {TOLERANCE:g} of the reference head, "
+              "0 on masked tokens, all finite (3 heads sharing one weight, bf16)")
+    r = compare(HopperCEHead(chunk_tokens=128), device="cuda")
+    found = (f"loss {r['loss']:.1e}, dhidden {r['dhidden']:.1e}, dweight {r['dweight']:.1e}, masked dh "
+             f"{r['masked_dh']:g} (300 tokens x 256 x vocab 1000, chunks of 128; seed {r['seed']})")
+    return Measured(passed(r), found, needed)

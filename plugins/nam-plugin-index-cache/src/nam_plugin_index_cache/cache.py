@@ -113,7 +113,14 @@ class IndexCache:
         self.notes: list[str] = []
         """Miss messages not yet shown by the engine hook (``nam_after_step`` drains them)."""
         self.announced = False
-        """Set by ``nam_before_step`` once it has logged the pattern and the work saved."""
+        """Set by ``nam_after_step`` once it has logged the pattern and the work it saves (after the first step
+        in which a DSA layer asked this strategy for its top-k: a warm-up that wraps it may hold them dense)."""
+        self.reused = 0
+        """Top-k selections a Shared layer took from its Full layer (forward passes, recompute replays aside)."""
+        self.computed = 0
+        """Top-k selections a layer computed with its own indexer (Full layers, MTP layers, misses)."""
+        self.first_step: int | None = None
+        """The first optimizer step in which this strategy selected (set by ``nam_after_step``)."""
 
     @classmethod
     def build(cls, ctx) -> "IndexCache":
@@ -122,6 +129,10 @@ class IndexCache:
         options = ctx.options.get(CACHE_KEY)
         raw = options.pattern if options is not None else None
         return cls(None if raw is None else raw.strip())
+
+    @property
+    def selections(self) -> int:
+        return self.reused + self.computed
 
     def pattern_for(self, n_dsa: int) -> str:
         return self.pattern if self.pattern is not None else default_pattern(n_dsa)
@@ -146,6 +157,7 @@ class IndexCache:
         if state is None:
             if not (layer.is_mtp or self.is_full(rank)):
                 self._log(None, "no-state", f"Shared DSA layer {rank} computed its own top-k: no ForwardState")
+            self.computed += 1
             return self._compute(layer, x, qr)
         cache = state.dsa_cache.setdefault(CACHE_KEY, {})
         if state.recompute:
@@ -159,11 +171,13 @@ class IndexCache:
             miss = self._miss(entry, state, x, layer)
             if miss is None:
                 cache[_key(layer, rank)] = Entry(state.micro_batch, state.seq_layout, entry.indices, False)
+                self.reused += 1
                 return entry.indices, None  # no indexer loss for a Shared layer (§4)
             reason, detail = miss
             self._log(state, reason, f"Shared DSA layer {rank} computed its own top-k: {detail}")
         indices, scores = self._compute(layer, x, qr)
         cache[_key(layer, rank)] = Entry(state.micro_batch, state.seq_layout, indices, True)
+        self.computed += 1
         return indices, scores
 
     @staticmethod

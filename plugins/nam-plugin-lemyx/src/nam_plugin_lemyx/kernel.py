@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nam_plugin_lemyx.strategy import shape_problem
+from nam_plugin_lemyx.options import shape_problem
 
 BLOCK = (64, 64)
 """(query rows, key columns) per tile on the GPU; tests under Triton's interpreter use (16, 16)."""

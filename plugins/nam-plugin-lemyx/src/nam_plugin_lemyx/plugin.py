@@ -18,15 +18,57 @@ from __future__ import annotations
 import dataclasses
 
 from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.options import Option
+from nam_core.checks import LaunchCheck, ShapeCheck
 from nam_core.requirements import FAIL, PASS
+from nam_plugin_lemyx.options import NAME, OPTIONS, TRITON, option_problem, options_for, shape_problem
 
-NAME = "lemyx"
 GPU_HINT = f"pip install 'nam-plugin-lemyx[gpu]' on a Hopper GPU, or choose the unfused path: --set {NAME}.backend=reference"
 KERNEL_NEEDS = (
     Requirement.cuda_capability((9, 0), reason="the fused kernel is built and tuned for Hopper (sm_90) and newer"),
     Requirement.package("triton>=3.3", install_hint=GPU_HINT),
 )
+
+
+def options_of(spec):
+    """The run's ``lemyx.*`` options, the backend resolved for its device (``options.options_for``)."""
+    return options_for(spec.options[NAME], spec.train.device)
+
+
+def fused(spec) -> bool:
+    """The run takes the fused Triton kernel (and its options can run at all)."""
+    opts = options_of(spec)
+    return opts.backend == TRITON and option_problem(opts) is None
+
+
+def selected(spec) -> bool:
+    """lemyx is the run's indexer strategy (not only requested), with options that can run."""
+    return spec.runs("indexer", NAME) and option_problem(options_of(spec)) is None
+
+
+def kernel_shapes(spec) -> tuple[bool, str]:
+    model = spec.model
+    problem = shape_problem(model.kv_lora_rank + model.qk_rope_dim, model.kv_lora_rank, model.index_head_dim)
+    return problem is None, problem or (f"dk {model.kv_lora_rank + model.qk_rope_dim}, dv {model.kv_lora_rank}, "
+                                        f"indexer {model.index_heads} x {model.index_head_dim}")
+
+
+def schedule(spec) -> tuple[bool, str]:
+    opts, total = options_of(spec), spec.train.total_steps
+    never = (f"; warning: not before train.total_steps ({total}), so '{opts.sparse}' never runs"
+             if opts.warmup_steps >= total else "")
+    return True, f"{opts.warmup_steps} dense steps, then '{opts.sparse}'{never}"
+
+
+def warmup_outlasts(strategy, max_steps: int | None) -> str | None:
+    """The warning for a warm-up that does not end before the run stops (every DSA layer dense to the end, the
+    wrapped strategy never runs), or None."""
+    w = strategy.options.warmup_steps
+    if max_steps is None or not strategy.warming_up() or w < max_steps:
+        return None
+    return (f"warning: {NAME}: the indexer warm-up ({w} steps) does not end before this run stops at step "
+            f"{max_steps}: every DSA layer attends densely to the end and '{strategy.options.sparse}' never runs; "
+            f"--set {NAME}.warmup_steps=N with N < {max_steps} hands over earlier")
+
 
 PLUGIN = PluginInfo(
     summary="lemyx: DSA indexer warm-up, dense attention + indexer KL in one fused Triton pass "
@@ -35,24 +77,19 @@ PLUGIN = PluginInfo(
     requires=(),  # per backend: the Triton kernel's needs are checked by nam_check_config (KERNEL_NEEDS)
     selects={"indexer_backend": NAME},
     wraps={"indexer_backend": f"{NAME}.sparse"},
-    options=(
-        Option("warmup_steps", int, 1000, "optimizer steps of dense attention + indexer KL before the hand-over "
-               "to sparse (DeepSeek-V3.2 trains the indexer densely for its first 1000 steps)", min=0),
-        Option("backend", str, None, "triton: the fused kernel; reference: the unfused pure-PyTorch path; unset: "
-               "triton on a CUDA device, reference on a CPU", choices=("triton", "reference")),
-        Option("target", str, "head-sum", "the KL teacher: head-sum (DeepSeek-V3.2) or per-head (reference "
-               "backend only)", choices=("head-sum", "per-head")),
-        Option("freeze_main", bool, False, "train only the DSA indexers during the warm-up (local engine)"),
-        Option("sparse", str, "full", "the indexer strategy that runs after the warm-up (set by requesting it: "
-               "--plugins index-cache)"),
+    options=OPTIONS,
+    checks=(
+        ShapeCheck("kernel shapes", "head widths the kernel takes", kernel_shapes, f"--set {NAME}.backend=reference",
+                   when=fused),
+        ShapeCheck("schedule", "warm-up steps >= 0", schedule, "", when=selected),
+        LaunchCheck("kernel launch", None, "nam_plugin_lemyx.selftest:launch",
+                    f"report it; meanwhile --set {NAME}.backend=reference", when=fused),
     ),
 )
 
 
 @hookimpl
 def nam_check_config(config, device):
-    from nam_plugin_lemyx.strategy import option_problem, options_for, shape_problem
-
     train_device = config.train.device
     opts = options_for(config.options[NAME], train_device)
     problem = option_problem(opts)
@@ -72,13 +109,6 @@ def nam_check_config(config, device):
             check = req.check(NAME, device)
             checks.append(check if check.ok else dataclasses.replace(check, hint=GPU_HINT))
     model = config.model
-    if opts.backend == "triton":
-        problem = shape_problem(model.kv_lora_rank + model.qk_rope_dim, model.kv_lora_rank, model.index_head_dim)
-        checks.append(Check(NAME, "kernel shapes", FAIL if problem else PASS,
-                            "head widths the kernel takes", problem or
-                            f"dk {model.kv_lora_rank + model.qk_rope_dim}, dv {model.kv_lora_rank}, "
-                            f"indexer {model.index_heads} x {model.index_head_dim}",
-                            hint=None if problem is None else f"--set {NAME}.backend=reference"))
     if opts.target == "per-head" and model.index_heads != model.attn_heads:
         checks.append(Check(NAME, "target", FAIL, "index heads == attention heads for the per-head target",
                             f"{model.index_heads} index heads, {model.attn_heads} attention heads",
@@ -91,28 +121,7 @@ def nam_check_config(config, device):
     if model.dsa_dense_warmup:
         checks.append(Check(NAME, "dense warm-up", FAIL, "dsa_dense_warmup=false (lemyx runs the dense stage)",
                             "dsa_dense_warmup=true", hint="--set dsa_dense_warmup=false"))
-    if model.indexer_backend == NAME:
-        checks.append(Check(NAME, "schedule", PASS, "warm-up steps >= 0",
-                            f"{opts.warmup_steps} dense steps, then '{opts.sparse}'"))
     return checks
-
-
-@hookimpl
-def nam_preflight(device, config):
-    """On a real CUDA device with the Triton backend: a tiny fused-vs-reference parity launch."""
-    from nam_plugin_lemyx.strategy import TRITON, options_for
-
-    values = config.options[NAME] if config is not None else PLUGIN.parse_options(NAME)
-    train_device = config.train.device if config is not None else ("cuda" if device.is_cuda else "cpu")
-    if options_for(values, train_device).backend != TRITON:
-        return []
-    from nam_plugin_lemyx.selftest import parity
-
-    worst, tolerance = parity(device="cuda", seq=80, block=(16, 16))
-    ok = worst <= tolerance
-    return [Check(NAME, "kernel launch", PASS if ok else FAIL, f"fused == reference within {tolerance:g}",
-                  f"worst relative error {worst:.2e} (forward and every gradient, b=2 s=80)",
-                  hint=None if ok else f"report it; meanwhile --set {NAME}.backend=reference")]
 
 
 def _strategy(run):
@@ -135,12 +144,30 @@ def nam_before_step(step, run):
     if not strategy.announced:
         strategy.announced = True
         run.note(f"{NAME}: {strategy.describe()}")
+        warning = warmup_outlasts(strategy, run.max_steps)
+        if warning is not None:
+            run.note(warning)
     if strategy.at_step(step):
         _unfreeze(dict(run.parameters()), strategy)
         run.note(f"{NAME}: step {step}: indexer warm-up over after {strategy.options.warmup_steps} steps; DSA layers "
                  f"now attend to their top-{run.spec.model.index_topk} keys chosen by '{strategy.options.sparse}'")
     elif strategy.warming_up() and strategy.options.freeze_main:
         _freeze(dict(run.parameters()), strategy)
+
+
+@hookimpl
+def nam_run_report(run):
+    """The warm-up and the hand-over as they happened in this run."""
+    strategy = _strategy(run)
+    if strategy is None:
+        return None
+    o = strategy.options
+    if strategy.handed_over_at is not None:
+        return (f"{NAME}: dense warm-up until step {strategy.handed_over_at}, then '{o.sparse}' to step {run.step}")
+    if strategy.warming_up():
+        return (f"{NAME}: dense warm-up to the last step, {run.step} (warm-up {o.warmup_steps} steps): no "
+                f"hand-over to '{o.sparse}' in this run")
+    return f"{NAME}: no warm-up in this run ({NAME}.warmup_steps={o.warmup_steps}): '{o.sparse}' throughout"
 
 
 def _freeze(params, strategy) -> None:

@@ -18,9 +18,7 @@ import torch
 
 from nam56r.blocks.indexer import index_scores, indexer_kl_dense_rows
 from nam56r.reference.attention import ReferenceAttention
-
-HEAD_SUM, PER_HEAD = "head-sum", "per-head"
-TARGETS = (HEAD_SUM, PER_HEAD)
+from nam_plugin_lemyx.options import HEAD_SUM, PER_HEAD, TARGETS
 
 
 def kl_rows(q: torch.Tensor, kv: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, w: torch.Tensor, *,

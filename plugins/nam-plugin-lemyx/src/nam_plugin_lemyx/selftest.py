@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from nam_core.checks import Measured
+
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Max |fused - reference| / max |reference| per tensor: bf16 keeps 8 mantissa bits (~4e-3 per rounding)
 and the backward rounds probabilities and score gradients to the input dtype before its dot products."""
@@ -65,3 +67,13 @@ def parity(device="cuda", seq=80, block=None, dtype=torch.bfloat16) -> tuple[flo
     """``(worst relative error, tolerance)`` of ``compare`` at a small NAM56R-width shape."""
     errors = compare(s=seq, device=device, block=block, dtype=dtype)
     return max(v for k, v in errors.items() if k != "seed"), TOLERANCE[dtype]
+
+
+def launch(spec) -> Measured | None:
+    """Preflight's row on a real device (``PLUGIN.checks``, asked when the run takes the fused kernel): a tiny
+    fused-vs-reference parity launch. Without a run: on a CUDA device only (where the kernel is the default)."""
+    if spec is None and not torch.cuda.is_available():
+        return None
+    worst, tolerance = parity(device="cuda", seq=80, block=(16, 16))
+    return Measured(worst <= tolerance, f"worst relative error {worst:.2e} (forward and every gradient, b=2 s=80)",
+                    f"fused == reference within {tolerance:g}")

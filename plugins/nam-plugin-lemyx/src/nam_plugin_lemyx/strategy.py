@@ -22,65 +22,15 @@ trains the indexer only, while the attention output keeps training the main mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from nam56r.state import ForwardState
-from nam_plugin_lemyx.reference import HEAD_SUM, TARGETS, warmup_reference
-
-NAME = "lemyx"
-TRITON, REFERENCE = "triton", "reference"
-BACKENDS = (TRITON, REFERENCE)
-DEFAULT_WARMUP_STEPS = 1000
-"""DeepSeek-V3.2 trains the indexer densely for its first 1000 steps."""
-
-
-@dataclass(frozen=True)
-class Options:
-    """``lemyx.*`` options after parsing; ``backend`` already resolved for the device."""
-
-    warmup_steps: int = DEFAULT_WARMUP_STEPS
-    backend: str = REFERENCE
-    backend_source: str = "default for cpu"
-    target: str = HEAD_SUM
-    freeze_main: bool = False
-    sparse: str = "full"
-
-
-def options_for(values, device: str) -> Options:
-    """The host-parsed ``lemyx.*`` values (``nam_core.options.OptionValues``) with the backend resolved for
-    ``device`` (``cpu`` or ``cuda``): never chosen by what is installed; unset, it is ``reference`` on a CPU
-    device and ``triton`` on a CUDA device (whether the kernel can run there is the config check's business)."""
-    if values.backend is not None:
-        backend, source = values.backend, "set by you"
-    else:
-        backend, source = (TRITON if device == "cuda" else REFERENCE), f"default for {device}"
-    return Options(warmup_steps=values.warmup_steps, backend=backend, backend_source=source, target=values.target,
-                   freeze_main=values.freeze_main, sparse=values.sparse)
-
-
-def option_problem(options: Options) -> tuple[str, str, str] | None:
-    """``(option, found, expected)`` for a combination of options that cannot run, or None."""
-    if options.sparse == NAME:
-        return f"{NAME}.sparse", options.sparse, "another indexer strategy (full, index-cache, ...)"
-    if options.backend == TRITON and options.target != HEAD_SUM:
-        return (f"{NAME}.target", options.target,
-                f"{HEAD_SUM} with the fused kernel (per-head runs on {NAME}.backend={REFERENCE} only)")
-    return None
-
-
-def shape_problem(dk: int, dv: int, di: int) -> str | None:
-    """Why the fused kernel cannot take these head widths, or None (MLA key/value width, indexer head dim)."""
-    for name, d in (("MLA key width (kv_lora_rank + qk_rope_dim)", dk), ("MLA value width (kv_lora_rank)", dv),
-                    ("indexer head dim", di)):
-        if d < 16 or d > 256 or d & (d - 1):
-            return f"{name} {d} (the kernel takes powers of two from 16 to 256)"
-    if dv > dk:
-        return f"value width {dv} wider than key width {dk}"
-    return None
-
+from nam_core.options import parse_options
+from nam_plugin_lemyx.options import (  # noqa: F401  (Options, options_for: the strategy's API, tests import them here)
+    NAME, OPTIONS, TRITON, Options, options_for,
+)
+from nam_plugin_lemyx.reference import warmup_reference
 
 class Lemyx:
     """Indexer strategy ``lemyx`` (a ``nam56r.backends.WarmupStrategy``) wrapping a sparse strategy."""
@@ -99,9 +49,8 @@ class Lemyx:
     def build(cls, ctx) -> "Lemyx":
         """From the run (``nam56r.backends.BackendContext``): parsed options and the wrapped strategy built."""
         from nam56r.backends import build_backend
-        from nam_plugin_lemyx.plugin import PLUGIN
 
-        options = options_for(ctx.options.get(NAME) or PLUGIN.parse_options(NAME), ctx.device)
+        options = options_for(ctx.options.get(NAME) or parse_options(NAME, OPTIONS, {}), ctx.device)
         inner = build_backend(ctx.registries["indexer"].get(options.sparse), ctx)
         if options.backend == TRITON:
             from nam_plugin_lemyx import kernel  # noqa: F401  (import errors surface at build, not mid-step)

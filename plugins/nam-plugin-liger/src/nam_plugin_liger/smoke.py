@@ -8,7 +8,7 @@ compares the loss and both gradients with ``nam56r.reference.ce.ReferenceCEHead`
 
 from __future__ import annotations
 
-from nam_core.requirements import FAIL, PASS, SKIP, Check
+from nam_core.checks import Measured
 
 NAME = "liger"
 CHECK = "fused CE launch"
@@ -22,22 +22,22 @@ reference math: Liger's bf16 logits matmul and bf16 gradient storage cost ~2^-8 
 a wrong kernel (no gradient, a wrong row) is off by order 1."""
 
 
-def launch_check(device) -> Check:
-    """One ``Check`` row: pass when the liger head matches the reference here; skip on a fake or CPU device."""
-    needed = (f"loss, dL/dhidden, dL/dW within {TOLERANCE:g} (relative) of the reference head and exactly 0 "
-              f"dL/dhidden on masked tokens; bf16, {TOKENS} tokens x hidden {HIDDEN} x vocab {VOCAB}")
-    if device.is_fake or not device.is_cuda:
-        return Check(NAME, CHECK, SKIP, "a real CUDA device", device.label)
+NEEDED = (f"loss, dL/dhidden, dL/dW within {TOLERANCE:g} (relative) of the reference head and exactly 0 "
+          f"dL/dhidden on masked tokens; bf16, {TOKENS} tokens x hidden {HIDDEN} x vocab {VOCAB}")
+HINT = "python -m pytest plugins/nam-plugin-liger -m gpu -v shows the parity tests"
+
+
+def launch(spec) -> Measured:
+    """The liger head against the reference here (``PLUGIN.checks``: the host calls it on a real device)."""
     try:
         errors, formulation, version = compare_with_reference()
     except Exception as e:  # a compile or launch failure of any kind is this check's failure, with its message
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return Check(NAME, CHECK, FAIL, needed, f"it raised {type(e).__name__}: {first}",
-                     hint="python -m pytest plugins/nam-plugin-liger -m gpu -v runs the same call with a traceback")
+        return Measured(False, f"it raised {type(e).__name__}: {first}",
+                        hint="python -m pytest plugins/nam-plugin-liger -m gpu -v runs the same call with a traceback")
     found = ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" ({formulation}, liger-kernel {version})"
     ok = errors.pop(MASKED) == 0.0 and max(errors.values()) <= TOLERANCE
-    return Check(NAME, CHECK, PASS if ok else FAIL, needed, found,
-                 None if ok else "python -m pytest plugins/nam-plugin-liger -m gpu -v shows the parity tests")
+    return Measured(ok, found)
 
 
 def compare_with_reference(device: str = "cuda") -> tuple[dict, str, str | None]:

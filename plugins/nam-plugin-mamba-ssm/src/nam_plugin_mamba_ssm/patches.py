@@ -12,7 +12,13 @@
   no cheap check tells a fixed upstream from this one, so the reproducer measures it, and reports
   FIX_VALIDATED for an upstream that no longer pays it (then the patch is to be retired).
 
-The two MIMO patches swap upstream's module-level drivers (in ``mamba3_mimo`` and the modules that define
+* ``mamba3-mimo-saved-tensors-once``: the MIMO autograd function's backward reads ``ctx.saved_tensors`` twice
+  (a length check, then the unpack). Plain autograd allows that; ``torch.utils.checkpoint`` without reentrancy,
+  which ``train.recompute=mamba`` puts around the mixer, raises ``CheckpointError: Unpack is being triggered for
+  a tensor that was already unpacked once`` (seen on an H200, 2026-11-25). Fix: upstream's backward runs on a
+  view of ``ctx`` whose saved tensors are unpacked once (``saved_once``). Detected from the backward's source.
+
+The MIMO driver patches swap upstream's module-level drivers (in ``mamba3_mimo`` and the modules that define
 them) for ``mimo.forward`` / ``mimo.backward``; upstream's autograd function, Triton helpers and kernels stay.
 Apply the shim first: the others import mamba-ssm. The registry keeps this order. Every entry can be taken
 back (``revert``: upstream's own drivers bound again, ``mimo.STATIC`` off, the stand-in removed), so
@@ -21,6 +27,8 @@ back (``revert``: upstream's own drivers bound again, ``mimo.STATIC`` off, the s
 
 from __future__ import annotations
 
+import functools
+import inspect
 import statistics
 import sys
 import time
@@ -31,7 +39,8 @@ from nam_plugin_mamba_ssm import upstream
 
 SHIM, GROUPED, HOST = "mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead"
 STATIC = "mamba3-mimo-static-shapes"
-NAMES = (SHIM, GROUPED, HOST, STATIC)
+SAVED_ONCE = "mamba3-mimo-saved-tensors-once"
+NAMES = (SHIM, GROUPED, HOST, STATIC, SAVED_ONCE)
 VERSIONS = ">=2.3.0"
 """Mamba-3 arrived in 2.3.0; every release since is checked by ``detect`` rather than by number."""
 
@@ -121,6 +130,63 @@ def apply_static() -> None:
     mimo.STATIC = True
 
 
+class _SavedOnce:
+    """``ctx`` as a backward sees it, with ``saved_tensors`` unpacked once (a checkpointed tensor may be unpacked
+    once only); every other attribute is the real context's."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", ctx.saved_tensors)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
+def saved_once(backward):
+    """``backward(ctx, *grads)`` run on a context whose saved tensors are unpacked once."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        return backward(_SavedOnce(ctx), *grads)
+
+    wrapped.unwrapped = backward
+    return wrapped
+
+
+def _mimo_function():
+    return upstream.load(upstream.MIMO_MODULE)._Mamba3Function
+
+
+def unpacks_twice(function) -> bool:
+    """``function.backward`` (an autograd Function's) reads ``ctx.saved_tensors`` more than once, unwrapped."""
+    backward = function.backward
+    return not hasattr(backward, "unwrapped") and inspect.getsource(backward).count("ctx.saved_tensors") > 1
+
+
+def saved_once_needed() -> bool:
+    """Upstream's backward unpacks twice (its source says) and is not wrapped in this process yet."""
+    loaded = sys.modules.get(upstream.MIMO_MODULE)
+    function = getattr(loaded, "_Mamba3Function", None)
+    if function is not None and hasattr(function.backward, "unwrapped"):
+        return False
+    return upstream.mimo_backward_unpacks_twice()
+
+
+def apply_saved_once(function=None) -> None:
+    function = function or _mimo_function()
+    if not hasattr(function.backward, "unwrapped"):
+        function.backward = staticmethod(saved_once(function.backward))
+
+
+def revert_saved_once(function=None) -> None:
+    function = function or _mimo_function()
+    if hasattr(function.backward, "unwrapped"):
+        function.backward = staticmethod(function.backward.unwrapped)
+
+
 # --- reproducers (CUDA) ------------------------------------------------------------------------------------
 
 
@@ -146,7 +212,7 @@ def reproduce_grouped() -> str:
     static widths: BUG_REPRODUCED if it raises upstream's unsupported-G error or a gradient misses the
     reference by more than ``selftest.TOLERANCE``."""
     from nam_plugin_mamba_ssm import selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
 
@@ -167,7 +233,7 @@ def host_ms_per_call(calls: int = 3) -> float:
     import torch
 
     from nam_plugin_mamba_ssm import selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
     x = selftest.random_inputs(1, 64, 4, 2, 128, 64, 4, device="cuda", seed=selftest.new_seed())
@@ -197,7 +263,7 @@ def forward_kernel_ms(static: bool | None = None, b: int = 1, l: int = 2048, h: 
     import torch
 
     from nam_plugin_mamba_ssm import mimo, selftest
-    from nam_plugin_mamba_ssm.scan import mimo_args
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
 
     x = selftest.random_inputs(b, l, h, g, 128, 64, 4, device="cuda", seed=selftest.new_seed())
     x["v"] = x["v"].to(torch.bfloat16)
@@ -225,6 +291,31 @@ def forward_kernel_ms(static: bool | None = None, b: int = 1, l: int = 2048, h: 
     return statistics.median(times)
 
 
+def reproduce_saved_once() -> str:
+    """A tiny MIMO forward+backward through upstream's ``mamba3_mimo`` inside a non-reentrant
+    ``torch.utils.checkpoint`` (what ``train.recompute=mamba`` does): BUG_REPRODUCED on upstream's double unpack."""
+    import torch
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+
+    from nam_plugin_mamba_ssm import selftest
+    from nam_plugin_mamba_ssm.kernel_args import mimo_args
+
+    mimo = upstream.load(upstream.MIMO_MODULE).mamba3_mimo
+
+    def call(*scan_args, chunk_size):
+        return checkpoint(lambda *a: mimo(*mimo_args(*a, chunk_size=chunk_size)), *scan_args, use_reentrant=False)
+
+    try:
+        selftest.compare(call, 1, 64, 4, 2, 128, 64, 4, chunk_size=16)
+    except CheckpointError as e:
+        if "already unpacked once" in str(e):
+            return BUG_REPRODUCED
+        raise
+    finally:
+        torch.cuda.synchronize()
+    return FIX_VALIDATED
+
+
 def reproduce_static() -> str:
     """BUG_REPRODUCED while the forward kernel as the drivers build it in this process (upstream's dynamic sizes,
     unpatched) is ``STATIC_SLOWDOWN_BUG`` times slower than the same kernel built for exact sizes."""
@@ -236,7 +327,7 @@ def reproduce_static() -> str:
 
 
 def make_patches() -> dict[str, Patch]:
-    """The four entries, in the order they must apply."""
+    """The five entries, in the order they must apply."""
     return {
         SHIM: Patch(
             name=SHIM, target=upstream.DISTRIBUTION, versions=VERSIONS,
@@ -275,6 +366,16 @@ def make_patches() -> dict[str, Patch]:
                         "forward driver's source for T.dynamic('B'), so it retires itself there",
             detect=static_needed, apply=apply_static, revert=revert_static, reproduce=reproduce_static,
             needs_gpu=True,
+        ),
+        SAVED_ONCE: Patch(
+            name=SAVED_ONCE, target=upstream.DISTRIBUTION, versions=VERSIONS,
+            summary="Mamba-3 MIMO backward reads ctx.saved_tensors twice, which non-reentrant activation "
+                    "checkpointing (train.recompute=mamba) refuses; upstream's backward runs on a context that "
+                    "unpacks them once",
+            retire_when="a mamba-ssm release whose _Mamba3Function.backward unpacks ctx.saved_tensors once; "
+                        "detection reads its source, so it retires itself there",
+            detect=saved_once_needed, apply=apply_saved_once, revert=revert_saved_once,
+            reproduce=reproduce_saved_once, needs_gpu=True,
         ),
     }
 

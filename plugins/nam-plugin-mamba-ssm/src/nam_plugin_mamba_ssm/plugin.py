@@ -1,8 +1,9 @@
-"""Entry point of the mamba-ssm plugin: what it declares and the hooks it implements.
+"""Entry point of the mamba-ssm plugin: what it declares and the hook that registers its patches.
 
 Requesting the plugin selects ``ssm_backend=mamba-ssm`` (an explicit ``--set ssm_backend=...`` wins). Order
-within a run: activation checks the requirements below and the config (``nam_check_config``); on a real GPU
-preflight compiles and launches the kernels once against the reference (``nam_preflight``); the engine then
+within a run that uses the scan: activation checks the requirements below and the widths (``PLUGIN.checks``); on
+a real GPU preflight compiles and launches the kernels once against the reference and builds them for the run's
+sizes (``preflight.py``); the engine then
 applies the patch lane (``patches.py``: import shim, grouped MIMO backward, MIMO host overhead) and builds the
 scan, which refuses MIMO if a needed patch is missing.
 
@@ -11,8 +12,8 @@ This module stays light (no torch, no mamba-ssm at import) so ``nam plugins list
 
 from __future__ import annotations
 
-from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core import PluginInfo, Requirement, hookimpl
+from nam_core.checks import LaunchCheck, ShapeCheck
 
 NAME = "mamba-ssm"
 GPU_HINT = "MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation 'nam-plugin-mamba-ssm[gpu]'"
@@ -24,28 +25,6 @@ MIMO_SMEM_BYTES = 223_904
 the H100 host (the forward asks 84,096 B, the backward's first pass 90,240 B). An H100 or H200 offers 232,448 B;
 sm_121's 101,376 B cannot hold it."""
 
-PLUGIN = PluginInfo(
-    summary="mamba-ssm: Mamba-3 scan on mamba-ssm's kernels (SISO Triton, MIMO TileLang) with a grouped MIMO "
-            "backward and kernels compiled once; CUDA",
-    provides={"ssm": [NAME], "patches": ["mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd",
-                                                "mamba3-mimo-host-overhead", "mamba3-mimo-static-shapes"]},
-    requires=(
-        # The SISO kernels build TMA descriptors (sm_90); the MIMO kernels are written and tuned for the H100.
-        Requirement.cuda_capability((9, 0), reason="mamba-ssm's Mamba-3 kernels use Hopper TMA and are tuned on H100"),
-        Requirement.shared_memory_per_block(MIMO_SMEM_BYTES, reason="the largest MIMO kernel's dynamic shared "
-                                            "memory at NAM56R's widths"),
-        Requirement.package("mamba-ssm>=2.3.2", install_hint=GPU_HINT),
-        Requirement.package("tilelang>=0.1.8", install_hint=GPU_HINT, known_bad={
-            "0.1.15": "cannot build mamba-ssm 2.3.2.post1's MIMO forward kernel ('ReduceOp cannot lower a layout "
-                      "where a source index depends on a thread-owned reduce segment', H100, 2026-11-23); "
-                      "mamba-ssm pins 0.1.8"}),
-        Requirement.package("triton>=3.5", install_hint=GPU_HINT),
-    ),
-    selects={"ssm_backend": NAME},
-    train_device="cuda", train_dtypes=("bfloat16",),
-    train_needs_reason="the kernels run CUDA tensors only; SISO casts to bf16 whatever it is given, MIMO is "
-                       "measured in bf16",
-)
 
 MIMO_HEAD_DIMS = {"n": (16, 32, 64, 128, 256), "p": (32, 64, 128), "r": (2, 4, 8)}
 """State size n, head size p and rank r the MIMO kernels are tested with upstream; others may not compile."""
@@ -69,70 +48,45 @@ def shape_problem(model) -> str | None:
     return None
 
 
-@hookimpl
-def nam_check_config(config, device):
-    model = config.model
-    if model.ssm_backend != NAME:
-        return []
-    checks = []
+def kernel_shapes(spec) -> tuple[bool, str]:
+    model = spec.model
     widths = (f"d_state {model.d_state}, headdim {model.mamba_headdim}, rank {model.mamba_mimo_rank}, "
               f"chunk {model.mamba_chunk}, ngroups {model.mamba_ngroups}")
     problem = shape_problem(model)
-    checks.append(Check(NAME, "kernel shapes", FAIL if problem else PASS,
-                        "widths mamba-ssm's Mamba-3 kernels compile for", f"{widths}: {problem}" if problem else widths,
-                        hint=None if problem is None else f"NAM56R's widths (d_state 128, headdim 64, rank 4, "
-                                                          f"chunk 16), {REFERENCE_HINT}"))
-    return checks
+    return problem is None, f"{widths}: {problem}" if problem else widths
 
 
-@hookimpl
-def nam_preflight(device, config):
-    """On a real CUDA device: compile (or load) the MIMO kernels and launch them once against the reference."""
-    from nam56r.config import NAM56RConfig
-
-    model = config.model if config is not None else NAM56RConfig()
-    if config is not None and model.ssm_backend != NAME:
-        return []  # active but unused (the host's row says so): no minutes of kernel builds the run will not use
-    if shape_problem(model) is not None:
-        return []  # already a failed config check
-    if model.mamba_mimo_rank == 1:
-        return [Check(NAME, "kernel launch", SKIP, "a MIMO launch", "SISO model: its Triton kernels autotune at "
-                      "the first training step (about 5 minutes on an H100); no launch here")]
-    from nam_plugin_mamba_ssm import patches, selftest
-
-    needed = f"kernel == reference within {selftest.TOLERANCE:g} (output and every input gradient, ngroups 2 of 4 heads)"
-    patches.apply_needed()  # a compile or launch failure raises: the host reports it as this plugin's failed check
-    err, details = selftest.parity(n=model.d_state, p=model.mamba_headdim, r=model.mamba_mimo_rank,
-                                   chunk_size=model.mamba_chunk)
-    ok = err <= selftest.TOLERANCE
-    checks = [Check(NAME, "kernel launch", PASS if ok else FAIL, needed,
-                    f"worst relative error {err:.2e} (b=1 l={4 * model.mamba_chunk} h=4 g=2 bf16; seed {details['seed']})",
-                    hint=None if ok else f"report it with the seed; meanwhile {REFERENCE_HINT}")]
-    if config is not None:
-        checks.append(build_run_shape(model, config.train.micro_batch_size))
-    return checks
-
-
-def build_run_shape(model, batch: int) -> Check:
-    """Build (or read from TileLang's disk cache) the MIMO kernels for the run's own sizes, so the first
-    training step launches at once: the kernels are compiled for exact batch, length, heads and groups."""
-    from nam_plugin_mamba_ssm import mimo, upstream
-    from nam_plugin_mamba_ssm.scan import rotary_divisor
-
-    chunk = model.mamba_chunk
-    dims = mimo.Dims(batch, -(-model.seq_len // chunk) * chunk, model.mamba_heads, model.mamba_ngroups)
-    n, angles = model.d_state, int(model.d_state * model.mamba_rope_fraction) // 2
-    mimo.compiled(dims, n, model.mamba_headdim, model.mamba_mimo_rank, True, True, True, chunk,
-                  rotary_divisor(n, angles), "bfloat16", False, mimo.STAGES)
-    return Check(NAME, "kernel build", PASS, f"the MIMO kernels built for this run's sizes ({dims.b} x {dims.s} "
-                 f"tokens, {dims.h} heads in {dims.g} groups)", f"built or read from {upstream.tilelang_cache()}")
-
-
-@hookimpl
-def nam_register_ssm_backends(register):
-    from nam_plugin_mamba_ssm.scan import MambaSSMScan
-
-    register(NAME, MambaSSMScan)
+PLUGIN = PluginInfo(
+    summary="mamba-ssm: Mamba-3 scan on mamba-ssm's kernels (SISO Triton, MIMO TileLang) with a grouped MIMO "
+            "backward and kernels compiled once; CUDA",
+    provides={"ssm": {NAME: "nam_plugin_mamba_ssm.scan:MambaSSMScan"},
+              "patches": ["mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead",
+                          "mamba3-mimo-static-shapes", "mamba3-mimo-saved-tensors-once"]},
+    requires=(
+        # The SISO kernels build TMA descriptors (sm_90); the MIMO kernels are written and tuned for the H100.
+        Requirement.cuda_capability((9, 0), reason="mamba-ssm's Mamba-3 kernels use Hopper TMA and are tuned on H100"),
+        Requirement.shared_memory_per_block(MIMO_SMEM_BYTES, reason="the largest MIMO kernel's dynamic shared "
+                                            "memory at NAM56R's widths"),
+        Requirement.package("mamba-ssm>=2.3.2", install_hint=GPU_HINT),
+        Requirement.package("tilelang>=0.1.8", install_hint=GPU_HINT, known_bad={
+            "0.1.15": "cannot build mamba-ssm 2.3.2.post1's MIMO forward kernel ('ReduceOp cannot lower a layout "
+                      "where a source index depends on a thread-owned reduce segment', H100, 2026-11-23); "
+                      "mamba-ssm pins 0.1.8"}),
+        Requirement.package("triton>=3.5", install_hint=GPU_HINT),
+    ),
+    selects={"ssm_backend": NAME},
+    train_device="cuda", train_dtypes=("bfloat16",),
+    train_needs_reason="the kernels run CUDA tensors only; SISO casts to bf16 whatever it is given, MIMO is "
+                       "measured in bf16",
+    checks=(
+        ShapeCheck("kernel shapes", "widths mamba-ssm's Mamba-3 kernels compile for", kernel_shapes,
+                   f"NAM56R's widths (d_state 128, headdim 64, rank 4, chunk 16), {REFERENCE_HINT}"),
+        LaunchCheck("kernel launch", None, "nam_plugin_mamba_ssm.preflight:launch",
+                    f"report it with the seed; meanwhile {REFERENCE_HINT}"),
+        LaunchCheck("kernel build", None, "nam_plugin_mamba_ssm.preflight:build",
+                    f"report it; meanwhile {REFERENCE_HINT}"),
+    ),
+)
 
 
 @hookimpl

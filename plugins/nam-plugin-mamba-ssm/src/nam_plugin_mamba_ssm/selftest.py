@@ -49,11 +49,9 @@ def compare(scan, b: int, l: int, h: int, g: int, n: int, p: int, r: int, *, chu
                         dout=dout, seed=seed)
 
 
-def parity(*, n: int = 128, p: int = 64, r: int = 4, chunk_size: int = 16, device="cuda") -> tuple[float, dict]:
-    """Preflight's launch at the model's static widths (which share the compiled kernels with a real run) and a
-    small batch, length and head count: ``(worst error, details)``. Two groups of two heads: the grouped
-    backward is exercised."""
-    from nam_plugin_mamba_ssm.scan import MambaSSMScan
-
-    details = compare(MambaSSMScan(), 1, 4 * chunk_size, 4, 2, n, p, r, chunk_size=chunk_size, device=device)
+def parity(scan, *, n: int = 128, p: int = 64, r: int = 4, chunk_size: int = 16, device="cuda") -> tuple[float, dict]:
+    """Preflight's launch of ``scan`` (a ``MambaSSMScan``) at the model's static widths (which share the compiled
+    kernels with a real run) and a small batch, length and head count: ``(worst error, details)``. Two groups of
+    two heads: the grouped backward is exercised."""
+    details = compare(scan, 1, 4 * chunk_size, 4, 2, n, p, r, chunk_size=chunk_size, device=device)
     return worst(details), details

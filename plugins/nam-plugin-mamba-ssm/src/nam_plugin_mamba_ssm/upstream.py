@@ -14,6 +14,7 @@ imports, and anything that really calls Mamba-1 gets a clear error instead of a 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.machinery
 import importlib.metadata
@@ -134,6 +135,25 @@ def builds_dynamic_shapes(root: Path | None = None) -> bool:
     if source is None or not source.is_file():
         return False
     return re.search(r"dynamic\(\s*[\"']B[\"']", source.read_text()) is not None
+
+
+MIMO_SOURCE = "ops/tilelang/mamba3/mamba3_mimo.py"
+"""The module of the MIMO autograd function (``_Mamba3Function``), whose backward 2.3.2.post1 writes reading
+``ctx.saved_tensors`` twice."""
+
+
+def mimo_backward_unpacks_twice(root: Path | None = None) -> bool:
+    """The installed MIMO autograd function's backward reads ``ctx.saved_tensors`` more than once (read from the
+    source: no import, so it works before the import shim)."""
+    root = root if root is not None else package_dir()
+    source = None if root is None else root / MIMO_SOURCE
+    if source is None or not source.is_file():
+        return False
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "_Mamba3Function":
+            backward = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "backward"), None)
+            return backward is not None and ast.unparse(backward).count("ctx.saved_tensors") > 1
+    return False
 
 
 # --- modules ------------------------------------------------------------------------------------------------

@@ -1,19 +1,19 @@
-"""Entry point of the mimo-scan plugin: what it declares and the hooks it implements.
+"""Entry point of the mimo-scan plugin: what it declares (it implements no hook; the host does the rest).
 
 Requesting the plugin selects ``ssm_backend=mimo-scan`` (an explicit ``--set ssm_backend=...`` wins): the
 Mamba-3 MIMO layers then run their scan, forward and backward, on nam's own Triton kernels (scan.py,
-kernels.py). Activation checks the GPU, the shared memory the largest kernel asks, Triton, and the config
-(``nam_check_config``: CUDA, bf16, MIMO widths the kernels take); on a real GPU preflight launches every kernel
-once against the reference (``nam_preflight``). There is no CPU fallback: on a CPU the ``reference`` backend
-is the implementation, by name.
+kernels.py). Activation checks the GPU, the shared memory the largest kernel asks, Triton, and, when the run
+uses the scan, CUDA, bf16 and the MIMO widths the kernels take (``PLUGIN.checks``); on a real GPU preflight
+launches every kernel once against the reference (``selftest.launch``). There is no CPU fallback: on a CPU the
+``reference`` backend is the implementation, by name.
 
 This module stays light (no torch, no triton at import) so ``nam plugins list`` can read ``PLUGIN``.
 """
 
 from __future__ import annotations
 
-from nam_core import Check, PluginInfo, Requirement, hookimpl
-from nam_core.requirements import FAIL, PASS
+from nam_core import PluginInfo, Requirement
+from nam_core.checks import LaunchCheck, ShapeCheck
 
 NAME = "mimo-scan"
 GPU_HINT = "pip install 'nam-plugin-mimo-scan[gpu]'"
@@ -26,21 +26,6 @@ rank 4, 16-token tiles), read from the compiled kernel's ``.metadata.shared`` on
 101,376 B, so the declared requirements pass a ``--device-profile gb10`` preflight; with 32-token tiles
 ``bwd_chunk`` would ask 163,840 B."""
 
-PLUGIN = PluginInfo(
-    summary="mimo-scan: nam's own chunk-parallel Mamba-3 MIMO scan (forward and backward, every input "
-            "gradient) as Triton kernels; deterministic, no host syncs; CUDA",
-    provides={"ssm": [NAME]},
-    requires=(
-        Requirement.cuda_capability((9, 0), reason="the kernels are written and measured for Hopper (sm_90) and "
-                                                   "newer"),
-        Requirement.shared_memory_per_block(SMEM_BYTES, reason="the largest kernel's shared memory at NAM56R's "
-                                                               "widths"),
-        Requirement.package("triton>=3.5", install_hint=GPU_HINT),
-    ),
-    selects={"ssm_backend": NAME},
-    train_device="cuda", train_dtypes=("bfloat16",),
-    train_needs_reason="the kernels run CUDA tensors and are held to parity in bf16",
-)
 
 
 def shape_problem(model) -> str | None:
@@ -59,48 +44,39 @@ def shape_problem(model) -> str | None:
     return None
 
 
-@hookimpl
-def nam_check_config(config, device):
-    model = config.model
-    if model.ssm_backend != NAME:
-        return []
+def kernel_shapes(spec) -> tuple[bool, str]:
+    model = spec.model
     widths = (f"d_state {model.d_state}, headdim {model.mamba_headdim}, rank {model.mamba_mimo_rank}, "
               f"ngroups {model.mamba_ngroups}")
     problem = shape_problem(model)
-    hint = None
-    if problem and model.mamba_mimo_rank < 2:
-        hint = "--set ssm_backend=reference --plugins reference, or --set ssm_backend=mamba-ssm --plugins mamba-ssm"
-    elif problem:
-        hint = f"NAM56R's widths (d_state 128, headdim 64, rank 4), {REFERENCE_HINT}"
-    return [Check(NAME, "kernel shapes", FAIL if problem else PASS,
-                  "MIMO (rank 2..16), d_state a power of two in [32, 256], headdim a power of two in [16, 128]",
-                  f"{widths}: {problem}" if problem else widths, hint=hint)]
+    return problem is None, f"{widths}: {problem}" if problem else widths
 
 
-@hookimpl
-def nam_preflight(device, config):
-    """On a real CUDA device: compile and launch every kernel once, forward and backward, against the reference."""
-    from nam56r.config import NAM56RConfig
-
-    model = config.model if config is not None else NAM56RConfig()
-    if config is not None and model.ssm_backend != NAME:
-        return []  # active but unused (the host's row says so): nothing of it will run
-    if shape_problem(model) is not None:
-        return []  # already a failed config check
-    from nam_plugin_mimo_scan import selftest
-
-    needed = "kernel == reference within 2e-2 (output and every input gradient, bf16, 4 heads in 2 groups)"
-    err, details = selftest.parity(n=model.d_state, p=model.mamba_headdim, r=model.mamba_mimo_rank)
-    import torch
-
-    ok = err <= selftest.TOLERANCE[torch.bfloat16]
-    return [Check(NAME, "kernel launch", PASS if ok else FAIL, needed,
-                  f"worst relative error {err:.2e} (b=1 l=100 h=4 g=2 bf16; seed {details['seed']})",
-                  hint=None if ok else f"report it with the seed; meanwhile {REFERENCE_HINT}")]
+def shapes_hint(spec) -> str:
+    if spec.model.mamba_mimo_rank < 2:
+        return "--set ssm_backend=reference --plugins reference, or --set ssm_backend=mamba-ssm --plugins mamba-ssm"
+    return f"NAM56R's widths (d_state 128, headdim 64, rank 4), {REFERENCE_HINT}"
 
 
-@hookimpl
-def nam_register_ssm_backends(register):
-    from nam_plugin_mimo_scan.scan import MimoScan
-
-    register(NAME, MimoScan)
+PLUGIN = PluginInfo(
+    summary="mimo-scan: nam's own chunk-parallel Mamba-3 MIMO scan (forward and backward, every input "
+            "gradient) as Triton kernels; deterministic, no host syncs; CUDA",
+    provides={"ssm": {NAME: "nam_plugin_mimo_scan.scan:MimoScan"}},
+    requires=(
+        Requirement.cuda_capability((9, 0), reason="the kernels are written and measured for Hopper (sm_90) and "
+                                                   "newer"),
+        Requirement.shared_memory_per_block(SMEM_BYTES, reason="the largest kernel's shared memory at NAM56R's "
+                                                               "widths"),
+        Requirement.package("triton>=3.5", install_hint=GPU_HINT),
+    ),
+    selects={"ssm_backend": NAME},
+    train_device="cuda", train_dtypes=("bfloat16",),
+    train_needs_reason="the kernels run CUDA tensors and are held to parity in bf16",
+    checks=(
+        ShapeCheck("kernel shapes", "MIMO (rank 2..16), d_state a power of two in [32, 256], headdim a power of two "
+                   "in [16, 128]", kernel_shapes, shapes_hint),
+        LaunchCheck("kernel launch", "kernel == reference within 2e-2 (output and every input gradient, bf16, 4 heads "
+                    "in 2 groups)", "nam_plugin_mimo_scan.selftest:launch",
+                    f"report it with the seed; meanwhile {REFERENCE_HINT}"),
+    ),
+)

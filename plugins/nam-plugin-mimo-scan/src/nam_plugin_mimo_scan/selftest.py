@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from nam56r.testing import SCAN_INPUTS, random_scan_inputs
+from nam_core.checks import Measured
 from nam_core.testing import model_parity, new_seed, worst
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
@@ -62,3 +63,14 @@ def parity(*, n: int = 128, p: int = 64, r: int = 4, device="cuda") -> tuple[flo
     head loop sums 2 heads)."""
     details = compare(1, 100, 4, 2, n, p, r, device=device)
     return worst(details), details
+
+
+def launch(spec) -> Measured:
+    """Preflight's row on a real CUDA device (``PLUGIN.checks``): ``parity`` at the run's widths (NAM56R's
+    without a run)."""
+    from nam56r.config import NAM56RConfig
+
+    model = spec.model if spec is not None else NAM56RConfig()
+    err, details = parity(n=model.d_state, p=model.mamba_headdim, r=model.mamba_mimo_rank)
+    return Measured(err <= TOLERANCE[torch.bfloat16],
+                    f"worst relative error {err:.2e} (b=1 l=100 h=4 g=2 bf16; seed {details['seed']})")

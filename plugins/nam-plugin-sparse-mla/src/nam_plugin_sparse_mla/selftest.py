@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from nam_core.checks import Measured
 from nam_core.testing import max_rel_error, model_parity, new_seed, worst
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -189,3 +190,18 @@ def parity(*, h: int = 32, dk: int = 128, dv: int = 64, index_heads: int = 32, i
                "teacher": teacher}
     worst_all = max(worst(sparse), worst(dense), math.inf if empty_out != 0 else 0.0, indexer_worst)
     return worst_all, tol, details
+
+
+def launch(spec) -> Measured:
+    """Preflight's row on a real CUDA device (``PLUGIN.checks``): compile and launch the kernels once, forward and
+    backward, against the reference, at the run's widths (NAM56R's without a run)."""
+    from nam_plugin_sparse_mla.plugin import NAM56R_WIDTHS, widths
+
+    w = widths(spec.model) if spec is not None else dict(NAM56R_WIDTHS)
+    err, tol, details = parity(h=w["h"], dk=w["dk"], dv=w["dv"], index_heads=w["index_heads"],
+                               index_dim=w["index_dim"], device="cuda")
+    seeds = "seeds " + ", ".join(str(details[k]["seed"]) for k in ("sparse", "dense", "index_scores", "teacher"))
+    needed = (f"kernel == reference within {tol:g} (out, dq, dkv; sparse and dense; index-score dq, dk; "
+              "fp32 index scores, dw and sparse teacher within 1e-4)")
+    return Measured(err <= tol, f"worst relative error {err:.2e} (b=2 s=160 h={w['h']} dk={w['dk']} dv={w['dv']} "
+                    f"top-k 96, {w['index_heads']} index heads of {w['index_dim']}, bf16; {seeds})", needed)

@@ -1,0 +1,50 @@
+"""The megatron engine as an ``Engine`` (``nam_core.engine.contract``): one process per GPU under torchrun."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from nam_core.engine.contract import EngineRun, Ranks
+from nam_core.engine.megatron import checkpoint, checks, loop, parallel
+
+
+class MegatronEngine:
+    name = "megatron"
+
+    def start(self, spec, *, dry_run: bool, relaunch: Callable[[int], None] | None = None) -> Ranks:
+        """Before anything touches CUDA: the allocator, the runtime, then the process group. With ``--nproc``
+        and no torchrun around this process, ``relaunch(nproc)`` replaces it with torchrun running the same
+        command (and does not return). A dry run starts nothing: the ranks it would have."""
+        lay = spec.layout
+        if dry_run:
+            return Ranks(0, lay.world_size)
+        if "WORLD_SIZE" not in os.environ and lay.nproc is not None and relaunch is not None:
+            relaunch(lay.nproc)
+        import torch
+
+        checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
+        checks.check_runtime(checks.runtime_facts(), dispatcher=spec.train.moe_dispatcher,
+                             numerics=spec.train.optimizer_numerics)
+        parallel.init_distributed()
+        return Ranks(torch.distributed.get_rank(), lay.world_size)
+
+    def good_checkpoints(self, ckpt_root: Path) -> list[Path]:
+        return checkpoint.good_checkpoints(ckpt_root)
+
+    def resolve_resume(self, spec: str, ckpt_root: Path, *, warn: Callable[[str], None]) -> Path:
+        return checkpoint.resolve_resume(spec, ckpt_root)
+
+    def barrier(self) -> None:
+        import torch
+
+        torch.distributed.barrier()
+
+    def train(self, run: EngineRun) -> dict:
+        return loop.train(run)
+
+    def finish(self) -> None:
+        """After success only: after an error on one rank, the others may sit in a collective (torchrun then
+        stops them), and a barrier here would wait for them forever."""
+        parallel.shutdown()

@@ -1,0 +1,121 @@
+"""Activation recompute (nam56r/recompute.py): for each kind, NAM56R-tiny's loss and every gradient equal the
+run without recompute bit for bit (tolerance 0), the recomputed blocks really run twice, and the config."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from nam56r import recompute
+from nam56r.model import Backends, Layer, build_model
+from nam56r.recipes import get_recipe
+from nam56r.state import ForwardState
+from nam_core.device import DeviceInfo
+from nam_core.engine.config import TrainConfig, recompute_kinds
+from nam_core.errors import ConfigError
+from nam_core.host import PluginHost
+
+
+def _tiny(indexer: str = "full"):
+    """NAM56R-tiny cut to 14 layers (AEMEDEMEDEMMDE: every kind, three DSA layers so IndexCache's default
+    FSS places one Full and two Shared) and rows of 32, to stay cheap on 2 cores."""
+    recipe = get_recipe("nam56r-tiny")
+    cfg = dataclasses.replace(recipe.model, seq_len=32, num_layers=14, mla_attention_ranks=(0,),
+                              indexer_backend=indexer)
+    host = PluginHost()
+    host.activate(["reference", *(["index-cache"] if indexer == "index-cache" else [])], DeviceInfo.profile("cpu"))
+    torch.manual_seed(0)
+    return cfg, build_model(cfg, Backends.from_registries(host.registries, cfg))
+
+
+def _batch(cfg, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    b, s = 2, cfg.seq_len
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g)
+    return dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
+                segment_ids=(torch.arange(s) >= s // 3).long().expand(b, s).contiguous(),
+                structure=torch.randint(0, cfg.structure_vocab, (b, s), generator=g))
+
+
+def _loss_and_grads(model, batch) -> tuple[dict, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, state=ForwardState(micro_batch=0, seq_layout=tuple(batch["tokens"].shape)))
+    out["loss"].backward()
+    return ({k: v.detach().clone() for k, v in out.items()},
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _mixer_calls(model) -> dict[str, int]:
+    """Forward calls per layer kind, counted as they start (a recomputed mixer runs twice per step; torch stops
+    a replay once backward has every tensor it needs, so the end of the replay may never come)."""
+    calls: dict[str, int] = {}
+    for layer in model.modules():
+        if isinstance(layer, Layer):
+            layer.mixer.register_forward_pre_hook(
+                lambda mod, args, kind=layer.spec.kind: calls.__setitem__(kind, calls.get(kind, 0) + 1))
+    return calls
+
+
+@pytest.fixture(scope="module", params=["full", "index-cache"])
+def reference(request):
+    """A model, its batch, and its loss, gradients and mixer calls without recompute."""
+    cfg, model = _tiny(request.param)
+    batch = _batch(cfg)
+    calls = _mixer_calls(model)
+    out, grads = _loss_and_grads(model, batch)
+    return model, batch, out, grads, dict(calls), calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kinds", [("mamba",), ("moe",), ("attention",), ("layer",), ("mamba", "moe", "attention")])
+def test_recompute_is_bit_exact_against_none(reference, kinds):
+    model, batch, ref_out, ref_grads, once, calls = reference
+    calls.clear()
+    lines = recompute.apply(model, kinds)
+    assert lines and all("activation recompute" in line for line in lines)
+    try:
+        out, grads = _loss_and_grads(model, batch)
+    finally:
+        recompute.apply(model, ())
+    for key in ref_out:
+        assert torch.equal(out[key], ref_out[key]), key
+    assert grads.keys() == ref_grads.keys() and len(grads) > 50
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+    covered = {k for k, v in recompute.KIND_OF_LAYER.items() if v in kinds or "layer" in kinds}
+    for kind, n in once.items():  # recomputed mixers ran again in backward; the others did not
+        assert calls[kind] == (2 * n if kind in covered else n), kind
+
+
+def test_a_replay_sees_state_recompute_and_leaves_the_state_as_it_was():
+    """The replay runs with ``state.recompute`` set (what DSA's indexer strategies read) and its aux losses
+    and log lines are dropped: the first pass recorded them once."""
+    seen = []
+
+    def block(x, state):
+        seen.append(state.recompute)
+        state.add_loss("aux", x.sum() * 0.0 + 1.0)
+        state.log.append("line")
+        return x.sin()
+
+    state = ForwardState()
+    x = torch.randn(3, requires_grad=True)
+    recompute.checkpointed(block, state, x).sum().backward()
+    assert seen == [False, True]
+    assert len(state.aux_losses["aux"]) == 1 and state.log == ["line"] and state.recompute is False
+    assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_recompute_config_presets_and_refusals():
+    assert recompute_kinds(TrainConfig()) == ()
+    assert recompute_kinds(TrainConfig(recompute=("mixers",))) == ("mamba", "moe", "attention")
+    assert recompute_kinds(TrainConfig(recompute=("moe", "mamba"))) == ("mamba", "moe")
+    assert recompute_kinds(TrainConfig(recompute=("full",))) == ("layer",)
+    from nam56r.run import RunRequest, resolve
+
+    run = resolve(RunRequest(overrides=["train.recompute=mamba,attention"], env_plugins=False))
+    assert run.spec.train.recompute == ("mamba", "attention")
+    with pytest.raises(ConfigError, match="alone"):
+        resolve(RunRequest(overrides=["train.recompute=layer,mamba"], env_plugins=False))
+    with pytest.raises(ConfigError, match="expected one of mamba, moe, attention, layer"):
+        resolve(RunRequest(overrides=["train.recompute=experts"], env_plugins=False))

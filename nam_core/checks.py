@@ -118,19 +118,18 @@ def asked(check: ShapeCheck | LaunchCheck, info: "PluginInfo", spec: "RunSpec | 
 
 def config_rows(plugin: str, info: "PluginInfo", spec: "RunSpec") -> list[Check]:
     """The ``ShapeCheck`` rows of ``plugin`` that the host writes for ``spec``, in declaration order."""
-    rows = []
-    for check in info.checks:
-        if isinstance(check, ShapeCheck) and asked(check, info, spec):
-            rows.append(_guarded(plugin, "config", lambda: check.row(plugin, spec)))
-    return [r for r in rows if r is not None]
+    return _rows(ShapeCheck, "config", plugin, info, spec)
 
 
 def launch_rows(plugin: str, info: "PluginInfo", spec: "RunSpec | None") -> list[Check]:
     """The ``LaunchCheck`` rows of ``plugin`` for ``spec`` (call on a real device only)."""
-    rows = []
-    for check in info.checks:
-        if isinstance(check, LaunchCheck) and asked(check, info, spec):
-            rows.append(_guarded(plugin, "launch", lambda: check.row(plugin, spec)))
+    return _rows(LaunchCheck, "launch", plugin, info, spec)
+
+
+def _rows(kind: type, what: str, plugin: str, info: "PluginInfo", spec: "RunSpec | None") -> list[Check]:
+    """The rows of ``plugin``'s declared checks of ``kind`` that the run asks, in declaration order."""
+    rows = [_guarded(plugin, what, lambda c=check: c.row(plugin, spec))
+            for check in info.checks if isinstance(check, kind) and asked(check, info, spec)]
     return [r for r in rows if r is not None]
 
 

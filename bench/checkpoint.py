@@ -2,14 +2,16 @@
 background write, and the time from a ``--resume auto`` start to its first step, for the async DCP checkpoints
 (nam_core/engine/async_checkpoint.py) and the synchronous torch.save ones (``train.async_checkpoints=false``).
 
-    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--work DIR] --json bench/results/checkpoint_h200.json
+    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] --json bench/results/checkpoint_h200.json
 
 Per mode: ``nam train --recipe nam56r --max-steps STEPS --set train.checkpoint_every=EVERY`` (its run.log notes
 each save: the stall the training thread paid, the background write), then ``nam train --resume auto
 --max-steps STEPS+1`` on the same folder, timed from its launch to its first metrics record (the step after the
 checkpoint), with the load time it notes. Prints one table; the run folders are removed unless ``--keep``.
-Disk: a full NAM56R checkpoint is 27 GB and one is kept (``train.keep_checkpoints=1``), so a save in progress
-needs two of them, ~55 GB, under ``--work``.
+Disk: a full NAM56R checkpoint at ``--numerics bf16`` (the default here) is 27 GB and one is kept
+(``train.keep_checkpoints=1``), so a save in progress needs two of them, ~55 GB, under ``--work``; at the
+recipe's fp32-master numerics one is 4.73e9 x (2 + 4 + 8) bytes = 66 GB, more than the 64 GiB disk of our GPU
+host, so the host measures bf16 (the numerics of the ~90 s stall the synchronous writer was measured at).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _nam(*args: str) -> list[str]:
 
 def _train(run_dir: Path, args, steps: int, mode: str, *extra: str) -> subprocess.Popen:
     sets = [f"train.checkpoint_every={args.every}", f"train.micro_batch_size={args.mbs}",
-            f"train.async_checkpoints={'true' if mode == 'async' else 'false'}", "train.keep_checkpoints=1"]
+            f"train.async_checkpoints={'true' if mode == 'async' else 'false'}", "train.keep_checkpoints=1",
+            f"train.optimizer_numerics={args.numerics}"]
     return subprocess.Popen(_nam("train", "--recipe", "nam56r", "--max-steps", str(steps), "--run-dir", str(run_dir),
                                  "-q", *(a for s in sets for a in ("--set", s)), *extra))
 
@@ -88,6 +91,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["async", "sync"])
+    ap.add_argument("--numerics", default="bf16", help="train.optimizer_numerics (see the disk note above)")
     ap.add_argument("--work", type=Path, default=None, help="where the run folders go (default: the temp dir)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
@@ -104,7 +108,8 @@ def main() -> int:
               f"| {_f(r['resume_load_s'])} | {_f(r['resume_first_step_s'])} |")
     if args.json:
         args.json.write_text(json.dumps({"meta": {"date": datetime.date.today().isoformat(), "steps": args.steps,
-                                                  "every": args.every, "mbs": args.mbs}, "rows": rows}, indent=2))
+                                                  "every": args.every, "mbs": args.mbs,
+                                                  "numerics": args.numerics}, "rows": rows}, indent=2))
         print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True) if not args.keep else None
     return 0

@@ -2,9 +2,9 @@
 set -x
 nvidia-smi --query-gpu=name,memory.total --format=csv
 cold=/tmp/coldcache; rm -rf $cold; mkdir -p $cold
-s=$(date +%s.%N)
+s=$(date +%s)
 NAM_CACHE_DIR=$cold timeout 230 nam preflight --recipe nam56r --set train.micro_batch_size=2 > $OUT/preflight_cold.txt 2>&1
-echo "cold preflight rc=$? $(echo "$(date +%s.%N) - $s" | bc) s"
+echo "cold preflight rc=$? $(( $(date +%s) - s )) s"
 tail -40 $OUT/preflight_cold.txt
 cp -rn $cold/. $NAM_CACHE_DIR/ 2>/dev/null
 df -h /tmp . | tail -2

@@ -121,6 +121,28 @@ def load_state(folder: Path) -> dict[str, torch.Tensor]:
     return st.load_file(str(weights))
 
 
+def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:
+    """The weights a run starts from (``nam train --init-from``): an export folder, whose model config must be
+    the run's (a difference is refused with the fields that differ), read after its sha256 matched; or a bare
+    state dict file (``torch.save`` of tensors only: the benches' shared initial weights), read with
+    ``weights_only=True``. Either engine maps nam56r's names onto its own model from here."""
+    path = Path(path)
+    if path.is_dir():
+        exported, _ = read_config(path)
+        ours, theirs = dataclasses.asdict(cfg), dataclasses.asdict(exported)
+        differ = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
+        if differ:
+            shown = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items())[:6])
+            raise NamError(f"{path} holds another model than this run's ({len(differ)} fields differ: {shown})",
+                           hint="train the recipe it was exported from (its config.json 'model'), or --set the "
+                                "fields to match")
+        return load_state(path)
+    if not path.is_file():
+        raise NamError(f"--init-from {path}: no such export folder or weights file",
+                       hint="nam export RUN_DIR --out DIR, then --init-from DIR")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load(folder: Path, *, backends=None, device: str | torch.device = "cpu"):
     """The exported NAM56R, built from config.json with ``backends`` (default: the reference backends) and every
     tensor loaded bit for bit (``strict=True``), in eval mode."""

@@ -290,8 +290,9 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     lane applied, the backends, FLOPs per token, the model or model provider, the data (rank 0 prepares it
     first; the other ranks wait), in that order, so a refusal comes before any allocation.
 
-    ``device``: in place of the probed one (the gloo suite's double); ``init_from``: a nam ``model.pt`` the
-    weights start from instead of nam's initialisation at the seed (the benches' shared initial state);
+    ``device``: in place of the probed one (the gloo suite's double); ``init_from``: an export folder (``nam
+    export``) or a nam ``model.pt`` the weights start from instead of nam's initialisation at the seed
+    (``nam train --init-from``; the benches' shared initial state), read by ``nam56r.export.initial_weights``;
     ``batches``: rows in place of a dataset (the tests' fixed random rows); ``say(line)``: what is being done,
     before each slow part (``nam train`` prints it before the first step); ``eval_data``: a prepared dataset to
     evaluate on (``--eval-data``) in place of the training data's validation split."""
@@ -310,6 +311,8 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     session = Session(run=run, host=host, engine=engine, ranks=ranks, device=device, patches=patches,
                       backends=backends, flops_per_token=flops_per_token(spec.model).total, model=None,
                       notes=list(spec.notes), say=say, init_from=init_from)
+    if init_from is not None:
+        session.notes.append(f"weights from {init_from}; the optimizer, lr schedule and data start at step 0")
     if dry_run:
         session.model = build_model(spec.model, backends, device="meta")  # it builds with these backends
         return session
@@ -354,7 +357,9 @@ def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | No
     torch.manual_seed(spec.train.seed)
     module = build_model(spec.model, backends, device=spec.train.device)
     if init_from is not None:
-        module.load_state_dict(torch.load(init_from, map_location=spec.train.device, weights_only=True))
+        from nam56r.export import initial_weights
+
+        module.load_state_dict(initial_weights(init_from, spec.model))
     module = module.to(dtype=getattr(torch, spec.train.dtype))
     notes.extend(recompute.apply(module, recompute_kinds(spec.train)))  # train.recompute: checkpointed blocks
 

@@ -103,3 +103,19 @@ def test_a_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
     assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 1
     assert "is a megatron-engine checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "export").exists()
+
+
+def test_init_from_refuses_another_models_export_with_the_fields(trained, tmp_path, capsys):
+    """`nam train --init-from` an export of another model: refused before a step, naming the differing field."""
+    out = tmp_path / "export"
+    assert run(["export", str(trained), "--out", str(out)]) == 0
+    code = run(["train", "--run-dir", str(tmp_path / "other"), "--max-steps", "1", "--set", "seq_len=64",
+                "--init-from", str(out), "-q"])
+    err = capsys.readouterr().err
+    assert code != 0 and "seq_len: 32 there, 64 here" in err, err
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+def test_init_from_and_resume_together_are_refused(tmp_path, capsys):
+    code = run(["train", "--run-dir", str(tmp_path / "r"), "--init-from", str(tmp_path), "--resume", "auto"])
+    assert code == 2 and "--init-from and --resume" in capsys.readouterr().err

@@ -268,3 +268,24 @@ def test_sigterm_finishes_the_step_saves_on_every_rank_and_resumes(tmp_path):
     assert saved == [f"step-{stopped:08d}"], saved  # off the checkpoint_every schedule: the stop's own save
     _worker("cli", run_dir, stopped + 1, *command, "--resume", "auto", nproc=2)
     assert [m["step"] for m in read_metrics(run_dir)][-2:] == [stopped, stopped + 1]
+
+
+def test_weights_exported_from_a_local_run_start_the_megatron_engine(tmp_path):
+    """Changing engines (issue 31): a local-engine run's checkpoint, exported (`nam export`), starts a megatron
+    run through `nam train --init-from`. Its step-1 loss, before any update, is the local engine's step-1 loss
+    from the same export to summation order (1e-6, fp32), and not the one from nam's initialisation: the weights
+    crossed. (Weights only: the optimizer starts afresh in both.)"""
+    from nam_cli.main import run
+
+    sets = ["--set", "train.dtype=float32", "--set", "attention_backend=reference"]
+    assert run(["train", "--run-dir", str(tmp_path / "first"), "--max-steps", "2", "--device", "cpu", *sets,
+                "--set", "train.checkpoint_every=2", "-q"]) == 0
+    assert run(["export", str(tmp_path / "first"), "--out", str(tmp_path / "export")]) == 0
+    assert run(["train", "--run-dir", str(tmp_path / "local"), "--max-steps", "1", "--device", "cpu", *sets,
+                "--init-from", str(tmp_path / "export"), "-q"]) == 0
+    _worker("cli", tmp_path / "megatron", 1, "--", "train", "--engine", "megatron", "--device", "cuda", *sets,
+            "--init-from", str(tmp_path / "export"))
+    fresh, local, megatron = (read_metrics(tmp_path / name)[0] for name in ("first", "local", "megatron"))
+    assert _rel(megatron["loss"], local["loss"]) <= 1e-6, (megatron, local)
+    assert _rel(local["loss"], fresh["loss"]) > 1e-3, (local, fresh)
+    assert "weights from" in (tmp_path / "megatron" / "run.log").read_text()

@@ -86,7 +86,9 @@ def ep2(tmp_path_factory):
 def test_expert_parallel_matches_local_and_resumes_bit_exact(tmp_path, local, ep2):
     run_dir, full = ep2
     _assert_close(full, *local[4])
-    assert "overlap: none" in (run_dir / "run.log").read_text()
+    log = (run_dir / "run.log").read_text()
+    assert "overlap: none" in log
+    assert "checkpoint step-00000002: training paused" in log and "in the background" in log  # the resume's source
     resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--eval", "--resume",
                    str(run_dir / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
@@ -289,3 +291,19 @@ def test_weights_exported_from_a_local_run_start_the_megatron_engine(tmp_path):
     assert _rel(megatron["loss"], local["loss"]) <= 1e-6, (megatron, local)
     assert _rel(local["loss"], fresh["loss"]) > 1e-3, (local, fresh)
     assert "weights from" in (tmp_path / "megatron" / "run.log").read_text()
+
+
+def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):
+    """train.async_checkpoints=false at EP 2: Megatron's synchronous save (with its integrity.json) instead of
+    the background one; the same losses, and the resume from step 2 continues bit for bit, as from ep2's
+    background checkpoints."""
+    sync = ["--set=train.async_checkpoints=false"]
+    full = _run(tmp_path, "sync", "megatron", "--ep", "2", *sync, nproc=2)
+    assert [m["loss"] for m in full] == [m["loss"] for m in ep2[1] if "loss" in m]
+    assert "(written on the training thread)" in (tmp_path / "sync" / "run.log").read_text()
+    assert (tmp_path / "sync" / "checkpoints" / "step-00000002" / "integrity.json").is_file()
+    assert not (ep2[0] / "checkpoints" / "step-00000004" / "integrity.json").exists()
+    resumed = _run(tmp_path, "sync", "megatron", "--ep", "2", *sync, "--resume",
+                   str(tmp_path / "sync" / "checkpoints" / "step-00000002"), nproc=2)
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
+           [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]

@@ -106,9 +106,10 @@ class TrainConfig:
     keep_checkpoints: int = bounded(2, ge=1, aka=("save_total_limit", "keep_last"))
     """Newest checkpoints kept; older ones are deleted after a successful save."""
     async_checkpoints: bool = True
-    """Local engine: write checkpoints in the background (torch.distributed.checkpoint, format 3): training pays
-    the copy of the state to host memory, not the write (nam_core/engine/async_checkpoint.py). False: one
-    torch.save file per part on the training thread (format 2)."""
+    """Write checkpoints in the background: training pays the copy of the state to host memory, not the write.
+    Local engine: torch.distributed.checkpoint, format 3 (nam_core/engine/async_checkpoint.py); megatron engine:
+    Megatron's dist-checkpointing async save (``BackgroundSaves`` in nam_core/engine/megatron/checkpoint.py).
+    False: on the training thread (local: one torch.save file per part, format 2)."""
 
     eval_every: int = bounded(0, ge=0, note="0: no validation",
                               aka=("eval_interval", "eval_steps", "val_every", "val_check_interval"))

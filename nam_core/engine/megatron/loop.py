@@ -46,6 +46,8 @@ class _Session:
     tokens_per_step: int
     log: MetricsLog | None = None
     """Rank 0's metrics log (None on the other ranks)."""
+    saves: checkpoint.BackgroundSaves | None = None
+    """The background checkpoint writer (``train.async_checkpoints``); None: synchronous saves."""
     noted: set = field(default_factory=set)
 
     def note(self, line: str) -> None:
@@ -108,16 +110,18 @@ def train(run: EngineRun) -> dict:
                 run.host.after_step(step, ctx, metrics)
                 _log(run, s, step, metrics, notes)
                 stopping = _agreed_stop(stop)
+                if s.saves is not None:
+                    s.last_good = s.saves.poll() or s.last_good
                 if run.checkpoints and (tc.saves_after(step + 1, run.max_steps)
                                         or (stopping and tc.checkpoint_every)):
                     _gather_params(s.models, tc)
-                    s.last_good = checkpoint.save_checkpoint(
-                        run.folder.checkpoints, step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
-                        manifest={"record": run.record, "layout": s.layout})
-                    if s.log is not None:
-                        s.log.note(f"checkpoint saved: {s.last_good}", echo=False)
+                    _save(run, s, step + 1)
                 if stopping:
+                    if s.saves is not None:
+                        s.last_good = s.saves.wait() or s.last_good
                     raise _stopped(run, stopping, step + 1, s.last_good)
+            if s.saves is not None:
+                s.last_good = s.saves.wait() or s.last_good
             _gather_params(s.models, tc)
             report = run.host.run_report(run.context(run.max_steps, parameters=s.parameters, note=s.note))
         finally:
@@ -125,6 +129,20 @@ def train(run: EngineRun) -> dict:
                 s.log.close()
     return {"steps": run.max_steps, "started_at_step": s.start, "last_checkpoint": str(s.last_good),
             "tokens_per_step": s.tokens_per_step, "layout": s.layout, "plugin_report": report}
+
+
+def _save(run: EngineRun, s: _Session, step: int) -> None:
+    """Checkpoint ``step``: in the background (``s.saves``), or on the training thread."""
+    manifest = {"record": run.record, "layout": s.layout}
+    if s.saves is not None:
+        s.saves.save(step, s.models, s.optimizer, manifest=manifest)
+        return
+    t0 = time.perf_counter()
+    s.last_good = checkpoint.save_checkpoint(run.folder.checkpoints, step, s.models, s.optimizer,
+                                             keep=run.train.keep_checkpoints, manifest=manifest)
+    if s.log is not None:
+        s.log.note(f"checkpoint {s.last_good.name}: training paused {time.perf_counter() - t0:.1f} s (written on the "
+                   "training thread)", echo=False)
 
 
 def evaluate(run: EngineRun, s: _Session) -> dict:
@@ -206,7 +224,11 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         run.notes.clear()
     good = checkpoint.good_checkpoints(run.folder.checkpoints)
     tokens = dp * tc.grad_accum * tc.micro_batch_size * provider.seq_len
-    return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens, log)
+    saves = (checkpoint.BackgroundSaves(run.folder.checkpoints, keep=tc.keep_checkpoints,
+                                        note=lambda line: log is not None and log.note(line, echo=False))
+             if run.checkpoints and tc.async_checkpoints else None)
+    return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens, log,
+                    saves=saves)
 
 
 def _overlaps(config, ddp_config) -> str:

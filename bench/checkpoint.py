@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SAVED = re.compile(r"checkpoint (step-\d+): training paused ([\d.]+) s(?:.*?written in ([\d.]+) s)?")
+SAVED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training paused ([\d.]+) s(?:.*?written in ([\d.]+) s)?")
+WAITED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training waited ([\d.]+) s for the previous")
 RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s\)")
 
 
@@ -66,7 +67,9 @@ def measure(mode: str, args, work: Path) -> dict:
     if proc.wait():
         raise SystemExit(f"error: nam train ({mode}) exited with {proc.returncode}; its log: {run_dir / 'run.log'}")
     log = (run_dir / "run.log").read_text()
-    saves = [{"checkpoint": m[0], "stall_s": float(m[1]), "write_s": float(m[2]) if m[2] else None}
+    waited = {name: float(w) for name, w in WAITED.findall(log)}  # a save that waited for the one before it
+    saves = [{"checkpoint": m[0], "stall_s": float(m[1]) + waited.get(m[0], 0.0), "copy_s": float(m[1]),
+              "waited_s": waited.get(m[0], 0.0), "write_s": float(m[2]) if m[2] else None}
              for m in SAVED.findall(log)]
     step_s = [json.loads(l)["step_time_s"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()[1:]]
     resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")

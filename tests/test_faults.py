@@ -553,3 +553,12 @@ def test_filesystem_errors_during_the_run_become_readable():
         assert (error.exit_code, error.message) == (6, message)
         assert "--run-dir" in error.hint
     assert rundir.filesystem_error(OSError(errno.EIO, "I/O error"), Path("/runs/x")) is None  # stays a traceback
+
+
+def test_a_save_that_waits_for_the_previous_write_says_how_long(base):
+    """The second background save of the base run (step 4) first waits for step 2's write: run.log says so with
+    the seconds, as part of what that checkpoint cost training (bench/checkpoint.py adds it to the stall)."""
+    log = (base / "run.log").read_text()
+    waited = [line for line in log.splitlines() if "training waited" in line]
+    assert len(waited) == 1 and "/checkpoints/step-00000004: training waited " in waited[0], log
+    assert "step-00000002: training paused" in log and "step-00000004: training paused" in log

@@ -88,7 +88,7 @@ def test_expert_parallel_matches_local_and_resumes_bit_exact(tmp_path, local, ep
     _assert_close(full, *local[4])
     log = (run_dir / "run.log").read_text()
     assert "overlap: none" in log
-    assert "checkpoint step-00000002: training paused" in log and "in the background" in log  # the resume's source
+    assert "/checkpoints/step-00000002: training paused" in log and "in the background" in log  # the resume's source
     resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--eval", "--resume",
                    str(run_dir / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \

@@ -214,7 +214,12 @@ def _save(run: EngineRun, state: _State, step: int, last_good: Path | None, *, w
         return saved
     if state.saver is None:
         state.saver = checkpoint_saver(cfg)
+    t0, previous = time.perf_counter(), state.saver.pending
     last_good = _finish_save(run, state) or last_good
+    if previous is not None:  # training stood still until the previous write ended: part of this save's cost
+        state.log.note(f"checkpoint {root / f'step-{step:08d}'}: training waited {time.perf_counter() - t0:.1f} s for the "
+                       "previous checkpoint's background write (train.checkpoint_every steps took less than a "
+                       "write)", echo=False)
     checkpoint.start_save(root, step, saver=state.saver, model=module, optimizer=state.optimizer,
                           scheduler=state.scheduler, extra={"record": run.record}, keep=cfg.keep_checkpoints)
     return (_finish_save(run, state) or last_good) if wait else last_good

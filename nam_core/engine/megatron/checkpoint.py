@@ -168,7 +168,11 @@ class BackgroundSaves:
         """Start writing checkpoint ``step``; training goes on once the shards are in host memory."""
         from megatron.core import dist_checkpointing
 
+        t0, previous = time.perf_counter(), self.pending
         self.wait()
+        if previous is not None:  # training stood still until the previous write ended: part of this save's cost
+            self.note(f"checkpoint {self.ckpt_root / f'step-{step:08d}'}: training waited {time.perf_counter() - t0:.1f} s for the previous "
+                      "checkpoint's background write (train.checkpoint_every steps took less than a write)")
         t0 = time.perf_counter()
         rank = torch.distributed.get_rank()
         final = self.ckpt_root / f"step-{step:08d}"
@@ -225,7 +229,7 @@ class BackgroundSaves:
             if self.error is not None:
                 error, self.error, self.pending = self.error, None, None
                 self._failed(p["tmp"], error)
-            self.note(f"checkpoint {p['final'].name}: training paused {p['stall_s']:.1f} s (copy to host memory), "
+            self.note(f"checkpoint {p['final']}: training paused {p['stall_s']:.1f} s (copy to host memory), "
                       f"written in {time.perf_counter() - p['started']:.1f} s in the background")
         self.pending, self.last_good = None, p["final"]
         return self.last_good

@@ -141,7 +141,7 @@ def _save(run: EngineRun, s: _Session, step: int) -> None:
     s.last_good = checkpoint.save_checkpoint(run.folder.checkpoints, step, s.models, s.optimizer,
                                              keep=run.train.keep_checkpoints, manifest=manifest)
     if s.log is not None:
-        s.log.note(f"checkpoint {s.last_good.name}: training paused {time.perf_counter() - t0:.1f} s (written on the "
+        s.log.note(f"checkpoint {s.last_good}: training paused {time.perf_counter() - t0:.1f} s (written on the "
                    "training thread)", echo=False)
 
 

@@ -37,8 +37,9 @@ and gradient norm, the floor (1F1B from the perturbed state), and DualPipeV resu
 mimo-scan; sparse-mla, liger; bf16, sequence 4096), per GPU count with EP = GPUs, and the local engine on
 one GPU as the baseline row: tokens/s per GPU, model TFLOP/s per GPU by nam56r/flops.py and at the published
 record's 31.2 GFLOP/token (289 TFLOP/s at ~9,250 tokens/s per GPU, 8x H200, issue 8), and peak memory. Step
-time is the median after ``--warmup`` steps of the engines' own ``step_time_s`` (the slowest rank's, for
-megatron). ``--profile DIR`` adds two profiled steps per run, outside the medians, and writes rank 0's
+time is the median after ``--warmup`` steps (at least 1) of the engines' own ``step_time_s`` (the slowest rank's,
+for megatron), the steady state as ``nam train``'s summary reports it; the first step's time (kernel builds,
+warm-up) is its own column. ``--profile DIR`` adds two profiled steps per run, outside the medians, and writes rank 0's
 operator tables and the GPU's idle share of the step to ``DIR/<engine>-<N>gpu[-overlap-<name>][-float8-<recipe>].txt``. ``--overlap none,grad,shared,all``
 runs one megatron row per GPU count and entry, with the engine's communication overlaps that entry names on
 (``OVERLAPS``: train.overlap_grad_reduce, moe_shared_expert_overlap); the default is
@@ -706,8 +707,8 @@ def throughput(args) -> int:
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
     print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
-          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs first |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs first |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for engine, n, overlap, f8, numerics, recompute in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
             (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}"
@@ -720,21 +721,23 @@ def throughput(args) -> int:
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
             spec.update(profile_step=steps - 2, profile_out=str(args.profile / f"{name}.txt"))
-        metrics = launch(spec, work, n)[args.warmup:args.warmup + args.iters]
+        logged = launch(spec, work, n)
+        metrics = logged[args.warmup:args.warmup + args.iters]  # steady state: never the first step (--warmup >= 1)
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
         rows.append({"engine": engine if f8 == "none" else f"{engine}, float8 linears {f8}", "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
                      "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
-                     "peak_gib": max(m["mem_gib"] for m in metrics)})
+                     "peak_gib": max(m["mem_gib"] for m in metrics), "first_step_s": logged[0]["step_time_s"]})
         shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]
         vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x"
         print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['numerics']} | {r['recompute']} "
               f"| {r['mbs']} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} "
-              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} |",
+              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} "
+              f"| {r['first_step_s']:.1f} | {vs} |",
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
             write_json(args.json, {"meta": meta(layers=args.layers, ssm=args.ssm, mbs=args.mbs, warmup=args.warmup,
@@ -863,7 +866,8 @@ def main() -> int:
                         "refuses stochastic-rounding and bf16: local rows only)")
     t.add_argument("--recompute", type=lambda s: s.split("/"), default=["none"],
                    help=f"train.recompute of each row, '/'-separated, among {' / '.join(RECOMPUTE_CHOICES)}")
-    t.add_argument("--warmup", type=int, default=2)
+    t.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (at least 1: the first "
+                   "step builds kernels; its time is the 'first step s' column)")
     t.add_argument("--iters", type=int, default=4)
     t.add_argument("--profile", type=Path, default=None,
                    help="folder: profile two extra steps per engine run (torch.profiler: GPU idle share, operators by "
@@ -883,6 +887,8 @@ def main() -> int:
     if args.command == "_worker":
         run_worker(json.loads(args.spec.read_text()))
         return 0
+    if args.command == "throughput" and args.warmup < 1:
+        ap.error(f"--warmup: at least 1 (the first step's kernel builds are not the steady state), found {args.warmup}")
     if set(getattr(args, "overlap", [])) - set(OVERLAPS):
         ap.error(f"--overlap: among {', '.join(OVERLAPS)}, found {','.join(args.overlap)}")
     if args.command == "throughput" and set(args.float8) - set(FLOAT8_LINEARS):

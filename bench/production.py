@@ -101,6 +101,9 @@ def run(args) -> int:
     from nam56r.recipes import get_recipe
     from nam_core.engine.metrics import read_metrics
 
+    if args.skip < 1:  # the first step builds kernels: never in a steady-state median (engine/summary.py)
+        print(f"error: --skip must leave out at least the first step of each phase, found {args.skip}", file=sys.stderr)
+        return 2
     if args.warmup_steps >= args.steps:
         print(f"error: --warmup-steps {args.warmup_steps} leaves no sparse step in --steps {args.steps}",
               file=sys.stderr)

@@ -36,6 +36,10 @@ def prepare_command(
     no_structure: Annotated[
         bool, typer.Option("--no-structure", help="Do not write the per-token code-structure ids.")
     ] = False,
+    val_fraction: Annotated[
+        float, typer.Option("--val-fraction", help="Hold out this share of the documents, spread through them, "
+                            "for validation (train.eval_every); e.g. 0.01. At least one document when above 0.")
+    ] = 0.0,
     json_out: JsonOpt = False,
 ) -> None:
     """Tokenize SRC into DIR: tokens.bin/.idx, structure.bin/.idx and a dataset.json manifest."""
@@ -49,14 +53,17 @@ def prepare_command(
 
         annotate = char_structure_ids
     with _sigterm_as_exit():
-        summary = prepare(src, out_dir, tok, annotate=annotate, overwrite=overwrite, progress=not json_out)
+        summary = prepare(src, out_dir, tok, annotate=annotate, overwrite=overwrite, progress=not json_out,
+                          val_fraction=val_fraction)
     if json_out:
         print_json(summary.to_dict())
         return
     skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(summary.skipped.items())) or "none"
     out.print(f"prepared {summary.out} in {summary.seconds:.1f} s")
     out.print(f"  source     {summary.source_kind}: {summary.files_read} file(s) read, skipped: {skipped}")
-    out.print(f"  documents  {summary.documents:,}")
+    held = (f", {summary.validation_documents:,} held out for validation"
+            if summary.validation_documents else "")
+    out.print(f"  documents  {summary.documents:,}{held}")
     out.print(f"  tokens     {summary.tokens:,} (tokenizer {tok.name}, vocab {tok.vocab_size}, "
               f"max id {summary.max_token_id})")
     out.print(f"  structure  {'yes' if summary.structure else 'no'} ({summary.structure_note})")
@@ -115,6 +122,7 @@ def inspect_command(
     info = {
         "path": str(dataset.path),
         "documents": dataset.documents,
+        "validation_documents": dataset.validation_documents,
         "tokens": dataset.num_tokens,
         "tokenizer": dataset.tokenizer,
         "vocab_size": dataset.tokenizer.get("vocab_size"),
@@ -131,7 +139,8 @@ def inspect_command(
         return
     tok = dataset.tokenizer
     out.print(f"dataset    {info['path']}")
-    out.print(f"documents  {info['documents']:,}")
+    out.print(f"documents  {info['documents']:,}" + (f", {info['validation_documents']:,} held out for "
+              "validation" if info["validation_documents"] else ""))
     out.print(f"tokens     {info['tokens']:,}")
     out.print(f"vocab      {tok.get('name')} ({tok.get('vocab_size')} ids, eod {tok.get('eod')}), "
               f"max id {info['max_token_id']}")

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nam_cli import data, patches, plugins, preflight, recipe, train
+from nam_cli import data, export, patches, plot, plugins, preflight, recipe, train
 from nam_cli.console import err
 from nam_core import __version__
 from nam_core.errors import Interrupted, NamError
@@ -60,6 +60,8 @@ app.add_typer(recipe.app, name="recipe")
 app.add_typer(data.app, name="data")
 app.command("preflight")(preflight.preflight)
 app.command("train")(train.train)
+app.command("export")(export.export)
+app.command("plot")(plot.plot)
 
 
 def _version(value: bool) -> None:

@@ -27,7 +27,8 @@ RUN_FILES = {
     "metrics.jsonl": "one JSON line per logged step",
     "run.log": "one-off notes (selected fields, hand-overs, checkpoints saved)",
     "checkpoints/": "",
-    "summary.json": "wall time, tokens/s, LM loss over the last steps, the newest checkpoint, the resume command",
+    "summary.json": "steady-state tokens/s and TFLOP/s, first step apart, LM loss over the last steps, the newest "
+                    "checkpoint, the resume command",
     "tensorboard/": "event files of every logged step, when tensorboard is installed (the [tensorboard] extra)",
 }
 """What a run folder holds (``nam_core.engine.rundir.RunFolder`` owns every file)."""

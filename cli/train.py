@@ -30,6 +30,7 @@ from nam_cli.options import (
     DeviceOpt, DeviceProfileOpt, EpOpt, JsonOpt, NprocOpt, PluginsOpt, PpOpt, SetOpt, TpOpt,
 )
 from nam_core.engine import rundir
+from nam_core.errors import ConfigError
 
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (`nam recipe list`).")]
 MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many steps (the LR "
@@ -45,7 +46,14 @@ EngineOpt = Annotated[str, typer.Option("--engine", help="local (one process) or
                       "process per GPU under torchrun or --nproc).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, build on the meta device, "
                       "print the plan; train nothing, write nothing.")]
+InitFromOpt = Annotated[Optional[Path], typer.Option("--init-from", help="Start from these weights instead of "
+                        "nam's initialisation: an export folder (`nam export`) of the same model, from either "
+                        "engine's run. Weights only: the optimizer, the lr schedule and the data start afresh "
+                        "(to continue a run in place, use --resume).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Prepared dataset folder to evaluate on "
+                        "(train.eval_every); default: the training data's validation split (nam data prepare "
+                        "--val-fraction).")]
 
 
 def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
@@ -84,7 +92,8 @@ def train(
     run_dir: RunDirOpt = None, data: DataOpt = None, resume: ResumeOpt = None, seed: SeedOpt = None,
     set_: SetOpt = None, device: DeviceOpt = None, engine: EngineOpt = "local", nproc: NprocOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, ep: EpOpt = None, dry_run: DryRunOpt = False, quiet: QuietOpt = False,
-    json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None,
+    json_out: JsonOpt = False, device_profile: DeviceProfileOpt = None, eval_data: EvalDataOpt = None,
+    init_from: InitFromOpt = None,
 ) -> None:
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
     from nam56r.run import RunRequest, build, resolve
@@ -92,6 +101,10 @@ def train(
     from nam_core.host import PluginHost
 
     plan.check_profile_flag(device_profile, dry_run)
+    if init_from is not None and resume is not None:
+        raise ConfigError("--init-from and --resume both say where the weights come from",
+                       hint="--resume continues a run (weights, optimizer, data position); --init-from starts a new "
+                            "one from exported weights: pass one")
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe, plugins=plugins, overrides=list(set_ or []), engine=engine,
                              device=device, seed=seed, tp=tp, pp=pp, ep=ep, nproc=nproc, max_steps=max_steps), host)
@@ -100,7 +113,8 @@ def train(
     eng = engine_for(run.spec.engine)
     ranks = eng.start(run.spec, dry_run=dry_run, relaunch=_relaunch)
     say = progress(ranks.writes and not (quiet or json_out or dry_run))
-    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say)
+    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say,
+                    eval_data=eval_data, init_from=init_from)
     if dry_run:
         return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
     folder = rundir.RunFolder(run_dir or Path("runs") / run.spec.recipe)
@@ -144,7 +158,8 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say
     result.update(run_dir=str(folder.path), recipe=session.spec.recipe, engine=session.spec.engine,
                   plugins=list(session.spec.plugins), **numerics_fields(session.spec.train), **summarize(
                       folder.metrics(), wall_s=time.monotonic() - started,
-                      steps_run=result["steps"] - result["started_at_step"], tokens_per_step=result["tokens_per_step"]))
+                      steps_run=result["steps"] - result["started_at_step"], tokens_per_step=result["tokens_per_step"],
+                      first_step=result["started_at_step"] + 1))
     last = result.get("last_checkpoint")
     result.update(rundir.whereabouts(folder.path, Path(last) if last not in (None, "None") else None,
                                      steps_run=result["steps_run"], again=again,

@@ -210,6 +210,8 @@ class Session:
     data: Path | None = None
     batches: Callable[[int, int], dict] | None = None
     """``batches(index, batch_size)``: micro-batch ``index`` of the data (None on a dry run)."""
+    held_out: Any = None
+    """The validation rows (``HeldOut``) when ``train.eval_every`` asks for them."""
     say: Callable[[str], None] = lambda line: None
     init_from: Path | None = None
 
@@ -276,22 +278,24 @@ class Session:
             batch_at=self.batches,
             max_steps=self.run.max_steps, flops_per_token=self.flops_per_token,
             backends=self.backends.as_mapping(), schedules={n: schedules.get(n) for n in schedules.names()},
-            record=record if record is not None else self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
+            held_out=self.held_out, record=record if record is not None else self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
             checkpoints=checkpoints)
 
 
 def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *, data: Path | None = None,
           dry_run: bool = False, quiet: bool = False, device: DeviceInfo | None = None,
           init_from: Path | None = None, batches: Callable[[int, int], dict] | None = None,
-          say: Callable[[str], None] = lambda line: None) -> Session:
+          say: Callable[[str], None] = lambda line: None, eval_data: Path | None = None) -> Session:
     """Stages 3 and 4 (the device, activation), then everything ``engine`` needs to train ``run``: the patch
     lane applied, the backends, FLOPs per token, the model or model provider, the data (rank 0 prepares it
     first; the other ranks wait), in that order, so a refusal comes before any allocation.
 
-    ``device``: in place of the probed one (the gloo suite's double); ``init_from``: a nam ``model.pt`` the
-    weights start from instead of nam's initialisation at the seed (the benches' shared initial state);
+    ``device``: in place of the probed one (the gloo suite's double); ``init_from``: an export folder (``nam
+    export``) or a nam ``model.pt`` the weights start from instead of nam's initialisation at the seed
+    (``nam train --init-from``; the benches' shared initial state), read by ``nam56r.export.initial_weights``;
     ``batches``: rows in place of a dataset (the tests' fixed random rows); ``say(line)``: what is being done,
-    before each slow part (``nam train`` prints it before the first step)."""
+    before each slow part (``nam train`` prints it before the first step); ``eval_data``: a prepared dataset to
+    evaluate on (``--eval-data``) in place of the training data's validation split."""
     from nam56r import memory
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
@@ -307,6 +311,8 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     session = Session(run=run, host=host, engine=engine, ranks=ranks, device=device, patches=patches,
                       backends=backends, flops_per_token=flops_per_token(spec.model).total, model=None,
                       notes=list(spec.notes), say=say, init_from=init_from)
+    if init_from is not None:
+        session.notes.append(f"weights from {init_from}; the optimizer, lr schedule and data start at step 0")
     if dry_run:
         session.model = build_model(spec.model, backends, device="meta")  # it builds with these backends
         return session
@@ -325,6 +331,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     session.data, packed = _dataset(data, spec, quiet=quiet or not ranks.writes)
     if ranks.writes and megatron:
         engine.barrier()
+    session.held_out = _held_out(spec, packed.dataset, eval_data)
     session.batches = lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in BATCH_KEYS}
     return session
 
@@ -350,7 +357,9 @@ def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | No
     torch.manual_seed(spec.train.seed)
     module = build_model(spec.model, backends, device=spec.train.device)
     if init_from is not None:
-        module.load_state_dict(torch.load(init_from, map_location=spec.train.device, weights_only=True))
+        from nam56r.export import initial_weights
+
+        module.load_state_dict(initial_weights(init_from, spec.model))
     module = module.to(dtype=getattr(torch, spec.train.dtype))
     notes.extend(recompute.apply(module, recompute_kinds(spec.train)))  # train.recompute: checkpointed blocks
 
@@ -387,7 +396,38 @@ def _dataset(data: Path | None, spec: RunSpec, *, quiet: bool):
         data = build_stdlib_corpus(cache_dir(), ByteTokenizer(), char_structure_ids, progress=not quiet)
     dataset = open_dataset(data)
     dataset.check_vocab(spec.model.vocab_size)
-    return data, PackedSequences(dataset, spec.model.seq_len, spec.train.seed)
+    return data, PackedSequences(dataset.split("train"), spec.model.seq_len, spec.train.seed)  # never held-out rows
+
+
+def _held_out(spec: RunSpec, dataset, eval_data: Path | None):
+    """The validation rows (nam_core/engine/validation.py) when ``train.eval_every`` asks for them: ``--eval-data``
+    (a whole prepared dataset, the training data's tokenizer), else the training dataset's validation split.
+    None when the run does not evaluate; DataError (exit 4) when it should and there is nothing to evaluate on."""
+    from nam_core.data.dataset import PackedSequences, open_dataset
+    from nam_core.engine.validation import HeldOut
+    from nam_core.errors import DataError
+
+    train, seq_len = spec.train, spec.model.seq_len
+    if train.eval_every == 0:
+        return None
+    if eval_data is not None:
+        held = open_dataset(eval_data)
+        held.check_vocab(spec.model.vocab_size)
+        if held.tokenizer != dataset.tokenizer:
+            raise DataError(f"--eval-data {eval_data} was tokenized with {held.tokenizer.get('name')!r}, the "
+                            f"training data {dataset.path} with {dataset.tokenizer.get('name')!r}",
+                            hint=f"prepare it with the training data's tokenizer: nam data prepare SRC --out "
+                                 f"{eval_data} --tokenizer ... --overwrite")
+        source = str(held.path)
+    elif dataset.validation_documents:
+        held, source = open_dataset(dataset.path).split("validation"), f"{dataset.path}, validation split"
+    else:
+        raise DataError(f"train.eval_every={train.eval_every} needs held-out data; {dataset.path} holds none out",
+                        hint=f"prepare it with a validation split (nam data prepare SRC --out {dataset.path} "
+                             "--val-fraction 0.01 --overwrite), pass --eval-data DIR, or --set train.eval_every=0")
+    rows = PackedSequences(held, seq_len, train.seed)
+    return HeldOut(batch_at=lambda i, b: {k: v for k, v in rows.batch_at(i, b).items() if k in BATCH_KEYS},
+                   rows=len(rows), seq_len=seq_len, source=source)
 
 
 # --- the pieces ----------------------------------------------------------------------------------------

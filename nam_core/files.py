@@ -10,6 +10,15 @@ import os
 from pathlib import Path
 
 
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename into it, a new file) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def temporary_name(path: Path) -> Path:
     """Where ``write_atomic`` puts ``path``'s bytes before the rename (hidden, this process's)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")

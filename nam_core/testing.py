@@ -80,7 +80,7 @@ def rel_norm_error(a: torch.Tensor, ref: torch.Tensor) -> float:
 def model_parity(fn: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
                  inputs: dict[str, torch.Tensor | None], *, dout: torch.Tensor, seed: int,
                  activations: Iterable[str] = (), dtype: torch.dtype = torch.bfloat16,
-                 norms: bool = False) -> dict:
+                 norms: bool = False, view: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict:
     """Errors of ``fn`` against ``reference``, forward and backward, on the same values.
 
     ``inputs``: the arguments by name, passed to both as keywords. Floating tensors come in fp32 and each side
@@ -93,7 +93,12 @@ def model_parity(fn: Callable[..., torch.Tensor], reference: Callable[..., torch
     Returns ``{"out": e, "d<name>": e for every floating input, "seed": seed}`` with e = ``max_rel_error``; a
     gradient the reference has and ``fn`` does not is ``inf``. ``norms``: also ``"norm"``, the same pairs'
     ``rel_norm_error``. ``seed`` is the one the inputs were drawn with, reported so a failure can be replayed.
+    ``view(name, t)``: the reference computes on a slice only (``name`` an input's, or ``"out"`` for the output
+    and its gradient); ``fn`` runs on the whole inputs and its output and gradients are compared through the
+    same slice. For a computation that is independent along some axes (batch rows, groups of heads), so a
+    kernel launched at a large shape is checked against a reference run on a part of it.
     """
+    view = view or (lambda name, t: t)
     activations = set(activations)
     unknown = activations - set(inputs)
     if unknown:
@@ -103,12 +108,12 @@ def model_parity(fn: Callable[..., torch.Tensor], reference: Callable[..., torch
         out = {}
         for name, t in inputs.items():
             if t is None or not t.is_floating_point():
-                out[name] = t
+                out[name] = t if low or t is None else view(name, t)
             elif name in activations:
                 rounded = t.detach().to(dtype)
-                out[name] = (rounded.clone() if low else rounded.to(torch.float32, copy=True)).requires_grad_()
+                out[name] = (rounded.clone() if low else view(name, rounded).to(torch.float32, copy=True)).requires_grad_()
             else:
-                out[name] = t.detach().to(torch.float32, copy=True).requires_grad_()
+                out[name] = (t if low else view(name, t)).detach().to(torch.float32, copy=True).requires_grad_()
         return out
 
     ours, theirs = leaves(True), leaves(False)
@@ -116,16 +121,16 @@ def model_parity(fn: Callable[..., torch.Tensor], reference: Callable[..., torch
     d = dout.detach().to(out.dtype)
     out.backward(d)
     ref = reference(**theirs)
-    ref.backward(d.to(ref.dtype))
+    ref.backward(view("out", d).to(ref.dtype))
 
-    pairs = {"out": (out, ref)}
+    pairs = {"out": (view("out", out), ref)}
     for name, t in theirs.items():
         if t is None or not t.is_floating_point():
             continue
         if t.grad is None:
             raise ValueError(f"the reference gives no gradient for {name!r}: pass it as an integer tensor or leave "
                              f"it out of the inputs")
-        pairs[f"d{name}"] = (ours[name].grad, t.grad)
+        pairs[f"d{name}"] = (None if ours[name].grad is None else view(name, ours[name].grad), t.grad)
     errors = {k: math.inf if a is None else max_rel_error(a, r) for k, (a, r) in pairs.items()}
     if norms:
         errors["norm"] = {k: math.inf if a is None else rel_norm_error(a, r) for k, (a, r) in pairs.items()}

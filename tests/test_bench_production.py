@@ -75,3 +75,9 @@ def test_a_warmup_as_long_as_the_run_is_refused(production, tmp_path, monkeypatc
     monkeypatch.setattr(production.subprocess, "run", lambda *a, **kw: pytest.fail("nothing may start"))
     assert production.run(_args(tmp_path, steps=20, warmup_steps=20)) == 2
     assert "leaves no sparse step" in capsys.readouterr().err
+
+
+def test_a_median_with_the_first_step_in_it_is_refused(production, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(production.subprocess, "run", lambda *a, **kw: pytest.fail("nothing may start"))
+    assert production.run(_args(tmp_path, skip=0)) == 2
+    assert "--skip must leave out at least the first step" in capsys.readouterr().err

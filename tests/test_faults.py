@@ -98,9 +98,20 @@ def train_config(run_dir: Path, **changes) -> TrainConfig:
 
 
 def state(run_dir: Path, step: int) -> dict:
+    """A good checkpoint's model, optimizer and scheduler state: format 3's flattened names (the local engine's
+    background saves), or the files of formats 1 and 2."""
     folder = run_dir / "checkpoints" / f"step-{step:08d}"
-    assert checkpoint.verify(folder) is not None, f"{folder} is not a good checkpoint"
+    manifest = checkpoint.verify(folder)
+    assert manifest is not None, f"{folder} is not a good checkpoint"
+    if manifest["format"] >= 3:
+        from nam_core.engine.async_checkpoint import read_flat
+
+        return {k: v for k, v in read_flat(folder).items() if not k.startswith("rng.")}
     return {name: torch.load(folder / name, weights_only=True) for name in ("model.pt", "optimizer.pt", "scheduler.pt")}
+
+
+DATA_FILE = "state/__0_0.distcp"
+"""The tensors' file of a format-3 checkpoint (the local engine's default)."""
 
 
 def assert_same(a, b, where: str = "") -> None:
@@ -262,15 +273,15 @@ def test_a_folder_whose_run_stopped_before_its_first_checkpoint_starts_afresh(tm
 def test_a_corrupt_newest_checkpoint_is_a_warning_naming_it_and_resume_takes_the_previous(
         tmp_path, corpus, base, capsys):
     run_dir = copy_base(base, tmp_path)
-    blob = run_dir / "checkpoints" / "step-00000004" / "model.pt"
+    blob = run_dir / "checkpoints" / "step-00000004" / DATA_FILE
     raw = bytearray(blob.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     blob.write_bytes(bytes(raw))
     assert run(args(run_dir, corpus, "--max-steps", "5", "--set", "train.checkpoint_every=2",
                     "--resume", "auto")) == 0
     err = capsys.readouterr().err  # shown under --quiet
-    assert (f"warning: skipped checkpoint {run_dir / 'checkpoints' / 'step-00000004'}: sha256 mismatch of model.pt"
-            in err)
+    assert (f"warning: skipped checkpoint {run_dir / 'checkpoints' / 'step-00000004'}: sha256 mismatch of "
+            f"{DATA_FILE}" in err)
     assert f"resumed from {run_dir / 'checkpoints' / 'step-00000002'} at step 2" in (run_dir / "run.log").read_text()
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
 
@@ -280,13 +291,13 @@ def test_a_folder_with_only_damaged_checkpoints_is_refused_with_a_way_out(tmp_pa
     refused, naming the checkpoints (and, for --resume auto, why each failed) and how to start afresh."""
     run_dir = copy_base(base, tmp_path)
     for step in ("step-00000002", "step-00000004"):
-        blob = run_dir / "checkpoints" / step / "model.pt"
+        blob = run_dir / "checkpoints" / step / DATA_FILE
         raw = bytearray(blob.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         blob.write_bytes(bytes(raw))
     assert run(args(run_dir, corpus, "--max-steps", "5", "--resume", "auto")) == 6
     err = capsys.readouterr().err
-    assert "no good checkpoint under" in err and "step-00000004: sha256 mismatch of model.pt" in err, err
+    assert "no good checkpoint under" in err and f"step-00000004: sha256 mismatch of {DATA_FILE}" in err, err
     assert f"rm -r {run_dir / 'checkpoints'}" in err, err
     assert run(args(run_dir, corpus, "--max-steps", "5")) == 2
     err = capsys.readouterr().err
@@ -390,7 +401,7 @@ def test_a_resume_with_no_step_left_is_refused_not_negative(tmp_path, corpus, ba
 
 @pytest.mark.parametrize("case, code, message", [
     ("missing", 2, "--resume {ckpt}: no such folder"),
-    ("truncated", 6, "--resume {ckpt}: not a complete checkpoint (sha256 mismatch of model.pt"),
+    ("truncated", 6, "--resume {ckpt}: not a complete checkpoint (sha256 mismatch of " + DATA_FILE),
 ])
 def test_resume_of_a_missing_or_truncated_checkpoint_has_its_exit_code(tmp_path, corpus, base, capsys, case, code,
                                                                         message):
@@ -399,8 +410,8 @@ def test_resume_of_a_missing_or_truncated_checkpoint_has_its_exit_code(tmp_path,
     if case == "missing":
         ckpt = tmp_path / "nonexistent"
     else:
-        model = ckpt / "model.pt"
-        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+        data = ckpt / DATA_FILE
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     assert run(args(run_dir, corpus, "--max-steps", "6", "--resume", str(ckpt))) == code
     err = capsys.readouterr().err
     assert message.format(ckpt=ckpt) in err and "Traceback" not in err
@@ -440,18 +451,27 @@ def test_the_nan_guard_hint_is_a_command_that_is_accepted(tmp_path, corpus, base
 
 # --- the filesystem --------------------------------------------------------------------------------------
 
-def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_path, corpus, monkeypatch, capsys):
-    """The kernel's own ENOSPC (/dev/full) under the optimizer file of checkpoint 4."""
-    real_open = open
+@pytest.mark.parametrize("where", ["background", "training-thread"])
+def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_path, corpus, monkeypatch, capsys,
+                                                                           where):
+    """Checkpoint 4 meets a full disk. In the background write (format 3, the test hook raises the kernel's
+    ENOSPC in DCP's writer) the error surfaces when the next save waits for it, at step 6; on the training thread
+    (``train.async_checkpoints=false``) the kernel's own ENOSPC (/dev/full) under optimizer.pt stops step 4."""
+    sets = []
+    if where == "background":
+        monkeypatch.setenv("NAM_TEST_DISK_FULL_DURING_SAVE", "4")
+    else:
+        real_open = open
 
-    def full_disk(path, mode="r", *a, **kw):
-        if ".step-00000004.tmp-" in str(path) and Path(path).name == "optimizer.pt":
-            return real_open("/dev/full", mode, *a, **kw)
-        return real_open(path, mode, *a, **kw)
+        def full_disk(path, mode="r", *a, **kw):
+            if ".step-00000004.tmp-" in str(path) and Path(path).name == "optimizer.pt":
+                return real_open("/dev/full", mode, *a, **kw)
+            return real_open(path, mode, *a, **kw)
 
-    monkeypatch.setattr(checkpoint, "open", full_disk, raising=False)
+        monkeypatch.setattr(checkpoint, "open", full_disk, raising=False)
+        sets = ["--set", "train.async_checkpoints=false"]
     run_dir = tmp_path / "run"
-    argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2")
+    argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2", *sets)
     assert run(argv) == 6
     err = capsys.readouterr().err
     assert f"no space left on {run_dir / 'checkpoints'} (disk " in err and "a checkpoint needs about " in err
@@ -468,17 +488,20 @@ def test_no_space_during_a_save_is_a_readable_error_and_the_folder_resumes(tmp_p
 
 def test_a_real_full_disk_is_exit_6_and_resume_auto_goes_on_from_the_last_good_checkpoint(
         tmp_path, corpus, base, small_disk, capsys):
-    """A tmpfs with room for two checkpoints and a half: the third save meets the kernel's short write."""
-    size_mb = sum(p.stat().st_size for p in (base / "checkpoints" / "step-00000004").iterdir()) / 2**20
+    """A tmpfs with room for two checkpoints and a half: the third save meets the kernel's short write (in the
+    background writer; the run's end waits for it and stops with the error)."""
+    size_mb = sum(p.stat().st_size for p in (base / "checkpoints" / "step-00000004").rglob("*") if p.is_file()) / 2**20
     disk = small_disk(2.5 * size_mb + 0.5)
     run_dir = disk / "run"
     argv = args(run_dir, corpus, "--max-steps", "6", "--set", "train.checkpoint_every=2")
-    expected = (f"no space left on {run_dir / 'checkpoints'} (disk {disk}: a checkpoint needs about "
-                f"{size_mb:.0f} MB")
+    expected = f"no space left on {run_dir / 'checkpoints'} (disk {disk}: a checkpoint needs about "
     for attempt in ("first run", "--resume auto"):
         assert run(argv if attempt == "first run" else [*argv, "--resume", "auto"]) == 6, attempt
         err = capsys.readouterr().err
         assert expected in err and "the newest good checkpoint, step-00000004, is intact" in err, (attempt, err)
+        # the estimate is the state's tensor bytes; the files add DCP's index and per-value records (format 3)
+        estimate = float(err.split(expected)[1].split(" MB")[0])
+        assert abs(estimate - size_mb) <= 0.1 * size_mb, (estimate, size_mb)
         assert "Traceback" not in err and "--resume auto" in err
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
         assert not (run_dir / rundir.LOCK).exists()
@@ -530,3 +553,12 @@ def test_filesystem_errors_during_the_run_become_readable():
         assert (error.exit_code, error.message) == (6, message)
         assert "--run-dir" in error.hint
     assert rundir.filesystem_error(OSError(errno.EIO, "I/O error"), Path("/runs/x")) is None  # stays a traceback
+
+
+def test_a_save_that_waits_for_the_previous_write_says_how_long(base):
+    """The second background save of the base run (step 4) first waits for step 2's write: run.log says so with
+    the seconds, as part of what that checkpoint cost training (bench/checkpoint.py adds it to the stall)."""
+    log = (base / "run.log").read_text()
+    waited = [line for line in log.splitlines() if "training waited" in line]
+    assert len(waited) == 1 and "/checkpoints/step-00000004: training waited " in waited[0], log
+    assert "step-00000002: training paused" in log and "step-00000004: training paused" in log

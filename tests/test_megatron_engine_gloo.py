@@ -76,20 +76,35 @@ def _assert_close(megatron: list[dict], local: list[dict], floor: list[dict]) ->
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
-    """The megatron engine at EP 2 on 2 ranks (the dense weights data-parallel over both), no overlap; its run
-    folder and metrics."""
+    """The megatron engine at EP 2 on 2 ranks (the dense weights data-parallel over both), no overlap, evaluating
+    after steps 2 and 4 (worker.py's ``--eval``; the runs compared with it bit for bit do not evaluate, so they
+    also show that an evaluation changes nothing in training); its run folder and metrics."""
     tmp = tmp_path_factory.mktemp("ep2")
-    return tmp / "ep2", _run(tmp, "ep2", "megatron", "--ep", "2", nproc=2)
+    return tmp / "ep2", _run(tmp, "ep2", "megatron", "--ep", "2", "--eval", nproc=2)
 
 
 def test_expert_parallel_matches_local_and_resumes_bit_exact(tmp_path, local, ep2):
     run_dir, full = ep2
     _assert_close(full, *local[4])
-    assert "overlap: none" in (run_dir / "run.log").read_text()
-    resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--resume",
+    log = (run_dir / "run.log").read_text()
+    assert "overlap: none" in log
+    assert "/checkpoints/step-00000002: training paused" in log and "in the background" in log  # the resume's source
+    resumed = _run(run_dir.parent, "ep2", "megatron", "--ep", "2", "--eval", "--resume",
                    str(run_dir / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
+
+
+def test_validation_is_a_forward_only_pass_over_the_held_out_rows(tmp_path, ep2):
+    """worker.py's ``--eval`` holds out step 3's own training rows: evaluated after step 2, on the weights step 3
+    trains from, val_loss is step 3's LM loss to float32 summation order, in the megatron engine (2 micro-batches on
+    each of 2 ranks through the schedule's forward-only pass, chunks in eval mode) and in the local engine (4 on
+    one). That the evaluations change nothing in training is the next test's: its run does not evaluate and
+    matches this one's losses bit for bit."""
+    local = _run(tmp_path, "local", "local", "--grad-accum", "4", "--eval")
+    for name, metrics in (("megatron", ep2[1]), ("local", local)):
+        assert [m["step"] for m in metrics if "val_loss" in m] == [2, 4], name
+        assert _rel(metrics[1]["val_loss"], metrics[2]["lm_loss"]) <= 1e-6, (name, metrics[1], metrics[2])
 
 
 def test_overlapped_grad_reduce_is_bit_exact_and_resumes(tmp_path, ep2):
@@ -117,7 +132,7 @@ def test_recompute_against_none(tmp_path, ep2, choice, rtol):
     step 2, gloo, fp32)."""
     name = choice.replace(",", "-")
     full = _run(tmp_path, name, "megatron", "--ep", "2", f"--set=train.recompute={choice}", nproc=2, steps=2)
-    timing = {"tokens_per_s", "tflops_per_device", "mem_gib", "step_time_s"}
+    timing = {"tokens_per_s", "tflops_per_device", "mem_gib", "step_time_s", "val_loss"}  # ep2 evaluates
     numbers = lambda rows: [{k: v for k, v in m.items() if k not in timing} for m in rows]  # noqa: E731
     plain = ep2[1][:2]
     if rtol == 0.0:
@@ -255,3 +270,40 @@ def test_sigterm_finishes_the_step_saves_on_every_rank_and_resumes(tmp_path):
     assert saved == [f"step-{stopped:08d}"], saved  # off the checkpoint_every schedule: the stop's own save
     _worker("cli", run_dir, stopped + 1, *command, "--resume", "auto", nproc=2)
     assert [m["step"] for m in read_metrics(run_dir)][-2:] == [stopped, stopped + 1]
+
+
+def test_weights_exported_from_a_local_run_start_the_megatron_engine(tmp_path):
+    """Changing engines (issue 31): a local-engine run's checkpoint, exported (`nam export`), starts a megatron
+    run through `nam train --init-from`. Its step-1 loss, before any update, is the local engine's step-1 loss
+    from the same export to summation order (1e-6, fp32), and not the one from nam's initialisation: the weights
+    crossed. (Weights only: the optimizer starts afresh in both.)"""
+    from nam_cli.main import run
+
+    sets = ["--set", "train.dtype=float32", "--set", "attention_backend=reference"]
+    assert run(["train", "--run-dir", str(tmp_path / "first"), "--max-steps", "2", "--device", "cpu", *sets,
+                "--set", "train.checkpoint_every=2", "-q"]) == 0
+    assert run(["export", str(tmp_path / "first"), "--out", str(tmp_path / "export")]) == 0
+    assert run(["train", "--run-dir", str(tmp_path / "local"), "--max-steps", "1", "--device", "cpu", *sets,
+                "--init-from", str(tmp_path / "export"), "-q"]) == 0
+    _worker("cli", tmp_path / "megatron", 1, "--", "train", "--engine", "megatron", "--device", "cuda", *sets,
+            "--init-from", str(tmp_path / "export"))
+    fresh, local, megatron = (read_metrics(tmp_path / name)[0] for name in ("first", "local", "megatron"))
+    assert _rel(megatron["loss"], local["loss"]) <= 1e-6, (megatron, local)
+    assert _rel(local["loss"], fresh["loss"]) > 1e-3, (local, fresh)
+    assert "weights from" in (tmp_path / "megatron" / "run.log").read_text()
+
+
+def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):
+    """train.async_checkpoints=false at EP 2: Megatron's synchronous save (with its integrity.json) instead of
+    the background one; the same losses, and the resume from step 2 continues bit for bit, as from ep2's
+    background checkpoints."""
+    sync = ["--set=train.async_checkpoints=false"]
+    full = _run(tmp_path, "sync", "megatron", "--ep", "2", *sync, nproc=2)
+    assert [m["loss"] for m in full] == [m["loss"] for m in ep2[1] if "loss" in m]
+    assert "(written on the training thread)" in (tmp_path / "sync" / "run.log").read_text()
+    assert (tmp_path / "sync" / "checkpoints" / "step-00000002" / "integrity.json").is_file()
+    assert not (ep2[0] / "checkpoints" / "step-00000004" / "integrity.json").exists()
+    resumed = _run(tmp_path, "sync", "megatron", "--ep", "2", *sync, "--resume",
+                   str(tmp_path / "sync" / "checkpoints" / "step-00000002"), nproc=2)
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
+           [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]

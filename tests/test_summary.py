@@ -27,11 +27,41 @@ def test_lm_loss_is_averaged_apart_from_the_other_losses():
     assert s["lm_loss_last"] == pytest.approx(10.0 - 0.1 * 94.5)  # steps 91..100
     assert s["loss_last"] == pytest.approx(s["lm_loss_last"] + 0.51)
     assert s["other_losses_last"] == pytest.approx({"moe_aux": 0.01, "mtp_loss": 0.5})
-    assert s["tokens"] == 25_600 and s["tokens_per_s"] == pytest.approx(1280.0)
-    assert s["step_tokens_per_s"] == pytest.approx(194.5)  # median of the last ten steps' own rates
+    assert s["tokens"] == 25_600 and s["tokens_per_s"] == pytest.approx(1280.0)  # the wall average
     line = describe(dict(s, run_dir="runs/x"))
-    assert "100 steps in 20.0 s; 25,600 tokens, 1,280 tokens/s; LM loss 9.5500 -> 0.5500" in line
+    assert "100 steps in 20.0 s; 25,600 tokens; 150 tokens/s, 0.1 TFLOP/s per device at the median step after " \
+           "the first (first step 0.1 s: kernel builds, warm-up; 1,280 tokens/s over the wall time); " \
+           "LM loss 9.5500 -> 0.5500" in line
     assert "mtp_loss 0.5" in line and line.endswith("run folder runs/x")
+
+
+def test_the_first_step_is_apart_from_the_steady_state():
+    """A first step 50x slower than the rest (kernel builds) moves the wall average, not the headline."""
+    recs = records(10)
+    recs[0].update(step_time_s=5.0, tokens_per_s=2.0, tflops_per_device=0.002)
+    s = summarize(recs, wall_s=5.9, steps_run=10, tokens_per_step=10)
+    assert s["step_tokens_per_s"] == pytest.approx(105.0)  # median of steps 2..10: 101..109
+    assert s["step_time_s"] == pytest.approx(0.1) and s["step_tflops_per_device"] == pytest.approx(0.1)
+    assert s["first_step_s"] == 5.0 and s["steady_steps"] == 9
+    assert s["tokens_per_s"] == pytest.approx(100 / 5.9)
+
+
+def test_a_resumed_run_measures_from_its_own_first_step():
+    """Records of the earlier invocation (steps 1..5) are not this run's speed; step 6 is its first step."""
+    recs = records(10)
+    for r in recs[:5]:
+        r["tokens_per_s"] = 1.0
+    recs[5].update(step_time_s=7.0)
+    s = summarize(recs, wall_s=8.0, steps_run=5, tokens_per_step=10, first_step=6)
+    assert s["first_step_s"] == 7.0 and s["steady_steps"] == 4
+    assert s["step_tokens_per_s"] == pytest.approx(107.5)  # median of steps 7..10: 106..109
+
+
+def test_one_step_has_no_steady_state():
+    s = summarize(records(1), wall_s=2.0, steps_run=1, tokens_per_step=64)
+    assert s["step_tokens_per_s"] is None and s["first_step_s"] == 0.1
+    line = describe(dict(s, run_dir="r"))
+    assert "64 tokens; 32 tokens/s over the wall time (no step after the first to measure); first step 0.1 s" in line
 
 
 def test_a_run_without_records_still_has_its_time():
@@ -49,13 +79,17 @@ def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys):
 
     corpus = prepare_corpus(tmp_path_factory, (textwrap,), chars=4000)
     run_dir = tmp_path / "run"
-    assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--max-steps", "3", "--set", "seq_len=32",
-                "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=0"]) == 0
+    assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--max-steps", "4", "--set", "seq_len=32",
+                "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=0",
+                "--set", "train.log_every=3"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = read_metrics(run_dir)
-    assert summary["steps_run"] == 3 and summary["tokens"] == 3 * 2 * 32
+    assert [m["step"] for m in metrics] == [1, 3, 4]  # every 3rd, and the first and the last
+    assert summary["steps_run"] == 4 and summary["tokens"] == 4 * 2 * 32
     assert summary["wall_time_s"] > 0 and summary["tokens_per_s"] > 0
-    assert summary["lm_loss_last"] == pytest.approx(metrics[-1]["lm_loss"])  # window 1 at 3 steps
+    assert summary["first_step_s"] == metrics[0]["step_time_s"] and summary["steady_steps"] == 2
+    assert summary["step_tokens_per_s"] == pytest.approx((metrics[1]["tokens_per_s"] + metrics[2]["tokens_per_s"]) / 2)
+    assert summary["lm_loss_last"] == pytest.approx(metrics[-1]["lm_loss"])  # window 1 at 3 records
     assert "mtp_loss" in summary["other_losses_last"] and "lm_loss" not in summary["other_losses_last"]
-    assert "done: 3 steps in" in capsys.readouterr().out
+    assert "done: 4 steps in" in capsys.readouterr().out
 

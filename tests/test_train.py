@@ -296,4 +296,4 @@ def test_step_lines_show_the_lm_loss_and_the_end_says_where_things_are(tmp_path,
     assert f"checkpoint: {checkpoint}\n" in captured.out
     assert f"  {summary['continue_with']}\n" in captured.out and "--resume auto" in summary["continue_with"]
     assert f"metrics: {run_dir / 'metrics.jsonl'}" in captured.out
-    assert f"checkpoint saved: {checkpoint}" in (run_dir / "run.log").read_text()
+    assert f"checkpoint {checkpoint}: training paused" in (run_dir / "run.log").read_text()

@@ -197,7 +197,9 @@ class NamMegatronModel:
                 model = build(pre_process=stage == 0, post_process=last, vp_stage=chunk)
         model = model.to(device)  # Megatron's parallel layers are there already; its torch norms are not
         if self.init_from is not None:
-            state = torch.load(self.init_from, map_location=device, weights_only=True)
+            from nam56r.export import initial_weights
+
+            state = {k: v.to(device) for k, v in initial_weights(self.init_from, self.cfg).items()}
         else:  # what `nam train` does before building the local model: same seed, same init, same weights
             torch.manual_seed(self.seed)
             state = build_nam_model(self.cfg, self.backends, device=device).state_dict()

@@ -2,7 +2,8 @@
 
 A prepared dataset (written by ``nam_core.data.prepare``) is a folder:
 
-    dataset.json             manifest: format version, tokenizer, counts, sha256 of every .idx and .bin
+    dataset.json             manifest: format version, tokenizer, counts, sha256 of every .idx and .bin,
+                             and how many documents at the end are held out for validation
     tokens.bin / tokens.idx  Megatron-Core indexed dataset, one sequence per document, eod appended
     structure.bin / .idx     optional: one structure id per token, same lengths as tokens
 
@@ -24,6 +25,13 @@ document) let blocks that must not look across documents reset there. ``loss_mas
 the eod -> next-document label included (Megatron-LM's default, ``eod_mask_loss=False``), and 0 only on the
 padding that fills the last row past the end of the stream.
 
+Splits. ``validation_documents: N`` in the manifest (``nam data prepare --val-fraction``) holds N documents
+out of training, spread evenly through the files (``held_out(D, N)``: document ``(2j + 1) * D // (2N)`` for
+``j < N``), so a folder prepared in path order does not lose its last folder (the stdlib corpus's tail is
+``encodings/iso8859_*.py``, five near-identical codec tables). ``split("train")`` and ``split("validation")``
+are views of their documents, each read as its own stream; a document is never cut between them. A manifest
+without the field holds nothing out.
+
 Order. Rows are visited in a permutation drawn from ``numpy.random.default_rng([seed, epoch])``, a fresh one
 each epoch. Sample ``k = step * batch_size + j`` is row ``perm(seed, k // rows)[k % rows]``, so
 ``batch_at(step, batch_size)`` is a pure function of (seed, step, batch_size): a resumed run needs nothing
@@ -32,6 +40,7 @@ but the step number to continue the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
@@ -83,6 +92,28 @@ class PreparedDataset:
     structure: object | None  # the same, for structure ids; None when the dataset has none
     doc_starts: np.ndarray  # [documents + 1] int64: stream offset of each document, then the total
     integrity: dict | None = None  # .bin name -> what its check found (nam_core.data.integrity.verify)
+    document_ids: np.ndarray | None = None  # a split's documents, as indices into the files; None: all of them
+    split_name: str = "all"  # "all", "train" or "validation"
+
+    @property
+    def validation_documents(self) -> int:
+        """Documents at the end of the files held out for validation (the manifest's; 0 when it has none)."""
+        return int(self.manifest.get("validation_documents", 0))
+
+    def split(self, name: str) -> "PreparedDataset":
+        """The ``train`` or ``validation`` documents as a dataset of their own (module docstring: Splits)."""
+        if self.split_name != "all" or name not in ("train", "validation"):
+            raise ValueError(f"split {name!r} of a {self.split_name!r} view: only 'train' or 'validation' of a "
+                             "whole dataset")
+        held = held_out(self.documents, self.validation_documents)
+        ids = held if name == "validation" else np.setdiff1d(np.arange(self.documents), held)
+        lengths = np.diff(self.doc_starts)[ids]
+        starts = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        return dataclasses.replace(self, doc_starts=starts, document_ids=ids, split_name=name)
+
+    def _file_document(self, index: int) -> int:
+        return index if self.document_ids is None else int(self.document_ids[index])
 
     @property
     def documents(self) -> int:
@@ -133,7 +164,7 @@ class PreparedDataset:
         source = self.structure if structure else self.tokens
         if source is None:
             raise DataError(f"{self.path} has no structure ids", hint=_prepare_hint(self.path))
-        return np.asarray(source.get(index), dtype=np.int64)
+        return np.asarray(source.get(self._file_document(index)), dtype=np.int64)
 
     def read(self, start: int, stop: int, *, structure: bool = False) -> np.ndarray:
         """Stream positions [start, stop) as int64 [stop - start], across document boundaries."""
@@ -149,12 +180,18 @@ class PreparedDataset:
             doc_start, doc_end = int(self.doc_starts[doc]), int(self.doc_starts[doc + 1])
             take = min(stop, doc_end) - pos
             if take > 0:
-                parts.append(source.get(doc, offset=pos - doc_start, length=take))
+                parts.append(source.get(self._file_document(doc), offset=pos - doc_start, length=take))
                 pos += take
             doc += 1
         if not parts:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate(parts).astype(np.int64)
+
+
+def held_out(documents: int, count: int) -> np.ndarray:
+    """The ``count`` documents of ``documents`` held out for validation, spread evenly: [count] int64, ascending.
+    ``(2j + 1) * D // (2N)`` is the middle of the j-th of N equal slices, distinct for N <= D."""
+    return (2 * np.arange(count, dtype=np.int64) + 1) * documents // (2 * count) if count else np.zeros(0, np.int64)
 
 
 def _load_manifest(path: Path) -> dict:
@@ -298,6 +335,11 @@ def open_dataset(path: str | Path, *, verify_all: bool = False, progress: bool |
                 f"{path / 'structure.idx'} is not aligned with tokens.idx (different document lengths)",
                 hint=f"{_prepare_hint(path)} --overwrite",
             )
+    held = manifest.get("validation_documents", 0)
+    if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < documents:
+        raise DataError(f"{path / MANIFEST}: validation_documents is {held!r}; expected an integer from 0 to "
+                        f"{documents - 1} (documents held out of {documents}, at least one left to train on)",
+                        hint=f"{_prepare_hint(path)} --val-fraction F --overwrite")
     doc_starts = np.zeros(documents + 1, dtype=np.int64)
     np.cumsum(lengths, out=doc_starts[1:])
     return PreparedDataset(path=path, manifest=manifest, tokens=tokens, structure=structure, doc_starts=doc_starts,

@@ -32,6 +32,10 @@ the old one deleted. A process killed outright (SIGKILL, a power cut) cleans not
 same ``out`` removes the ``.tmp-<pid>`` and ``.old-<pid>`` folders whose process is gone (an ``.old-`` one is
 renamed back when ``out`` is missing: it is then the only copy) and says so on stderr.
 
+Validation. ``val_fraction`` holds ``round(val_fraction * documents)`` documents (at least one when it is
+above 0, and never all of them), spread evenly through the files, out of training: the manifest's
+``validation_documents`` (``nam_core.data.dataset``: Splits). The embedded stdlib corpus holds out ``STDLIB_VAL_FRACTION``.
+
 The manifest records the sha256 of every file (``nam_core.data.integrity``), and the stamp that spares the
 first open a re-hash is written once the folder has its final name.
 """
@@ -82,6 +86,9 @@ FILE_SKIP_REASONS = ("binary", "not_utf8", "empty_file")
 # source text. 4 MiB is ~40% of CPython 3.11's non-test stdlib (601 files, 11 MB), prepared in a few
 # seconds on 2 cores, and far more tokens than a CPU run of nam56r-tiny consumes.
 STDLIB_MAX_BYTES = 4 * 2**20
+# The stdlib corpus's held-out share of its files (spread through it): 3% of CPython 3.11's 266 is 8 files,
+# 154 KB of source (as many byte tokens), twice what one evaluation at train.eval_tokens' default reads.
+STDLIB_VAL_FRACTION = 0.03
 # Folders of the stdlib that are not the library itself: tests (lib2to3's hold deliberately broken Python),
 # IDLE, installed packages, bytecode.
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -106,6 +113,8 @@ class PrepareSummary:
     structure: bool = False
     structure_note: str = ""
     seconds: float = 0.0
+    validation_documents: int = 0
+    """The last documents held out for validation (``--val-fraction``)."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -454,8 +463,12 @@ def _write(
     overwrite: bool,
     progress: bool,
     source_info: dict,
+    val_fraction: float = 0.0,
 ) -> PrepareSummary:
     started = time.perf_counter()
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction}: expected a share of the documents in [0, 1)",
+                        hint="e.g. --val-fraction 0.01 holds out 1% of the documents for validation")
     _check_writable(out)
     cleaned = _clean_leftovers(out)
     _check_destination(out, overwrite)
@@ -521,6 +534,7 @@ def _write(
                             hint="point SRC at UTF-8 text/code files, a .jsonl with a 'text' field, or parquet shards")
         for prefix, builder in builders:
             builder.finalize(str(tmp / f"{prefix}.idx"))
+        held = held_out_documents(documents, val_fraction, where=source_info["path"])
 
         files_skipped = sum(skipped.get(r, 0) for r in FILE_SKIP_REASONS)
         files_read = len(source.files) - files_skipped
@@ -536,6 +550,7 @@ def _write(
             cleaned=cleaned,
             structure=structure,
             structure_note=note,
+            validation_documents=held,
         )
         manifest = {
             "format": FORMAT,
@@ -544,6 +559,7 @@ def _write(
             "tokenizer": tokenizer.describe(),
             "source": {**source_info, "kind": summary.source_kind},
             "documents": documents,
+            "validation_documents": held,
             "tokens": tokens,
             "max_token_id": max_id,
             "token_dtype": np.dtype(token_dtype).name,
@@ -593,13 +609,27 @@ def prepare(
     annotate: Annotator | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    val_fraction: float = 0.0,
 ) -> PrepareSummary:
-    """Prepare ``src`` (folder, .jsonl or .parquet; see the module docstring) into the dataset folder ``out``."""
+    """Prepare ``src`` (folder, .jsonl or .parquet; see the module docstring) into the dataset folder ``out``,
+    the last ``val_fraction`` of its documents held out for validation."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
     _check_destination(out, overwrite)
     source = _resolve_source(src, out)
     return _write(source, out, tokenizer, annotate=annotate, overwrite=overwrite, progress=progress,
-                  source_info={"path": str(src.resolve())})
+                  source_info={"path": str(src.resolve())}, val_fraction=val_fraction)
+
+
+def held_out_documents(documents: int, val_fraction: float, *, where: str) -> int:
+    """How many of ``documents`` ``val_fraction`` holds out: at least one when it is above 0,
+    and never all of them (DataError when one document is all there is)."""
+    if val_fraction == 0:
+        return 0
+    if documents < 2:
+        raise DataError(f"--val-fraction {val_fraction}: {where} holds {documents} document; holding one out "
+                        "leaves nothing to train on",
+                        hint="prepare more documents, or a validation set apart and pass it as --eval-data DIR")
+    return min(documents - 1, max(1, round(val_fraction * documents)))
 
 
 # ----------------------------------------------------------------------------------------- stdlib corpus
@@ -642,19 +672,20 @@ def build_stdlib_corpus(
     without site-packages, test suites, idlelib or lib2to3), sorted by path, capped at ``max_bytes`` of
     source (default 4 MiB: 266 files on CPython 3.11) and optionally ``max_files``. A folder that is
     already there is reused when it opens cleanly and was built with the same tokenizer, cap and structure
-    choice; otherwise it is rebuilt. Since ``prepare`` only ever renames a complete folder into place, a
+    choice; otherwise it is rebuilt. ``STDLIB_VAL_FRACTION`` of its files are held out for validation. Since ``prepare`` only ever renames a complete folder into place, a
     present manifest means a finished build.
     """
     cache_dir = Path(cache_dir).expanduser()
     out = cache_dir / f"stdlib-{tokenizer.name}-py{sys.version_info.major}{sys.version_info.minor}"
     root = Path(sysconfig.get_paths()["stdlib"])
-    source_info = {"path": str(root), "stdlib": True, "max_files": max_files, "max_bytes": max_bytes}
+    source_info = {"path": str(root), "stdlib": True, "max_files": max_files, "max_bytes": max_bytes,
+                   "val_fraction": STDLIB_VAL_FRACTION}
     if _reusable(out, tokenizer, source_info, structure=annotate is not None):
         return out
     files = stdlib_files(max_files=max_files, max_bytes=max_bytes)
     try:
         _write(_Source(files=files), out, tokenizer, annotate=annotate, overwrite=True,
-               progress=progress, source_info=source_info)
+               progress=progress, source_info=source_info, val_fraction=STDLIB_VAL_FRACTION)
     except RunFolderError as e:
         raise RunFolderError(f"the default corpus cannot be prepared in nam's cache: {e.message}",
                              hint="point NAM_CACHE_DIR at a writable folder, or train on a prepared dataset: "

@@ -2,8 +2,13 @@
 
 Layout under the run folder::
 
-    checkpoints/step-00000060/      model.pt  optimizer.pt  scheduler.pt  rng.pt  manifest.json
+    checkpoints/step-00000060/      manifest.json  state/.metadata  state/__0_0.distcp   (format 3)
+    checkpoints/step-00000040/      model.pt  optimizer.pt  scheduler.pt  rng.pt  manifest.json   (1 and 2)
     checkpoints/.step-00000080.tmp-<pid>/   a save in progress (ignored, removed by the next save)
+
+Format 3 (``start_save``, the local engine's default) is torch.distributed.checkpoint written in the background
+(nam_core/engine/async_checkpoint.py): training pays only the copy of the state to host memory. Formats 1 and 2
+(``save``, one torch.save file per part on the training thread; ``train.async_checkpoints=false``) still load.
 
 A checkpoint is *good* when its folder has its final name and its manifest's sha256 of every file matches.
 Rename is atomic on POSIX, so a crash or ``kill -9`` mid-save leaves only a ``.tmp`` folder behind and
@@ -30,17 +35,12 @@ import torch
 from nam_core.data.dataset import file_sha256
 from nam_core.engine import rundir
 from nam_core.errors import ConfigError, NamError, RunFolderError
+from nam_core.files import fsync_dir
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "rng.pt")
 FORMAT = 2  # 2: rng.pt holds tensors and plain numbers only (1: numpy's pickled state)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -118,6 +118,59 @@ def _fault_injection(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler, extra: dict, keep: int):
+    """Format 3: wait for the save in flight (``finish_save``), then copy the state to host memory on this thread
+    and write checkpoint ``step`` in the background; returns its ``PendingSave`` (async_checkpoint.py). The folder
+    gets its final name, hashed and with its manifest, when the write is done; until then it is hidden."""
+    from nam_core.engine import async_checkpoint as dcp
+
+    finish_save(saver, ckpt_root, model, optimizer)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # nothing is in flight: leftovers of a killed save or prune
+    final = ckpt_root / f"step-{step:08d}"
+    tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
+    model_sd, optim_sd = dcp.state_dicts(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+
+    def finish(tmp: Path, final: Path) -> None:  # the background thread, after the files are written
+        digests = {name: _sha256(tmp / name, file_sha256(tmp / name)) for name in dcp.state_files(tmp)}
+        dcp.write_manifest(tmp, {"format": dcp.FORMAT, "step": step, **extra, "sha256": digests})
+        _into_place(tmp, final, ckpt_root, keep)
+
+    try:
+        tmp.mkdir()
+        return saver.start(tmp, final, step, state, finish)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if rundir.disk_full(exc):
+            raise _no_space(ckpt_root, model, optimizer) from exc
+        raise
+
+
+def finish_save(saver, ckpt_root: Path, model, optimizer) -> Path | None:
+    """The folder of the save in flight once it is on disk (None when there is none); a full disk during its
+    background write is the RunFolderError ``save`` raises (its half-written folder is already removed)."""
+    try:
+        return saver.wait()
+    except BaseException as exc:
+        if rundir.disk_full(exc):
+            raise _no_space(ckpt_root, model, optimizer) from exc
+        raise
+
+
+def _into_place(tmp: Path, final: Path, ckpt_root: Path, keep: int) -> None:
+    """Rename a finished save into place (the same step saved again replaces it), then prune to ``keep``."""
+    replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():  # re-saving the same step (e.g. end of a resumed run): the new one replaces it
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    fsync_dir(ckpt_root)
+    shutil.rmtree(replaced, ignore_errors=True)
+    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        _remove(old)
+
+
 def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict, keep: int) -> Path:
     """Write checkpoint ``step`` atomically; return its folder. ``extra`` goes into the manifest."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -128,19 +181,12 @@ def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict
     try:
         tmp.mkdir()
         _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
-        replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
-        if final.exists():  # re-saving the same step (e.g. end of a resumed run): the new one replaces it
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_root)
-        shutil.rmtree(replaced, ignore_errors=True)
+        _into_place(tmp, final, ckpt_root, keep)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if rundir.disk_full(exc):
             raise _no_space(ckpt_root, model, optimizer) from exc
         raise
-    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-        _remove(old)
     return final
 
 
@@ -204,6 +250,29 @@ def no_space(ckpt_root: Path, need_mb: float | None, good: list[Path]) -> RunFol
              f"--run-dir {ckpt_root.parent}")
 
 
+def _dcp_format(manifest: dict) -> bool:
+    """Whether a manifest is format 3's (async_checkpoint.py); another engine's string format is not."""
+    fmt = manifest.get("format", 1)
+    return isinstance(fmt, int) and fmt >= 3
+
+
+_DIGESTS: dict[tuple, str] = {}
+"""sha256 by file version (device, inode, size, mtime in ns): one start verifies the same checkpoints up to three
+times (the run folder's plan, ``--resume auto``, the engine's start) and a background save prunes right after
+hashing what it wrote; at full NAM56R each pass over a checkpoint is 27 GB of hashing."""
+
+
+def _sha256(path: Path, known: str | None = None) -> str:
+    """``file_sha256(path)``, once per file version in this process (``known``: the digest just computed)."""
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if known is not None:
+        _DIGESTS[key] = known
+    elif key not in _DIGESTS:
+        _DIGESTS[key] = file_sha256(path)
+    return _DIGESTS[key]
+
+
 def verify(folder: Path) -> dict | None:
     """The manifest of a good checkpoint folder, or None if it is incomplete or corrupt."""
     return inspect(folder)[0]
@@ -221,10 +290,18 @@ def inspect(folder: Path) -> tuple[dict | None, str]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, f"manifest.json is not valid JSON ({e})"
     digests = manifest.get("sha256", {})
-    for name in FILES:
+    names = FILES
+    if _dcp_format(manifest):
+        from nam_core.engine.async_checkpoint import STATE, state_files
+
+        names = state_files(folder)
+        if f"{STATE}/.metadata" not in names or set(names) != set(digests):
+            return None, (f"the files under {STATE}/ ({', '.join(names) or 'none'}) are not the ones its manifest "
+                          f"lists ({', '.join(sorted(digests))})")
+    for name in names:
         if not (folder / name).is_file():
             return None, f"{name} is missing"
-        if digests.get(name) != file_sha256(folder / name):
+        if digests.get(name) != _sha256(folder / name):
             return None, f"sha256 mismatch of {name} (the file changed after it was saved)"
     return manifest, ""
 
@@ -281,8 +358,28 @@ def load(folder: Path, *, model, optimizer, scheduler) -> dict:
     manifest = verify(folder)
     if manifest is None:
         raise NamError(f"checkpoint {folder} failed verification", hint="use --resume auto")
+    if _dcp_format(manifest):
+        from nam_core.engine import async_checkpoint as dcp
+
+        rng = dcp.load(folder, model=model, optimizer=optimizer, scheduler=scheduler, rng_template=rng_state())
+        set_rng_state(rng, source=folder / "state")
+        return manifest
     model.load_state_dict(load_tensors(folder / "model.pt"))
     optimizer.load_state_dict(load_tensors(folder / "optimizer.pt"))
     scheduler.load_state_dict(load_tensors(folder / "scheduler.pt"))
     set_rng_state(_load_rng(folder / "rng.pt", manifest), source=folder / "rng.pt")
     return manifest
+
+
+def model_state(folder: Path) -> tuple[dict, dict]:
+    """The model's state dict (CPU tensors) and the manifest of a verified checkpoint folder, without an
+    optimizer or a model to load into (``nam export``)."""
+    manifest = verify(folder)
+    if manifest is None:
+        raise NamError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
+                       hint=f"export a good one: ls {folder.parent}")
+    if _dcp_format(manifest):
+        from nam_core.engine import async_checkpoint as dcp
+
+        return {k[len("model."):]: v for k, v in dcp.read_flat(folder, "model.").items()}, manifest
+    return load_tensors(folder / "model.pt"), manifest

@@ -98,12 +98,27 @@ class TrainConfig:
     within 2e-7 where Megatron does (nam56r/recompute.py says how each engine runs it). Default: none."""
 
     log_every: int = bounded(1, ge=1, aka=("log_interval", "logging_steps"))
-    """Write a metrics.jsonl line every N steps."""
+    """Write a metrics.jsonl line every N steps, and for the first and last step of each invocation (the
+    summary reports the first step's time apart from the steady state, nam_core/engine/summary.py)."""
     checkpoint_every: int = bounded(50, ge=0, note="0: no checkpoints",
                                     aka=("save_every", "save_interval", "save_steps"))
     """Save a checkpoint every N steps and at the end; 0: never (benchmarks, whose state nobody resumes)."""
     keep_checkpoints: int = bounded(2, ge=1, aka=("save_total_limit", "keep_last"))
     """Newest checkpoints kept; older ones are deleted after a successful save."""
+    async_checkpoints: bool = True
+    """Write checkpoints in the background: training pays the copy of the state to host memory, not the write.
+    Local engine: torch.distributed.checkpoint, format 3 (nam_core/engine/async_checkpoint.py); megatron engine:
+    Megatron's dist-checkpointing async save (``BackgroundSaves`` in nam_core/engine/megatron/checkpoint.py).
+    False: on the training thread (local: one torch.save file per part, format 2)."""
+
+    eval_every: int = bounded(0, ge=0, note="0: no validation",
+                              aka=("eval_interval", "eval_steps", "val_every", "val_check_interval"))
+    """Evaluate the LM loss on held-out rows every N steps and after the last (nam_core/engine/validation.py);
+    0: never. Needs held-out data: ``nam data prepare --val-fraction F`` or ``nam train --eval-data DIR`` (the
+    default stdlib corpus holds out 3% of its files)."""
+    eval_tokens: int = bounded(65_536, ge=1, aka=("eval_iters", "val_tokens", "eval_samples"))
+    """Tokens one evaluation reads over all data-parallel ranks, rounded up to whole micro-batches, at most one
+    pass over the held-out rows. 65,536: 8 micro-batches of 2 x 4096 (NAM56R), 256 of nam56r-tiny's 4 x 64."""
 
     plugin_options: dict = field(default_factory=dict)
     """Options read by plugins, ``{"<plugin>.<option>": value, ...}`` (set with --set <plugin>.<option>=...)."""
@@ -134,6 +149,10 @@ class TrainConfig:
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+    def evaluates_after(self, step: int, last: int) -> bool:
+        """Whether an evaluation follows optimizer step ``step`` (counted from 1) of a run ending after ``last``."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or step == last)
 
     def saves_after(self, step: int, last: int) -> bool:
         """Whether a checkpoint is written after optimizer step ``step`` (counted from 1) of a run that ends

@@ -56,6 +56,8 @@ class EngineRun:
     hints of a stop or a guard (the CLI knows the options it was started with)."""
     checkpoints: bool = True
     """False: write none, not even at the end (throughput benchmarks, whose state nobody resumes)."""
+    held_out: Any = None
+    """Validation rows (``nam_core.engine.validation.HeldOut``, ``train.eval_every``); None: no evaluation."""
 
     @property
     def train(self) -> TrainConfig:

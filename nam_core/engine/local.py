@@ -26,6 +26,7 @@ from nam_core.engine.contract import EngineRun, Ranks
 from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
+from nam_core.engine.validation import mean_loss
 from nam_core.errors import Interrupted, TrainingGuardError
 
 
@@ -71,6 +72,8 @@ class _State:
     log: MetricsLog
     start: int
     noted: set = field(default_factory=set)
+    saver: Any = None
+    """The background checkpoint writer (``train.async_checkpoints``), made at the first save."""
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -121,14 +124,16 @@ def _start(run: EngineRun) -> _State:
     folder = run.folder
     start, cut = 0, []
     if run.resume_from is not None:
+        loading = time.perf_counter()
         manifest = checkpoint.load(run.resume_from, model=module, optimizer=optimizer, scheduler=scheduler)
+        loading = time.perf_counter() - loading
         resume_schedule(optimizer, scheduler, cfg)
         start = manifest["step"]
         cut = folder.truncate_metrics(start)
     state = _State(optimizer, scheduler, folder.metrics_log(start_step=start, total_steps=run.max_steps,
                                                              quiet=run.quiet), start)
     if run.resume_from is not None:
-        state.log.note(f"resumed from {run.resume_from} at step {start}")
+        state.log.note(f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s)")
     for line in cut:
         state.log.note(line)
     _drain_notes(run, state)
@@ -177,11 +182,64 @@ def _step(run: EngineRun, state: _State, step: int, last_good: Path | None) -> t
     return metrics, n_tokens
 
 
-def _save(run: EngineRun, state: _State, step: int) -> Path:
-    path = checkpoint.save(run.folder.checkpoints, step, model=run.model.module, optimizer=state.optimizer,
-                           scheduler=state.scheduler, extra={"record": run.record}, keep=run.train.keep_checkpoints)
-    state.log.note(f"checkpoint saved: {path}", echo=False)
-    return path
+def evaluate(run: EngineRun) -> dict:
+    """``{"val_loss": ...}``: the LM loss on the held-out rows (nam_core/engine/validation.py), no gradients,
+    the model in eval mode for the pass and back in train mode after it."""
+    cfg, module = run.train, run.model.module
+    n = run.held_out.micro_batches(eval_tokens=cfg.eval_tokens, micro_batch_size=cfg.micro_batch_size)
+    total = 0.0
+    module.eval()
+    try:
+        with torch.no_grad():
+            for i in range(n):
+                batch = run.held_out.batch_at(i, cfg.micro_batch_size)
+                out = run.model.forward({k: v.to(cfg.device) for k, v in batch.items()}, i)
+                total += out["lm_loss"].float().item()
+    finally:
+        module.train()
+    return {"val_loss": mean_loss(total, n)}
+
+
+def _save(run: EngineRun, state: _State, step: int, last_good: Path | None, *, wait: bool) -> Path | None:
+    """Checkpoint ``step``; the newest checkpoint on disk after it. With ``train.async_checkpoints`` the files are
+    written in the background (nam_core/engine/async_checkpoint.py): the save before it is waited for, and this
+    one too when ``wait`` (the last step, a stop)."""
+    root, cfg, module = run.folder.checkpoints, run.train, run.model.module
+    if not cfg.async_checkpoints:
+        t0 = time.perf_counter()
+        saved = checkpoint.save(root, step, model=module, optimizer=state.optimizer, scheduler=state.scheduler,
+                                extra={"record": run.record}, keep=cfg.keep_checkpoints)
+        state.log.note(f"checkpoint {saved}: training paused {time.perf_counter() - t0:.1f} s (written on the "
+                       "training thread)", echo=False)
+        return saved
+    if state.saver is None:
+        state.saver = checkpoint_saver(cfg)
+    t0, previous = time.perf_counter(), state.saver.pending
+    last_good = _finish_save(run, state) or last_good
+    if previous is not None:  # training stood still until the previous write ended: part of this save's cost
+        state.log.note(f"checkpoint {root / f'step-{step:08d}'}: training waited {time.perf_counter() - t0:.1f} s for the "
+                       "previous checkpoint's background write (train.checkpoint_every steps took less than a "
+                       "write)", echo=False)
+    checkpoint.start_save(root, step, saver=state.saver, model=module, optimizer=state.optimizer,
+                          scheduler=state.scheduler, extra={"record": run.record}, keep=cfg.keep_checkpoints)
+    return (_finish_save(run, state) or last_good) if wait else last_good
+
+
+def checkpoint_saver(cfg: TrainConfig):
+    """The run's background checkpoint writer; on CUDA its host buffers are pinned and kept between saves."""
+    from nam_core.engine.async_checkpoint import AsyncSaver
+
+    return AsyncSaver(pinned=cfg.device == "cuda")
+
+
+def _finish_save(run: EngineRun, state: _State) -> Path | None:
+    """Wait for the save in flight; note what it cost (the stall, the background write); its folder."""
+    pending = state.saver.pending
+    done = checkpoint.finish_save(state.saver, run.folder.checkpoints, run.model.module, state.optimizer)
+    if pending is not None:
+        state.log.note(f"checkpoint {done}: training paused {pending.stall_s:.1f} s (copy to host memory), "
+                       f"written in {time.perf_counter() - pending.started:.1f} s in the background", echo=False)
+    return done
 
 
 def _stopped(run: EngineRun, stop: StopRequests, step: int, last_good: Path | None) -> Interrupted:
@@ -204,17 +262,23 @@ def train(run: EngineRun) -> dict:
             for step in range(state.start, run.max_steps):
                 metrics, tokens_per_step = _step(run, state, step, last_good)
                 _drain_notes(run, state)
-                if (step + 1) % cfg.log_every == 0 or step + 1 == run.max_steps or stop.signum is not None:
+                if cfg.evaluates_after(step + 1, run.max_steps):
+                    metrics.update(evaluate(run))
+                if (step + 1) % cfg.log_every == 0 or step in (state.start, run.max_steps - 1) \
+                        or "val_loss" in metrics or stop.signum is not None:
                     state.log.log(metrics)
                 state.log.advance()
                 saves = cfg.saves_after(step + 1, run.max_steps) or (stop.signum is not None and cfg.checkpoint_every)
                 if run.checkpoints and saves:
-                    last_good = _save(run, state, step + 1)
+                    last_good = _save(run, state, step + 1, last_good,
+                                      wait=stop.signum is not None or step + 1 == run.max_steps)
                 if stop.signum is not None:
                     raise _stopped(run, stop, step + 1, last_good)
             report = run.host.run_report(run.context(run.max_steps, parameters=run.model.module.named_parameters,
                                                      note=state.log.note))
         finally:
+            if state.saver is not None and state.saver.pending is not None:  # an error mid-run: the save in
+                _finish_save(run, state)  # flight still lands (or is removed)
             state.log.close()
     return {"steps": run.max_steps, "started_at_step": state.start, "last_checkpoint": str(last_good),
             "tokens_per_step": tokens_per_step, "plugin_report": report}

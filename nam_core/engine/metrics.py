@@ -38,6 +38,8 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
         line = f"step {step} {step_line(metrics)}"
+        if "val_loss" in metrics:
+            line += f" val_loss {metrics['val_loss']:.4f}"
         if self.bar is not None:
             self.bar.set_postfix_str(step_line(metrics))
         elif not self.quiet:

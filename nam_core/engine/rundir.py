@@ -52,7 +52,7 @@ MOVED_ASIDE = ("config.json", "plugins.json", "metrics.jsonl", "summary.json", "
 
 RESUMABLE = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.total_steps", "train.grad_clip",
              "train.weight_decay", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.recompute")
+             "train.eval_every", "train.eval_tokens", "train.async_checkpoints", "train.recompute")
 """Fields a resume may change. They steer the run from the next step on and change no tensor's shape or
 meaning: the LR schedule is rebuilt from (step, these fields) at every start, weight decay is set on the
 optimizer's groups after a load, activation recompute computes the same step (bit-exact, or to 2e-7 under Megatron's own: nam56r/recompute.py), the

@@ -3,7 +3,14 @@
 One step's loss is noisy, and the total ``loss`` includes the MTP and auxiliary losses (router balance, the
 indexer's KL), which move for their own reasons. So the summary reports the LM loss (``lm_loss``) averaged over
 a window of steps at the start and at the end, each other loss term averaged over the end window apart from
-it, and the run's speed: wall time, tokens, tokens per second.
+it, the last validation LM loss (``val_loss``, nam_core/engine/validation.py) when the run evaluated, and the
+run's speed.
+
+The speed it leads with is the steady state: the median step after this invocation's first one (tokens/s and
+model TFLOP/s per device, as the engines log them). The first step builds kernels and warms allocators and
+caches (NAM56R, one H200: ~20 s against ~1.7 s for each later step), so an average over the wall time that
+includes it understates a run's speed by 1.7x at 10 steps (issue 31); the first step's time is reported
+apart, and the wall average (checkpoints included) stays in ``summary.json`` as ``tokens_per_s``.
 
 Both engines write the same records (``nam_core.engine.local``, ``nam_core.engine.megatron.loop``): a record is
 the step's numbers; every numeric field that is not one of ``STEP_FIELDS`` is a loss term.
@@ -15,8 +22,9 @@ import math
 from statistics import fmean, median
 
 STEP_FIELDS = frozenset({"step", "loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
-                         "mem_gib", "step_time_s"})
-"""Fields of a metrics record that are not auxiliary loss terms (``loss`` is their sum with ``lm_loss``)."""
+                         "mem_gib", "step_time_s", "val_loss"})
+"""Fields of a metrics record that are not auxiliary training-loss terms (``loss`` is their sum with
+``lm_loss``; ``val_loss``, on the steps that evaluated, is the held-out LM loss)."""
 
 WINDOW_FRACTION, WINDOW_MAX = 0.1, 20
 """The window: the last 10% of the logged steps (a short run's first steps are far above its end), at most 20
@@ -28,15 +36,20 @@ def window(n_records: int) -> int:
     return max(1, min(WINDOW_MAX, math.ceil(n_records * WINDOW_FRACTION)))
 
 
-def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_step: int | None) -> dict:
+def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_step: int | None,
+              first_step: int = 1) -> dict:
     """The summary's numbers. ``records``: the run folder's metrics records (a resumed run's earlier ones too);
-    ``wall_s``, ``steps_run`` and ``tokens_per_step``: this invocation's training (tokens over every rank)."""
+    ``wall_s``, ``steps_run`` and ``tokens_per_step``: this invocation's training (tokens over every rank);
+    ``first_step``: the number (from 1) of this invocation's first step, the one whose time is reported apart."""
     tokens = (tokens_per_step or 0) * steps_run
     summary = {"wall_time_s": round(wall_s, 3), "steps_run": steps_run, "tokens": tokens,
-               "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None}
+               "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None, **steady_state(records, first_step)}
+    evaluated = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
+    summary.update(val_loss_last=evaluated[-1]["val_loss"] if evaluated else None,
+                   val_loss_step=evaluated[-1]["step"] if evaluated else None)
     if not records:
         return dict(summary, loss_window=0, lm_loss_first=None, lm_loss_last=None, loss_last=None,
-                    other_losses_last={}, step_tokens_per_s=None)
+                    other_losses_last={})
     n = window(len(records))
     first, last = records[:n], records[-n:]
     lm = "lm_loss" if all("lm_loss" in r for r in records) else "loss"  # a model without the split logs one
@@ -44,9 +57,24 @@ def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_
     summary.update(
         loss_window=n, lm_loss_first=_mean(first, lm), lm_loss_last=_mean(last, lm), loss_last=_mean(last, "loss"),
         other_losses_last={k: _mean(last, k) for k in aux},
-        step_tokens_per_s=median(r["tokens_per_s"] for r in last) if all("tokens_per_s" in r for r in last) else None,
     )
     return summary
+
+
+def steady_state(records: list[dict], first_step: int) -> dict:
+    """This invocation's speed: the median over its logged steps after ``first_step`` of each step's own
+    ``tokens_per_s``, ``tflops_per_device`` and ``step_time_s`` (None when no such step was logged: a one-step
+    run has no steady state), and ``first_step_s``, the time of step ``first_step`` (None when not logged)."""
+    later = [r for r in records if r.get("step", 0) > first_step]
+    first = [r for r in records if r.get("step") == first_step]
+
+    def med(key: str) -> float | None:
+        values = [r[key] for r in later if isinstance(r.get(key), (int, float))]
+        return median(values) if values and len(values) == len(later) else None
+
+    return {"step_tokens_per_s": med("tokens_per_s"), "step_tflops_per_device": med("tflops_per_device"),
+            "step_time_s": med("step_time_s"), "steady_steps": len(later),
+            "first_step_s": first[-1].get("step_time_s") if first else None}
 
 
 def numerics_fields(train) -> dict:
@@ -60,8 +88,11 @@ def numerics_fields(train) -> dict:
 def describe(summary: dict) -> str:
     """The summary as the one line ``nam train`` prints at the end."""
     parts = [f"done: {summary['steps_run']} steps in {_duration(summary['wall_time_s'])}"]
-    if summary.get("tokens_per_s"):
-        parts.append(f"{summary['tokens']:,} tokens, {summary['tokens_per_s']:,.0f} tokens/s")
+    if summary.get("tokens"):
+        parts.append(f"{summary['tokens']:,} tokens")
+    speed = _speed(summary)
+    if speed:
+        parts.append(speed)
     if summary.get("lm_loss_last") is not None:
         n = summary["loss_window"]
         parts.append(f"LM loss {summary['lm_loss_first']:.4f} -> {summary['lm_loss_last']:.4f} (mean of the "
@@ -69,8 +100,23 @@ def describe(summary: dict) -> str:
         others = ", ".join(f"{k} {v:.4g}" for k, v in summary["other_losses_last"].items())
         if others:
             parts.append(f"other losses at the end: {others}")
+    if summary.get("val_loss_last") is not None:
+        parts.append(f"validation LM loss {summary['val_loss_last']:.4f} at step {summary['val_loss_step']}")
     parts.append(f"run folder {summary.get('run_dir')}")
     return "; ".join(parts)
+
+
+def _speed(summary: dict) -> str:
+    """'9,478 tokens/s, 85.1 TFLOP/s per device at the median step after the first (first step 22.1 s: kernel
+    builds, warm-up; 5,543 tokens/s over the wall time)'; the wall average alone when no later step ran."""
+    first = summary.get("first_step_s")
+    first = f"first step {_duration(first)}: kernel builds, warm-up" if first is not None else ""
+    wall = f"{summary['tokens_per_s']:,.0f} tokens/s over the wall time" if summary.get("tokens_per_s") else ""
+    if summary.get("step_tokens_per_s") is None:
+        return "; ".join(x for x in (wall + (" (no step after the first to measure)" if wall else ""), first) if x)
+    tflops = summary.get("step_tflops_per_device")
+    rate = f"{summary['step_tokens_per_s']:,.0f} tokens/s" + (f", {tflops:.3g} TFLOP/s" if tflops is not None else "")
+    return f"{rate} per device at the median step after the first ({'; '.join(x for x in (first, wall) if x)})"
 
 
 def _mean(records: list[dict], key: str) -> float | None:

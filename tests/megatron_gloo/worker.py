@@ -4,7 +4,7 @@ rows (micro-batch ``i`` is a pure function of ``i``).
 
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
-    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6]
+    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6] [--eval]
     torchrun --nproc-per-node 2 worker.py cli RUN_DIR STEPS -- train --engine megatron --ep 2 --plugins ...
 
 ``cli`` runs ``nam train`` itself in each rank (the CLI's whole path: plugin activation on an H100 profile,
@@ -29,6 +29,23 @@ def batch_at(index: int, size: int, cfg) -> dict:
     segments[:, cfg.seq_len // 3:] = 1  # two documents per row: MTP targets masked at the boundary
     return {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(size, cfg.seq_len),
             "segment_ids": segments, "structure": torch.randint(0, 16, (size, cfg.seq_len), generator=g)}
+
+
+EVAL = ["train.eval_every=2", f"train.eval_tokens={4 * MICRO_BATCH * 64}"]
+"""``--eval``: an evaluation after steps 2 and 4 over 4 held-out micro-batches of nam56r-tiny's 2 x 64: all 4 on one
+rank in the local engine (grad-accum 4), 2 on each of 2 data-parallel ranks in the megatron engine."""
+
+STEP3 = 2 * 4
+"""The first micro-batch index of step 3 at 4 micro-batches a step (local grad-accum 4; megatron dp 2 x 2)."""
+
+
+def held_out(cfg):
+    """Step 3's own training rows, held out: evaluated after step 2, on the weights step 3 trains from, the
+    validation loss must be step 3's LM loss (tests/test_megatron_engine_gloo.py)."""
+    from nam_core.engine.validation import HeldOut
+
+    return HeldOut(batch_at=lambda i, b: batch_at(STEP3 + i, b, cfg), rows=4 * MICRO_BATCH, seq_len=cfg.seq_len,
+                   source="step 3's rows")
 
 
 def _install_double():
@@ -78,7 +95,7 @@ def megatron_run(args, recipe) -> None:
     overrides = ["attention_backend=reference",  # by name: the reference core on "cuda" (the double's CPU)
                  f"train.dtype={args.dtype}", f"train.micro_batch_size={MICRO_BATCH}",
                  f"train.grad_accum={args.grad_accum}", "train.checkpoint_every=2", "train.keep_checkpoints=10",
-                 "train.total_steps=20", f"train.schedule={schedule}", *args.set]
+                 "train.total_steps=20", f"train.schedule={schedule}", *(EVAL if args.eval else []), *args.set]
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe.name, plugins=["dualpipev"] if schedule == "dualpipev" else [],
                              overrides=overrides, engine="megatron", device="cuda", pp=args.pp, ep=args.ep,
@@ -86,6 +103,7 @@ def megatron_run(args, recipe) -> None:
     engine = engine_for("megatron")
     session = build(run, host, engine, engine.start(run.spec, dry_run=False), device=DeviceInfo.profile("h100"),
                     quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model))
+    session.held_out = held_out(run.spec.model) if args.eval else None
     engine.train(session.engine_run(args.run_dir, resume_from=args.resume, quiet=True))
     engine.finish()  # after success only: on an error the other ranks may sit in a collective
 
@@ -122,7 +140,7 @@ def local_run(args, recipe) -> None:
     from nam_core.host import PluginHost
 
     overrides = ["train.dtype=float32", f"train.micro_batch_size={MICRO_BATCH}", f"train.grad_accum={args.grad_accum}",
-                 "train.checkpoint_every=100", "train.total_steps=20"]
+                 "train.checkpoint_every=100", "train.total_steps=20", *(EVAL if args.eval else [])]
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe.name, overrides=overrides, device="cpu", max_steps=args.steps,
                              env_plugins=False), host)
@@ -134,6 +152,7 @@ def local_run(args, recipe) -> None:
             for p in session.trainable().module.parameters():
                 p.mul_(1 + args.perturb * (2 * torch.rand(p.shape, generator=g) - 1))
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    session.held_out = held_out(run.spec.model) if args.eval else None
     engine.train(session.engine_run(args.run_dir, quiet=True))
 
 
@@ -163,6 +182,7 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
+    ap.add_argument("--eval", action="store_true", help="megatron and local runs: evaluate (EVAL)")
     ap.add_argument("--set", action="append", default=[], help="megatron runs: one more override, KEY=VALUE")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()

@@ -24,6 +24,8 @@ import json
 import os
 import pickle
 import shutil
+import threading
+import time
 from dataclasses import is_dataclass
 from pathlib import Path
 
@@ -141,6 +143,114 @@ def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, mani
     return final
 
 
+class BackgroundSaves:
+    """The megatron engine's checkpoints written in the background (``train.async_checkpoints``): Megatron's
+    ``dist_checkpointing.save`` with ``async_sharded_save`` (its ``mcore`` writer: each rank copies its shards
+    to host memory on the training thread, then a forked process writes them) and Megatron's
+    ``AsyncCallsQueue``, whose finalization runs on every rank once every rank's writer is done (an all-reduce
+    per ``poll``) and writes Megatron's metadata. Then rank 0 fsyncs, hashes every file into nam's manifest and
+    renames the folder into place (``_finish``, as ``save_checkpoint`` does) on a thread of its own: hashing a
+    NAM56R checkpoint takes tens of seconds. Megatron's own integrity.json (a second hash of every file on the
+    training thread) is not written: nam's manifest holds the same digests and ``inspect`` checks them before a
+    load. One save at a time: ``save`` waits for the one before it. Every method is collective."""
+
+    def __init__(self, ckpt_root: Path, *, keep: int, note):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.ckpt_root, self.keep, self.note = ckpt_root, keep, note
+        self.queue = AsyncCallsQueue()
+        self.pending: dict | None = None  # final, tmp, stall_s, started; "written" once Megatron finalized
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_good: Path | None = None
+
+    def save(self, step: int, models: list, optimizer, *, manifest: dict) -> None:
+        """Start writing checkpoint ``step``; training goes on once the shards are in host memory."""
+        from megatron.core import dist_checkpointing
+
+        t0, previous = time.perf_counter(), self.pending
+        self.wait()
+        if previous is not None:  # training stood still until the previous write ended: part of this save's cost
+            self.note(f"checkpoint {self.ckpt_root / f'step-{step:08d}'}: training waited {time.perf_counter() - t0:.1f} s for the previous "
+                      "checkpoint's background write (train.checkpoint_every steps took less than a write)")
+        t0 = time.perf_counter()
+        rank = torch.distributed.get_rank()
+        final = self.ckpt_root / f"step-{step:08d}"
+        tmp = self.ckpt_root / f".{final.name}.tmp"
+        try:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / "rng").mkdir(parents=True)
+            torch.distributed.barrier()
+            files._save_file(files.rng_state(), _rng_file(tmp, rank))  # small: written here
+            request = dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp),
+                                              async_sharded_save=True, async_strategy="mcore")
+            request.add_finalize_fn(lambda: self._written(tmp, final, step, manifest))
+            self.queue.schedule_async_request(request)
+        except BaseException as exc:
+            self._failed(tmp, exc)
+        self.pending = {"final": final, "tmp": tmp, "stall_s": time.perf_counter() - t0, "started": t0,
+                        "written": False}
+
+    def _written(self, tmp: Path, final: Path, step: int, manifest: dict) -> None:
+        """Megatron's finalization is done on every rank: rank 0 starts the manifest and the rename."""
+        if torch.distributed.get_rank() != 0:
+            return
+
+        def finish():
+            try:
+                _finish(tmp, final, self.ckpt_root, step, manifest, self.keep)
+            except BaseException as exc:  # raised on the training thread by the next poll
+                self.error = exc
+
+        self.thread = threading.Thread(target=finish, name=f"nam-manifest-{final.name}")
+        self.thread.start()
+
+    def poll(self, *, wait: bool = False) -> Path | None:
+        """Move the save in flight on (``wait``: to its end); the newest checkpoint this object finished, or None
+        while one is still being written."""
+        if self.pending is None:
+            return self.last_good
+        p = self.pending
+        if not p["written"]:
+            try:
+                p["written"] = bool(self.queue.maybe_finalize_async_calls(blocking=wait))
+            except BaseException as exc:
+                self.pending = None
+                self._failed(p["tmp"], exc)
+            if not p["written"]:
+                return None
+        if self.thread is not None:
+            if wait:
+                self.thread.join()
+            if self.thread.is_alive():
+                return None
+            self.thread = None
+            if self.error is not None:
+                error, self.error, self.pending = self.error, None, None
+                self._failed(p["tmp"], error)
+            self.note(f"checkpoint {p['final']}: training paused {p['stall_s']:.1f} s (copy to host memory), "
+                      f"written in {time.perf_counter() - p['started']:.1f} s in the background")
+        self.pending, self.last_good = None, p["final"]
+        return self.last_good
+
+    def wait(self) -> Path | None:
+        """The save in flight finished everywhere (rank 0's manifest and rename too: the barrier), at points every
+        rank reaches together (a new save, a stop, the end)."""
+        last = self.poll(wait=True)
+        torch.distributed.barrier()
+        return last
+
+    def _failed(self, tmp: Path, exc: BaseException):
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if files.rundir.disk_full(exc):
+            good = good_checkpoints(self.ckpt_root)
+            need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
+            raise files.no_space(self.ckpt_root, need, good) from exc
+        raise exc
+
+
 def _save_aside(tmp: Path, models: list, optimizer, rank: int) -> None:
     """Collective: every rank's shards and RNG into the hidden folder ``tmp``."""
     from megatron.core import dist_checkpointing
@@ -197,8 +307,10 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
         raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
                        hint="resume with the same GPUs, tp, pp and ep")
     refuse_unsafe_pickles(folder)
+    # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
+    # inspect, holds the same for every save)
     state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder),
-                                    verify_integrity=True)
+                                    verify_integrity=(folder / "integrity.json").is_file())
     with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
         for i, model in enumerate(models):
             unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])

@@ -26,6 +26,7 @@ from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
 from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
+from nam_core.engine.validation import mean_loss
 from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 from nam_core.patches import applied
 
@@ -45,6 +46,8 @@ class _Session:
     tokens_per_step: int
     log: MetricsLog | None = None
     """Rank 0's metrics log (None on the other ranks)."""
+    saves: checkpoint.BackgroundSaves | None = None
+    """The background checkpoint writer (``train.async_checkpoints``); None: synchronous saves."""
     noted: set = field(default_factory=set)
 
     def note(self, line: str) -> None:
@@ -102,19 +105,23 @@ def train(run: EngineRun) -> dict:
                 metrics = step_metrics(step, means, lr=lr, grad_norm=grad_norm, tokens=s.tokens_per_step,
                                        seconds=dt, flops_per_token=run.flops_per_token, mem_gib=mem,
                                        devices=torch.distributed.get_world_size())  # per GPU
+                if tc.evaluates_after(step + 1, run.max_steps):
+                    metrics.update(evaluate(run, s))
                 run.host.after_step(step, ctx, metrics)
                 _log(run, s, step, metrics, notes)
                 stopping = _agreed_stop(stop)
+                if s.saves is not None:
+                    s.last_good = s.saves.poll() or s.last_good
                 if run.checkpoints and (tc.saves_after(step + 1, run.max_steps)
                                         or (stopping and tc.checkpoint_every)):
                     _gather_params(s.models, tc)
-                    s.last_good = checkpoint.save_checkpoint(
-                        run.folder.checkpoints, step + 1, s.models, s.optimizer, keep=tc.keep_checkpoints,
-                        manifest={"record": run.record, "layout": s.layout})
-                    if s.log is not None:
-                        s.log.note(f"checkpoint saved: {s.last_good}", echo=False)
+                    _save(run, s, step + 1)
                 if stopping:
+                    if s.saves is not None:
+                        s.last_good = s.saves.wait() or s.last_good
                     raise _stopped(run, stopping, step + 1, s.last_good)
+            if s.saves is not None:
+                s.last_good = s.saves.wait() or s.last_good
             _gather_params(s.models, tc)
             report = run.host.run_report(run.context(run.max_steps, parameters=s.parameters, note=s.note))
         finally:
@@ -122,6 +129,60 @@ def train(run: EngineRun) -> dict:
                 s.log.close()
     return {"steps": run.max_steps, "started_at_step": s.start, "last_checkpoint": str(s.last_good),
             "tokens_per_step": s.tokens_per_step, "layout": s.layout, "plugin_report": report}
+
+
+def _save(run: EngineRun, s: _Session, step: int) -> None:
+    """Checkpoint ``step``: in the background (``s.saves``), or on the training thread."""
+    manifest = {"record": run.record, "layout": s.layout}
+    if s.saves is not None:
+        s.saves.save(step, s.models, s.optimizer, manifest=manifest)
+        return
+    t0 = time.perf_counter()
+    s.last_good = checkpoint.save_checkpoint(run.folder.checkpoints, step, s.models, s.optimizer,
+                                             keep=run.train.keep_checkpoints, manifest=manifest)
+    if s.log is not None:
+        s.log.note(f"checkpoint {s.last_good}: training paused {time.perf_counter() - t0:.1f} s (written on the "
+                   "training thread)", echo=False)
+
+
+def evaluate(run: EngineRun, s: _Session) -> dict:
+    """``{"val_loss": ...}`` on every rank: one forward-only pass through the schedule over this rank's share of
+    the held-out rows (nam_core/engine/validation.py), no gradients, the chunks in eval mode for the pass (as
+    Megatron's own ``evaluate``). What the pass leaves in the blocks' aux-loss sums and in Megatron's MoE
+    metrics tracker is dropped: it is not the training step's. Collective (every rank)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tc, held = run.train, run.held_out
+    if held is None:
+        raise ConfigError(f"train.eval_every={tc.eval_every} and no held-out rows were given to the engine",
+                          hint="nam train gives them (--eval-data DIR, or a dataset with a validation split)")
+    n = held.micro_batches(eval_tokens=tc.eval_tokens, micro_batch_size=tc.micro_batch_size, dp=s.dp)
+
+    def batches():
+        for j in range(n):
+            index = held.rank_batch(j, dp=s.dp, dp_rank=s.dp_rank, micro_batches=n)
+            yield index, {k: v.to(parallel.device(), non_blocking=True)
+                          for k, v in held.batch_at(index, tc.micro_batch_size).items()}
+
+    for model in s.models:
+        model.eval()
+    try:
+        with torch.no_grad():
+            losses = s.schedule(forward_step_func=run.model.forward_step, model=s.models, data_iterator=batches(),
+                                num_microbatches=n, seq_length=run.model.seq_len,
+                                micro_batch_size=tc.micro_batch_size, forward_only=True)
+    finally:
+        for model in s.models:
+            model.train()
+            run.model.end_step(unwrap(model))
+        get_moe_metrics_tracker().clear()
+    # Pipeline stages without the loss hold no entries; tensor-parallel copies of one count alike (a ratio).
+    sums = torch.zeros(2, dtype=torch.float64, device=parallel.device())
+    if losses:
+        sums[0] = torch.stack([m["lm_loss"].double().reshape(()) for m in losses]).sum()
+        sums[1] = len(losses)
+    torch.distributed.all_reduce(sums)
+    return {"val_loss": mean_loss(*sums.tolist())}
 
 
 def _start(run: EngineRun, patch_reports: list) -> _Session:
@@ -163,7 +224,11 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         run.notes.clear()
     good = checkpoint.good_checkpoints(run.folder.checkpoints)
     tokens = dp * tc.grad_accum * tc.micro_batch_size * provider.seq_len
-    return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens, log)
+    saves = (checkpoint.BackgroundSaves(run.folder.checkpoints, keep=tc.keep_checkpoints,
+                                        note=lambda line: log is not None and log.note(line, echo=False))
+             if run.checkpoints and tc.async_checkpoints else None)
+    return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens, log,
+                    saves=saves)
 
 
 def _overlaps(config, ddp_config) -> str:
@@ -254,7 +319,7 @@ def _log(run: EngineRun, s: _Session, step: int, metrics: dict, notes: list[str]
             s.noted.add(line)
             s.log.note(line)
     run.notes.clear()
-    if (step + 1) % run.train.log_every == 0 or step + 1 == run.max_steps:
+    if (step + 1) % run.train.log_every == 0 or step in (s.start, run.max_steps - 1) or "val_loss" in metrics:
         s.log.log(metrics)
     s.log.advance()
 

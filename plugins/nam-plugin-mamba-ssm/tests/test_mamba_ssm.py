@@ -606,6 +606,38 @@ def test_harness_catches_a_scan_that_drops_the_skip_term():
     assert errors["dd"] > 0.5 and selftest.worst(errors) > selftest.TOLERANCE
 
 
+def test_one_group_harness_checks_a_full_size_launch_on_group_0():
+    """The launch at a run's size compares on group 0 only: a scan that is right there (the step oracle, run on
+    all three groups) passes, so groups are independent as ``first_group`` says; one that is wrong in a head
+    of group 0 is caught, and one wrong only outside group 0 is not (what the view cannot see, by design)."""
+    from nam56r.reference.mamba3 import mamba3_step_scan
+
+    h, g = 6, 3
+
+    def bumped(heads):
+        def scan(*args, chunk_size):
+            out = mamba3_step_scan(*args, chunk_size=chunk_size)
+            return out + 1e-1 * out.detach().abs().amax() * (torch.arange(h) == heads).float()[:, None]
+        return scan
+
+    def errors(scan):
+        return selftest.compare(scan, 2, 19, h, g, 16, 8, 4, chunk_size=8, device="cpu", dtype=torch.float32,
+                                one_group=True)
+
+    right = errors(mamba3_step_scan)
+    assert set(right) == {"out", "seed"} | {f"d{k}" for k in selftest.INPUT_NAMES}
+    assert selftest.worst(right) < 1e-4, right
+    assert errors(bumped(1))["out"] > 5e-2
+    assert errors(bumped(h - 1))["out"] < 1e-4
+
+
+def test_preflight_launches_at_the_runs_own_kernel_size():
+    from nam_plugin_mamba_ssm import preflight
+
+    spec = apply_overrides(get_recipe("nam56r"), ["train.micro_batch_size=4"])
+    assert preflight._run_dims(spec) == (4, 4096, 128, 8)
+
+
 def test_harness_inputs_are_fresh_and_rounded_like_the_kernels_read_them():
     a = selftest.random_inputs(1, 8, 4, 2, 16, 8, 4, device="cpu", seed=selftest.new_seed())
     b = selftest.random_inputs(1, 8, 4, 2, 16, 8, 4, device="cpu", seed=selftest.new_seed())

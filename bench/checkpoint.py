@@ -1,0 +1,122 @@
+"""What a checkpoint costs a local-engine run of full NAM56R on one GPU: the training stall per save, the save's
+background write, and the time from a ``--resume auto`` start to its first step, for the async DCP checkpoints
+(nam_core/engine/async_checkpoint.py) and the synchronous torch.save ones (``train.async_checkpoints=false``).
+
+    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] --json bench/results/checkpoint_h200.json
+
+Per mode: ``nam train --recipe nam56r --max-steps STEPS --set train.checkpoint_every=EVERY`` (its run.log notes
+each save: the stall the training thread paid, the background write), then ``nam train --resume auto
+--max-steps STEPS+1`` on the same folder, timed from its launch to its first metrics record (the step after the
+checkpoint), with the load time it notes. Prints one table; the run folders are removed unless ``--keep``.
+Disk: a full NAM56R checkpoint at ``--numerics bf16`` (the default here) is 27 GB and one is kept
+(``train.keep_checkpoints=1``), so a save in progress needs two of them, ~55 GB, under ``--work``; at the
+recipe's fp32-master numerics one is 4.73e9 x (2 + 4 + 8) bytes = 66 GB, more than the 64 GiB disk of our GPU
+host, so the host measures bf16 (the numerics of the ~90 s stall the synchronous writer was measured at).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SAVED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training paused ([\d.]+) s(?:.*?written in ([\d.]+) s)?")
+WAITED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training waited ([\d.]+) s for the previous")
+RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s\)")
+
+
+def _nam(*args: str) -> list[str]:
+    return [sys.executable, "-m", "nam_cli", *args]
+
+
+def _train(run_dir: Path, args, steps: int, mode: str, *extra: str) -> subprocess.Popen:
+    sets = [f"train.checkpoint_every={args.every}", f"train.micro_batch_size={args.mbs}",
+            f"train.async_checkpoints={'true' if mode == 'async' else 'false'}", "train.keep_checkpoints=1",
+            f"train.optimizer_numerics={args.numerics}"]
+    return subprocess.Popen(_nam("train", "--recipe", "nam56r", "--max-steps", str(steps), "--run-dir", str(run_dir),
+                                 "-q", *(a for s in sets for a in ("--set", s)), *extra))
+
+
+def _first_record_after(run_dir: Path, step: int, proc: subprocess.Popen) -> tuple[float | None, dict | None]:
+    """Seconds until metrics.jsonl holds the record of step ``step + 1`` (polled every 0.2 s), and the record."""
+    start = time.perf_counter()
+    path = run_dir / "metrics.jsonl"
+    while proc.poll() is None:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("step") == step + 1:
+                    return time.perf_counter() - start, record
+        time.sleep(0.2)
+    return None, None
+
+
+def measure(mode: str, args, work: Path) -> dict:
+    run_dir = work / mode
+    proc = _train(run_dir, args, args.steps, mode)
+    if proc.wait():
+        raise SystemExit(f"error: nam train ({mode}) exited with {proc.returncode}; its log: {run_dir / 'run.log'}")
+    log = (run_dir / "run.log").read_text()
+    waited = {name: float(w) for name, w in WAITED.findall(log)}  # a save that waited for the one before it
+    saves = [{"checkpoint": m[0], "stall_s": float(m[1]) + waited.get(m[0], 0.0), "copy_s": float(m[1]),
+              "waited_s": waited.get(m[0], 0.0), "write_s": float(m[2]) if m[2] else None}
+             for m in SAVED.findall(log)]
+    step_s = [json.loads(l)["step_time_s"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()[1:]]
+    resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")
+    to_first, record = _first_record_after(run_dir, args.steps, resume)
+    if resume.wait():
+        raise SystemExit(f"error: the resume ({mode}) exited with {resume.returncode}; its log: {run_dir / 'run.log'}")
+    loaded = RESUMED.findall((run_dir / "run.log").read_text())
+    if not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {"mode": mode, "saves": saves, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
+            "resume_to_first_step_s": to_first, "resume_first_step_s": record and record["step_time_s"],
+            "resume_load_s": float(loaded[-1][1]) if loaded else None}
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["async", "sync"])
+    ap.add_argument("--numerics", default="bf16", help="train.optimizer_numerics (see the disk note above)")
+    ap.add_argument("--work", type=Path, default=None, help="where the run folders go (default: the temp dir)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="nam-checkpoint-", dir=args.work))
+    rows = [measure(mode, args, work) for mode in args.modes]
+    print("\n| checkpoints | stall per save s | background write s | median step s | resume to first step s "
+          "| of which load s | first step after resume s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        stalls = ", ".join(f"{s['stall_s']:.1f}" for s in r["saves"])
+        writes = ", ".join(f"{s['write_s']:.1f}" for s in r["saves"] if s["write_s"] is not None) or "-"
+        print(f"| {r['mode']} | {stalls} | {writes} | {_f(r['median_step_s'], 2)} | {_f(r['resume_to_first_step_s'])} "
+              f"| {_f(r['resume_load_s'])} | {_f(r['resume_first_step_s'])} |")
+    if args.json:
+        args.json.write_text(json.dumps({"meta": {"date": datetime.date.today().isoformat(), "steps": args.steps,
+                                                  "every": args.every, "mbs": args.mbs,
+                                                  "numerics": args.numerics}, "rows": rows}, indent=2))
+        print(f"\nwrote {args.json}")
+    shutil.rmtree(work, ignore_errors=True) if not args.keep else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

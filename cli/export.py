@@ -1,0 +1,100 @@
+"""``nam export``: a checkpoint -> safetensors + config JSON + tokenizer, loadable with nam56r alone
+(``nam56r.export.load``; the folder's layout is described there).
+
+Local-engine checkpoints (``checkpoints/step-N``, any format ``nam_core.engine.checkpoint`` loads) are exported,
+their model state read through ``checkpoint.model_state`` without an optimizer. Megatron-engine checkpoints
+(dist-checkpointing shards) are refused with the way round: their tensors are sharded over ranks under
+Megatron's names, and reading them back into nam56r's names is not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from nam_cli.console import out, print_json
+from nam_cli.options import JsonOpt
+
+
+def _checkpoint_folder(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint folder; the newest good one when it is a run folder."""
+    from nam_core.engine import checkpoint
+    from nam_core.errors import NamError
+
+    if (path / "manifest.json").is_file():
+        return path
+    good = checkpoint.good_checkpoints(path / "checkpoints")
+    if good:
+        return good[-1]
+    raise NamError(f"{path} is neither a checkpoint folder (no manifest.json) nor a run folder with a good "
+                   "checkpoint", hint=f"point at a checkpoint: ls {path / 'checkpoints'}")
+
+
+def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
+    """The tokenizer's description and its tokenizer.json (None for the byte tokenizer): ``--tokenizer`` when
+    given, else what the run's dataset was prepared with."""
+    from nam_core.data.tokenizer import load_tokenizer, tokenizer_from_description
+    from nam_core.errors import NamError
+
+    if spec is not None:
+        tok = load_tokenizer(spec)
+    else:
+        manifest = Path(record.get("data", "")) / "dataset.json"
+        if not manifest.is_file():
+            raise NamError(f"the run's dataset ({record.get('data')}) is not there to read its tokenizer from",
+                           hint="name it: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
+        tok = tokenizer_from_description(json.loads(manifest.read_text())["tokenizer"])
+    desc = tok.describe()
+    return desc, Path(desc["path"]) if desc.get("kind") == "huggingface" else None
+
+
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint folder (runs/NAME/checkpoints/step-N), or a run "
+                                               "folder (its newest good checkpoint).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="The export folder to write (created atomically).")],
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="'byte' or a tokenizer.json; default: "
+                                                     "the one the run's dataset was prepared with.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it is not empty.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Export a checkpoint's weights as safetensors + config.json + tokenizer (load: nam56r.export.load)."""
+    from nam56r import export as exported
+    from nam56r.export import read_config
+    from nam_core.engine import checkpoint as local
+    from nam_core.errors import NamError
+
+    exported.safetensors_torch()  # fail before reading gigabytes
+    folder = _checkpoint_folder(checkpoint)
+    manifest_path = folder / "manifest.json"
+    try:
+        fmt = json.loads(manifest_path.read_text()).get("format")
+    except ValueError:
+        fmt = None
+    if isinstance(fmt, str) and fmt.startswith("megatron-dist"):  # every format the megatron engine has written
+        raise NamError(f"{folder} is a megatron-engine checkpoint (dist-checkpointing shards under Megatron's "
+                       "names); nam export reads local-engine checkpoints only for now",
+                       hint="export a local-engine checkpoint of the run, or train with --engine local")
+    state, manifest = local.model_state(folder)
+    record = manifest.get("record", {})
+    if "model" not in record:
+        raise NamError(f"{manifest_path} records no model config (a checkpoint from before run records)",
+                       hint="export a checkpoint written by this nam")
+    from nam56r.config import NAM56RConfig
+
+    cfg = NAM56RConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["model"].items()})
+    desc, tok_file = _tokenizer(record, tokenizer)
+    written = exported.write(out_dir, state, cfg, step=manifest["step"], tokenizer=desc, tokenizer_file=tok_file,
+                             source={"checkpoint": str(folder.resolve()), "recipe": record.get("recipe"),
+                                     "engine": "local"}, overwrite=overwrite)
+    _, config = read_config(written)
+    info = {"out": str(written), "step": config["step"], "tensors": len(state), "dtypes": config["dtypes"],
+            "tokenizer": desc.get("name"), "sha256": config["sha256"]}
+    if json_out:
+        print_json(info)
+        return
+    out.print(f"exported {folder} (step {info['step']}) to {written}: {info['tensors']} tensors "
+              f"({', '.join(info['dtypes'])}), tokenizer {info['tokenizer']}")
+    out.print(f"load it: python -c \"from nam56r.export import load; model = load('{written}')\"")

@@ -1,0 +1,172 @@
+"""Exported weights: a trained NAM56R as safetensors + a config JSON (+ its tokenizer), loadable with nam56r alone.
+
+An export folder (``nam export``, cli/export.py)::
+
+    model.safetensors      every tensor of ``NAM56R.state_dict()`` under nam56r's names, in the dtype it was
+                           trained in (float32 or bfloat16; D and dt_bias stay float32)
+    config.json            {"format": "nam56r-export", "version": 1, "model": <NAM56RConfig fields>,
+                            "dtype": ..., "step": ..., "source": {...}, "sha256": {"model.safetensors": ...}}
+    tokenizer/             nam.json, the tokenizer's description (``nam_core.data.tokenizer``: kind, vocabulary
+                           size, eod id), and tokenizer.json, the Hugging Face file itself when the data was
+                           prepared with one (byte-level data needs no file: ids 0..255 are the bytes, 256 is eod)
+
+safetensors holds raw tensor bytes and a JSON header, nothing executable, so loading one runs no code from the
+file (unlike a pickle). ``load`` checks the file's sha256 against config.json, builds the model from the config
+and loads the tensors with ``strict=True``: a missing or extra tensor is an error, and every value is the
+checkpoint's bit for bit (tests/test_export.py).
+
+``safetensors`` is an optional package (nam's ``export`` extra); without it both directions are a ConfigError
+that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from nam56r.config import NAM56RConfig
+from nam_core.errors import ConfigError, NamError
+
+FORMAT, VERSION = "nam56r-export", 1
+WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer"
+
+
+def safetensors_torch():
+    """``safetensors.torch``, or a ConfigError that says how to install it (never a silent other format)."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ConfigError("exporting or loading safetensors weights needs the 'safetensors' package, which is "
+                          "not installed",
+                          hint="pip install safetensors  (or, from a nam checkout: pip install -e '.[export]')") from None
+    return safetensors.torch
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write(out: Path, state: Mapping[str, torch.Tensor], cfg: NAM56RConfig, *, step: int, source: dict,
+          tokenizer: dict | None = None, tokenizer_file: Path | None = None, overwrite: bool = False) -> Path:
+    """Write an export folder at ``out`` (beside it as ``.<name>.tmp-<pid>``, renamed into place: a folder
+    named ``out`` with a config.json is complete). ``state``: the model's state dict (tied or shared tensors
+    are written as separate copies: safetensors stores no aliasing)."""
+    st = safetensors_torch()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise NamError(f"{out} exists and is not empty", hint=f"choose another --out, or pass --overwrite")
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()})
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / TOKENIZER).mkdir(parents=True)
+        st.save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+        if tokenizer is not None:
+            (tmp / TOKENIZER / "nam.json").write_text(json.dumps(tokenizer, indent=2) + "\n")
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER / "tokenizer.json")
+        config = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(cfg), "dtypes": dtypes,
+                  "step": step, "source": source, "sha256": {WEIGHTS: _sha256(tmp / WEIGHTS)}}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_config(folder: Path) -> tuple[NAM56RConfig, dict]:
+    """The model config of an export folder and the whole config.json; NamError when it is not one."""
+    path = Path(folder) / CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise NamError(f"{folder} is not a nam56r export (its {CONFIG} cannot be read: {e})",
+                       hint="point at a folder written by `nam export`") from None
+    if config.get("format") != FORMAT or config.get("version") != VERSION:
+        raise NamError(f"{path}: format {config.get('format')!r} version {config.get('version')!r}; expected "
+                       f"{FORMAT!r} version {VERSION}", hint="export the checkpoint again with this nam")
+    fields = {f.name for f in dataclasses.fields(NAM56RConfig)}
+    model = config.get("model", {})
+    unknown = sorted(set(model) - fields)
+    if unknown:
+        raise NamError(f"{path}: model fields {unknown} are not NAM56RConfig's",
+                       hint="load it with the nam version that exported it")
+    # JSON has no tuples: the config's tuple fields come back from lists
+    return NAM56RConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}), config
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The exported tensors (CPU), after their file's sha256 matched config.json's."""
+    st = safetensors_torch()
+    _, config = read_config(folder)
+    weights = Path(folder) / WEIGHTS
+    if not weights.is_file() or _sha256(weights) != config.get("sha256", {}).get(WEIGHTS):
+        raise NamError(f"{weights} is missing or its sha256 differs from {CONFIG}'s (the file changed after the "
+                       "export)", hint="export the checkpoint again")
+    return st.load_file(str(weights))
+
+
+def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:
+    """The weights a run starts from (``nam train --init-from``): an export folder, whose model config must be
+    the run's (a difference is refused with the fields that differ), read after its sha256 matched; or a bare
+    state dict file (``torch.save`` of tensors only: the benches' shared initial weights), read with
+    ``weights_only=True``. Either engine maps nam56r's names onto its own model from here."""
+    path = Path(path)
+    if path.is_dir():
+        exported, _ = read_config(path)
+        ours, theirs = dataclasses.asdict(cfg), dataclasses.asdict(exported)
+        differ = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
+        if differ:
+            shown = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items())[:6])
+            raise NamError(f"{path} holds another model than this run's ({len(differ)} fields differ: {shown})",
+                           hint="train the recipe it was exported from (its config.json 'model'), or --set the "
+                                "fields to match")
+        return load_state(path)
+    if not path.is_file():
+        raise NamError(f"--init-from {path}: no such export folder or weights file",
+                       hint="nam export RUN_DIR --out DIR, then --init-from DIR")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load(folder: Path, *, backends=None, device: str | torch.device = "cpu"):
+    """The exported NAM56R, built from config.json with ``backends`` (default: the reference backends) and every
+    tensor loaded bit for bit (``strict=True``), in eval mode."""
+    from nam56r.model import build_model
+
+    cfg, _ = read_config(folder)
+    state = load_state(folder)
+    model = build_model(cfg, backends, device=device)
+    own = model.state_dict()
+    for name, value in state.items():  # each parameter in its stored dtype (bf16 weights, fp32 D and dt_bias)
+        if name in own and own[name].dtype != value.dtype:
+            _set_dtype(model, name, value.dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise NamError(f"{folder}: the exported tensors do not fill NAM56R (missing {missing[:8]}, unexpected "
+                       f"{unexpected[:8]})", hint="the export and this nam56r disagree on the model's shape")
+    return model.eval()
+
+
+def _set_dtype(model: torch.nn.Module, name: str, dtype: torch.dtype) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    value = getattr(module, attr)
+    if isinstance(value, torch.nn.Parameter):
+        value.data = value.data.to(dtype)
+    elif isinstance(value, torch.Tensor):
+        setattr(module, attr, value.to(dtype))

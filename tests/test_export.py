@@ -1,0 +1,121 @@
+"""``nam export`` (cli/export.py) and ``nam56r.export``: a local-engine checkpoint -> safetensors + config.json +
+tokenizer, loaded back with nam56r alone, bit for bit; fail-closed without safetensors, on a changed file, and for
+a megatron-engine checkpoint."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nam_cli.main import run
+from nam_core.engine import checkpoint
+from nam56r.testing import prepare_corpus
+
+pytest.importorskip("safetensors", reason="nam's export extra (in the test extra: CI has it)")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step nam56r-tiny run (seq 32) with its checkpoint at step 2."""
+    corpus = prepare_corpus(tmp_path_factory, (textwrap,), chars=4000)
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--max-steps", "2", "--set", "seq_len=32",
+                "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=2", "-q"]) == 0
+    return run_dir
+
+
+def test_export_loads_back_bit_exact(trained, tmp_path, capsys):
+    from nam56r.export import load
+    from nam56r.model import build_model
+    from nam56r.recipes import get_recipe
+
+    out = tmp_path / "export"
+    assert run(["export", str(trained), "--out", str(out)]) == 0  # a run folder: its newest good checkpoint
+    assert f"(step 2) to {out}" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["step"] == 2 and config["model"]["seq_len"] == 32 and config["dtypes"] == ["float32"]
+    assert json.loads((out / "tokenizer" / "nam.json").read_text())["name"] == "byte"
+
+    model = load(out)
+    saved, _ = checkpoint.model_state(trained / "checkpoints" / "step-00000002")
+    loaded = model.state_dict()
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+
+    # the same forward as the checkpoint's weights in a model built the way nam train builds it: equal outputs
+    reference = build_model(get_recipe("nam56r-tiny").model.replace(seq_len=32))
+    reference.load_state_dict(saved)
+    reference.eval()
+    g = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    tokens = torch.randint(0, 257, (2, 33), generator=g)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 32)}
+    with torch.no_grad():
+        assert torch.equal(model(**batch)["loss"], reference(**batch)["loss"])
+
+
+def test_bfloat16_weights_keep_their_dtypes(tmp_path):
+    """A bf16 model (D and dt_bias in fp32, as the local engine keeps them) round-trips each tensor's dtype."""
+    from nam56r import export
+    from nam56r.model import build_model
+    from nam56r.recipes import get_recipe
+
+    cfg = get_recipe("nam56r-tiny").model
+    torch.manual_seed(0)
+    model = build_model(cfg).to(dtype=torch.bfloat16)
+    state = model.state_dict()
+    export.write(tmp_path / "bf16", state, cfg, step=0, source={})
+    loaded = export.load(tmp_path / "bf16").state_dict()
+    assert {v.dtype for v in state.values()} == {v.dtype for v in loaded.values()}
+    assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_changed_weights_file_is_refused(trained, tmp_path):
+    from nam56r.export import load
+    from nam_core.errors import NamError
+
+    out = tmp_path / "export"
+    assert run(["export", str(trained / "checkpoints" / "step-00000002"), "--out", str(out)]) == 0
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (out / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(NamError, match="sha256 differs"):
+        load(out)
+
+
+def test_without_safetensors_nothing_is_written(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors raises ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    assert run(["export", str(trained), "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert "needs the 'safetensors' package" in err and "pip install safetensors" in err
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+    folder = tmp_path / "step-00000004"
+    folder.mkdir()
+    from nam_core.engine.megatron.checkpoint import CHECKPOINT_FORMAT
+
+    (folder / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4}))
+    assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 1
+    assert "is a megatron-engine checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "export").exists()
+
+
+def test_init_from_refuses_another_models_export_with_the_fields(trained, tmp_path, capsys):
+    """`nam train --init-from` an export of another model: refused before a step, naming the differing field."""
+    out = tmp_path / "export"
+    assert run(["export", str(trained), "--out", str(out)]) == 0
+    code = run(["train", "--run-dir", str(tmp_path / "other"), "--max-steps", "1", "--set", "seq_len=64",
+                "--init-from", str(out), "-q"])
+    err = capsys.readouterr().err
+    assert code != 0 and "seq_len: 32 there, 64 here" in err, err
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+def test_init_from_and_resume_together_are_refused(tmp_path, capsys):
+    code = run(["train", "--run-dir", str(tmp_path / "r"), "--init-from", str(tmp_path), "--resume", "auto"])
+    assert code == 2 and "--init-from and --resume" in capsys.readouterr().err

@@ -13,6 +13,9 @@ from nam_core.bounds import Rule, bounded
 
 MOE_DISPATCHERS = ("alltoall", "flex")
 """``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
+FLEX_PLUGIN = "deepep"
+"""The plugin that brings DeepEP and owns its requirement and rows (nam-plugin-deepep); requesting it selects
+``flex``, and ``flex`` without it is refused (``nam_core.engine.megatron.checks.check_dispatcher``)."""
 ENGINES = ("local", "megatron")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")

@@ -4,7 +4,9 @@
 # install-deepep.sh, which builds the extension there. DeepEP has no wheel; its build needs nvcc and torch's
 # headers, which this machine lacks, so only the source travels.
 # Source, first found: DEEPEP_SRC (a .tar.gz/.tar.xz of the tag, or a git directory holding tag v1.2.1),
-# else the mirror /work/.mirror/deepseek-ai+DeepEP/repo. Run from the project root.
+# else the mirror /work/.mirror/deepseek-ai+DeepEP/repo. Run from the project root. DEEPEP_OUT: another output
+# folder (then nothing is added to git's exclude list); DEEPEP_NINJA=0: leave ninja out (the host then compiles
+# the four files one after another).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(git rev-parse --show-toplevel)
@@ -15,7 +17,9 @@ wheels=${DEEPEP_WHEELS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/device-deepep-wheels
 if [[ -z ${DEEPEP_OUT:-} ]]; then
   exclude=$(git rev-parse --git-path info/exclude)
   mkdir -p "$(dirname "$exclude")"
-  grep -qx '/.device-deepep/' "$exclude" 2>/dev/null || echo '/.device-deepep/' >> "$exclude"
+  for ignored in /.device-deepep/ /.deepep-cache/; do  # the second: builds carried back (gpu/deepep.sh)
+    grep -qx "$ignored" "$exclude" 2>/dev/null || echo "$ignored" >> "$exclude"
+  done
 fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
@@ -38,14 +42,16 @@ for f in setup.py csrc/deep_ep.cpp csrc/kernels/runtime.cu csrc/kernels/layout.c
 done
 grep -q "version='1.2.1'" "$stage/src/setup.py" || { echo "DeepEP source is not 1.2.1 (setup.py)" >&2; exit 1; }
 rm -rf "$stage/src/tests" "$stage/src/figures" "$stage/src/third-party"
-if ! ls "$wheels"/ninja-1.13.0-*.whl >/dev/null 2>&1; then
-  mkdir -p "$wheels"
-  python3 -m pip download -q --no-deps -d "$wheels" --only-binary=:all: --python-version 3.12 \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 ninja==1.13.0
-fi
 mkdir -p "$stage/bin"
-unzip -q -j "$wheels"/ninja-1.13.0-*.whl 'ninja-1.13.0.data/scripts/ninja' -d "$stage/bin"
-chmod +x "$stage/bin/ninja"
+if [[ ${DEEPEP_NINJA:-1} != 0 ]]; then
+  if ! ls "$wheels"/ninja-1.13.0-*.whl >/dev/null 2>&1; then
+    mkdir -p "$wheels"
+    python3 -m pip download -q --no-deps -d "$wheels" --only-binary=:all: --python-version 3.12 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 ninja==1.13.0
+  fi
+  unzip -q -j "$wheels"/ninja-1.13.0-*.whl 'ninja-1.13.0.data/scripts/ninja' -d "$stage/bin"
+  chmod +x "$stage/bin/ninja"
+fi
 tar -C "$stage" -cf - src bin | xz -T1 -9 > "$out/deepep-src.tar.xz"
 cp "$here/install-deepep.sh" "$out/install-deepep.sh"
 ls -la "$out"

@@ -49,10 +49,25 @@ else
   b0=$(date +%s)
   (cd "$work/src" && PTXAS_LEVEL=$ptxas_level python3 - "$work/out" <<'PY'
 # deep_ep_cpp from the four intranode sources, with the tag's compiler flags for sm_90 without NVSHMEM.
-import os, sys
+# deep_ep.cpp includes ATen/cuda/CUDAContext.h, which wants cuBLAS, cuSPARSE and cuSOLVER headers that a bare
+# CUDA toolkit (the GPU host's) lacks: they come from the include folders of torch's nvidia-* wheels.
+import os, sys, sysconfig
+from pathlib import Path
 import setuptools
-from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 out = sys.argv[1]
+toolkit = Path(CUDA_HOME or "/usr/local/cuda") / "include"
+roots = {Path(p) / "nvidia" for p in sys.path + [sysconfig.get_paths()["purelib"]] if (Path(p) / "nvidia").is_dir()}
+wheel_dirs = [d for r in sorted(roots) for d in sorted(r.glob("*/include"))]
+include_dirs = ["csrc/"]
+for h in ("cuda_runtime_api.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h"):
+    if (toolkit / h).is_file() or any((Path(d) / h).is_file() for d in include_dirs[1:]):
+        continue
+    found = [str(d) for d in wheel_dirs if (d / h).is_file()]
+    if not found:
+        sys.exit(f"{h}: not in {toolkit} nor in torch's nvidia wheels {[str(d) for d in wheel_dirs]}")
+    include_dirs.append(found[0])
+print("deep_ep_cpp: CUDA_HOME", CUDA_HOME, "include dirs", include_dirs, flush=True)
 common = ["-DDISABLE_NVSHMEM", "-DDISABLE_AGGRESSIVE_PTX_INSTRS"]
 cxx = ["-O3", "-Wno-deprecated-declarations", "-Wno-unused-variable", "-Wno-sign-compare", "-Wno-reorder",
        "-Wno-attributes"] + common
@@ -62,7 +77,7 @@ if os.environ["PTXAS_LEVEL"] == "1":
 sources = ["csrc/deep_ep.cpp", "csrc/kernels/runtime.cu", "csrc/kernels/layout.cu", "csrc/kernels/intranode.cu"]
 print("deep_ep_cpp: sources", sources, "cxx", cxx, "nvcc", nvcc, "arch", os.environ["TORCH_CUDA_ARCH_LIST"],
       flush=True)
-ext = CUDAExtension(name="deep_ep_cpp", sources=sources, include_dirs=["csrc/"],
+ext = CUDAExtension(name="deep_ep_cpp", sources=sources, include_dirs=include_dirs,
                     extra_compile_args={"cxx": cxx, "nvcc": nvcc})
 setuptools.setup(name="deep_ep", version="1.2.1", ext_modules=[ext], cmdclass={"build_ext": BuildExtension},
                  script_args=["-q", "build_ext", "--build-lib", out, "--build-temp", out + "/tmp"])

@@ -3,7 +3,9 @@
 # `bash plugins/nam-plugin-deepep/device/fetch-deepep.sh`); with .deepep-cache/ carried too (the
 # deep_ep_cpp-*.so.xz that an earlier round left in $OUT), the build is restored instead of compiled.
 # Steps: build (or restore) DeepEP v1.2.1 into /tmp/site, timed; import it; a one-rank NCCL buffer; two
-# ranks on one GPU (gloo group) through the real 2-rank intranode kernels; `nam preflight` with the plugin.
+# ranks on one GPU (gloo group) through the real 2-rank intranode kernels, then through Megatron's flex
+# dispatcher; `nam preflight` with the plugin at EP 1 and EP 2 (plugins/nam-plugin-deepep/device/probe_deepep.py
+# says what each probe checks against).
 # Everything is bounded so the script ends within ~4 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/deepep-out}
@@ -20,7 +22,7 @@ if [[ ! -f .device-deepep/install-deepep.sh ]]; then
   exit 1
 fi
 log "build or restore DeepEP 1.2.1 (MAX_JOBS=16, limit 205 s)"
-MAX_JOBS=16 timeout 205 bash .device-deepep/install-deepep.sh .deepep-cache > "$OUT/build.log" 2>&1
+MAX_JOBS=16 timeout -k 5 205 bash .device-deepep/install-deepep.sh .deepep-cache > "$OUT/build.log" 2>&1
 rc=$?
 tail -5 "$OUT/build.log"
 cp .deepep-cache/deep_ep_cpp-*.so.xz "$OUT/" 2>/dev/null
@@ -34,14 +36,15 @@ run_probe() {  # name, limit, args...
   local name=$1 lim=$2; shift 2
   (( lim > $(left) )) && lim=$(left)
   if (( lim < 10 )); then log "$name: skipped, out of time"; return; fi
-  timeout "$lim" python3 "$P" "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.err"
+  timeout -k 5 "$lim" python3 "$P" "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.err"
   local r=$?
   cat "$OUT/$name.jsonl"; tail -5 "$OUT/$name.err"
   log "$name rc=$r"
 }
 run_probe import 40 import
 run_probe one-rank 45 one-rank
-run_probe two-ranks-one-gpu 70 ranks-on-one-gpu 2
+run_probe two-ranks-one-gpu 60 ranks-on-one-gpu 2
+run_probe megatron-flex-two-ranks-one-gpu 75 megatron-flex 2
 # both refused on one GPU: EP 1 by its row; EP 2 passes its rows and the extension's, and fails peer access
 # (one GPU visible). nam56r-tiny: only the reference plugin besides deepep, so no other kernel builds here.
 for args in "--ep 1" "--ep 2 --nproc 2"; do

@@ -3,6 +3,7 @@
     python probe_deepep.py import              # version, the extension loads, sm_90 compiled
     python probe_deepep.py one-rank            # a world-size-1 NCCL group: buffer, layout, dispatch, combine
     python probe_deepep.py ranks-on-one-gpu N  # N processes (2, 4 or 8) on cuda:0, a gloo group, dispatch+combine
+    python probe_deepep.py megatron-flex N     # the same through Megatron's MoEFlexTokenDispatcher (deepep backend)
 
 Each mode prints one JSON line per step (`{"step": ..., "ok": ..., ...}`) and exits 0 when every step it
 expected to work did work (a step that is expected to be refused counts as working when it is refused with
@@ -181,6 +182,70 @@ def mode_ranks_on_one_gpu(world):
     return 0 if ok else 1
 
 
+def _megatron_main(rank, world, store, results):
+    """Megatron's flex dispatcher (deepep backend) at EP = world, every rank on cuda:0, process groups over
+    gloo (DeepEP's buffer only exchanges handles through its group). Each local expert e scales its rows by
+    (e + 1) and by the routing probability, as Megatron's experts apply it; the reference is the sum over a
+    token's selected experts of (e + 1) * p * x, computed in fp32 from the same inputs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    ok = False
+    try:
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+        per_rank = E // world
+        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, num_moe_experts=E,
+                                   moe_router_topk=K, moe_token_dispatcher_type="flex",
+                                   moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=world,
+                                   moe_router_dtype="fp32", bf16=True, params_dtype=torch.bfloat16,
+                                   use_cpu_initialization=True)
+        local = [rank * per_rank + i for i in range(per_rank)]
+        d = MoEFlexTokenDispatcher(per_rank, local, config)
+        x, _ = inputs(rank, world, "cuda")
+        # K distinct experts per token with probabilities in (0, 1), as Megatron's router hands them over
+        idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(77 + rank + t))[:K]
+                           for t in range(T)]).cuda()
+        probs = torch.zeros(T, E, device="cuda")
+        probs.scatter_(1, idx, torch.rand(T, K, generator=torch.Generator().manual_seed(5 + rank)).cuda())
+        routing = probs > 0
+        h, p = d.dispatch_preprocess(x.view(T, 1, H), routing, probs)
+        h, p = d.token_dispatch(h, p)
+        tokens, per_expert, pprobs = d.dispatch_postprocess(h, p)
+        counts = per_expert.tolist() if torch.is_tensor(per_expert) else list(per_expert)
+        scale = torch.cat([torch.full((int(n),), float(e + 1), device="cuda") for e, n in zip(local, counts)])
+        out = (tokens.float() * (scale * pprobs.float())[:, None]).to(torch.bfloat16)
+        out = d.combine_postprocess(d.token_combine(d.combine_preprocess(out)))
+        ref = (x.float() * (probs * torch.arange(1, E + 1, device="cuda")).sum(1, keepdim=True)).view(T, 1, H)
+        err = (out.float() - ref).abs().max().item()
+        tol = 2e-2 * ref.abs().max().item()  # bf16 rows scaled, rounded, summed over K experts
+        ok = say("megatron-flex", err <= tol, rank=rank, world=world, rows_received=int(tokens.shape[0]),
+                 tokens_per_local_expert=[int(n) for n in counts], max_abs_err=err, tol=tol)
+        torch.cuda.synchronize()
+        dist.barrier()
+    except Exception as e:  # reported per rank and turned into a failing exit below
+        import traceback
+        ok = say("error", False, rank=rank, error=f"{type(e).__name__}: {str(e)[:400]}",
+                 where=traceback.format_exc()[-1200:])
+    finally:
+        dist.destroy_process_group()
+    results[rank] = ok
+
+
+def mode_megatron_flex(world):
+    import torch.multiprocessing as mp
+    store = tempfile.mktemp(prefix="deepep-store-")
+    with mp.Manager() as m:
+        results = m.dict()
+        mp.spawn(_megatron_main, args=(world, store, results), nprocs=world, join=True)
+        ok = len(results) == world and all(results.values())
+    say(f"megatron-flex-{world}", ok, ranks=world)
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "import":
@@ -189,4 +254,6 @@ if __name__ == "__main__":
         sys.exit(mode_one_rank())
     if mode == "ranks-on-one-gpu":
         sys.exit(mode_ranks_on_one_gpu(int(sys.argv[2])))
-    sys.exit(f"unknown mode {mode!r}; expected import | one-rank | ranks-on-one-gpu N")
+    if mode == "megatron-flex":
+        sys.exit(mode_megatron_flex(int(sys.argv[2])))
+    sys.exit(f"unknown mode {mode!r}; expected import | one-rank | ranks-on-one-gpu N | megatron-flex N")

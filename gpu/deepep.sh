@@ -41,10 +41,10 @@ run_probe() {  # name, limit, args...
   cat "$OUT/$name.jsonl"; tail -5 "$OUT/$name.err"
   log "$name rc=$r"
 }
-run_probe import 40 import
-run_probe one-rank 45 one-rank
-run_probe two-ranks-one-gpu 60 ranks-on-one-gpu 2
-run_probe megatron-flex-two-ranks-one-gpu 75 megatron-flex 2
+run_probe import 30 import
+run_probe one-rank 40 one-rank
+run_probe two-ranks-one-gpu 50 ranks-on-one-gpu 2
+run_probe megatron-flex-two-ranks-one-gpu 90 megatron-flex 2
 # both refused on one GPU: EP 1 by its row; EP 2 passes its rows and the extension's, and fails peer access
 # (one GPU visible). nam56r-tiny: only the reference plugin besides deepep, so no other kernel builds here.
 for args in "--ep 1" "--ep 2 --nproc 2"; do

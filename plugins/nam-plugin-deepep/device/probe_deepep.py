@@ -4,6 +4,8 @@
     python probe_deepep.py one-rank            # a world-size-1 NCCL group: buffer, layout, dispatch, combine
     python probe_deepep.py ranks-on-one-gpu N  # N processes (2, 4 or 8) on cuda:0, a gloo group, dispatch+combine
     python probe_deepep.py megatron-flex N     # the same through Megatron's MoEFlexTokenDispatcher (deepep backend)
+    python probe_deepep.py ranks-on-gpus N     # rank r on cuda:r, an NCCL group (the multi-GPU check)
+    python probe_deepep.py megatron-flex-on-gpus N
 
 Each mode prints one JSON line per step (`{"step": ..., "ok": ..., ...}`) and exits 0 when every step it
 expected to work did work (a step that is expected to be refused counts as working when it is refused with
@@ -135,7 +137,7 @@ def mode_one_rank():
     try:
         buf = buffer_for(dist.group.WORLD, 1, deep_ep)
         ok &= say("buffer", buf.runtime.is_available(), world=1, nvl_bytes=buf.num_nvl_bytes)
-        x, idx = inputs(0, 1, "cuda")
+        x, idx = inputs(0, 1, DEVICE)
         lay_ok, layout = check_layout(buf, idx, 1, 0)
         ok &= lay_ok
         # DeepEP's intranode kernels are instantiated for 2, 4 and 8 ranks only: both refusals are expected
@@ -155,16 +157,23 @@ def mode_one_rank():
     return 0 if ok else 1
 
 
-def _rank_main(rank, world, store, results):
+def _start(rank, world, store, spread):
+    """This rank's GPU and process group: all on cuda:0 over gloo, or rank r on cuda:r over NCCL (``spread``)."""
+    import torch.distributed as dist
+    torch.cuda.set_device(rank if spread else 0)
+    dist.init_process_group("nccl" if spread else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+
+
+def _rank_main(rank, world, store, results, spread=False):
     import torch.distributed as dist
     import deep_ep
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    _start(rank, world, store, spread)
     ok = True
     try:
         buf = buffer_for(dist.group.WORLD, world, deep_ep)
         ok &= say("buffer", buf.runtime.is_available(), rank=rank, world=world, nvl_bytes=buf.num_nvl_bytes)
-        x, idx = inputs(rank, world, "cuda")
+        x, idx = inputs(rank, world, DEVICE)
         lay_ok, layout = check_layout(buf, idx, world, rank)
         ok &= lay_ok
         ok &= check_dispatch_combine(buf, x, idx, layout, world, rank, deep_ep)
@@ -177,18 +186,21 @@ def _rank_main(rank, world, store, results):
     results[rank] = ok
 
 
-def mode_ranks_on_one_gpu(world):
+def spawn(name, main, world, spread):
     import torch.multiprocessing as mp
+    if spread and torch.cuda.device_count() < world:
+        say(name, False, ranks=world, gpus=torch.cuda.device_count(), note="fewer GPUs than ranks")
+        return 1
     store = tempfile.mktemp(prefix="deepep-store-")
     with mp.Manager() as m:
         results = m.dict()
-        mp.spawn(_rank_main, args=(world, store, results), nprocs=world, join=True)
+        mp.spawn(main, args=(world, store, results, spread), nprocs=world, join=True)
         ok = len(results) == world and all(results.values())
-    say(f"ranks-on-one-gpu-{world}", ok, ranks=world)
+    say(name, ok, ranks=world)
     return 0 if ok else 1
 
 
-def _megatron_main(rank, world, store, results):
+def _megatron_main(rank, world, store, results, spread=False):
     """Megatron's flex dispatcher (deepep backend) at EP = world, every rank on cuda:0, process groups over
     gloo (DeepEP's buffer only exchanges handles through its group). Each local expert e scales its rows by
     (e + 1) and by the routing probability, as Megatron's experts apply it; the reference is the sum over a
@@ -199,8 +211,7 @@ def _megatron_main(rank, world, store, results):
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    _start(rank, world, store, spread)
     ok = False
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
@@ -243,25 +254,15 @@ def _megatron_main(rank, world, store, results):
     results[rank] = ok
 
 
-def mode_megatron_flex(world):
-    import torch.multiprocessing as mp
-    store = tempfile.mktemp(prefix="deepep-store-")
-    with mp.Manager() as m:
-        results = m.dict()
-        mp.spawn(_megatron_main, args=(world, store, results), nprocs=world, join=True)
-        ok = len(results) == world and all(results.values())
-    say(f"megatron-flex-{world}", ok, ranks=world)
-    return 0 if ok else 1
-
-
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "import":
         sys.exit(mode_import())
     if mode == "one-rank":
         sys.exit(mode_one_rank())
-    if mode == "ranks-on-one-gpu":
-        sys.exit(mode_ranks_on_one_gpu(int(sys.argv[2])))
-    if mode == "megatron-flex":
-        sys.exit(mode_megatron_flex(int(sys.argv[2])))
-    sys.exit(f"unknown mode {mode!r}; expected import | one-rank | ranks-on-one-gpu N | megatron-flex N")
+    spawned = {"ranks-on-one-gpu": (_rank_main, False), "ranks-on-gpus": (_rank_main, True),
+               "megatron-flex": (_megatron_main, False), "megatron-flex-on-gpus": (_megatron_main, True)}
+    if mode in spawned:
+        main, spread = spawned[mode]
+        sys.exit(spawn(f"{mode}-{sys.argv[2]}", main, int(sys.argv[2]), spread))
+    sys.exit(f"unknown mode {mode!r}; expected import | one-rank | {' N | '.join(spawned)} N")

@@ -17,10 +17,11 @@ log() { echo "== $* (t=$(( $(date +%s) - t0 )) s)" | tee -a "$OUT/summary.txt"; 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' | tee -a "$OUT/gpu.txt"
 nvcc --version | tail -2 | tee -a "$OUT/gpu.txt"
-if [[ ! -f .device-deepep/install-deepep.sh ]]; then
+if [[ ! -f .device-deepep/deepep-src.tar.xz ]]; then
   log "FAIL: .device-deepep/ was not carried (make it with plugins/nam-plugin-deepep/device/fetch-deepep.sh)"
   exit 1
 fi
+cp plugins/nam-plugin-deepep/device/install-deepep.sh .device-deepep/  # the committed one, never a stale copy
 log "build or restore DeepEP 1.2.1 (MAX_JOBS=16, limit 205 s)"
 MAX_JOBS=16 timeout -k 5 205 bash .device-deepep/install-deepep.sh .deepep-cache > "$OUT/build.log" 2>&1
 rc=$?

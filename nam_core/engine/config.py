@@ -56,7 +56,8 @@ class TrainConfig:
     """Expert-parallel size (megatron engine; divides the data-parallel size and the expert count)."""
     moe_dispatcher: str = bounded("alltoall", choices=MOE_DISPATCHERS)
     """Megatron engine, MoE layers: ``alltoall`` (Megatron's all-to-all dispatcher) or ``flex`` (its flex
-    dispatcher on DeepEP's kernels; DeepEP must be installed, never chosen because it happens to be)."""
+    dispatcher on DeepEP's kernels: the deepep plugin selects it when requested, and it is refused without
+    that plugin; never chosen because DeepEP happens to be installed)."""
     seed: int = bounded(1234, ge=0, le=2**32 - 1, flag="--seed", note="numpy and torch seed range")
     """Seeds parameters, data order and dropout."""
 

@@ -14,7 +14,7 @@
 #   code of another file, so whole-program compilation is correct.
 # - setup.py turns NVSHMEM on whenever the nvidia.nvshmem wheel is importable (torch's cu13 wheels pull it
 #   in); this script never looks for it, so the build is intranode-only on every host.
-# --ptxas-options=--register-usage-level=10 is passed only when this ptxas knows the option.
+# --ptxas-options=--register-usage-level=10 is passed only when this nvcc's ptxas takes it (a trial compile).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${1:-}
@@ -44,8 +44,11 @@ else
     else CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); fi
   fi
   export CUDA_HOME PATH=$work/bin:$CUDA_HOME/bin:$PATH MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0
+  # a trial compile (a grep of `ptxas --help` under pipefail failed on the host: grep -q closes the pipe early)
   ptxas_level=0
-  if "$CUDA_HOME/bin/ptxas" --help 2>/dev/null | grep -q -- '--register-usage-level'; then ptxas_level=1; fi
+  echo '__global__ void k() {}' > "$work/probe.cu"
+  if "$CUDA_HOME/bin/nvcc" -c "$work/probe.cu" -o "$work/probe.o" -arch=sm_90 \
+       --ptxas-options=--register-usage-level=10 >/dev/null 2>&1; then ptxas_level=1; fi
   b0=$(date +%s)
   (cd "$work/src" && PTXAS_LEVEL=$ptxas_level python3 - "$work/out" <<'PY'
 # deep_ep_cpp from the four intranode sources, with the tag's compiler flags for sm_90 without NVSHMEM.

@@ -65,14 +65,14 @@ def excess(got, ref, rel):
     return ((got - ref).abs() / (rel * ref.abs() + 1e-6)).max().item(), 1.0
 
 
-def buffer_for(group, world, deep_ep):
+def buffer_for(group, world, deep_ep, **kw):
     hidden_bytes = H * 2
     if world in (2, 4, 8):
         cfgs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
     else:
         cfgs = (deep_ep.Config(deep_ep.Buffer.num_sms, 6, 256, 6, 128),)
     nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in cfgs)
-    return deep_ep.Buffer(group, nvl, 0)
+    return deep_ep.Buffer(group, nvl, 0, **kw)
 
 
 def check_layout(buf, idx, world, rank):
@@ -135,7 +135,9 @@ def mode_one_rank():
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     ok = True
     try:
-        buf = buffer_for(dist.group.WORLD, 1, deep_ep)
+        # explicitly destroyed: the destructor's barrier kernel exists for 2, 4 and 8 ranks only, so at one
+        # rank an implicit destroy at exit throws from a destructor and aborts the process (seen on an H200)
+        buf = buffer_for(dist.group.WORLD, 1, deep_ep, explicitly_destroy=True)
         ok &= say("buffer", buf.runtime.is_available(), world=1, nvl_bytes=buf.num_nvl_bytes)
         x, idx = inputs(0, 1, DEVICE)
         lay_ok, layout = check_layout(buf, idx, 1, 0)
@@ -150,6 +152,11 @@ def mode_one_rank():
             except (AssertionError, RuntimeError) as e:
                 ok &= say(name, want in str(e), refused=f"{type(e).__name__}: {str(e)[:300]}", expected=want)
             torch.cuda.synchronize()
+        try:
+            buf.destroy()
+            ok &= say("destroy", False, note="destroyed at one rank; expected a refusal")
+        except RuntimeError as e:
+            ok &= say("destroy", "Unsupported ranks" in str(e), refused=str(e)[:300], expected="Unsupported ranks")
     except Exception as e:  # reported, and turned into a failing exit
         ok = say("error", False, rank=0, error=f"{type(e).__name__}: {str(e)[:400]}")
     finally:
@@ -202,7 +209,7 @@ def spawn(name, main, world, spread):
 
 def _megatron_main(rank, world, store, results, spread=False):
     """Megatron's flex dispatcher (deepep backend) at EP = world, every rank on cuda:0, process groups over
-    gloo (DeepEP's buffer only exchanges handles through its group). Each local expert e scales its rows by
+    gloo (DeepEP's buffer only exchanges handles through its group), with the plugin's patch applied. Each local expert e scales its rows by
     (e + 1) and by the routing probability, as Megatron's experts apply it; the reference is the sum over a
     token's selected experts of (e + 1) * p * x, computed in fp32 from the same inputs."""
     import torch.distributed as dist
@@ -222,6 +229,12 @@ def _megatron_main(rank, world, store, results, spread=False):
                                    moe_router_dtype="fp32", bf16=True, params_dtype=torch.bfloat16,
                                    use_cpu_initialization=True)
         local = [rank * per_rank + i for i in range(per_rank)]
+        # the deepep plugin's patch-lane entry, as a run applies it: Megatron's buffer sizing asks DeepEP for
+        # an RDMA size that a build without NVSHMEM refuses
+        from nam_plugin_deepep import patch
+        needed = patch.detect()
+        patch.apply()
+        say("patch", not patch.detect(), rank=rank, name=patch.NAME, needed=needed)
         d = MoEFlexTokenDispatcher(per_rank, local, config,
                                    pg_collection=ProcessGroupCollection.use_mpu_process_groups())
         x, _ = inputs(rank, world, DEVICE)

@@ -5,12 +5,14 @@ dispatcher, on DeepEP's intranode buffer (the lowering sets ``moe_flex_dispatche
 Rows, asked when the run uses the flex dispatcher: the megatron engine, expert parallelism of 2, 4 or 8 ranks
 (EP 1 has nothing to dispatch across); on a real device, DeepEP's extension loading against the installed torch
 on an sm_90 GPU, and peer access between every pair of visible GPUs (DeepEP's buffers are CUDA IPC memory that
-each rank's kernels write into). This module stays light: torch and deep_ep are imported inside the checks.
+each rank's kernels write into). Its patch-lane entry (``patch.py``, ``deepep-intranode-buffer``) lets Megatron's
+flex dispatcher size DeepEP's buffer without the RDMA hint an NVSHMEM-less build refuses. This module stays
+light: torch, deep_ep and megatron are imported inside the checks and the hook.
 """
 
 from __future__ import annotations
 
-from nam_core import PluginInfo, Requirement
+from nam_core import PluginInfo, Requirement, hookimpl
 from nam_core.checks import LaunchCheck, Measured, ShapeCheck
 
 NAME = "deepep"
@@ -118,3 +120,10 @@ PLUGIN = PluginInfo(
                     peer_access, ALLTOALL, when=flex_on_megatron),
     ),
 )
+
+
+@hookimpl
+def nam_register_patches(register):
+    from nam_plugin_deepep.patch import NAME as PATCH, make_patch
+
+    register(PATCH, make_patch())

@@ -116,6 +116,6 @@ def test_the_patch_is_registered_for_deep_ep_1_2():
     registered = {}
     plugin.nam_register_patches(lambda name, entry: registered.setdefault(name, entry))
     [(name, p)] = registered.items()
-    assert name == p.name
+    assert name == p.name == plugin.PATCH and plugin.PLUGIN.provides == {"patches": [plugin.PATCH]}
     assert (p.name, p.target, p.versions) == ("deepep-intranode-buffer", "deep_ep", ">=1.2.1,<1.3")
     assert p.revert is patch.revert and p.apply is patch.apply

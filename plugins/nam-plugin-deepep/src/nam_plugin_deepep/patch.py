@@ -22,7 +22,7 @@ from __future__ import annotations
 from nam_core.errors import CannotRunHere
 from nam_core.patches import Patch
 
-NAME = "deepep-intranode-buffer"
+NAME = "deepep-intranode-buffer"  # nam_plugin_deepep.plugin.PATCH
 NVL_PEERS = 8
 """DeepEP's ``NUM_MAX_NVL_PEERS``: the most ranks one intranode (NVLink) group holds."""
 RETIRE_WHEN = ("a Megatron-Core release whose fused_a2a.get_buffer skips DeepEP's RDMA size hint for intranode "

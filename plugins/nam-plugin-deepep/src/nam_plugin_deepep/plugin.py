@@ -26,6 +26,8 @@ STAGE = ("bash plugins/nam-plugin-deepep/device/fetch-deepep.sh here (packs the 
          "PYTHONPATH=/tmp/site")
 ALLTOALL = "Megatron's all-to-all dispatcher: drop --plugins deepep"
 ENABLE = f"nam train --engine megatron --nproc 8 --ep 8 --plugins {NAME}"
+PATCH = "deepep-intranode-buffer"
+"""The patch-lane entry (``patch.py``): Megatron's buffer sizing without the RDMA hint NVSHMEM-less DeepEP refuses."""
 
 
 def uses_flex(spec) -> bool:
@@ -103,6 +105,7 @@ def peer_access(spec) -> Measured:
 PLUGIN = PluginInfo(
     summary="deepep: Megatron's flex MoE token dispatcher on DeepEP's intranode kernels (v1.2.x, NVSHMEM off, "
             "sm_90) for expert parallelism of 2, 4 or 8 GPUs of one host",
+    provides={"patches": [PATCH]},
     requires=(
         Requirement.cuda_capability((9, 0), reason="DeepEP is built for sm_90 (device/install-deepep.sh)"),
         Requirement.package(DEEPEP, install_hint=STAGE,
@@ -124,6 +127,6 @@ PLUGIN = PluginInfo(
 
 @hookimpl
 def nam_register_patches(register):
-    from nam_plugin_deepep.patch import NAME as PATCH, make_patch
+    from nam_plugin_deepep.patch import make_patch
 
     register(PATCH, make_patch())

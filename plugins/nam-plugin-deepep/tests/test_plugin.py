@@ -155,7 +155,7 @@ def test_peer_access_needs_ep_gpus_with_every_pair_connected(monkeypatch):
 
 def fake_deep_ep(tmp_path, monkeypatch, body, version="1.2.1"):
     """A ``deep_ep`` on sys.path with its metadata, whose import runs ``body``."""
-    (tmp_path / "deep_ep").mkdir()
+    (tmp_path / "deep_ep").mkdir(parents=True)
     (tmp_path / "deep_ep" / "__init__.py").write_text(body)
     info = tmp_path / f"deep_ep-{version}.dist-info"
     info.mkdir()
@@ -233,3 +233,15 @@ def test_the_install_step_restores_a_cached_build_that_the_requirement_accepts(t
     assert (site / f"deep_ep_cpp{suffix}").read_bytes() == b"built extension"
     [dist] = importlib.metadata.distributions(path=[str(site)])
     assert dist.metadata["Name"] == "deep_ep" and dist.version in SpecifierSet(plugin.DEEPEP.split("deep_ep")[1])
+
+
+def test_activation_with_deepep_installed_registers_the_patch(tmp_path, monkeypatch):
+    """The whole activation on a (fake) sm_90 device with a DeepEP 1.2.1 distribution visible: the requirements
+    pass and the host registers the patch-lane entry the plugin declares."""
+    fake_deep_ep(tmp_path, monkeypatch, "")
+    host = PluginHost()
+    host.activate(["deepep"], H100)
+    assert host.registry("patches").names() == [plugin.PATCH]
+    fake_deep_ep(tmp_path / "old", monkeypatch, "", version="1.0.0")  # PyPI's unrelated deep-ep
+    with pytest.raises(PluginActivationError, match=r"needs deep_ep>=1.2.1,<1.3 .*found 1.0.0"):
+        PluginHost().activate(["deepep"], H100)

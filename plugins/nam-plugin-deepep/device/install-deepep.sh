@@ -52,8 +52,8 @@ else
   b0=$(date +%s)
   (cd "$work/src" && PTXAS_LEVEL=$ptxas_level python3 - "$work/out" <<'PY'
 # deep_ep_cpp from the four intranode sources, with the tag's compiler flags for sm_90 without NVSHMEM.
-# deep_ep.cpp includes ATen/cuda/CUDAContext.h, which wants cuBLAS, cuSPARSE and cuSOLVER headers that a bare
-# CUDA toolkit (the GPU host's) lacks: they come from the include folders of torch's nvidia-* wheels.
+# deep_ep.cpp includes ATen/cuda/CUDAContext.h, which wants cuBLAS, cuSPARSE and cuSOLVER headers; a CUDA
+# toolkit without them (a bare nvcc install; the GPU host's had them) gets them from torch's nvidia-* wheels.
 import os, sys, sysconfig
 from pathlib import Path
 import setuptools

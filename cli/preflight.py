@@ -16,8 +16,8 @@ from nam_core.host import PluginHost, requested_plugins
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Judge this run exactly as `nam train` "
                       "would (with --set, --engine, the layout flags); without it and them, the device alone.")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="local, or megatron: also check what the megatron engine "
-                      "needs here (megatron-core >= 0.19, CUDA, torch.distributed, psutil; DeepEP for the flex "
-                      "dispatcher).")]
+                      "needs here (megatron-core >= 0.19, CUDA, torch.distributed, psutil; DeepEP's rows are "
+                      "nam-plugin-deepep's: --plugins deepep).")]
 
 
 def preflight(

@@ -126,14 +126,17 @@ def apply_overrides(
         train=recipe.train.replace(**parsed.train, plugin_options=parsed.options),
         explicit=recipe.explicit | frozenset(parsed.model),
     )
-    return apply_plugin_selections(recipe, plugin_infos or {}, explicit=set(parsed.model) | set(parsed.options))
+    return apply_plugin_selections(recipe, plugin_infos or {}, explicit=set(parsed.model) | set(parsed.options)
+                                   | {selection.TRAIN + k for k in parsed.train})
 
 
 def apply_plugin_selections(recipe: Recipe, infos: Mapping, *, explicit: set[str] = frozenset()) -> Recipe:
-    """The recipe with the model fields requested plugins select (``nam_core.selection.select``), noted."""
+    """The recipe with the model and train fields requested plugins select (``nam_core.selection.select``,
+    ``select_train``), noted. ``explicit``: model fields, plugin options and ``train.<field>`` keys the user set."""
     chosen = selection.select(recipe.model, recipe.train.plugin_options, infos, explicit=explicit)
-    if not chosen.changes and not chosen.notes:
+    train, train_notes = selection.select_train(recipe.train, infos, explicit=explicit)
+    if not chosen.changes and not chosen.notes and not train_notes:
         return recipe
     return dataclasses.replace(recipe, model=recipe.model.replace(**chosen.changes),
-                               train=recipe.train.replace(plugin_options=chosen.options),
-                               notes=recipe.notes + chosen.notes)
+                               train=recipe.train.replace(plugin_options=chosen.options, **train),
+                               notes=recipe.notes + chosen.notes + train_notes)

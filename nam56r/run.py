@@ -495,10 +495,12 @@ def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: 
     chunks and stages are the schedule's."""
     from nam56r.megatron.lowering import check_lowering
     from nam_core.engine import megatron as meg
+    from nam_core.engine.megatron.checks import check_dispatcher
 
     train, lay = spec.train, spec.layout
     schedule = (meg.schedule_for(train.schedule, pp=lay.pp, registered=registered) if registered is not None
                 else None)
+    check_dispatcher(train.moe_dispatcher, spec.plugins)
     lowering = lowering_for(spec, schedule=schedule)
     meg.check_layout(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, ep=lay.ep, train=train,
                      registered_schedules=registered if registered is not None else {train.schedule: None})

@@ -36,7 +36,9 @@ class PluginInfo:
     train_needs_reason: str = ""
     """Why (shown in the refusal)."""
     selects: Mapping[str, str] = field(default_factory=dict)
-    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer_backend": "my-strategy"}``.
+    """Model-config fields this plugin sets when it is requested, e.g. ``{"indexer_backend": "my-strategy"}``,
+    or ``train.<field>`` keys for ``TrainConfig`` fields (the deepep plugin: ``{"train.moe_dispatcher": "flex"}``;
+    ``nam_core.selection.select_train``, which no plugin may wrap).
 
     Naming a plugin is the user's choice of what it provides, so ``--plugins my-strategy`` alone selects the
     ``my-strategy`` indexer. An explicit ``--set field=...`` always wins; two requested plugins selecting

@@ -41,7 +41,7 @@ def select(model: Any, options: Mapping[str, str], infos: Mapping, *, explicit: 
     model_types = typing.get_type_hints(type(model))
     explicit = set(explicit)
     out = Selection(options=dict(options))
-    for fld in sorted({f for info in infos.values() for f in info.selects}):
+    for fld in sorted({f for info in infos.values() for f in info.selects if not f.startswith(TRAIN)}):
         pickers = {name: info.selects[fld] for name, info in infos.items() if fld in info.selects}
         if fld not in model_types or fld == UNSETTABLE_MODEL:
             raise ConfigError(f"plugin(s) {', '.join(pickers)} select {fld!r}, which is not a model-config field",
@@ -74,6 +74,39 @@ def select(model: Any, options: Mapping[str, str], infos: Mapping, *, explicit: 
             out.notes.append(f"{fld}={base} ({source})")
         out.changes[fld] = coerce(str(base), model_types[fld], fld)
     return out
+
+
+TRAIN = "train."
+"""``PluginInfo.selects`` keys with this prefix name ``TrainConfig`` fields (``select_train``); the others, model
+fields (``select``)."""
+
+
+def select_train(train: Any, infos: Mapping, *, explicit: Iterable[str] = ()) -> tuple[dict[str, object], list[str]]:
+    """The ``train.<field>`` values the requested plugins select (the deepep plugin: ``train.moe_dispatcher=flex``),
+    as typed ``TrainConfig`` changes and one note each. ``explicit``: the ``train.<field>`` keys the user set,
+    which win (noted). Requested plugins selecting different values for one field is a ConfigError; a train
+    field cannot be wrapped."""
+    train_types = typing.get_type_hints(type(train))
+    explicit, changes, notes = set(explicit), {}, []
+    for key in sorted({f for info in infos.values() for f in info.selects if f.startswith(TRAIN)}):
+        fld = key[len(TRAIN):]
+        pickers = {name: info.selects[key] for name, info in infos.items() if key in info.selects}
+        if fld not in train_types or any(key in info.wraps for info in infos.values()):
+            raise ConfigError(f"plugin(s) {', '.join(pickers)} select {key!r}, which is not a train-config field "
+                              "a plugin may select", hint="report this to the plugin's authors; deactivate it meanwhile")
+        current = getattr(train, fld)
+        if key in explicit:
+            notes += [f"{key}={current} (your --set; plugin {name} would have selected {value})"
+                      for name, value in pickers.items() if value != current]
+            continue
+        if len(set(pickers.values())) > 1:
+            both = ", ".join(f"{n} -> {v}" for n, v in pickers.items())
+            raise ConfigError(f"requested plugins select different values for {key!r}: {both}",
+                              hint=f"choose one with --set {key}=VALUE, or request fewer plugins")
+        value = next(iter(pickers.values()))
+        notes.append(f"{key}={value} (selected by plugin {', '.join(pickers)})")
+        changes[fld] = coerce(str(value), train_types[fld], key)
+    return changes, notes
 
 
 def wrapped(model: Any, infos: Mapping, options: Mapping, kinds: Iterable) -> dict[str, str]:

@@ -72,7 +72,7 @@ def test_allocator_too_late_after_cuda_initialised():
 # --- runtime ---------------------------------------------------------------------------------------------
 
 READY = {"megatron": (0, 19, 2), "python": (3, 12), "cuda": True, "distributed": True, "world_size": 2,
-         "psutil": True, "deep_ep": False}
+         "psutil": True}
 
 
 def test_runtime_ready_passes():
@@ -98,14 +98,18 @@ def test_runtime_missing_megatron_is_named():
         engine.check_runtime({**READY, "megatron": None})
 
 
-def test_flex_dispatcher_needs_deepep_and_is_never_picked_for_being_installed():
-    with pytest.raises(NamError, match=r"DeepEP \(flex dispatcher\): needs deep_ep \(for train.moe_dispatcher=flex\), found not installed"):
-        engine.check_runtime(READY, dispatcher="flex")
-    engine.check_runtime({**READY, "deep_ep": True}, dispatcher="flex")
-    rows = {c.name: c for c in engine.runtime_checks({**READY, "deep_ep": True})}
-    assert rows["DeepEP (flex dispatcher)"].ok  # reported as present; the dispatcher stays what the config says
-    rows = {c.name: c for c in engine.runtime_checks(READY, launched=False)}
-    assert rows["DeepEP (flex dispatcher)"].status == "skip" and "torchrun launch" not in rows
+def test_flex_dispatcher_needs_the_deepep_plugin_which_owns_deepep_s_rows():
+    from nam_core.engine.megatron.checks import check_dispatcher
+
+    with pytest.raises(ConfigError, match="train.moe_dispatcher=flex runs Megatron's flex dispatcher on DeepEP, "
+                                          "which plugin deepep brings; it is not requested") as e:
+        check_dispatcher("flex", ("liger",))
+    assert "--plugins deepep" in e.value.hint and "--set train.moe_dispatcher=alltoall" in e.value.hint
+    check_dispatcher("flex", ("liger", "deepep"))
+    check_dispatcher("alltoall", ())
+    engine.check_runtime(READY, dispatcher="flex")  # DeepEP itself: the plugin's requirement, at activation
+    rows = {c.name for c in engine.runtime_checks(READY, launched=False)}
+    assert not any("DeepEP" in name for name in rows) and "torchrun launch" not in rows
     with pytest.raises(NamError, match="MoE dispatcher: needs alltoall or flex, found deepep"):
         engine.check_runtime(READY, dispatcher="deepep")
 

@@ -13,6 +13,9 @@ from nam_core.bounds import Rule, bounded
 
 MOE_DISPATCHERS = ("alltoall", "flex")
 """``train.moe_dispatcher``: Megatron's all-to-all token dispatcher, or its flex dispatcher on DeepEP's kernels."""
+FLEX_PLUGIN = "deepep"
+"""The plugin that brings DeepEP and owns its requirement and rows (nam-plugin-deepep); requesting it selects
+``flex``, and ``flex`` without it is refused (``nam_core.engine.megatron.checks.check_dispatcher``)."""
 ENGINES = ("local", "megatron")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
@@ -53,7 +56,8 @@ class TrainConfig:
     """Expert-parallel size (megatron engine; divides the data-parallel size and the expert count)."""
     moe_dispatcher: str = bounded("alltoall", choices=MOE_DISPATCHERS)
     """Megatron engine, MoE layers: ``alltoall`` (Megatron's all-to-all dispatcher) or ``flex`` (its flex
-    dispatcher on DeepEP's kernels; DeepEP must be installed, never chosen because it happens to be)."""
+    dispatcher on DeepEP's kernels: the deepep plugin selects it when requested, and it is refused without
+    that plugin; never chosen because DeepEP happens to be installed)."""
     seed: int = bounded(1234, ge=0, le=2**32 - 1, flag="--seed", note="numpy and torch seed range")
     """Seeds parameters, data order and dropout."""
 

@@ -9,7 +9,7 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from nam_core.engine.config import MOE_DISPATCHERS, TrainConfig
+from nam_core.engine.config import FLEX_PLUGIN, MOE_DISPATCHERS, TrainConfig
 from nam_core.engine.megatron.optimizer import numerics_options
 from nam_core.engine.megatron.schedule import resolve_schedule
 from nam_core.errors import CannotRunHere, ConfigError
@@ -74,7 +74,6 @@ def runtime_facts() -> dict:
         "distributed": torch.distributed.is_available(),
         "world_size": int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None,
         "psutil": importlib.util.find_spec("psutil") is not None,
-        "deep_ep": importlib.util.find_spec("deep_ep") is not None,
         "fused_adam": next((name for name in ("transformer_engine", "apex")
                             if importlib.util.find_spec(name) is not None), None),
     }
@@ -95,14 +94,17 @@ TORCHRUN = Requirement.fact(
     hint="torchrun --nproc-per-node N -m nam_cli train --engine megatron ..., or nam train --nproc N")
 DISPATCHER = Requirement.fact("MoE dispatcher", " or ".join(MOE_DISPATCHERS),
                               hint="--set train.moe_dispatcher=alltoall")
-FLEX = "DeepEP (flex dispatcher)"
-"""``train.moe_dispatcher=flex`` runs Megatron's flex dispatcher on DeepEP's kernels (module ``deep_ep``)."""
 
 
-def _deep_ep(dispatcher: str) -> Requirement:
-    return Requirement.package("deep_ep", label=FLEX,
-                               install_hint="install DeepEP, or --set train.moe_dispatcher=alltoall",
-                               reason=f"for train.moe_dispatcher={dispatcher}" if dispatcher == "flex" else "")
+def check_dispatcher(dispatcher: str, plugins) -> None:
+    """``train.moe_dispatcher=flex`` runs Megatron's flex dispatcher on DeepEP, whose requirement and rows the
+    deepep plugin owns: flex without that plugin requested is a ConfigError here, not an ImportError in the
+    first MoE layer."""
+    if dispatcher == "flex" and FLEX_PLUGIN not in plugins:
+        raise ConfigError(f"train.moe_dispatcher=flex runs Megatron's flex dispatcher on DeepEP, which plugin "
+                          f"{FLEX_PLUGIN} brings; it is not requested (plugins: {', '.join(plugins) or 'none'})",
+                          hint=f"--plugins {FLEX_PLUGIN} (pip install nam-plugin-{FLEX_PLUGIN}; it selects flex), "
+                               "or --set train.moe_dispatcher=alltoall")
 
 
 TE_FUSED_ADAM = Requirement.package(
@@ -128,13 +130,8 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
     if launched:
         world = facts["world_size"]
         rows.append(TORCHRUN.check_fact(WHO, world is not None, "not set" if world is None else f"WORLD_SIZE={world}"))
-    if dispatcher not in MOE_DISPATCHERS:
+    if dispatcher not in MOE_DISPATCHERS:  # flex: DeepEP's rows are the deepep plugin's (check_dispatcher)
         rows.append(DISPATCHER.check_fact(WHO, False, dispatcher))
-    elif dispatcher == "flex" or facts["deep_ep"]:
-        rows.append(_deep_ep(dispatcher).check_installed(WHO, facts["deep_ep"]))
-    else:
-        rows.append(Check(WHO, FLEX, SKIP, "only for train.moe_dispatcher=flex",
-                          "not installed: MoE tokens move through Megatron's all-to-all dispatcher"))
     if numerics == "bf16-moments":
         te = "installed" if facts.get("fused_adam") == "transformer_engine" else None
         rows.append(TE_FUSED_ADAM.check_installed(WHO, te))

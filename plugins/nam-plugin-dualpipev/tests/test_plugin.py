@@ -78,7 +78,7 @@ def test_config_refusals_say_what_was_needed_found_and_what_to_do(train, name, f
 
 
 def test_requesting_the_plugin_does_not_select_the_schedule_the_user_sets_it():
-    """PluginInfo.selects sets model-config fields only, so the schedule stays the user's --set."""
+    """The plugin selects nothing, so the schedule stays the user's --set."""
     assert plugin.PLUGIN.selects == {}
     infos = {"dualpipev": PluginHost().info("dualpipev")}
     rec = apply_overrides(get_recipe("nam56r-tiny"), [], plugin_names=["dualpipev"], plugin_infos=infos)

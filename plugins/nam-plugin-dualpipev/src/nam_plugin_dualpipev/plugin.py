@@ -1,10 +1,9 @@
 """Entry point of the dualpipev plugin: what it declares (its layout rows among it) and the hook that registers
 the schedule.
 
-Requesting the plugin does not select the schedule: ``PluginInfo.selects`` sets model-config fields only
-(``nam_core.selection.select`` refuses any other), and the schedule is ``train.schedule``. The
-user sets it: ``--set train.schedule=dualpipev``; while it is not set, the host shows the plugin as active
-but unused (the kind ``schedules`` is picked by ``train.schedule``).
+Requesting the plugin does not select the schedule (``train.schedule``; the plugin declares no
+``PluginInfo.selects``). The user sets it: ``--set train.schedule=dualpipev``; while it is not set, the host
+shows the plugin as active but unused (the kind ``schedules`` is picked by ``train.schedule``).
 
 Keep this module light: torch and the executor are imported inside function bodies, so ``nam plugins list``
 reads ``PLUGIN`` without them.

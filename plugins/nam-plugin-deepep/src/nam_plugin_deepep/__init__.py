@@ -1,0 +1,1 @@
+"""nam plugin deepep: Megatron's flex MoE token dispatcher on DeepEP's intranode kernels for expert parallelism > 1."""

@@ -99,12 +99,15 @@ def misaligned(projections: list[Projection]) -> list[Projection]:
     return [p for p in projections if not p.aligned]
 
 
-@functools.cache
 def te_linear_class(te) -> type:
     """A ``te.Linear`` subclass (one per TE module ``te``) whose forward runs inside ``te.autocast`` with the
     recipe the swap gave it (``nam_recipe``), or plain (bf16) when that is None."""
+    return _linear_class(te.Linear, te.autocast)
 
-    class NamTELinear(te.Linear):
+
+@functools.cache
+def _linear_class(base: type, autocast) -> type:
+    class NamTELinear(base):
         """``transformer_engine.pytorch.Linear`` holding a NAM56R projection's weight; FP8 inside its own
         autocast (module docstring: why per module)."""
 
@@ -113,7 +116,7 @@ def te_linear_class(te) -> type:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.nam_recipe is None:
                 return super().forward(x)
-            with te.autocast(enabled=True, recipe=self.nam_recipe):
+            with autocast(enabled=True, recipe=self.nam_recipe):
                 return super().forward(x)
 
     return NamTELinear

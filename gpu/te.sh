@@ -1,0 +1,39 @@
+#!/bin/bash
+# GPU round for the te branch (issue 29 part 1), on the host with Transformer Engine 2.20.2 installed into
+# /tmp/site (GPU-PROTOCOL.md). Steps, each bounded so the whole ends within ~4 minutes:
+#   1. nam preflight --plugins te (every row should pass), and the gb10 profile's refusal
+#   2. the plugin's GPU tests (bf16 and FP8 parity, the tiny model with TE linears)
+#   3. bench/te_linear.py: 16384x4096 -> 16384 forward + backward, torch bf16 / TE bf16 / FP8 current, delayed,
+#      blockwise
+#   4. smokes, 3 steps of nam56r-tiny on CUDA in bf16 (mamba_rope_fraction=1.0: every projection divisible by 16):
+#      local engine with TE FP8 linears; megatron engine (--nproc 1) with TE bf16 and FP8 linears
+set -uo pipefail
+OUT=${OUT:-/tmp/te-out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+t0=$(date +%s)
+left() { echo $(( 235 - ($(date +%s) - t0) )); }
+log() { echo "== $* (t=$(( $(date +%s) - t0 )) s)" | tee -a "$OUT/summary.txt"; }
+step() {  # name, limit, command...: run with a timeout bounded by what is left, output to $OUT/name.txt
+  local name=$1 lim=$2; shift 2
+  (( lim > $(left) )) && lim=$(left)
+  if (( lim < 10 )); then log "$name: skipped, out of time"; return; fi
+  timeout "$lim" "$@" > "$OUT/$name.txt" 2>&1
+  local r=$?
+  tail -n 25 "$OUT/$name.txt"
+  log "$name rc=$r"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
+git log --oneline -1 | tee -a "$OUT/gpu.txt"
+step preflight 60 nam preflight --plugins te
+step preflight-gb10 20 nam preflight --plugins te --device-profile gb10
+step gpu-tests 90 python3 -m pytest -m gpu plugins/nam-plugin-te/tests/test_te_gpu.py -q -s -p no:cacheprovider
+step bench-linear 40 python3 bench/te_linear.py --json "$OUT/te_linear.json"
+TINY=(--recipe nam56r-tiny --device cuda --set train.dtype=bfloat16 --set mamba_rope_fraction=1.0 --max-steps 3
+      --set attention_backend=reference
+      --plugins te)
+step local-fp8 45 nam train "${TINY[@]}" --set te.fp8=current --run-dir /tmp/te-local-fp8
+step megatron-bf16 60 nam train "${TINY[@]}" --engine megatron --nproc 1 --run-dir /tmp/te-meg-bf16
+step megatron-fp8 60 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.fp8=current --run-dir /tmp/te-meg-fp8
+log "done"

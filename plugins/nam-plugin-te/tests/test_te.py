@@ -55,7 +55,9 @@ class FakeTE:
                     return nn.functional.linear(_e4m3(x), _e4m3(self.weight))
                 return super().forward(x)
 
+        Linear.fuse_wgrad_accumulation = False  # TE's attribute, read at every forward
         self.Linear = Linear
+        self.module = types.SimpleNamespace(base=types.SimpleNamespace(TransformerEngineBaseModule=Linear))
 
     @contextlib.contextmanager
     def autocast(self, enabled, recipe):
@@ -162,13 +164,76 @@ def test_fp8_swap_refuses_a_projection_not_divisible_by_16():
     assert te_modules(model) == []  # refused before anything was swapped
 
 
-def test_the_hook_swaps_through_the_run_options(monkeypatch):
+@pytest.mark.parametrize("engine", ["local", "megatron"])
+def test_the_hook_swaps_and_fuses_wgrad_accumulation_on_the_megatron_engine_only(monkeypatch, engine):
+    """Gradient-accumulation fusion writes into Megatron's ``main_grad``, which only the megatron engine has."""
     fake = FakeTE()
     monkeypatch.setattr(linears, "_te", lambda: fake)
-    spec = spec_for("nam56r-tiny", ALIGNED, *CUDA_BF16, plugins=["te"], device="cuda")
+    spec = spec_for("nam56r-tiny", ALIGNED, *CUDA_BF16, plugins=["te"], device="cuda", engine=engine)
     model = build_model(spec.model, device="meta")
-    assert plugin.nam_transform_model(model, spec).startswith("te: 159 nn.Linear -> Transformer Engine Linear (bf16)")
+    model.extra = fake.Linear(4, 4, bias=False, device="meta")  # stands for one of Megatron's TE modules
+    line = plugin.nam_transform_model(model, spec)
+    assert line.startswith("te: 159 nn.Linear -> Transformer Engine Linear (bf16)"), line
     assert len(te_modules(model)) == 159
+    fused = [n for n, m in model.named_modules() if getattr(m, "fuse_wgrad_accumulation", False)]
+    if engine == "megatron":
+        assert len(fused) == 160 and "extra" in fused and line.endswith("in 160 TE modules"), line
+    else:
+        assert fused == [] and "fusion" not in line
+
+
+# --- the megatron lowering ------------------------------------------------------------------------------
+
+
+def test_the_megatron_lowering_takes_te_modules_and_fp8_from_the_plugins_options():
+    from nam56r.megatron.lowering import TE_FP8_RECIPES
+    from nam56r.run import lowering_for
+
+    on = lowering_for(spec_for("nam56r-tiny", "te.fp8=current", "te.experts=grouped", plugins=["te"], device="cuda",
+                               engine="megatron"))
+    assert on.linears == "transformer_engine"
+    args = on.config_args
+    assert (args["fp8"], args["fp8_recipe"], args["moe_grouped_gemm"]) == ("hybrid", "tensorwise", True), args
+    modules = {s.path: s.module for s in on.slots}
+    assert modules["mamba_layer.submodules.norm"] == modules["final_norm"] == (
+        "megatron.core.extensions.transformer_engine.TENorm")
+    assert modules["moe_layer.submodules.mlp.submodules.experts"] == "megatron.core.transformer.moe.experts.TEGroupedMLP"
+    assert modules["output_layer"] == "megatron.core.tensor_parallel.layers.ColumnParallelLinear"  # the CE owns it
+    bf16 = lowering_for(spec_for("nam56r-tiny", plugins=["te"], device="cuda", engine="megatron"))
+    assert bf16.linears == "transformer_engine" and "fp8" not in bf16.config_args
+    assert bf16.config_args["moe_grouped_gemm"] is False
+    assert {s.path: s.module for s in bf16.slots}["moe_layer.submodules.mlp.submodules.experts"] == (
+        "nam56r.backends.MoEExperts")
+    off = lowering_for(spec_for("nam56r-tiny", device="cuda", engine="megatron"))
+    assert off.linears == "local" and "fp8" not in off.config_args and off.config_args["moe_grouped_gemm"] is False
+    # The plugin's recipe table and the lowering's agree on Megatron's name of each recipe.
+    assert {n: r.megatron for n, r in recipes.RECIPES.items()} == TE_FP8_RECIPES
+
+
+def test_grouped_experts_are_refused_on_the_local_engine():
+    row = _rows("te.experts=grouped", *CUDA_BF16)["experts"]
+    assert row.status == "fail" and row.hint.startswith("--engine megatron"), row
+
+
+def test_stacked_experts_split_into_te_grouped_mlp_weights():
+    from nam56r.megatron.lowering import lower
+    from nam56r.megatron.weights import KIND, nam_state_to_megatron, per_expert
+
+    cfg = _small()
+    state = build_model(cfg).state_dict()
+    kinds = tuple(KIND[layer["nam"]] for layer in lower(cfg).layers)
+    stacked = nam_state_to_megatron(state, kinds)
+    split = per_expert(stacked)
+    moe = [k for k in stacked if k.endswith("mlp.experts.w_gate_up")]
+    assert moe and not any(k.endswith(("experts.w_gate_up", "experts.w_down")) for k in split)
+    for key in moe:
+        prefix = key.removesuffix(".w_gate_up")
+        gate_up, down = stacked[key], stacked[prefix + ".w_down"]
+        for i in range(cfg.num_experts):
+            assert torch.equal(split[f"{prefix}.linear_fc1.weight{i}"], gate_up[i])  # [2f, d]: [gate ; up]
+            assert torch.equal(split[f"{prefix}.linear_fc2.weight{i}"], down[i])  # [d, f]
+        assert f"{prefix}.linear_fc1.weight{cfg.num_experts}" not in split
+    assert len(split) == len(stacked) + len(moe) * 2 * (cfg.num_experts - 1)
 
 
 # --- the rows -------------------------------------------------------------------------------------------

@@ -6,6 +6,12 @@ before the optimizer); ``te.fp8`` picks what they compute in:
 * ``delayed`` / ``current`` / ``blockwise``: TE's FP8 recipes (``recipes.py``), inside each linear's own
   ``te.autocast``; ``mxfp8`` is offered so that asking for it on Hopper is refused with the reason.
 
+On the megatron engine the lowering also takes Megatron-Core's TE modules where it builds a linear or a norm
+(``nam56r.run.te_lowering``: the MTP projection and dense MLP, the shared expert, every RMSNorm), FP8 through
+Megatron's ``fp8``/``fp8_recipe`` with the same recipe, and with ``te.experts=grouped`` Megatron's
+``TEGroupedMLP`` for the routed experts; the transform turns on TE's gradient-accumulation fusion (the wgrad
+GEMM accumulates into Megatron's fp32 ``main_grad``) in every TE linear of the chunk (``megatron.py``).
+
 Activation checks what a TE install gets wrong: the package's version (declared), its torch extension against
 this torch (an ABI mismatch or a missing build is a refusal row with the exception, never an import crash),
 cuDNN, the FP8 recipes this GPU and CUDA run, and parity of a TE linear against torch's (bf16) and against fp32
@@ -56,6 +62,9 @@ def nam_check_config(config, device):
                           f"train.dtype={train.dtype}", hint=f"--set train.dtype=bfloat16, or {OFF_HINT}"))
     if fp8 != OFF:
         rows.append(recipe_row(fp8, device))
+    if config.options[NAME].experts == "grouped" and config.engine != "megatron":
+        rows.append(Check(NAME, "experts", FAIL, "the megatron engine (te.experts=grouped is Megatron's TEGroupedMLP)",
+                          f"engine {config.engine}", hint=f"--engine megatron, or --set {NAME}.experts=nam"))
     return rows
 
 
@@ -135,6 +144,9 @@ PLUGIN = PluginInfo(
         Option("fp8", str, OFF, "what the TE linears compute in: off (bf16), delayed (per-tensor scales from the "
                "amax history), current (per-tensor scales from each tensor), blockwise (1x128 / 128x128 block "
                "scales, CUDA >= 12.9), mxfp8 (sm_100 and newer)", choices=CHOICES),
+        Option("experts", str, "nam", "the routed experts on the megatron engine: nam (the run's moe backend in "
+               "nam's experts slot) or grouped (Megatron's TEGroupedMLP: TE grouped GEMMs, FP8 with te.fp8)",
+               choices=("nam", "grouped")),
     ),
     checks=CHECKS,
 )
@@ -142,6 +154,12 @@ PLUGIN = PluginInfo(
 
 @hookimpl
 def nam_transform_model(model, spec):
-    from nam_plugin_te.linears import convert
+    from nam_plugin_te import linears
 
-    return convert(model, spec.options[NAME].fp8)
+    te = linears._te()
+    line = linears.convert(model, spec.options[NAME].fp8, te=te)
+    if spec.engine == "megatron":
+        from nam_plugin_te.megatron import fuse_wgrad_accumulation
+
+        line += f"; {fuse_wgrad_accumulation(model, te)}"
+    return line

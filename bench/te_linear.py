@@ -11,6 +11,7 @@ they time exactly what a run's projections run.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -65,14 +66,15 @@ def main() -> int:
             rows.append({"row": f"te fp8 {name}", "ms": None, "refused": why})
     base = rows[0]["ms"]
     print(f"{a.tokens}x{a.d_in} -> {a.d_out}, forward + backward, {torch.cuda.get_device_name()}, "
-          f"TE {te.__version__ if hasattr(te, '__version__') else '?'}, torch {torch.__version__}")
+          f"TE {importlib.metadata.version('transformer-engine')}, torch {torch.__version__}")
     for r in rows:
         r["speedup"] = round(base / r["ms"], 3) if r["ms"] else None
         print(f"  {r['row']:<18} " + (f"{r['ms']:8.2f} ms  {r['speedup']:.2f}x" if r["ms"] else r.get("refused", "")))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"shape": [a.tokens, a.d_in, a.d_out], "gpu": torch.cuda.get_device_name(),
-                                      "torch": torch.__version__, "rows": rows}, indent=1))
+                                      "torch": torch.__version__,
+                                      "te": importlib.metadata.version("transformer-engine"), "rows": rows}, indent=1))
     return 0
 
 

@@ -215,6 +215,17 @@ def test_grouped_experts_are_refused_on_the_local_engine():
     assert row.status == "fail" and row.hint.startswith("--engine megatron"), row
 
 
+def test_grouped_fp8_experts_need_widths_divisible_by_16():
+    def shapes(*overrides):
+        spec = spec_for("nam56r-tiny", "te.fp8=current", "te.experts=grouped", ALIGNED, *overrides,
+                        plugins=["te"], device="cuda", engine="megatron")
+        return {r.name: r for r in config_rows(plugin.NAME, plugin.PLUGIN, spec)}["linear shapes"]
+
+    assert shapes().status == "pass" and shapes().found == "159 projections and the grouped experts"
+    row = shapes("moe_ffn_hidden=40")
+    assert row.status == "fail" and row.found == "the grouped experts' moe_ffn_hidden=40", row
+
+
 def test_stacked_experts_split_into_te_grouped_mlp_weights():
     from nam56r.megatron.lowering import lower
     from nam56r.megatron.weights import KIND, nam_state_to_megatron, per_expert

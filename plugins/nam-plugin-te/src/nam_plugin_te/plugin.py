@@ -34,6 +34,7 @@ REBUILD_HINT = ("rebuild TE's torch extension against this torch: pip install --
                 "'transformer-engine[pytorch]' (on nam's GPU host: bash .device-te/install-te.sh CACHE_DIR, then "
                 "PYTHONPATH=/tmp/site)")
 OFF_HINT = f"--set {NAME}.fp8=off (bf16 TE linears), or drop --plugins {NAME}"
+OTHER_HINT = f"--set {NAME}.fp8=current (or delayed), or {OFF_HINT}"
 
 BF16_TOLERANCE = 1e-2
 """Largest ``||te - torch|| / ||torch||`` of a bf16 TE linear's output, input gradient and weight gradient
@@ -77,15 +78,11 @@ def recipe_row(fp8: str, device) -> Check:
     found = f"{device.label}, CUDA {device.cuda_version or 'none'}"
     if cap < r.capability:
         return Check(NAME, "fp8 recipe", FAIL, needed, found + f": TE runs {r.te_class} on sm_{r.capability[0]}"
-                     f"{r.capability[1]} and newer only", hint=_other_recipe(fp8))
+                     f"{r.capability[1]} and newer only", hint=OTHER_HINT)
     if r.cuda and not cuda_at_least(device.cuda_version, r.cuda):
         return Check(NAME, "fp8 recipe", FAIL, needed, found + f": TE's {r.te_class} GEMMs need CUDA "
-                     f"{r.cuda[0]}.{r.cuda[1]}", hint=_other_recipe(fp8))
+                     f"{r.cuda[0]}.{r.cuda[1]}", hint=OTHER_HINT)
     return Check(NAME, "fp8 recipe", PASS, needed, found)
-
-
-def _other_recipe(fp8: str) -> str:
-    return f"--set {NAME}.fp8=current (or delayed), or {OFF_HINT}"
 
 
 def fp8_of(spec) -> str:
@@ -97,18 +94,25 @@ def fp8_on(spec) -> bool:
 
 
 def linear_shapes(spec) -> tuple[bool, str]:
-    from nam_plugin_te.linears import misaligned, projections_of
+    from nam_plugin_te.linears import MULTIPLE, misaligned, projections_of
 
     chosen = projections_of(spec.model)
     bad = misaligned(chosen)
     if bad:
         shown = ", ".join(p.describe() for p in bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
         return False, f"{len(bad)} of {len(chosen)} are not: {shown}"
+    if spec.options[NAME].experts == "grouped":  # TEGroupedMLP's FP8 GEMMs: [2f, d] and [d, f] per expert
+        widths = {"hidden": spec.model.hidden, "moe_ffn_hidden": spec.model.moe_ffn_hidden}
+        off = {k: v for k, v in widths.items() if v % MULTIPLE}
+        if off:
+            return False, "the grouped experts' " + ", ".join(f"{k}={v}" for k, v in off.items())
+        return True, f"{len(chosen)} projections and the grouped experts"
     return True, f"{len(chosen)} projections"
 
 
 CHECKS = (
-    ShapeCheck("linear shapes", "every swapped projection's in and out features divisible by 16 (TE's FP8 GEMMs)",
+    ShapeCheck("linear shapes", "every swapped projection's in and out features (and with te.experts=grouped, "
+               "hidden and moe_ffn_hidden) divisible by 16 (TE's FP8 GEMMs)",
                linear_shapes, f"choose widths that make them divisible by 16, or {OFF_HINT}", when=fp8_on),
     LaunchCheck("torch extension", "transformer_engine.pytorch imports: TE's torch extension "
                 "(transformer_engine_torch) built for this torch", "nam_plugin_te.selftest:extension",
@@ -117,7 +121,7 @@ CHECKS = (
                 "nam_plugin_te.selftest:cudnn", "install the cuDNN wheel torch names (nvidia-cudnn-cu13)",
                 when=lambda spec: True),
     LaunchCheck("fp8 recipes", None, "nam_plugin_te.selftest:fp8_support",
-                lambda spec: _other_recipe(fp8_of(spec)) if spec is not None else OFF_HINT,
+                OTHER_HINT,
                 when=fp8_on),
     LaunchCheck("bf16 parity", f"output and gradients within {BF16_TOLERANCE:g} (relative L2) of nn.Linear in bf16",
                 "nam_plugin_te.selftest:bf16_parity", f"report it with the numbers; meanwhile drop --plugins {NAME}",

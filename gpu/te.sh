@@ -8,6 +8,7 @@
 #   4. smokes, 3 steps of nam56r-tiny on CUDA in bf16 (mamba_rope_fraction=1.0: every projection divisible by 16):
 #      local engine with TE FP8 linears (current scaling); megatron engine (--nproc 1) with TE FP8 (current) and
 #      Megatron's TE modules; megatron engine with TEGroupedMLP experts in bf16
+#      and TEGroupedMLP in FP8 with FP8 weights all-gathered (te.fp8_param_gather)
 #   5. nam preflight with a run (te.fp8=delayed: the run's recipe rows)
 set -uo pipefail
 OUT=${OUT:-/tmp/te-out}
@@ -39,6 +40,8 @@ step local-fp8 45 nam train "${TINY[@]}" --set te.fp8=current --run-dir /tmp/te-
 step megatron-fp8 70 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.fp8=current --run-dir /tmp/te-meg-fp8
 step megatron-grouped 70 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.experts=grouped \
   --run-dir /tmp/te-meg-grouped
+step megatron-fp8-gather 70 nam train "${TINY[@]}" --engine megatron --nproc 1 --set te.experts=grouped \
+  --set te.fp8=current --set te.fp8_param_gather=true --run-dir /tmp/te-meg-gather
 step preflight-run 40 nam preflight --plugins te --recipe nam56r-tiny --device cuda --set train.dtype=bfloat16 \
   --set mamba_rope_fraction=1.0 --set attention_backend=reference --set te.fp8=delayed
 log "done"

@@ -455,7 +455,8 @@ def te_lowering(spec: RunSpec):
     from nam56r.megatron.lowering import TransformerEngine
 
     te = spec.options.get("te")
-    return None if te is None else TransformerEngine(fp8=te.fp8, grouped_experts=te.experts == "grouped")
+    return None if te is None else TransformerEngine(fp8=te.fp8, grouped_experts=te.experts == "grouped",
+                                                     fp8_param_gather=te.fp8_param_gather)
 
 
 def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):

@@ -90,6 +90,9 @@ class TransformerEngine:
     """``te.fp8``: ``off`` or a TE recipe name (``TE_FP8_RECIPES``): Megatron's ``fp8``/``fp8_recipe``."""
     grouped_experts: bool = False
     """``te.experts=grouped``: Megatron's ``TEGroupedMLP`` in place of nam's experts slot."""
+    fp8_param_gather: bool = False
+    """``te.fp8_param_gather``: Megatron's TE modules keep FP8 weights (``fp8_param``), which its distributed
+    optimizer all-gathers in FP8 (the DDP config's ``fp8_param_gather``, set from ``fp8_param``)."""
 
 
 TE = "megatron.core.extensions.transformer_engine"
@@ -439,6 +442,11 @@ def _te_args(te: TransformerEngine | None) -> dict:
         raise ConfigError(f"te.fp8={te.fp8!r}: expected off or one of {', '.join(TE_FP8_RECIPES)}",
                           hint="--set te.fp8=current")
     fp8 = {"fp8": "hybrid", "fp8_recipe": TE_FP8_RECIPES[te.fp8]} if te.fp8 != "off" else {}
+    if te.fp8_param_gather:
+        if not fp8:
+            raise ConfigError("te.fp8_param_gather keeps Megatron's TE weights in FP8: it needs an FP8 recipe",
+                              hint="--set te.fp8=current, or --set te.fp8_param_gather=false")
+        fp8["fp8_param"] = True
     return {"moe_grouped_gemm": te.grouped_experts, **fp8}
 
 

@@ -206,8 +206,19 @@ def test_the_megatron_lowering_takes_te_modules_and_fp8_from_the_plugins_options
         "nam56r.backends.MoEExperts")
     off = lowering_for(spec_for("nam56r-tiny", device="cuda", engine="megatron"))
     assert off.linears == "local" and "fp8" not in off.config_args and off.config_args["moe_grouped_gemm"] is False
+    gather = lowering_for(spec_for("nam56r-tiny", "te.fp8=delayed", "te.fp8_param_gather=true", plugins=["te"],
+                                   device="cuda", engine="megatron"))
+    assert gather.config_args["fp8_param"] is True and gather.config_args["fp8_recipe"] == "delayed"
+    assert "fp8_param" not in args
     # The plugin's recipe table and the lowering's agree on Megatron's name of each recipe.
     assert {n: r.megatron for n, r in recipes.RECIPES.items()} == TE_FP8_RECIPES
+
+
+def test_fp8_param_gather_needs_the_megatron_engine_and_an_fp8_recipe():
+    row = _rows("te.fp8=current", "te.fp8_param_gather=true", ALIGNED, *CUDA_BF16)["fp8_param_gather"]
+    assert row.status == "fail" and row.found == "engine local, te.fp8=current", row
+    with pytest.raises(ConfigError, match="te.fp8_param_gather keeps Megatron's TE weights in FP8"):
+        spec_for("nam56r-tiny", "te.fp8_param_gather=true", plugins=["te"], device="cuda", engine="megatron")
 
 
 def test_grouped_experts_are_refused_on_the_local_engine():

@@ -63,6 +63,10 @@ def nam_check_config(config, device):
                           f"train.dtype={train.dtype}", hint=f"--set train.dtype=bfloat16, or {OFF_HINT}"))
     if fp8 != OFF:
         rows.append(recipe_row(fp8, device))
+    if config.options[NAME].fp8_param_gather and (fp8 == OFF or config.engine != "megatron"):
+        rows.append(Check(NAME, "fp8_param_gather", FAIL, "the megatron engine and an FP8 recipe (FP8 weights of "
+                          "Megatron's TE modules)", f"engine {config.engine}, te.fp8={fp8}",
+                          hint=f"--engine megatron --set {NAME}.fp8=current, or --set {NAME}.fp8_param_gather=false"))
     if config.options[NAME].experts == "grouped" and config.engine != "megatron":
         rows.append(Check(NAME, "experts", FAIL, "the megatron engine (te.experts=grouped is Megatron's TEGroupedMLP)",
                           f"engine {config.engine}", hint=f"--engine megatron, or --set {NAME}.experts=nam"))
@@ -151,6 +155,9 @@ PLUGIN = PluginInfo(
         Option("experts", str, "nam", "the routed experts on the megatron engine: nam (the run's moe backend in "
                "nam's experts slot) or grouped (Megatron's TEGroupedMLP: TE grouped GEMMs, FP8 with te.fp8)",
                choices=("nam", "grouped")),
+        Option("fp8_param_gather", bool, False, "megatron engine, with an FP8 recipe: Megatron's TE modules (shared "
+               "expert, MTP, grouped experts) keep FP8 weights, all-gathered in FP8 by the distributed optimizer "
+               "(nam's swapped projections keep bf16 weights)"),
     ),
     checks=CHECKS,
 )

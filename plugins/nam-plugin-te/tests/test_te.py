@@ -342,3 +342,64 @@ def test_fp8_parity_row_passes_an_fp8_rounding_and_fails_a_linear_that_did_not_q
     row = selftest.fp8_parity(spec)
     assert row.ok is ok, row
     assert row.found.startswith("current: out ")
+
+
+# --- cuDNN: TE must load torch's -------------------------------------------------------------------------
+
+
+def test_te_is_pointed_at_torchs_bundled_cudnn_unless_the_user_chose(tmp_path, monkeypatch):
+    from nam_plugin_te import cudnn
+
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudnn.so.9").write_bytes(b"")
+    monkeypatch.setattr(cudnn.importlib.util, "find_spec", lambda name: None)  # torch's own site: only tmp_path
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    for var in ("CUDNN_HOME", "CUDNN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    assert cudnn.prefer_torch_cudnn() == str(lib) and cudnn.os.environ["CUDNN_HOME"] == str(lib)
+    monkeypatch.setenv("CUDNN_HOME", "/opt/mine")
+    assert cudnn.prefer_torch_cudnn() is None and cudnn.os.environ["CUDNN_HOME"] == "/opt/mine"
+    monkeypatch.delenv("CUDNN_HOME")
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    assert cudnn.prefer_torch_cudnn() is None and "CUDNN_HOME" not in cudnn.os.environ  # too late: TE loaded
+
+
+def test_the_cudnn_row_refuses_a_second_cudnn_with_the_fix(tmp_path, monkeypatch):
+    """The GPU host's case (2026-11-25): TE loaded the toolkit's cuDNN 9.14, torch was built with 9.19 and its
+    check raises; the row fails and names torch's folder. One cuDNN, torch's: the row passes."""
+    from nam_plugin_te import cudnn
+
+    bundled = "/site/nvidia/cu13/lib"
+    fake = types.SimpleNamespace(get_cudnn_version=lambda: (9, 14, 0))
+    monkeypatch.setattr(selftest, "_import_te", lambda: (fake, None))
+    monkeypatch.setattr(torch._C, "_cudnn", types.SimpleNamespace(getCompileVersion=lambda: (9, 19, 0)),
+                        raising=False)
+    monkeypatch.setattr(cudnn, "torch_cudnn_dir", lambda: bundled)
+    monkeypatch.setattr(cudnn, "loaded_cudnn_files", lambda: ["/usr/local/cuda/lib64/libcudnn.so.9.14.0"])
+
+    def refuses():
+        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled against (9, 19, 0) but found "
+                           "runtime version (9, 14, 0).")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", refuses)
+    row = selftest.cudnn(None)
+    assert row.ok is False and row.hint.startswith(f"export CUDNN_HOME={bundled} "), row
+    assert "TE loaded cuDNN 9.14.0 from /usr/local/cuda/lib64/libcudnn.so.9.14.0" in row.found, row
+    fake.get_cudnn_version = lambda: (9, 19, 0)
+    monkeypatch.setattr(cudnn, "loaded_cudnn_files", lambda: [f"{bundled}/libcudnn.so.9"])
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert selftest.cudnn(None).ok is True
+
+
+def test_loaded_cudnn_files_reads_the_process_maps(tmp_path):
+    from nam_plugin_te.cudnn import loaded_cudnn_files
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f0-7f1 r-xp 0 08:01 1 /site/nvidia/cu13/lib/libcudnn.so.9\n"
+                    "7f2-7f3 r--p 0 08:01 1 /site/nvidia/cu13/lib/libcudnn.so.9\n"
+                    "7f4-7f5 r-xp 0 08:01 2 /site/nvidia/cu13/lib/libcudnn_graph.so.9\n"
+                    "7f6-7f7 r-xp 0 08:01 3 /usr/lib/libc.so.6\n")
+    assert loaded_cudnn_files(str(maps)) == ["/site/nvidia/cu13/lib/libcudnn.so.9"]
+    assert loaded_cudnn_files(str(tmp_path / "absent")) == []

@@ -35,15 +35,31 @@ def extension(spec) -> Measured:
 
 
 def cudnn(spec) -> Measured:
+    """The cuDNN TE loaded against the one torch was built with and bundles: one library, the same version.
+    torch's own version check raises on a mismatch; that is this row failing, with the fix."""
     import torch
+
+    from nam_plugin_te.cudnn import loaded_cudnn_files, torch_cudnn_dir
 
     te, _ = _import_te()
     if te is None:
         return Measured(None, NOT_LOADED)
-    version = te.get_cudnn_version()
-    torch_has = torch.backends.cudnn.version()
-    found = f"{'.'.join(map(str, version))} (torch reports {torch_has})"
-    return Measured(bool(version) and version[0] >= 9, found, needed="cuDNN 9 or newer loaded by TE")
+    te_has = tuple(te.get_cudnn_version())
+    built = tuple(torch._C._cudnn.getCompileVersion())
+    files, bundled = loaded_cudnn_files(), torch_cudnn_dir()
+    try:
+        torch.backends.cudnn.version()
+        torch_ok = ""
+    except RuntimeError as e:
+        torch_ok = f"; torch refuses it: {str(e).strip()[:160]}"
+    found = (f"TE loaded cuDNN {'.'.join(map(str, te_has))} from {', '.join(files) or 'an unknown file'}; torch was "
+             f"built with {'.'.join(map(str, built))} and bundles {bundled or 'none'}{torch_ok}")
+    foreign = bundled is not None and any(not f.startswith(bundled) for f in files)
+    ok = te_has[:2] == built[:2] and not torch_ok and not foreign
+    hint = (f"export CUDNN_HOME={bundled} before anything imports Transformer Engine (nam_plugin_te sets it when "
+            "it is imported first; here TE came first, or CUDNN_HOME/CUDNN_PATH points elsewhere)"
+            if bundled else "install the cuDNN wheel torch was built with (nvidia-cudnn)")
+    return Measured(ok, found, needed="TE and torch on one cuDNN, the version torch was built with", hint=hint)
 
 
 def _support(te, name: str) -> tuple[bool, str]:

@@ -127,7 +127,8 @@ def test_swap_keeps_every_parameter_name_and_output():
     loss0, grads0 = _loss_and_grads(model, batch)
     fake = FakeTE()
     line = convert(model, "off", te=fake)
-    assert line.startswith("te: 56 nn.Linear -> Transformer Engine Linear (bf16): attention 30, shared expert 12, mamba 8, mtp 6;"), line
+    assert line.startswith("te: 56 nn.Linear -> Transformer Engine Linear (bf16): attention 30, shared expert 12, "
+                           "mamba 8, mtp 6;"), line
     after = dict(model.named_parameters())
     assert list(after) == list(before) and all(after[n] is before[n] for n in before)
     assert len(te_modules(model)) == 56 and not fake.entries  # bf16: no autocast
@@ -197,7 +198,8 @@ def test_the_megatron_lowering_takes_te_modules_and_fp8_from_the_plugins_options
     modules = {s.path: s.module for s in on.slots}
     assert modules["mamba_layer.submodules.norm"] == modules["final_norm"] == (
         "megatron.core.extensions.transformer_engine.TENorm")
-    assert modules["moe_layer.submodules.mlp.submodules.experts"] == "megatron.core.transformer.moe.experts.TEGroupedMLP"
+    experts = modules["moe_layer.submodules.mlp.submodules.experts"]
+    assert experts == "megatron.core.transformer.moe.experts.TEGroupedMLP", experts
     assert modules["output_layer"] == "megatron.core.tensor_parallel.layers.ColumnParallelLinear"  # the CE owns it
     bf16 = lowering_for(spec_for("nam56r-tiny", plugins=["te"], device="cuda", engine="megatron"))
     assert bf16.linears == "transformer_engine" and "fp8" not in bf16.config_args

@@ -26,11 +26,11 @@ def test_bf16_te_linear_matches_torch(d_in, d_out):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("d_in, d_out", [(1024, 2048), (4096, 24992)])
 def test_fp8_te_linear_within_bounds_of_fp32(recipe, d_in, d_out):
-    import transformer_engine.pytorch as te
-
-    from nam_plugin_te.parity import linear_errors
+    from nam_plugin_te.parity import linear_errors  # first: points TE at torch's cuDNN (nam_plugin_te.cudnn)
     from nam_plugin_te.plugin import FP8_FLOOR, FP8_TOLERANCE
     from nam_plugin_te.selftest import _support
+
+    import transformer_engine.pytorch as te
 
     ok, why = _support(te, recipe)
     if not ok:

@@ -20,6 +20,9 @@ and at most ``CAP``: a 200-step tiny model's loss wanders by several hundredths 
 H200 the five runs side by side took 269 s.
 
     python bench/float8_loss.py --json bench/results/float8_loss.json
+
+``--te`` adds Transformer Engine's FP8 linears (nam-plugin-te, ``TE_RUNS``: current and delayed scaling, the
+experts in bf16), each held to the same allowed gap as ``fp8``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ RUNS = {
 how large a gap plain bf16 shows between two seeds (the same data, another initialisation): the scale to read
 the FP8 gap against."""
 SEED_OFFSET = {"bf16, seed+1": 1}
+TE_RUNS = {
+    "te current": ["--plugins", "te", "--set", "te.fp8=current", "--set", "moe_backend=reference"],
+    "te delayed": ["--plugins", "te", "--set", "te.fp8=delayed", "--set", "moe_backend=reference"],
+}
+"""``--te``: the dense projections as TE FP8 linears (each its own verdict against bf16; the log must show the
+swap)."""
 
 
 def slug(name: str) -> str:
@@ -63,17 +72,17 @@ def slug(name: str) -> str:
 
 
 def command(name: str, *, steps: int, seed: int, root: Path) -> list[str]:
-    return [sys.executable, "-m", "nam_cli", "train", *COMMON, *RUNS[name], "--max-steps", str(steps),
+    return [sys.executable, "-m", "nam_cli", "train", *COMMON, *{**RUNS, **TE_RUNS}[name], "--max-steps", str(steps),
             "--seed", str(seed + SEED_OFFSET.get(name, 0)), "--run-dir", str(root / slug(name))]
 
 
-def train_all(*, steps: int, seed: int, root: Path) -> tuple[dict, dict, dict]:
+def train_all(*, steps: int, seed: int, root: Path, names=tuple(RUNS)) -> tuple[dict, dict, dict]:
     """Every ``nam train`` run of ``RUNS`` at once on the one GPU (tiny models: they fit side by side, and the
     curves do not depend on the timing); each run's per-step LM loss, wall time and run.log."""
     from nam_core.engine.metrics import read_metrics
 
     procs, started = {}, time.perf_counter()
-    for name in RUNS:
+    for name in names:
         log = open(root / f"{slug(name)}.out", "w+")
         procs[name] = (subprocess.Popen(command(name, steps=steps, seed=seed, root=root), stdout=log,
                                         stderr=subprocess.STDOUT, text=True, env={**os.environ, "NAM_PLUGINS": ""}),
@@ -101,12 +110,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="write the curves and the verdict here")
+    ap.add_argument("--te", action="store_true", help="add TE's FP8 linears (TE_RUNS; nam-plugin-te)")
     args = ap.parse_args()
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     with tempfile.TemporaryDirectory(prefix="float8_loss_") as tmp:
-        curves, walls, logs = train_all(steps=args.steps, seed=args.seed, root=Path(tmp))
+        curves, walls, logs = train_all(steps=args.steps, seed=args.seed, root=Path(tmp),
+                                        names=(*RUNS, *(TE_RUNS if args.te else ())))
     bf16, fp8 = curves["bf16"], curves["fp8"]
     n = min(len(c) for c in curves.values())
     tail = slice(max(0, n - LAST), n)
@@ -118,6 +129,8 @@ def main() -> int:
     allowed = min(CAP, max(BAND, noise))
     ok = abs(diff) < allowed
     converted = [line for line in logs["fp8"].splitlines() if "Float8Linear" in line]
+    te = {k: abs(gaps[k]) < allowed and any("Transformer Engine Linear (FP8" in line for line in logs[k].splitlines())
+          for k in curves if k in TE_RUNS}
 
     names = list(curves)
     print(f"tiny NAM56R, {args.steps} steps, seed {args.seed}, {gpu}; LM loss every 20 steps")
@@ -130,12 +143,16 @@ def main() -> int:
           f"{noise:.4f}, at least {BAND} and at most {CAP}); largest per-step gap there {max_gap:.4f}")
     print("wall (all runs side by side, startup included): " + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()))
     print(converted[0] if converted else "fp8 run.log has no Float8Linear line: the linears were NOT converted")
+    for k, passed in te.items():
+        print(f"{k}: {gaps[k]:+.4f} nats, {'within' if passed else 'NOT within (or not swapped)'} +-{allowed:.4f}")
+    ok = ok and all(te.values())
     print("PASS" if ok and converted else "FAIL")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
-            "seed": args.seed, "commands": {k: COMMON + v for k, v in RUNS.items()}, "seed_offset": SEED_OFFSET,
+            "seed": args.seed, "commands": {k: COMMON + v for k, v in {**RUNS, **TE_RUNS}.items() if k in curves},
+            "seed_offset": SEED_OFFSET, "te_pass": te,
             "band_nats": BAND, "cap_nats": CAP, "allowed_nats": allowed, "last": LAST, "mean_last": mean,
             "gaps_vs_bf16": gaps, "diff": diff, "max_gap_last": max_gap, "pass": ok and bool(converted),
             "converted": converted, "curves": curves, "wall_s": walls,

@@ -45,7 +45,9 @@ runs one megatron row per GPU count and entry, with the engine's communication o
 (``OVERLAPS``: train.overlap_grad_reduce, moe_shared_expert_overlap); the default is
 ``none``, the engine's defaults. ``--float8 none,rowwise,tensorwise`` runs one local row per entry, the dense
 projections in FP8 through nam-plugin-float8 (``--moe float8-grouped`` puts the routed experts there too);
-``--engines local`` runs the baseline row alone. ``--numerics fp32-master,bf16-moments,...`` and ``--recompute
+``--engines local`` runs the baseline row alone. ``--te none,off,current,delayed,blockwise`` runs every row once
+per entry: ``none`` without Transformer Engine, ``off`` with nam-plugin-te in bf16, a recipe with it in that
+FP8 recipe (``--set te.fp8=...``); ``--te-experts nam,grouped`` adds megatron rows with Megatron's TEGroupedMLP. ``--numerics fp32-master,bf16-moments,...`` and ``--recompute
 none/mamba/mamba,moe/full`` run every row once per optimizer numerics and activation-recompute choice
 (``RECOMPUTE_CHOICES``; the megatron engine has no rows for the numerics it refuses); the first row is the one
 the ``vs first`` column divides by. Each row is
@@ -148,6 +150,9 @@ def request_for(spec: dict, train):
     if spec.get("float8", "none") != "none":
         plugins += [] if "float8" in plugins else ["float8"]
         overrides += [f"float8.linears={spec['float8']}"]
+    if spec.get("te", "none") != "none":  # nam-plugin-te: its linears in bf16 (off) or an FP8 recipe
+        plugins += ["te"]
+        overrides += [f"te.fp8={spec['te']}", f"te.experts={spec.get('te_experts', 'nam')}"]
     return RunRequest(recipe=spec["recipe"], plugins=list(dict.fromkeys(plugins)), overrides=overrides,
                       engine=train.engine, device=train.device, tp=train.tp, pp=train.pp, ep=train.ep,
                       max_steps=spec.get("steps"), env_plugins=False)
@@ -709,11 +714,12 @@ def throughput(args) -> int:
     print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
           "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs first |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for engine, n, overlap, f8, numerics, recompute in runs:
+    for engine, n, overlap, f8, numerics, recompute, (te, te_experts) in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
-            (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}"
+            (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}" + \
+            (f"-te-{te}-{te_experts}" if te != "none" else "")
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
-                "engine": engine, "float8": f8,
+                "engine": engine, "float8": f8, "te": te, "te_experts": te_experts,
                 "run_dir": str(work / name), "steps": steps, "ep": n,
                 "train": {**train, **OVERLAPS[overlap], "optimizer_numerics": numerics,
                           "recompute": RECOMPUTE_CHOICES[recompute]},
@@ -725,7 +731,10 @@ def throughput(args) -> int:
         metrics = logged[args.warmup:args.warmup + args.iters]  # steady state: never the first step (--warmup >= 1)
         ms = statistics.median(m["step_time_s"] for m in metrics) * 1e3
         tokens = statistics.median(m["tokens_per_s"] for m in metrics)  # both engines log it per GPU
-        rows.append({"engine": engine if f8 == "none" else f"{engine}, float8 linears {f8}", "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
+        label = engine if f8 == "none" else f"{engine}, float8 linears {f8}"
+        label += "" if te == "none" else f", te {'bf16' if te == 'off' else 'fp8 ' + te}" + (
+            ", TEGroupedMLP" if te_experts == "grouped" else "")
+        rows.append({"engine": label, "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
                      "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
@@ -755,8 +764,9 @@ RECOMPUTE_CHOICES = {"none": (), "mamba": ("mamba",), "moe": ("moe",), "attentio
 
 
 def throughput_runs(args) -> list[tuple]:
-    """(engine, GPUs, overlap, float8, numerics, recompute) of each throughput row: the local rows (one per float8
-    entry), then the megatron rows (one per GPU count and overlap), each once per numerics and recompute choice.
+    """(engine, GPUs, overlap, float8, numerics, recompute, (te, te experts)) of each throughput row: the local
+    rows (one per float8 entry; with te, none), then the megatron rows (one per GPU count, overlap and te experts),
+    each once per numerics, recompute and te choice.
     Numerics the megatron engine refuses (nam_core/engine/megatron/optimizer.py) get no megatron row; the table
     says so below it."""
     from nam_core.engine.megatron.optimizer import NUMERICS_REFUSED
@@ -764,10 +774,13 @@ def throughput_runs(args) -> list[tuple]:
     runs = []
     for numerics in args.numerics:
         for recompute in args.recompute:
-            if "local" in args.engines:
-                runs += [("local", 1, "none", f8, numerics, recompute) for f8 in args.float8]
-            if "megatron" in args.engines and numerics not in NUMERICS_REFUSED:
-                runs += [("megatron", n, o, "none", numerics, recompute) for n in args.gpus for o in args.overlap]
+            for te in args.te:
+                if "local" in args.engines:
+                    runs += [("local", 1, "none", f8, numerics, recompute, (te, "nam"))
+                             for f8 in (args.float8 if te == "none" else ["none"])]
+                if "megatron" in args.engines and numerics not in NUMERICS_REFUSED:
+                    runs += [("megatron", n, o, "none", numerics, recompute, (te, x)) for n in args.gpus
+                             for o in args.overlap for x in (args.te_experts if te != "none" else ["nam"])]
     return runs
 
 
@@ -861,6 +874,11 @@ def main() -> int:
     t.add_argument("--float8", type=lambda s: s.split(","), default=["none"],
                    help=f"comma-separated, one local row each: {', '.join(FLOAT8_LINEARS)} (the dense projections "
                         "through nam-plugin-float8; the first row is the ratios' baseline)")
+    t.add_argument("--te", type=lambda s: s.split(","), default=["none"],
+                   help="comma-separated, every row once each: none (no Transformer Engine), off (nam-plugin-te, "
+                        "bf16), delayed, current, blockwise (its FP8 recipes)")
+    t.add_argument("--te-experts", type=lambda s: s.split(","), default=["nam"],
+                   help="comma-separated, megatron rows with te: nam (the moe backend) and/or grouped (TEGroupedMLP)")
     t.add_argument("--numerics", type=lambda s: s.split(","), default=["fp32-master"],
                    help=f"train.optimizer_numerics of each row, among {', '.join(NUMERICS)} (the megatron engine "
                         "refuses stochastic-rounding and bf16: local rows only)")

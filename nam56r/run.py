@@ -485,7 +485,18 @@ def lowering_for(spec: RunSpec, *, schedule: Any = None):
     train, lay = spec.train, spec.layout
     return lower(spec.model, tp=lay.tp, pp=lay.pp, ep=lay.ep, micro_batch_size=train.micro_batch_size,
                  schedule=schedule if schedule is not None else train.schedule, bf16=train.dtype == "bfloat16",
-                 dispatcher=train.moe_dispatcher, recompute=recompute_kinds(train))
+                 dispatcher=train.moe_dispatcher, recompute=recompute_kinds(train),
+                 transformer_engine=te_lowering(spec))
+
+
+def te_lowering(spec: RunSpec):
+    """Megatron's Transformer Engine modules for the lowering when the run has nam-plugin-te (its options
+    ``te.fp8`` and ``te.experts``), else None (Megatron's local modules)."""
+    from nam56r.megatron.lowering import TransformerEngine
+
+    te = spec.options.get("te")
+    return None if te is None else TransformerEngine(fp8=te.fp8, grouped_experts=te.experts == "grouped",
+                                                     fp8_param_gather=te.fp8_param_gather)
 
 
 def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):

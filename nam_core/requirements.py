@@ -69,6 +69,8 @@ class Requirement:
 
     kind: str
     capability: tuple[int, int] | None = None
+    below: tuple[int, int] | None = None
+    """For ``cuda_capability``: the first capability that no longer qualifies (None: no upper bound)."""
     nbytes: int | None = None
     spec: str | None = None
     known_bad: tuple[tuple[str, str], ...] = field(default=())
@@ -86,9 +88,12 @@ class Requirement:
         return cls(kind="cuda_device", reason=reason)
 
     @classmethod
-    def cuda_capability(cls, at_least: tuple[int, int], reason: str = "") -> "Requirement":
-        """A CUDA device of compute capability ``at_least`` or newer."""
-        return cls(kind="cuda_capability", capability=tuple(at_least), reason=reason)
+    def cuda_capability(cls, at_least: tuple[int, int], reason: str = "", *,
+                        below: tuple[int, int] | None = None) -> "Requirement":
+        """A CUDA device of compute capability ``at_least`` or newer (and older than ``below``, when given: a
+        library built and measured for some architectures only)."""
+        return cls(kind="cuda_capability", capability=tuple(at_least), below=tuple(below) if below else None,
+                   reason=reason)
 
     @classmethod
     def shared_memory_per_block(cls, at_least: int, reason: str = "") -> "Requirement":
@@ -138,7 +143,9 @@ class Requirement:
         if self.kind == "cuda_device":
             return "a CUDA device"
         if self.kind == "cuda_capability":
-            return f">= sm_{self.capability[0]}{self.capability[1]}"
+            below = f", below sm_{self.below[0]}{self.below[1]}" if self.below else ""
+            why = f" ({self.reason})" if self.reason and self.below else ""
+            return f">= sm_{self.capability[0]}{self.capability[1]}{below}{why}"
         if self.kind == "smem_per_block":
             return f">= {_fmt_bytes(self.nbytes)}"
         if self.kind == "fact":
@@ -198,7 +205,8 @@ class Requirement:
             return self._result(plugin, True, device.label, None)
         if self.kind == "cuda_capability":
             cap = device.capability
-            return self._result(plugin, tuple(cap) >= self.capability, f"sm_{cap[0]}{cap[1]}", move)
+            ok = tuple(cap) >= self.capability and (self.below is None or tuple(cap) < self.below)
+            return self._result(plugin, ok, f"sm_{cap[0]}{cap[1]}", move)
         have = device.smem_per_block_optin
         if have is None:
             return self._result(plugin, False, "unknown (this torch build does not report it)", move)

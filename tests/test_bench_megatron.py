@@ -58,3 +58,26 @@ def test_bench_runs_are_requested_as_nam_train_would_request_them(bench):
     assert {"mimo-scan", "grouped-moe", "sparse-mla", "liger", "float8"} <= set(run.spec.plugins)
     assert run.spec.backends["ssm"] == "mimo-scan" and run.spec.options["float8"].linears == "rowwise"
     assert run.lowering is not None and run.lowering.moe_dispatcher == train.moe_dispatcher
+
+
+def test_te_rows_request_the_te_plugin_and_its_options(bench):
+    """``--te``: every row once per entry, the te plugin with its recipe (none: without it); ``--te-experts
+    grouped`` adds megatron rows only (TEGroupedMLP is Megatron's)."""
+    from types import SimpleNamespace
+
+    from nam56r.run import resolve
+    from nam_core.engine.config import TrainConfig
+
+    args = SimpleNamespace(numerics=["fp32-master"], recompute=["none"], engines=["local", "megatron"],
+                           float8=["none"], gpus=[1], overlap=["none"], te=["none", "current"],
+                           te_experts=["nam", "grouped"])
+    runs = bench.throughput_runs(args)
+    assert [(r[0], r[6]) for r in runs] == [("local", ("none", "nam")), ("megatron", ("none", "nam")),
+                                            ("local", ("current", "nam")), ("megatron", ("current", "nam")),
+                                            ("megatron", ("current", "grouped"))]
+    train = TrainConfig(engine="megatron", device="cuda", micro_batch_size=2, ep=1)
+    spec = {"recipe": "nam56r", "backends": "fast", "steps": 3, "te": "current", "te_experts": "grouped"}
+    run = resolve(bench.request_for(spec, train))
+    assert "te" in run.spec.plugins and run.spec.options["te"].fp8 == "current"
+    assert run.lowering.config_args["fp8_recipe"] == "tensorwise" and run.lowering.config_args["moe_grouped_gemm"]
+    assert "te" not in resolve(bench.request_for({**spec, "te": "none"}, train)).spec.plugins

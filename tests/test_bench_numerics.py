@@ -40,10 +40,11 @@ def test_two_toy_runs_on_the_cpu(bench, tmp_path, capsys):
 def test_throughput_rows_per_numerics_and_recompute(load_bench):
     mega = load_bench("megatron")
     args = SimpleNamespace(numerics=["fp32-master", "stochastic-rounding"], recompute=["none", "mamba,moe"],
-                           engines=["local", "megatron"], float8=["none"], gpus=[1], overlap=["none"])
+                           engines=["local", "megatron"], float8=["none"], gpus=[1], overlap=["none"], te=["none"],
+                           te_experts=["nam"])
     runs = mega.throughput_runs(args)
-    assert ("local", 1, "none", "none", "stochastic-rounding", "mamba,moe") in runs
-    assert ("megatron", 1, "none", "none", "fp32-master", "mamba,moe") in runs
+    assert ("local", 1, "none", "none", "stochastic-rounding", "mamba,moe", ("none", "nam")) in runs
+    assert ("megatron", 1, "none", "none", "fp32-master", "mamba,moe", ("none", "nam")) in runs
     assert not [r for r in runs if r[0] == "megatron" and r[4] == "stochastic-rounding"]  # refused by Megatron
     assert len(runs) == 6
     assert mega.RECOMPUTE_CHOICES["mamba,moe"] == ("mamba", "moe")

@@ -83,6 +83,25 @@ class Gap:
 
 
 @dataclass(frozen=True)
+class TransformerEngine:
+    """Megatron-Core's Transformer Engine modules in the lowering (nam-plugin-te's options; ``te_lowering``)."""
+
+    fp8: str = "off"
+    """``te.fp8``: ``off`` or a TE recipe name (``TE_FP8_RECIPES``): Megatron's ``fp8``/``fp8_recipe``."""
+    grouped_experts: bool = False
+    """``te.experts=grouped``: Megatron's ``TEGroupedMLP`` in place of nam's experts slot."""
+    fp8_param_gather: bool = False
+    """``te.fp8_param_gather``: Megatron's TE modules keep FP8 weights (``fp8_param``), which its distributed
+    optimizer all-gathers in FP8 (the DDP config's ``fp8_param_gather``, set from ``fp8_param``)."""
+
+
+TE = "megatron.core.extensions.transformer_engine"
+TE_FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
+"""``te.fp8`` recipe -> Megatron's ``fp8_recipe`` (``Fp8Recipe``); all in the ``hybrid`` format (e4m3 forward,
+e5m2 gradients) except blockwise and MXFP8, which Megatron runs in e4m3 whatever ``fp8`` says."""
+
+
+@dataclass(frozen=True)
 class Lowering:
     """NAM56R as Megatron-Core >= 0.19 sees it. JSON-serialisable through ``to_dict()``."""
 
@@ -118,6 +137,9 @@ class Lowering:
     """``train.recompute`` kinds nam's slot adapters run under ``nam56r.recompute.checkpointed`` (``mamba``,
     ``attention``: Megatron's selective modules do not reach nam's blocks); ``layer`` and ``moe`` are Megatron's
     own recompute, in ``config_args`` (``recompute_args``)."""
+    linears: str = "local"
+    """``local``: Megatron's own linears where the spec builds one (the MTP projection and dense MLP, the shared
+    expert); ``transformer_engine``: its TE modules there (``nam56r.megatron.spec``)."""
 
     @property
     def open_gaps(self) -> tuple[Gap, ...]:
@@ -411,6 +433,42 @@ def recompute_args(kinds: Sequence[str]) -> tuple[dict, tuple[str, ...]]:
     return args, tuple(k for k in NAM_RECOMPUTES if k in kinds)
 
 
+def _te_args(te: TransformerEngine | None) -> dict:
+    """Config arguments for Megatron's TE modules: grouped experts, and FP8 for every TE module the stack runs
+    (Megatron wraps each layer's forward in TE's autocast with ``fp8_recipe``)."""
+    if te is None:
+        return {}
+    if te.fp8 != "off" and te.fp8 not in TE_FP8_RECIPES:
+        raise ConfigError(f"te.fp8={te.fp8!r}: expected off or one of {', '.join(TE_FP8_RECIPES)}",
+                          hint="--set te.fp8=current")
+    fp8 = {"fp8": "hybrid", "fp8_recipe": TE_FP8_RECIPES[te.fp8]} if te.fp8 != "off" else {}
+    if te.fp8_param_gather:
+        if not fp8:
+            raise ConfigError("te.fp8_param_gather keeps Megatron's TE weights in FP8: it needs an FP8 recipe",
+                              hint="--set te.fp8=current, or --set te.fp8_param_gather=false")
+        fp8["fp8_param"] = True
+    return {"moe_grouped_gemm": te.grouped_experts, **fp8}
+
+
+def _te_slots(slots: tuple[Slot, ...], te: TransformerEngine | None) -> tuple[Slot, ...]:
+    """The slots with TE's RMSNorm (``TENorm``) for Megatron's norms and, with ``grouped_experts``, Megatron's
+    ``TEGroupedMLP`` (one TE grouped GEMM per expert projection) in the experts slot."""
+    if te is None:
+        return slots
+    norm = f"{TE}.TENorm"
+    out = []
+    for s in slots:
+        if s.module == "megatron.core.transformer.torch_norm.WrappedTorchNorm":
+            s = dataclasses.replace(s, module=norm)
+        elif s.path.endswith(".experts") and te.grouped_experts:
+            s = Slot(s.symbol, s.path, "megatron.core.transformer.moe.experts.TEGroupedMLP", "megatron",
+                     nam_block=s.nam_block, kwargs=s.kwargs,
+                     notes=("Megatron's TEGroupedMLP: TE GroupedLinear fc1/fc2 over this rank's experts (weight0.. "
+                            "per expert; nam's stacked weights split by nam56r.megatron.weights)",))
+        out.append(s)
+    return tuple(out)
+
+
 # --- gaps ---------------------------------------------------------------------------------------------------
 
 
@@ -486,13 +544,15 @@ def lower(
     bf16: bool = True,
     dispatcher: str = "alltoall",
     recompute: Sequence[str] = (),
+    transformer_engine: TransformerEngine | None = None,
 ) -> Lowering:
     """Lower ``cfg`` for Megatron-Core >= 0.19 at the given tensor/pipeline/expert parallel sizes.
 
     ``schedule``: a ``PipelineSchedule`` (a registered schedule's instance), whose ``chunks_per_rank`` and
     ``stage_of`` lay out ``pp x chunks`` stages; or the run's ``train.schedule`` name, lowered with Megatron's
-    layout (one chunk per rank). ``recompute``: the run's recompute kinds (``recompute_args``). Raises ConfigError
-    for a parallel layout the model or the lowering cannot take.
+    layout (one chunk per rank). ``recompute``: the run's recompute kinds (``recompute_args``).
+    ``transformer_engine``: Megatron's TE modules where it builds linears and norms (nam-plugin-te; None: its
+    local ones). Raises ConfigError for a parallel layout the model or the lowering cannot take.
     """
     if dispatcher not in MOE_DISPATCHERS:  # train.moe_dispatcher (§5): Megatron's all-to-all, or flex on DeepEP
         raise ConfigError(f"MoE dispatcher {dispatcher!r}: expected one of {', '.join(MOE_DISPATCHERS)}",
@@ -541,9 +601,9 @@ def lower(
         mtp_pattern=MTP_DEPTH if cfg.mtp_depths else "",
         mtp_depths=cfg.mtp_depths,
         layers=layers,
-        slots=_slots(cfg, dispatcher),
+        slots=_te_slots(_slots(cfg, dispatcher), transformer_engine),
         config_args={**_config_args(cfg, tp=tp, pp=pp, ep=ep, bf16=bf16, num_layers=len(main), dispatcher=dispatcher),
-                     **megatron_recompute},
+                     **megatron_recompute, **_te_args(transformer_engine)},
         model_args=_model_args(cfg, pattern),
         micro_batch_size=micro_batch_size,
         schedule=sched.name,
@@ -554,6 +614,7 @@ def lower(
         gaps=_gaps(cfg, tp=tp, schedule=sched),
         notes=tuple(notes),
         recompute_in_slots=slot_recompute,
+        linears="local" if transformer_engine is None else "transformer_engine",
     )
 
 
@@ -586,6 +647,7 @@ _FLAG = {
     "params_dtype": None,  # --bf16 implies it
     "share_embeddings_and_output_weights": None,  # handled below (--untie-embeddings-and-output-weights)
     "add_bias_linear": None,  # handled below (--disable-bias-linear)
+    "fp8": "--fp8-format",
 }
 
 

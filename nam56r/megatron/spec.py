@@ -102,7 +102,6 @@ def _fixed(norm, lowering: Lowering) -> dict:
     from functools import partial
 
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.multi_token_prediction import (
@@ -111,6 +110,7 @@ def _fixed(norm, lowering: Lowering) -> dict:
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    ColumnParallelLinear, RowParallelLinear = _linears(lowering)
     mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None,
         layer_norm=IdentityOp))  # nam's MTP norms live in NamHybridModel.mtp_norms (nam56r.megatron.model)
@@ -119,20 +119,41 @@ def _fixed(norm, lowering: Lowering) -> dict:
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))}
 
 
+def _linears(lowering: Lowering) -> tuple[type, type]:
+    """Megatron's column- and row-parallel linear classes for the lowering's ``linears``: its own, or its
+    Transformer Engine modules (``TEColumnParallelLinear``, ``TERowParallelLinear``: TE GEMMs, FP8 under the
+    config's ``fp8``)."""
+    if lowering.linears == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        return TEColumnParallelLinear, TERowParallelLinear
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return ColumnParallelLinear, RowParallelLinear
+
+
 def _moe(slot: Slot, experts: Slot, slots: Slots, lowering: Lowering):
-    """Megatron's local MoE spec (router, shared expert) with the slot's MoE layer class and nam's experts
-    module in place of ``SequentialMLP`` (``nam56r.megatron.moe``). Megatron's spec is a ``functools.partial``
-    of the layer class; the layer calls its ``experts`` entry as ``(num_local_experts, config, ...)``."""
+    """Megatron's MoE spec (router, shared expert: its local linears, or its TE ones with the lowering's
+    ``linears``) with the slot's MoE layer class and nam's experts module in place of ``SequentialMLP``
+    (``nam56r.megatron.moe``), or Megatron's own ``TEGroupedMLP`` where the experts slot names it. Megatron's spec
+    is a ``functools.partial`` of the layer class; the layer calls its ``experts`` entry as
+    ``(num_local_experts, config, ...)``."""
     import dataclasses
     from functools import partial
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    moe = get_moe_module_spec(use_te=False, num_experts=lowering.config_args["num_moe_experts"],
-                              moe_grouped_gemm=False)
+    moe = get_moe_module_spec(use_te=lowering.linears == "transformer_engine",
+                              num_experts=lowering.config_args["num_moe_experts"],
+                              moe_grouped_gemm=lowering.config_args["moe_grouped_gemm"])
     layer = slot_class(slot)
     if not isinstance(moe, partial) or not issubclass(layer, moe.func):
         raise ConfigError(f"Megatron's local MoE spec is {moe!r}; the lowering's {slot.adapter} must subclass the "
                           "layer class it builds", hint="check megatron-core's get_moe_module_spec")
-    submodules = dataclasses.replace(moe.keywords["submodules"], experts=partial(slot_class(experts), nam=slots))
+    submodules = moe.keywords["submodules"]
+    if experts.provider == "nam":
+        submodules = dataclasses.replace(submodules, experts=partial(slot_class(experts), nam=slots))
+    elif submodules.experts.func is not slot_class(experts):
+        raise ConfigError(f"the experts slot names {experts.module}; Megatron's MoE spec builds {submodules.experts!r}",
+                          hint="check megatron-core's get_moe_module_spec (moe_grouped_gemm with Transformer Engine)")
     return partial(layer, submodules=submodules)

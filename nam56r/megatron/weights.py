@@ -116,11 +116,30 @@ def for_this_rank(model, nam_tensors: Mapping[str, torch.Tensor], lowering, pg_c
     one rank's (unwrapped) NamHybridModel: its pipeline stage, its experts."""
     numbers = [layer.layer_number for layer in model.decoder.layers]  # 1-based, global
     kinds = tuple(KIND[layer["nam"]] for layer in lowering.layers)
-    return nam_state_to_megatron(
+    mapped = nam_state_to_megatron(
         nam_tensors, kinds, mtp_pattern=lowering.mtp_pattern or "+-", ep_rank=pg_collection.ep.rank(),
         ep_size=pg_collection.ep.size(), first=numbers[0] - 1 if numbers else 0,
         stop=numbers[-1] if numbers else 0, pre_process=model.pre_process, post_process=model.post_process,
         mtp_process=model.mtp_process)
+    return per_expert(mapped) if lowering.config_args.get("moe_grouped_gemm") else mapped
+
+
+GROUPED = {"w_gate_up": "linear_fc1", "w_down": "linear_fc2"}
+"""nam's stacked expert weight -> the ``TEGroupedMLP`` projection that holds one ``weight<i>`` per local expert."""
+
+
+def per_expert(mapped: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mapped`` with each stacked ``...mlp.experts.w_gate_up [E_local, 2f, d]`` / ``w_down [E_local, d, f]``
+    split into Megatron's ``TEGroupedMLP`` names, ``...mlp.experts.linear_fc1.weight<i> [2f, d]`` and
+    ``linear_fc2.weight<i> [d, f]`` (local expert ``i``; the same ``[gate ; up]`` rows)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in mapped.items():
+        prefix, _, name = key.rpartition(".")
+        if prefix.endswith(".mlp.experts") and name in GROUPED:
+            out.update({f"{prefix}.{GROUPED[name]}.weight{i}": value[i] for i in range(value.shape[0])})
+        else:
+            out[key] = value
+    return out
 
 
 def load_nam_weights(model, nam_state: Mapping[str, torch.Tensor], lowering, pg_collection) -> None:

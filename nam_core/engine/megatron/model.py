@@ -62,7 +62,8 @@ def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, dis
         overlap_shared_experts(config)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=train.overlap_grad_reduce,
                                                overlap_param_gather=train.overlap_param_gather,
-                                               use_distributed_optimizer=distributed_optimizer)
+                                               use_distributed_optimizer=distributed_optimizer,
+                                               fp8_param_gather=bool(getattr(config, "fp8_param", False)))
     chunks = []
     for chunk in range(provider.chunks):
         module = provider.build(config, pg_collection, device, chunk=chunk)

@@ -30,9 +30,18 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _load_rotated(x_ptr, bias_ptr, ph_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, ph_base, ph_sl, S,
-                  HALF: tl.constexpr):
-    """(x + bias) rotated by the phase, as its two halves ``[M, n/2]`` fp32, plus cos and sin."""
+def _cos_sin(ph_ptr, tok, valid, ph_base, ph_sl, S, HALF: tl.constexpr):
+    """cos and sin of the rows' phases, ``[M, n/2]`` fp32 (columns >= S: phase 0, cos 1, sin 0). q and k of a
+    (token, head) share them, so a kernel that rotates both computes them once."""
+    cols = tl.arange(0, HALF)
+    phi = tl.load(ph_ptr + ph_base + tok[:, None] * ph_sl + cols[None, :],
+                  mask=valid[:, None] & (cols[None, :] < S), other=0.0)
+    return tl.cos(phi), tl.sin(phi)
+
+
+@triton.jit
+def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, cos, sin, HALF: tl.constexpr):
+    """(x + bias) rotated by the phase (cos, sin from ``_cos_sin``), as its two halves ``[M, n/2]`` fp32."""
     cols = tl.arange(0, HALF)
     m = valid[:, None]
     ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
@@ -40,10 +49,7 @@ def _load_rotated(x_ptr, bias_ptr, ph_ptr, tok, rank, valid, x_base, x_sl, x_sr,
     lo = tl.where(m, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + tl.load(bptr, mask=m, other=0.0), 0.0)
     hi = tl.where(m, tl.load(ptr + HALF, mask=m, other=0.0).to(tl.float32)
                   + tl.load(bptr + HALF, mask=m, other=0.0), 0.0)
-    phi = tl.load(ph_ptr + ph_base + tok[:, None] * ph_sl + cols[None, :], mask=m & (cols[None, :] < S), other=0.0)
-    cos = tl.cos(phi)
-    sin = tl.sin(phi)
-    return lo * cos - hi * sin, lo * sin + hi * cos, cos, sin
+    return lo * cos - hi * sin, lo * sin + hi * cos
 
 
 @triton.jit
@@ -76,77 +82,80 @@ def _dy(dout, mo, z, mz):
 
 
 @triton.jit
-def chunk_state_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
-                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
-                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*h): chunk c's own end-state contribution sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T,
-    ``[b*h, nc, p, n]`` fp32 (``state_pass_kernel`` then turns it into ``S_in`` in place)."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
+def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
+                      L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
+                      T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+                      PSPLIT: tl.constexpr):
+    """Grid (b*h, PSPLIT): ``S_in[c]`` for every chunk, chunks in order, the carry ``[p/PSPLIT, n]`` in fp32
+    registers; stored in the dtype of ``s_ptr`` (q's: every reader rounds S_in to it for its dot anyway).
+    S_in[0] = 0, S_in[c+1] = exp(cs_end[c]) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T."""
+    bh = tl.program_id(0)
+    BP: tl.constexpr = P // PSPLIT
+    pcols = tl.program_id(1) * BP + tl.arange(0, BP)
     b = bh // H
     h = bh % H
     LP = NC * T
     DT = k_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + (h // HPG) * k_sg,
-                                   k_sl, k_sr, h * R * 2 * HALF, (b * L * H + h) * S, H * S, S, HALF)
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-    w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
-    v = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
-                                                                                      pcols)
-    vw = tl.trans((v * w[:, None]).to(DT))  # [p, M]
-    sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-    tl.store(sp, tl.dot(vw, klo.to(DT)))
-    tl.store(sp + HALF, tl.dot(vw, khi.to(DT)))
+    k_base = b * k_sb + (h // HPG) * k_sg
+    ph_base = (b * L * H + h) * S
+    carry_lo = tl.zeros((BP, HALF), tl.float32)
+    carry_hi = tl.zeros((BP, HALF), tl.float32)
+    for c in range(NC):
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
+        tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+        vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
+        decay = tl.exp(cs_end)
+        carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
+        carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
 
 
 @triton.jit
-def chunk_dstate_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
-                        L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
-                        T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*h): dL/dS_in[c] from chunk c's own outputs, sum_t exp(cs_t) sum_r dy_tr q~_tr^T,
-    ``[b*h, nc, p, n]`` fp32 (``state_pass_kernel`` in reverse then makes it ``dS_out``)."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
+def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
+                       L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
+                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+                       PSPLIT: tl.constexpr):
+    """Grid (b*h, PSPLIT): ``dS_out[c]`` = dL/dS_in[c+1] for every chunk, chunks in reverse, the carry in fp32
+    registers, stored in the dtype of ``ds_ptr``. dS_out[last] = 0, dS_out[c-1] = exp(cs_end[c]) dS_out[c] +
+    sum_t exp(cs_t) sum_r dy_tr q~_tr^T (chunk c's own dL/dS_in[c])."""
+    bh = tl.program_id(0)
+    BP: tl.constexpr = P // PSPLIT
+    pcols = tl.program_id(1) * BP + tl.arange(0, BP)
     b = bh // H
     h = bh % H
     LP = NC * T
     DT = q_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + (h // HPG) * q_sg,
-                                   q_sl, q_sr, h * R * 2 * HALF, (b * L * H + h) * S, H * S, S, HALF)
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-             _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-             _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-             _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-    dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [p, M]
-    sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-    tl.store(sp, tl.dot(dyt, qlo.to(DT)))
-    tl.store(sp + HALF, tl.dot(dyt, qhi.to(DT)))
-
-
-@triton.jit
-def state_pass_kernel(s_ptr, cs_ptr, NC, PN, T: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    """Grid (b*h, p*n / BLOCK), in place over ``[b*h, nc, p*n]`` fp32, the carry in fp32 registers.
-    Forward: chunk c's own contribution -> ``S_in[c]``, S_in[c+1] = exp(cs_end[c]) S_in[c] + own[c].
-    Reverse: chunk c's own dL/dS_in[c] -> ``dS_out[c]`` = dL/dS_in[c+1] (0 for the last chunk)."""
-    bh = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    carry = tl.zeros((BLOCK,), tl.float32)
+    q_base = b * q_sb + (h // HPG) * q_sg
+    ph_base = (b * L * H + h) * S
+    carry_lo = tl.zeros((BP, HALF), tl.float32)
+    carry_hi = tl.zeros((BP, HALF), tl.float32)
     for i in range(NC):
-        c = i
-        if REVERSE:
-            c = NC - 1 - i
-        ptr = s_ptr + (bh * NC + c) * PN + cols
-        own = tl.load(ptr)
-        tl.store(ptr, carry)
-        carry = carry * tl.exp(tl.load(cs_ptr + (bh * NC + c) * T + T - 1)) + own
+        c = NC - 1 - i
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
+        tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+        dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [BP, M]
+        decay = tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1))
+        carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
+        carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
 
 
 @triton.jit
@@ -167,10 +176,11 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     ph_base = (b * L * H + h) * S
-    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
-    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+    qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
+                        HALF)
+    klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
+                        HALF)
     qlo = qlo.to(DT)
     qhi = qhi.to(DT)
     cs = tl.load(cs_ptr + bh * LP + tok)
@@ -212,10 +222,11 @@ def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr,
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     ph_base = (b * L * H + h) * S
-    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
-    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+    qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
+                        HALF)
+    klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
+                        HALF)
     qlo = qlo.to(DT)
     qhi = qhi.to(DT)
     klo = klo.to(DT)
@@ -284,14 +295,14 @@ def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr,
 
 @triton.jit
 def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
-                  cs_ptr, gam_ptr, c_ptr, st_ptr, out_ptr, dbias_ptr, dph_ptr,
+                  cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr, dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr,
                   L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                   x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
-                  WHICH: tl.constexpr, T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*g): dq (WHICH 0) or dk (WHICH 1) of one chunk of one group, summed over the group's heads
-    in fp32 registers (no per-head copy, no atomics), un-rotated; per head the bias-gradient partial
-    ``[b, nc, h, r, n]`` and the phase gradient ``[b, l, h, s]`` (WHICH 1 adds to what WHICH 0 wrote).
-    ``st_ptr``: ``S_in`` for dq, ``dS_out`` for dk."""
+                  T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*g): dq and dk of one chunk of one group, summed over the group's heads in fp32 registers (no
+    per-head copy, no atomics), un-rotated; per head the bias-gradient partials ``[b, nc, h, r, n]`` and the
+    phase gradient ``[b, l, h, s]``. One pass: both share the score gradient dL/d(q~.k~), the rotation and the
+    rows of v and dy."""
     c = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // G
@@ -303,16 +314,21 @@ def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx
     tok, rank, valid = _rows(c, L, R, T, RP)
     toks = c * T + tl.arange(0, T)
     ranks = tl.arange(0, RP)
-    acc_lo = tl.zeros((T * RP, HALF), tl.float32)
-    acc_hi = tl.zeros((T * RP, HALF), tl.float32)
+    rmask = (ranks < R)[:, None]
+    pmask = (toks < L)[:, None] & (hcols < S)[None, :]
+    q_base = b * q_sb + g * q_sg
+    k_base = b * k_sb + g * k_sg
+    dq_lo = tl.zeros((T * RP, HALF), tl.float32)
+    dq_hi = tl.zeros((T * RP, HALF), tl.float32)
+    dk_lo = tl.zeros((T * RP, HALF), tl.float32)
+    dk_hi = tl.zeros((T * RP, HALF), tl.float32)
     for j in range(HPG):
         h = g * HPG + j
         bh = b * H + h
         ph_base = (b * L * H + h) * S
-        qlo, qhi, cos, sin = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl,
-                                           q_sr, h * R * 2 * HALF, ph_base, H * S, S, HALF)
-        klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
-                                       h * R * 2 * HALF, ph_base, H * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         cc = tl.load(c_ptr + bh * LP + tok)
         amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
@@ -323,33 +339,74 @@ def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx
                  _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
                  _load_proj(mz_ptr, h, rank, valid, R, P, pcols)).to(DT)
         dqk = (tl.dot(dy, tl.trans(v)) * amat).to(DT)  # dL/d(q~.k~) [M, M]
-        sp = st_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        if WHICH == 0:
-            inter = tl.exp(cs)[:, None]
-            d_lo = tl.dot(dqk, klo.to(DT)) + inter * tl.dot(dy, tl.load(sp).to(DT))
-            d_hi = tl.dot(dqk, khi.to(DT)) + inter * tl.dot(dy, tl.load(sp + HALF).to(DT))
-            dphi = d_hi * qlo - d_lo * qhi
-        else:
-            inter = (tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1) - cs) * cc)[:, None]
-            dqkt = tl.trans(dqk)
-            d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(v, tl.load(sp).to(DT))
-            d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(v, tl.load(sp + HALF).to(DT))
-            dphi = d_hi * klo - d_lo * khi
+        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
+        # dq~ = dqk k~ + exp(cs_t) dy S_in
+        inter = tl.exp(cs)[:, None]
+        d_lo = tl.dot(dqk, klo.to(DT)) + inter * tl.dot(dy, tl.load(s_ptr + st).to(DT))
+        d_hi = tl.dot(dqk, khi.to(DT)) + inter * tl.dot(dy, tl.load(s_ptr + st + HALF).to(DT))
+        dphi = d_hi * qlo - d_lo * qhi
         u_lo = d_lo * cos + d_hi * sin  # the rotation's transpose
         u_hi = d_hi * cos - d_lo * sin
-        acc_lo += u_lo
-        acc_hi += u_hi
-        part = dbias_ptr + (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        rmask = (ranks < R)[:, None]
-        tl.store(part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
-        pmask = (toks < L)[:, None] & (hcols < S)[None, :]
-        dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
-        if WHICH == 1:
-            dphi_t += tl.load(dph, mask=pmask, other=0.0)
-        tl.store(dph, dphi_t, mask=pmask)
-    out = out_ptr + ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
+        dq_lo += u_lo
+        dq_hi += u_hi
+        part = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(dqb_ptr + part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+        tl.store(dqb_ptr + part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+        # dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out
+        inter = (tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1) - cs) * cc)[:, None]
+        dqkt = tl.trans(dqk)
+        d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(v, tl.load(ds_ptr + st).to(DT))
+        d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(v, tl.load(ds_ptr + st + HALF).to(DT))
+        dphi += d_hi * klo - d_lo * khi
+        u_lo = d_lo * cos + d_hi * sin
+        u_hi = d_hi * cos - d_lo * sin
+        dk_lo += u_lo
+        dk_hi += u_hi
+        tl.store(dkb_ptr + part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+        tl.store(dkb_ptr + part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+        tl.store(dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :],
+                 tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1), mask=pmask)
+    out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
     m = valid[:, None]
-    tl.store(out, acc_lo.to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(out + HALF, acc_hi.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(dq_ptr + out, dq_lo.to(dq_ptr.dtype.element_ty), mask=m)
+    tl.store(dq_ptr + out + HALF, dq_hi.to(dq_ptr.dtype.element_ty), mask=m)
+    tl.store(dk_ptr + out, dk_lo.to(dk_ptr.dtype.element_ty), mask=m)
+    tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
+
+
+# --- launch configurations: a few per kernel, timed on the GPU at the first launch of each shape ----------------
+def _config(warps: int, stages: int = 1, **meta) -> triton.Config:
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+CONFIGS = {
+    # the walks loop over chunks: 2 stages prefetch the next chunk's rows; PSPLIT 2 doubles the programs
+    # (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) twice
+    "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
+    "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
+    "fwd_chunk": [_config(4), _config(8)],
+    "bwd_chunk": [_config(8), _config(4)],
+    # loops over the group's heads; 3+ stages of its gathered rows would ask >200 KB of shared memory
+    "bwd_qk": [_config(8, 1), _config(8, 2), _config(4, 1)],
+}
+"""The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
+
+
+def _fits(configs, nargs, **kwargs):
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``."""
+    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16]
+    return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
+
+
+def _tuned(name: str, kernel):
+    import os
+
+    configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
+    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T"],
+                           prune_configs_by={"early_config_prune": _fits})(kernel)
+
+
+KERNELS = {name: _tuned(name, kernel) for name, kernel in (
+    ("state_walk", state_walk_kernel), ("dstate_walk", dstate_walk_kernel), ("fwd_chunk", fwd_chunk_kernel),
+    ("bwd_chunk", bwd_chunk_kernel), ("bwd_qk", bwd_qk_kernel))}
+"""The kernels as launched (each wrapped in ``triton.autotune`` over ``CONFIGS[name]``)."""

@@ -34,15 +34,10 @@ from nam56r.reference.mamba3 import angle_phase
 TILE_ROWS = 64
 """(token, rank) rows per tile: 16 tokens at rank 4. On the H100, 128-row tiles (32 tokens) ran 3x slower
 (fp32 [128, 128] score tiles and [128, 64] row tiles spill registers)."""
-PASS_BLOCK = 2048
-"""State elements per program of the pass over chunks (p*n = 8192 at NAM56R: 4 programs per (b, h))."""
-NUM_WARPS = {"chunk_state": 4, "state_pass": 4, "fwd_chunk": 4, "chunk_dstate": 4, "bwd_chunk": 8, "bwd_qk": 8}
-NUM_STAGES = {"bwd_qk": 1}
-"""bwd_qk loops over heads: Triton's default 3-stage pipelining of its gathered row loads (rotated q/k, phase,
-x, ...) would multiply their shared memory (a 3-stage loop of that kind asked 313,352 B on the H100)."""
-
 SHARED_BYTES: dict[str, int] = {}
 """Shared memory per block (``.metadata.shared``) of each kernel as compiled by its last launch on a GPU."""
+CHOSEN: dict[str, str] = {}
+"""The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
 
 def tile_tokens(rank: int) -> int:
@@ -58,13 +53,15 @@ def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(name, kernel, grid, *args, **meta):
-    if name in NUM_STAGES:
-        meta["num_stages"] = NUM_STAGES[name]
-    compiled = kernel[grid](*args, num_warps=NUM_WARPS[name], **meta)
+def _launch(name, grid, *args, **meta):
+    from nam_plugin_mimo_scan.kernels import KERNELS
+
+    kernel = KERNELS[name]
+    compiled = kernel[grid](*args, **meta)
     shared = getattr(getattr(compiled, "metadata", None), "shared", None)
     if isinstance(shared, int):
         SHARED_BYTES[name] = shared
+    CHOSEN[name] = str(kernel.best_config)
     return compiled
 
 
@@ -91,39 +88,29 @@ class _Geometry:
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
 
-    def states(self, q, k, q_bias, k_bias, v, mimo_x):
-        """``S_in`` [b*h, nc, p, n] fp32: each chunk's own end state in parallel, then the pass over chunks."""
-        from nam_plugin_mimo_scan.kernels import chunk_state_kernel
+    def grid_walk(self, meta):
+        return (self.b * self.h, meta["PSPLIT"])
 
-        s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=torch.float32)
-        _launch("chunk_state", chunk_state_kernel, (self.nc, self.b * self.h),
-                k, k_bias, self.phase, v, mimo_x, self.cs, self.c, s_in,
+    def states(self, q, k, q_bias, k_bias, v, mimo_x):
+        """``S_in`` [b*h, nc, p, n] in q's dtype: one walk over the chunks per (b, h) (and head-dim split), the
+        carry in fp32 registers."""
+        s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=q.dtype)
+        _launch("state_walk", self.grid_walk, k, k_bias, self.phase, v, mimo_x, self.cs, self.c, s_in,
                 self.l, self.h, self.h // self.g, self.r, self.s, self.nc,
                 *k.stride()[:4], *v.stride()[:3], **self.meta())
-        self.state_pass(s_in, reverse=False)
         return s_in
-
-    def state_pass(self, buf, *, reverse: bool):
-        from nam_plugin_mimo_scan.kernels import state_pass_kernel
-
-        pn = self.p * self.n
-        block = min(PASS_BLOCK, pn)
-        _launch("state_pass", state_pass_kernel, (self.b * self.h, pn // block), buf, self.cs, self.nc, pn,
-                T=self.t, BLOCK=block, REVERSE=reverse)
 
 
 class _MimoScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, block_t):
-        from nam_plugin_mimo_scan.kernels import fwd_chunk_kernel
-
         q, k, v, z = (_lastdim_contiguous(t) for t in (q, k, v, z))
         params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
         qb, kb, dd, mx, mz, mo = params
         geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
         s_in = geo.states(q, k, qb, kb, v, mx)
         out = torch.empty(geo.b, geo.l, geo.h, geo.p, device=v.device, dtype=v.dtype)
-        _launch("fwd_chunk", fwd_chunk_kernel, (geo.nc, geo.b * geo.h),
+        _launch("fwd_chunk", (geo.nc, geo.b * geo.h),
                 q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, out,
                 geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc,
                 *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *out.stride()[:3],
@@ -136,8 +123,6 @@ class _MimoScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from nam_plugin_mimo_scan.kernels import bwd_chunk_kernel, bwd_qk_kernel, chunk_dstate_kernel
-
         q, k, v, adt, dt, trap, angles, z, qb, kb, dd, mx, mz, mo = ctx.saved_tensors
         dout = _lastdim_contiguous(dout)
         geo = _Geometry(q, v, adt, dt, trap, angles, ctx.block_t)
@@ -147,17 +132,15 @@ class _MimoScanFn(torch.autograd.Function):
         s_in = geo.states(q, k, qb, kb, v, mx)
 
         ds_out = torch.empty_like(s_in)
-        _launch("chunk_dstate", chunk_dstate_kernel, (nc, b * h),
-                q, qb, geo.phase, z, dout, mz, mo, geo.cs, ds_out, *common,
+        _launch("dstate_walk", geo.grid_walk, q, qb, geo.phase, z, dout, mz, mo, geo.cs, ds_out, *common,
                 *q.stride()[:4], *z.stride()[:3], *dout.stride()[:3], **geo.meta())
-        geo.state_pass(ds_out, reverse=True)
 
         dx = torch.empty(b, l, h, p, device=dev, dtype=v.dtype)
         dz = torch.empty(b, l, h, p, device=dev, dtype=z.dtype)
         dgam, dc, dcs = (torch.empty(b, h, nc * geo.t, device=dev, dtype=f32) for _ in range(3))
         dmx, dmz, dmo = (torch.empty(b, nc, h, r, p, device=dev, dtype=f32) for _ in range(3))
         dd_part = torch.empty(b, nc, h, device=dev, dtype=f32)
-        _launch("bwd_chunk", bwd_chunk_kernel, (nc, b * h),
+        _launch("bwd_chunk", (nc, b * h),
                 q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
                 dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *common,
                 *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3],
@@ -167,11 +150,10 @@ class _MimoScanFn(torch.autograd.Function):
         dk = torch.empty(b, l, r, g, n, device=dev, dtype=k.dtype)
         dqb, dkb = (torch.empty(b, nc, h, r, n, device=dev, dtype=f32) for _ in range(2))
         dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
-        for which, (out, dbias, states) in enumerate(((dq, dqb, s_in), (dk, dkb, ds_out))):
-            _launch("bwd_qk", bwd_qk_kernel, (nc, b * g),
-                    q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, geo.cs, geo.gamma, geo.c, states, out, dbias,
-                    dphase, *common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3],
-                    *dout.stride()[:3], g, WHICH=which, **geo.meta())
+        _launch("bwd_qk", (nc, b * g),
+                q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, geo.cs, geo.gamma, geo.c, s_in, ds_out, dq, dk,
+                dqb, dkb, dphase, *common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3],
+                *dout.stride()[:3], g, **geo.meta())
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

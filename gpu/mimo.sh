@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 32 part 1 on the GPU host: nam's MIMO scan at NAM56R's shape. Run from the repository root:
+#   bash gpu/mimo.sh        (OUT defaults to ./gpu-out; the whole run stays under 4 minutes)
+# 1. nam's scan alone in bench/mimo_scan.py at b2 x 4096 (fwd / bwd ms, first call with autotune) + profile table
+# 2. where CUDA-graph capture breaks (gpu/mimo_capture.py: forward, then forward + backward)
+# 3. the plugin's GPU tests (bf16 parity at NAM56R's widths, no host sync, capture, preflight launch)
+# 4. mamba-ssm's static kernels against nam's in one run (same GPU, as a ratio), if time is left
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-/tmp/site}
+export PYTHONUNBUFFERED=1
+BUDGET=228
+left() { echo $((BUDGET - SECONDS)); }
+step() {  # step SECONDS_WANTED LOGNAME CMD...: runs CMD under the smaller of what it wants and what is left
+  local want=$1 name=$2; shift 2
+  local t; t=$(left); [ "$want" -lt "$t" ] && t=$want
+  if [ "$t" -lt 15 ]; then echo "== $name: skipped (${t}s left)"; return; fi
+  echo "== $name (limit ${t}s, at ${SECONDS}s)"
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: rc $? at ${SECONDS}s"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+step 110 bench-mimo python bench/mimo_scan.py --batch 2 --rows mimo-scan --baseline mimo-scan --warmup 2 \
+  --iters 5 --timeout 100 --profile "$OUT/prof" --json "$OUT/bench-mimo.json"
+tail -n 8 "$OUT/bench-mimo.log"
+cat "$OUT"/prof/mimo-scan-mimo-scan-b2.txt 2>/dev/null | head -32
+
+for s in forward fwdbwd; do
+  step 40 "capture-$s" python gpu/mimo_capture.py "$s" global
+  grep -E "^(capture|configs)" "$OUT/capture-$s.log"
+  grep -q ": ok" "$OUT/capture-$s.log" || { grep -B2 -A30 "^Traceback" "$OUT/capture-$s.log" | tail -n 30; break; }
+done
+if ! grep -q ": ok" "$OUT/capture-fwdbwd.log" 2>/dev/null; then
+  step 30 capture-geometry python gpu/mimo_capture.py geometry global
+  grep -E "^capture" "$OUT/capture-geometry.log"
+  step 40 capture-fwdbwd-relaxed python gpu/mimo_capture.py fwdbwd relaxed
+  grep -E "^capture" "$OUT/capture-fwdbwd-relaxed.log"
+fi
+
+step 100 gpu-tests python -m pytest -m gpu plugins/nam-plugin-mimo-scan/tests/test_mimo_scan_gpu.py -q -s \
+  -p no:cacheprovider -k "not capture"
+grep -E "^(g=|  norm|worst|[0-9]+ (passed|failed)|FAILED|E )" "$OUT/gpu-tests.log" | head -n 30
+tail -n 3 "$OUT/gpu-tests.log"
+
+step 120 bench-vs-static python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan \
+  --baseline mamba-ssm-static --warmup 2 --iters 5 --timeout 100 --json "$OUT/bench-vs-static.json"
+tail -n 8 "$OUT/bench-vs-static.log"
+echo "total ${SECONDS}s"

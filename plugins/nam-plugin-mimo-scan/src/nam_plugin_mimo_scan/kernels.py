@@ -374,6 +374,82 @@ def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx
     tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
 
 
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (overflow-safe both ways: exp -> inf gives 1, exp -> 0 gives -1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def phase_kernel(ang_ptr, dt_ptr, ph_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
+                 BT: tl.constexpr, SP: tl.constexpr):
+    """Grid (b*h,): the rotary phase phi_t = (sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi, fp32 ``[b, l, h, s]``,
+    walking the sequence in blocks of ``BT`` tokens with the running sum in fp32 (the mod is taken of the full
+    sum, as the reference takes it)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    carry = tl.zeros((SP,), tl.float32)
+    for t0 in range(0, L, BT):
+        toks = t0 + tl.arange(0, BT)
+        tmask = toks < L
+        m = tmask[:, None] & cmask[None, :]
+        a = tl.load(ang_ptr + b * a_sb + toks[:, None] * a_sl + h * a_sh + cols[None, :] * a_ss, mask=m, other=0.0)
+        dt = tl.load(dt_ptr + b * dt_sb + h * dt_sh + toks * dt_sl, mask=tmask, other=0.0)
+        rate = 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
+        phi = carry[None, :] + tl.cumsum(rate, axis=0)
+        phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
+        tl.store(ph_ptr + ((b * L + toks[:, None]) * H + h) * S + cols[None, :], phi, mask=m)
+        carry += tl.sum(rate, axis=0)
+
+
+@triton.jit
+def time_grads_kernel(dph_ptr, dcs_ptr, ang_ptr, dt_ptr, dang_ptr, ddt_ptr, dadt_ptr, L, LP, H, S,
+                      a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
+                      BT: tl.constexpr, SP: tl.constexpr, CUMULATIVE: tl.constexpr):
+    """Grid (b*h,), the sequence in blocks of ``BT`` tokens from the end, running sums in fp32:
+
+    * d adt_i = sum_{t>=i} dLambda_t (``dcs`` ``[b*h, LP]``: adt_i is in the log-decay of every later token);
+    * d rate_i = sum_{t>=i} d phi_t (``dph`` ``[b, l, h, s]``), then, as rate = pi tanh(angle) dt:
+      d angles ``[b, l, h, s]`` = d rate pi (1 - tanh^2) dt and the phase's share of d dt ``[b*h, l]``,
+      sum_s d rate pi tanh.
+
+    ``CUMULATIVE`` False drops both reverse sums (how the CPU tests show the parity check catches a wrong
+    d adt and d angles)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    carry = tl.zeros((SP,), tl.float32)
+    carry_a = tl.zeros((1,), tl.float32)
+    nblocks = tl.cdiv(L, BT)
+    for i in range(nblocks):
+        toks = (nblocks - 1 - i) * BT + tl.arange(0, BT)
+        tmask = toks < L
+        m = tmask[:, None] & cmask[None, :]
+        dlam = tl.load(dcs_ptr + bh * LP + toks, mask=tmask, other=0.0)
+        ph_off = ((b * L + toks[:, None]) * H + h) * S + cols[None, :]
+        dph = tl.load(dph_ptr + ph_off, mask=m, other=0.0)
+        if CUMULATIVE:
+            dadt = carry_a + tl.cumsum(dlam, axis=0, reverse=True)
+            drate = carry[None, :] + tl.cumsum(dph, axis=0, reverse=True)
+            carry_a += tl.sum(dlam, axis=0)
+            carry += tl.sum(dph, axis=0)
+        else:
+            dadt = dlam
+            drate = dph
+        tl.store(dadt_ptr + bh * L + toks, dadt, mask=tmask)
+        a = tl.load(ang_ptr + b * a_sb + toks[:, None] * a_sl + h * a_sh + cols[None, :] * a_ss, mask=m, other=0.0)
+        th = _tanh(a.to(tl.float32))
+        dt = tl.load(dt_ptr + b * dt_sb + h * dt_sh + toks * dt_sl, mask=tmask, other=0.0).to(tl.float32)
+        tl.store(dang_ptr + ph_off, drate * (3.141592653589793 * (1.0 - th * th)) * dt[:, None], mask=m)
+        tl.store(ddt_ptr + bh * L + toks, tl.sum(drate * (3.141592653589793 * th), axis=1), mask=tmask)
+
+
 # --- launch configurations: a few per kernel, timed on the GPU at the first launch of each shape ----------------
 def _config(warps: int, stages: int = 1, **meta) -> triton.Config:
     return triton.Config(meta, num_warps=warps, num_stages=stages)

@@ -24,12 +24,8 @@ model's ``chunk_size`` (the chunking is exact for any tile, so ``chunk_size`` do
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-
-from nam56r.reference.mamba3 import angle_phase
 
 TILE_ROWS = 64
 """(token, rank) rows per tile: 16 tokens at rank 4. On the H100, 128-row tiles (32 tokens) ran 3x slower
@@ -83,7 +79,7 @@ class _Geometry:
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
         self.cs = F.pad(adt.float(), (0, pad)).unflatten(-1, (self.nc, self.t)).cumsum(-1).flatten(-2).contiguous()
-        self.phase = angle_phase(angles.float(), dt).contiguous()  # [b, l, h, s]
+        self.phase = _phase(angles, dt)  # [b, l, h, s]
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
@@ -164,19 +160,44 @@ class _MimoScanFn(torch.autograd.Function):
         ddt = dgamma * lam
         ddt[..., 1:] += dshift[..., :-1] * (1 - lam[..., 1:])
         dtrap = dlam * lam * (1 - lam)
-        dadt = _reverse_cumsum(dcs[..., :l], -1)  # adt_i is in Lambda_t for every t >= i
-        # rotary phase: phi_t = sum_{i<=t} pi tanh(angle_i) dt_i
-        drate = _reverse_cumsum(dphase, 1)  # [b, l, h, s]
-        th = torch.tanh(angles.float())
-        dangles = drate * (math.pi * (1 - th * th)) * dt32.transpose(1, 2).unsqueeze(-1)
-        ddt = ddt + (drate * (math.pi * th)).sum(-1).transpose(1, 2)
+        # adt_i is in Lambda_t for every t >= i; the phase phi_t = sum_{i<=t} pi tanh(angle_i) dt_i
+        dadt, dangles, ddt_phase = _time_grads(dphase, dcs, angles, dt32)
+        ddt = ddt + ddt_phase
         grads = (dq, dk, dx, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_part.sum((0, 1)), dz,
                  dmx.sum((0, 1)), dmz.sum((0, 1)), dmo.sum((0, 1)))
         return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None)
 
 
-def _reverse_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.flip(dim).cumsum(dim).flip(dim)
+TIME_BLOCK = 64
+"""Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
+
+
+def _phase(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, s]``, in one kernel walking the
+    sequence per (b, h); angles may be a stride-0 view over the heads."""
+    from nam_plugin_mimo_scan.kernels import phase_kernel
+
+    b, l, h, s = angles.shape
+    phase = torch.empty(b, l, h, s, device=angles.device, dtype=torch.float32)
+    phase_kernel[(b * h,)](angles, dt, phase, l, h, s, *angles.stride(), *dt.stride(), BT=TIME_BLOCK,
+                           SP=max(16, _pow2(s)), num_warps=4)
+    return phase
+
+
+def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True):
+    """The reverse sums along the sequence, in one kernel per (b, h): ``(d adt [b, h, l], d angles [b, l, h, s],
+    the phase's share of d dt [b, h, l])``, fp32, from d phi ``[b, l, h, s]`` and d Lambda ``dcs [b, h, nc*T]``.
+    ``cumulative=False`` leaves the sums out (the CPU tests' wrong gradient)."""
+    from nam_plugin_mimo_scan.kernels import time_grads_kernel
+
+    b, l, h, s = dphase.shape
+    dadt = torch.empty(b, h, l, device=dphase.device, dtype=torch.float32)
+    ddt = torch.empty_like(dadt)
+    dangles = torch.empty_like(dphase)
+    time_grads_kernel[(b * h,)](dphase, dcs, angles, dt, dangles, ddt, dadt, l, dcs.shape[-1], h, s,
+                                *angles.stride(), *dt.stride(), BT=TIME_BLOCK, SP=max(16, _pow2(s)),
+                                CUMULATIVE=cumulative, num_warps=4)
+    return dadt, dangles, ddt
 
 
 def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,

@@ -222,6 +222,15 @@ def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr,
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     ph_base = (b * L * H + h) * S
+    x_base = b * x_sb + h * x_sh
+    z_base = b * z_sb + h * z_sh
+    do_base = b * do_sb + h * do_sh
+    cs = tl.load(cs_ptr + bh * LP + tok)
+    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+    cc = tl.load(c_ptr + bh * LP + tok)
+    # The order keeps few tiles live (the kernel spilled registers when it held every row tile at once): the
+    # rotated q, k die after their four uses, the per-token rows (x, z, dout) and the rank projections are
+    # loaded where they are used and loaded again for the gating at the end rather than kept.
     cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
     qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
                         HALF)
@@ -231,34 +240,22 @@ def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr,
     qhi = qhi.to(DT)
     klo = klo.to(DT)
     khi = khi.to(DT)
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-    cc = tl.load(c_ptr + bh * LP + tok)
-    x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-    mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-    v = x * mx
-    vd = v.to(DT)
-    z = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols)
-    mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
-    dout = _load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols)
-    d_o = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
-    zm = z * mz
-    sg = tl.sigmoid(zm)
-    dy = d_o * zm * sg
-    dyd = dy.to(DT)
-
-    # only two [M, M] tiles live at once: M = qk * A and qk * decay (for the weights' gradients)
     qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))  # [M, M]
     amat, decay = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-    mmat = (qk * amat).to(DT)
-    qkd = qk * decay
-    sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
-    y = tl.dot(mmat, vd) + tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT))
-                                                  + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
+    mmat = (qk * amat).to(DT)  # the weighted scores M
+    qkd = qk * decay  # for the weights' gradients
+    sp = ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S^T halves [n/2, p]
+    y_inter = tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(s_ptr + sp).to(DT))
+                                     + tl.dot(qhi, tl.load(s_ptr + sp + HALF).to(DT)))
+    # dv from later chunks: exp(cs_end - cs_u) c_u dS_out k~_u
+    dvi = tl.dot(klo, tl.load(ds_ptr + sp).to(DT)) + tl.dot(khi, tl.load(ds_ptr + sp + HALF).to(DT))  # [M, p]
 
-    # dv (scan part): intra-chunk M^T dy, and from later chunks exp(cs_end - cs_u) c_u dS_out k~_u
-    dsp = ds_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # dS_out^T halves
-    dvi = tl.dot(klo, tl.load(dsp).to(DT)) + tl.dot(khi, tl.load(dsp + HALF).to(DT))  # [M, p]
+    v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
+    vd = v.to(DT)
+    y = tl.dot(mmat, vd) + y_inter
+    dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols), _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+             _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols), _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+    dyd = dy.to(DT)
     to_end = tl.exp(cs_end - cs)
     dv = tl.dot(tl.trans(mmat), dyd) + (to_end * cc)[:, None] * dvi
 
@@ -272,25 +269,32 @@ def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr,
     tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
     dcs_row = tl.sum(dy * y - v * dv, axis=1)
     tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
+    tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
 
-    # gating, skip and the MIMO projections
+    # skip, gating and the MIMO projections (rows loaded again: cheaper than keeping them live)
     dskip = tl.load(d_ptr + h)
-    ypd = y + dskip * v
-    dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
     dvt = dv + dskip * dy
+    ypd = y + dskip * v
     tmask = (toks < L)[:, None]
     out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
-    tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty),
-             mask=tmask)
-    tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty),
-             mask=tmask)
     ranks = tl.arange(0, RP)
     part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
     rmask = (ranks < R)[:, None]
+    mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
+    tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty),
+             mask=tmask)
+    x = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
     tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
+    z = _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols)
+    mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
+    dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, pcols)
+    zm = z * mz
+    sg = tl.sigmoid(zm)
+    dzm = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols) * ypd * sg * (1.0 + zm * (1.0 - sg))
+    tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty),
+             mask=tmask)
     tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
     tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
-    tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
 
 
 @triton.jit
@@ -461,9 +465,9 @@ CONFIGS = {
     "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
     "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
     "fwd_chunk": [_config(4), _config(8)],
-    "bwd_chunk": [_config(8), _config(4)],
+    "bwd_chunk": [_config(8), _config(4), _config(16)],
     # loops over the group's heads; 3+ stages of its gathered rows would ask >200 KB of shared memory
-    "bwd_qk": [_config(8, 1), _config(8, 2), _config(4, 1)],
+    "bwd_qk": [_config(8, 1), _config(8, 2), _config(16, 1)],
 }
 """The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
 

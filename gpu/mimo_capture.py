@@ -2,7 +2,8 @@
 
     python gpu/mimo_capture.py STEP MODE [--b B --l L --h H --g G]
 
-STEP: ``geometry`` (the torch prelude only), ``forward``, ``fwdbwd`` (forward + autograd.grad); MODE: the
+STEP: ``geometry`` (the torch prelude only), ``forward``, ``fwdbwd`` (forward + autograd.grad), ``backward``
+(the forward eager, only autograd.grad captured); MODE: the
 capture_error_mode (global, thread_local, relaxed). Warms up three times on a side stream (compile, autotune),
 captures once, replays, and compares the replay with the eager result bit for bit. Prints one line
 ``capture STEP MODE: ok|FAIL ...`` and, on a failure, the traceback.
@@ -19,7 +20,7 @@ import torch
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=("geometry", "forward", "fwdbwd"))
+    ap.add_argument("step", choices=("geometry", "forward", "fwdbwd", "backward"))
     ap.add_argument("mode", choices=("global", "thread_local", "relaxed"))
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--l", type=int, default=256)
@@ -43,7 +44,11 @@ def main() -> int:
         if a.step == "forward":
             with torch.no_grad():
                 return (scan.mimo_scan(*args),)
+        if a.step == "backward":
+            return torch.autograd.grad(held, wrt, dout, retain_graph=True)
         return torch.autograd.grad(scan.mimo_scan(*args), wrt, dout)
+
+    held = scan.mimo_scan(*args) if a.step == "backward" else None
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -201,6 +201,59 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
 
 
 @triton.jit
+def fwd_walk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+                    cs_ptr, gam_ptr, c_ptr, out_ptr,
+                    L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+                    x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
+                    T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PSPLIT: tl.constexpr):
+    """Grid (b*h, PSPLIT): the whole forward of one (b, h) and head-dim split, chunks in order, ``S_in`` carried
+    in fp32 registers and never stored (``fwd_chunk`` after ``state_walk`` does the same with S_in in memory).
+    The dots take S_in rounded to q's dtype, as fwd_chunk's do."""
+    bh = tl.program_id(0)
+    BP: tl.constexpr = P // PSPLIT
+    pcols = tl.program_id(1) * BP + tl.arange(0, BP)
+    b = bh // H
+    h = bh % H
+    g = h // HPG
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    ph_base = (b * L * H + h) * S
+    dskip = tl.load(d_ptr + h)
+    carry_lo = tl.zeros((BP, HALF), tl.float32)
+    carry_hi = tl.zeros((BP, HALF), tl.float32)
+    for c in range(NC):
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF,
+                            cos, sin, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF,
+                            cos, sin, HALF)
+        qlo = qlo.to(DT)
+        qhi = qhi.to(DT)
+        klo = klo.to(DT)
+        khi = khi.to(DT)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        cc = tl.load(c_ptr + bh * LP + tok)
+        amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
+        qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))  # [M, M]
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+        y = tl.dot((qk * amat).to(DT), v.to(DT))
+        y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.trans(carry_lo.to(DT))) + tl.dot(qhi, tl.trans(carry_hi.to(DT))))
+        zm = (_load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols)
+              * _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+        o = (y + dskip * v) * zm * tl.sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
+        toks = c * T + tl.arange(0, T)
+        tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
+                 tl.sum(tl.reshape(o, (T, RP, BP)), axis=1).to(out_ptr.dtype.element_ty), mask=(toks < L)[:, None])
+        vw = tl.trans((v * (tl.exp(cs_end - cs) * cc)[:, None]).to(DT))  # [BP, M]
+        decay = tl.exp(cs_end)
+        carry_lo = carry_lo * decay + tl.dot(vw, klo)
+        carry_hi = carry_hi * decay + tl.dot(vw, khi)
+
+
+@triton.jit
 def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                      cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
                      dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
@@ -465,6 +518,7 @@ CONFIGS = {
     "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
     "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
     "fwd_chunk": [_config(4), _config(8)],
+    "fwd_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=1)],
     "bwd_chunk": [_config(8), _config(4), _config(16)],
     # loops over the group's heads; 3+ stages of its gathered rows would ask >200 KB of shared memory
     "bwd_qk": [_config(8, 1), _config(8, 2), _config(16, 1)],
@@ -488,5 +542,6 @@ def _tuned(name: str, kernel):
 
 KERNELS = {name: _tuned(name, kernel) for name, kernel in (
     ("state_walk", state_walk_kernel), ("dstate_walk", dstate_walk_kernel), ("fwd_chunk", fwd_chunk_kernel),
+    ("fwd_walk", fwd_walk_kernel),
     ("bwd_chunk", bwd_chunk_kernel), ("bwd_qk", bwd_qk_kernel))}
 """The kernels as launched (each wrapped in ``triton.autotune`` over ``CONFIGS[name]``)."""

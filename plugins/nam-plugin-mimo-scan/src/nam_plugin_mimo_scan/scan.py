@@ -32,6 +32,10 @@ TILE_ROWS = 64
 (fp32 [128, 128] score tiles and [128, 64] row tiles spill registers)."""
 SHARED_BYTES: dict[str, int] = {}
 """Shared memory per block (``.metadata.shared``) of each kernel as compiled by its last launch on a GPU."""
+FORWARD = "walk"
+"""The forward's kernels: ``walk`` (``fwd_walk``: one program per (b, h) and head-dim split walks the chunks,
+S_in in registers, nothing stored) or ``chunked`` (``state_walk`` stores S_in, then ``fwd_chunk`` over all
+chunks in parallel). Both are exact to the same roundings; the GPU round times both (gpu/mimo_kernels.py)."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
@@ -104,13 +108,16 @@ class _MimoScanFn(torch.autograd.Function):
         params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
         qb, kb, dd, mx, mz, mo = params
         geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
-        s_in = geo.states(q, k, qb, kb, v, mx)
         out = torch.empty(geo.b, geo.l, geo.h, geo.p, device=v.device, dtype=v.dtype)
-        _launch("fwd_chunk", (geo.nc, geo.b * geo.h),
-                q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, out,
-                geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc,
-                *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *out.stride()[:3],
-                **geo.meta())
+        common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
+                  *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
+        if FORWARD == "walk":
+            _launch("fwd_walk", geo.grid_walk, q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs, geo.gamma,
+                    geo.c, out, *common, **geo.meta())
+        else:
+            s_in = geo.states(q, k, qb, kb, v, mx)
+            _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs,
+                    geo.gamma, geo.c, s_in, out, *common, **geo.meta())
         ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
         ctx.block_t = block_t
         ctx.dtypes = [t.dtype for t in (q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z,

@@ -2,10 +2,10 @@
 
     python gpu/mimo_kernels.py [--b 2] [--l 4096]
 
-For each forward design (``scan.FORWARD``: walk, chunked): forward and forward + backward medians (CUDA
-events, 5 runs after the autotuned first); then every kernel's autotuner timings per config (ms), the chosen
-config, and each compiled variant's registers, spills and shared memory; and the largest difference of the
-two designs' outputs and gradients relative to each tensor's max.
+For each design (``scan.FORWARD`` walk / chunked, ``scan.BACKWARD`` fused / split): forward and forward +
+backward medians (CUDA events, 5 runs after the autotuned first) and the largest difference of its output and
+gradients from the first design's, relative to each tensor's max; then every kernel's autotuner timings per
+config (ms), the chosen config, and each compiled variant's registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -52,19 +52,23 @@ def main() -> None:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    results = {}
-    for design in ("walk", "chunked"):
-        scan.FORWARD = design
-        t0 = time.perf_counter()
-        results[design] = [t.float() for t in fwd_bwd()]
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        print(f"forward {design}: first call {first:.1f} s, fwd {median_ms(fwd):.2f} ms, "
-              f"fwd+bwd {median_ms(fwd_bwd):.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
+    first = None
     names = ["out", *(f"d{k}" for k in leaves)]
-    diff = {n: ((w - c).abs().max() / c.abs().max().clamp_min(1e-30)).item()
-            for n, w, c in zip(names, results["walk"], results["chunked"])}
-    print("walk vs chunked, max |diff| / max:", " ".join(f"{k}={v:.1e}" for k, v in diff.items()))
+    for fwd_design, bwd_design in (("walk", "fused"), ("chunked", "fused"), ("walk", "split")):
+        scan.FORWARD, scan.BACKWARD = fwd_design, bwd_design
+        t0 = time.perf_counter()
+        result = [t.float() for t in fwd_bwd()]
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+        print(f"forward {fwd_design} backward {bwd_design}: first call {took:.1f} s, fwd {median_ms(fwd):.2f} ms, "
+              f"fwd+bwd {median_ms(fwd_bwd):.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
+        if first is None:
+            first = result
+            continue
+        diff = {n: ((w - c).abs().max() / c.abs().max().clamp_min(1e-30)).item()
+                for n, w, c in zip(names, result, first)}
+        print("  max |diff| / max vs the first:", " ".join(f"{k}={v:.1e}" for k, v in diff.items()), flush=True)
+        del result
 
     for name, kernel in kernels.KERNELS.items():
         timings = getattr(kernel, "configs_timings", None) or {}

@@ -36,6 +36,10 @@ FORWARD = "walk"
 """The forward's kernels: ``walk`` (``fwd_walk``: one program per (b, h) and head-dim split walks the chunks,
 S_in in registers, nothing stored) or ``chunked`` (``state_walk`` stores S_in, then ``fwd_chunk`` over all
 chunks in parallel). Both are exact to the same roundings; the GPU round times both (gpu/mimo_kernels.py)."""
+BACKWARD = "fused"
+"""The backward's kernels after the two walks: ``fused`` (``bwd``: one pass over each group's heads does all of
+it, reading each head's S_in / dS_out tiles once) or ``split`` (``bwd_chunk`` per head, then ``bwd_qk`` per
+group). Same math and roundings; the GPU round times both (gpu/mimo_kernels.py)."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
@@ -143,20 +147,21 @@ class _MimoScanFn(torch.autograd.Function):
         dgam, dc, dcs = (torch.empty(b, h, nc * geo.t, device=dev, dtype=f32) for _ in range(3))
         dmx, dmz, dmo = (torch.empty(b, nc, h, r, p, device=dev, dtype=f32) for _ in range(3))
         dd_part = torch.empty(b, nc, h, device=dev, dtype=f32)
-        _launch("bwd_chunk", (nc, b * h),
-                q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
-                dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *common,
-                *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3],
-                **geo.meta())
-
         dq = torch.empty(b, l, r, g, n, device=dev, dtype=q.dtype)
         dk = torch.empty(b, l, r, g, n, device=dev, dtype=k.dtype)
         dqb, dkb = (torch.empty(b, nc, h, r, n, device=dev, dtype=f32) for _ in range(2))
         dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
-        _launch("bwd_qk", (nc, b * g),
-                q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, geo.cs, geo.gamma, geo.c, s_in, ds_out, dq, dk,
-                dqb, dkb, dphase, *common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3],
-                *dout.stride()[:3], g, **geo.meta())
+        rows = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
+        strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
+        if BACKWARD == "fused":
+            _launch("bwd", (nc, b * g), *rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
+                    dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, dq, dk, dqb, dkb, dphase, *strides, g,
+                    **geo.meta())
+        else:
+            _launch("bwd_chunk", (nc, b * h), *rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
+                    dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *strides, **geo.meta())
+            _launch("bwd_qk", (nc, b * g), *rows, geo.cs, geo.gamma, geo.c, s_in, ds_out, dq, dk, dqb, dkb, dphase,
+                    *strides, g, **geo.meta())
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

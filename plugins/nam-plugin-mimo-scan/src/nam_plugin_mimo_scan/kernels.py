@@ -646,10 +646,10 @@ def _config(warps: int, stages: int = 1, **meta) -> triton.Config:
 
 
 CONFIGS = {
-    # the walks loop over chunks: 2 stages prefetch the next chunk's rows; PSPLIT 2 doubles the programs
-    # (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) twice
-    "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
-    "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=2)],
+    # the walks loop over chunks: 2 stages prefetch the next chunk's rows; PSPLIT 2 (4) doubles (quadruples) the
+    # programs (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) in each
+    "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
+    "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "fwd_chunk": [_config(4), _config(8)],
     "fwd_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(8, 2, PSPLIT=1)],
     "bwd_chunk": [_config(8), _config(4), _config(16)],

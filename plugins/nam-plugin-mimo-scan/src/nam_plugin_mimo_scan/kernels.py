@@ -40,8 +40,8 @@ def _cos_sin(ph_ptr, tok, valid, ph_base, ph_sl, S, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, cos, sin, HALF: tl.constexpr):
-    """(x + bias) rotated by the phase (cos, sin from ``_cos_sin``), as its two halves ``[M, n/2]`` fp32."""
+def _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF: tl.constexpr):
+    """x + bias, not rotated, as its two halves ``[M, n/2]`` fp32 (0 on invalid rows)."""
     cols = tl.arange(0, HALF)
     m = valid[:, None]
     ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
@@ -49,6 +49,13 @@ def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, c
     lo = tl.where(m, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + tl.load(bptr, mask=m, other=0.0), 0.0)
     hi = tl.where(m, tl.load(ptr + HALF, mask=m, other=0.0).to(tl.float32)
                   + tl.load(bptr + HALF, mask=m, other=0.0), 0.0)
+    return lo, hi
+
+
+@triton.jit
+def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, cos, sin, HALF: tl.constexpr):
+    """(x + bias) rotated by the phase (cos, sin from ``_cos_sin``), as its two halves ``[M, n/2]`` fp32."""
+    lo, hi = _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF)
     return lo * cos - hi * sin, lo * sin + hi * cos
 
 
@@ -440,10 +447,19 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
                dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr,
                L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
-               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*g): ``bwd_chunk`` and ``bwd_qk`` in one pass over the group's heads, so each head's S_in and
-    dS_out tiles, rows, rotation and scores are read and computed once: per head everything bwd_chunk writes,
-    plus the bias and phase gradients; dq and dk summed over the heads in fp32 registers."""
+               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+               CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
+    """Grid (nc, b*g): the backward of one chunk of one group, a pass over the group's heads. ``CHUNK``: per
+    head everything but dq and dk (dx, dz, the weights' and log-decay's per-token gradients, the partials of
+    dD and d mimo_*); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
+    bias partials and their share of d phase (``DK`` alone adds to what ``DQ`` wrote). All three in one launch
+    read each head's tiles once; (CHUNK, DQ) then DK in two launches keep fewer tiles live (registers).
+
+    Register diet (ptxas showed 255 registers and KBs of spills when everything stayed live): the rotated q, k
+    are kept in q's dtype only; dL/dM = dy v^T is formed first so the score tiles die early; cos/sin, rows,
+    projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
+    (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
+    """
     c = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // G
@@ -458,7 +474,6 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
     rmask = (ranks < R)[:, None]
     tmask = (toks < L)[:, None]
     pmask = tmask & (hcols < S)[None, :]
-    same = tok[:, None] == tok[None, :]
     q_base = b * q_sb + g * q_sg
     k_base = b * k_sb + g * k_sg
     dq_lo = tl.zeros((T * RP, HALF), tl.float32)
@@ -472,98 +487,112 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
         x_base = b * x_sb + h * x_sh
         z_base = b * z_sb + h * z_sh
         do_base = b * do_sb + h * do_sh
+        qb_base = h * R * 2 * HALF
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
         cc = tl.load(c_ptr + bh * LP + tok)
+        ecs = tl.exp(cs)
+        to_end = tl.exp(cs_end - cs)
+        inter = (to_end * cc)[:, None]
+        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
         cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
         qlo_d = qlo.to(DT)
         qhi_d = qhi.to(DT)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
         klo_d = klo.to(DT)
         khi_d = khi.to(DT)
-        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        s_lo = tl.load(s_ptr + st).to(DT)
-        s_hi = tl.load(s_ptr + st + HALF).to(DT)
-        ds_lo = tl.load(ds_ptr + st).to(DT)
-        ds_hi = tl.load(ds_ptr + st + HALF).to(DT)
-
-        qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
-        amat, decay = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-        mmat = (qk * amat).to(DT)
-        qkd = qk * decay
         v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
         vd = v.to(DT)
         dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
                  _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
                  _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols), _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
         dyd = dy.to(DT)
-        ecs = tl.exp(cs)
-        y = tl.dot(mmat, vd) + ecs[:, None] * (tl.dot(qlo_d, tl.trans(s_lo)) + tl.dot(qhi_d, tl.trans(s_hi)))
-        dvi = tl.dot(klo_d, tl.trans(ds_lo)) + tl.dot(khi_d, tl.trans(ds_hi))  # [M, p]
-        to_end = tl.exp(cs_end - cs)
-        dv = tl.dot(tl.trans(mmat), dyd) + (to_end * cc)[:, None] * dvi
-        dyv = tl.dot(dyd, tl.trans(vd))  # dL/dM [M, M]
-        e = dyv * qkd
-        dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
-        dc_col = tl.sum(tl.where(same, 0.0, e), axis=0) + to_end * tl.sum(v * dvi, axis=1)
-        tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-        tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
-        tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(tl.sum(dy * y - v * dv, axis=1), (T, RP)), axis=1))
-        tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
+        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+        same = tok[:, None] == tok[None, :]
+        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+        dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
+        dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+        if CHUNK:
+            stt = ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, p] halves
+            qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
+            # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
+            e = dmd * qk
+            dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
+            tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+            dc_col = tl.sum(e, axis=0) - dgam_col
+            mmat = (qk * decay * wmat).to(DT)
+            y = tl.dot(mmat, vd) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
+                                                   + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
+            dvi = tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT)) + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT))
+            dv = tl.dot(tl.trans(mmat), dyd) + inter * dvi
+            dc_col += to_end * tl.sum(v * dvi, axis=1)
+            tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
+            tl.store(dcs_ptr + bh * LP + toks,
+                     tl.sum(tl.reshape(tl.sum(dy * y - v * dv, axis=1), (T, RP)), axis=1))
+            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
+            dskip = tl.load(d_ptr + h)
+            dvt = dv + dskip * dy
+            ypd = y + dskip * v
+            out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
+            part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
+            mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
+            tl.store(dx_ptr + out_off,
+                     tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty), mask=tmask)
+            x = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
+            tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
+            z = _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols)
+            mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
+            dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, pcols)
+            zm = z * mz
+            sg = tl.sigmoid(zm)
+            dzm = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols) * ypd * sg * (1.0 + zm * (1.0 - sg))
+            tl.store(dz_ptr + out_off,
+                     tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty), mask=tmask)
+            tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
+            tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
 
-        dskip = tl.load(d_ptr + h)
-        dvt = dv + dskip * dy
-        ypd = y + dskip * v
-        out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
-        part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
-        mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-        tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty),
-                 mask=tmask)
-        x = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
-        tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
-        z = _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols)
-        mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
-        dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, pcols)
-        zm = z * mz
-        sg = tl.sigmoid(zm)
-        dzm = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols) * ypd * sg * (1.0 + zm * (1.0 - sg))
-        tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty),
-                 mask=tmask)
-        tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
-        tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
-
-        # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out
-        dqk = (dyv * amat).to(DT)  # dL/d(q~.k~)
+        # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
         bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        d_lo = tl.dot(dqk, klo_d) + ecs[:, None] * tl.dot(dyd, s_lo)
-        d_hi = tl.dot(dqk, khi_d) + ecs[:, None] * tl.dot(dyd, s_hi)
-        dphi = d_hi * qlo - d_lo * qhi
-        u_lo = d_lo * cos + d_hi * sin  # the rotation's transpose
-        u_hi = d_hi * cos - d_lo * sin
-        dq_lo += u_lo
-        dq_hi += u_hi
-        tl.store(dqb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(dqb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-        inter = (to_end * cc)[:, None]
-        dqkt = tl.trans(dqk)
-        d_lo = tl.dot(dqkt, qlo_d) + inter * tl.dot(vd, ds_lo)
-        d_hi = tl.dot(dqkt, qhi_d) + inter * tl.dot(vd, ds_hi)
-        dphi += d_hi * klo - d_lo * khi
-        u_lo = d_lo * cos + d_hi * sin
-        u_hi = d_hi * cos - d_lo * sin
-        dk_lo += u_lo
-        dk_hi += u_hi
-        tl.store(dkb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :],
-                 tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1), mask=pmask)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
+        dphi = tl.zeros((T * RP, HALF), tl.float32)
+        if DQ:
+            d_lo = tl.dot(dqk, klo_d) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
+            d_hi = tl.dot(dqk, khi_d) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st + HALF).to(DT))
+            u_lo = d_lo * cos + d_hi * sin
+            u_hi = d_hi * cos - d_lo * sin
+            dq_lo += u_lo
+            dq_hi += u_hi
+            tl.store(dqb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+            tl.store(dqb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+            rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, HALF)
+            dphi += u_hi * rlo - u_lo * rhi
+        if DK:
+            dqkt = tl.trans(dqk)
+            d_lo = tl.dot(dqkt, qlo_d) + inter * tl.dot(vd, tl.load(ds_ptr + st).to(DT))
+            d_hi = tl.dot(dqkt, qhi_d) + inter * tl.dot(vd, tl.load(ds_ptr + st + HALF).to(DT))
+            u_lo = d_lo * cos + d_hi * sin
+            u_hi = d_hi * cos - d_lo * sin
+            dk_lo += u_lo
+            dk_hi += u_hi
+            tl.store(dkb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+            tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+            rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, HALF)
+            dphi += u_hi * rlo - u_lo * rhi
+        dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
+        if DK and not DQ:
+            dphi_t += tl.load(dph, mask=pmask, other=0.0)
+        tl.store(dph, dphi_t, mask=pmask)
     out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
     m = valid[:, None]
-    tl.store(dq_ptr + out, dq_lo.to(dq_ptr.dtype.element_ty), mask=m)
-    tl.store(dq_ptr + out + HALF, dq_hi.to(dq_ptr.dtype.element_ty), mask=m)
-    tl.store(dk_ptr + out, dk_lo.to(dk_ptr.dtype.element_ty), mask=m)
-    tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
+    if DQ:
+        tl.store(dq_ptr + out, dq_lo.to(dq_ptr.dtype.element_ty), mask=m)
+        tl.store(dq_ptr + out + HALF, dq_hi.to(dq_ptr.dtype.element_ty), mask=m)
+    if DK:
+        tl.store(dk_ptr + out, dk_lo.to(dk_ptr.dtype.element_ty), mask=m)
+        tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
 
 @triton.jit
 def _tanh(x):
@@ -670,7 +699,7 @@ def _tuned(name: str, kernel):
     import os
 
     configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
-    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T"],
+    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK"],
                            prune_configs_by={"early_config_prune": _fits})(kernel)
 
 

@@ -581,10 +581,11 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
             tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
             rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, HALF)
             dphi += u_hi * rlo - u_lo * rhi
-        dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
-        if DK and not DQ:
-            dphi_t += tl.load(dph, mask=pmask, other=0.0)
-        tl.store(dph, dphi_t, mask=pmask)
+        if DQ or DK:
+            dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
+            if DK and not DQ:
+                dphi_t += tl.load(dph, mask=pmask, other=0.0)
+            tl.store(dph, dphi_t, mask=pmask)
     out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
     m = valid[:, None]
     if DQ:

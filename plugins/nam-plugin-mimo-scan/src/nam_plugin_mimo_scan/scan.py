@@ -36,11 +36,15 @@ FORWARD = "walk"
 """The forward's kernels: ``walk`` (``fwd_walk``: one program per (b, h) and head-dim split walks the chunks,
 S_in in registers, nothing stored) or ``chunked`` (``state_walk`` stores S_in, then ``fwd_chunk`` over all
 chunks in parallel). Both are exact to the same roundings; the GPU round times both (gpu/mimo_kernels.py)."""
-BACKWARD = "two"
-"""The backward's kernels after the two walks: ``fused`` (``bwd``: one pass over each group's heads does all of
-it, reading each head's S_in / dS_out tiles once), ``two`` (``bwd`` twice: everything but dk, then dk, fewer
-tiles live) or ``split`` (``bwd_chunk`` per head, then ``bwd_qk`` per group). Same math and roundings; the GPU
-round times them (gpu/mimo_kernels.py)."""
+BACKWARD = "three"
+"""The backward's kernels after the two walks: ``bwd`` launched as ``PASSES[BACKWARD]`` (``fused``: one pass
+over each group's heads does all of it, reading each head's tiles once; ``two``: everything but dk, then dk;
+``three``: the per-head gradients, then dq, then dk, the fewest tiles live: ptxas spills least), or ``split``
+(``bwd_chunk`` per head, then ``bwd_qk`` per group). Same math and roundings; the GPU round times them
+(gpu/mimo_kernels.py)."""
+PASSES = {"fused": ((True, True, True),), "two": ((True, True, False), (False, False, True)),
+          "three": ((True, False, False), (False, True, False), (False, False, True))}
+"""``bwd`` launches per backward design: (CHUNK, DQ, DK) flags, in order (a DK-only pass adds to d phase)."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
@@ -154,13 +158,11 @@ class _MimoScanFn(torch.autograd.Function):
         dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
         rows = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
         strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
-        if BACKWARD in ("fused", "two"):
+        if BACKWARD in PASSES:
             bwd_args = (*rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
                         dd_part, dq, dk, dqb, dkb, dphase, *strides, g)
-            fused = BACKWARD == "fused"
-            _launch("bwd", (nc, b * g), *bwd_args, **geo.meta(), CHUNK=True, DQ=True, DK=fused)
-            if not fused:
-                _launch("bwd", (nc, b * g), *bwd_args, **geo.meta(), CHUNK=False, DQ=False, DK=True)
+            for chunk, dq_, dk_ in PASSES[BACKWARD]:
+                _launch("bwd", (nc, b * g), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_)
         else:
             _launch("bwd_chunk", (nc, b * h), *rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
                     dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *strides, **geo.meta())

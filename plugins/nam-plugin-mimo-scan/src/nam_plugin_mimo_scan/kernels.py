@@ -448,10 +448,10 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
                L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-               CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr):
+               CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr):
     """Grid (nc, b*g): the backward of one chunk of one group, a pass over the group's heads. ``CHUNK``: per
     head everything but dq and dk (dx, dz, the weights' and log-decay's per-token gradients, the partials of
-    dD and d mimo_*); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
+    dD and d mimo_*; the head dim in ``PH`` column blocks); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
     bias partials and their share of d phase (``DK`` alone adds to what ``DQ`` wrote). All three in one launch
     read each head's tiles once; (CHUNK, DQ) then DK in two launches keep fewer tiles live (registers).
 
@@ -515,7 +515,6 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
         dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
         dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
         if CHUNK:
-            stt = ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, p] halves
             qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
             # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
             e = dmd * qk
@@ -523,35 +522,50 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
             tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
             dc_col = tl.sum(e, axis=0) - dgam_col
             mmat = (qk * decay * wmat).to(DT)
-            y = tl.dot(mmat, vd) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
-                                                   + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
-            dvi = tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT)) + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT))
-            dv = tl.dot(tl.trans(mmat), dyd) + inter * dvi
-            dc_col += to_end * tl.sum(v * dvi, axis=1)
-            tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
-            tl.store(dcs_ptr + bh * LP + toks,
-                     tl.sum(tl.reshape(tl.sum(dy * y - v * dv, axis=1), (T, RP)), axis=1))
-            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
             dskip = tl.load(d_ptr + h)
-            dvt = dv + dskip * dy
-            ypd = y + dskip * v
-            out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
-            part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
-            mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-            tl.store(dx_ptr + out_off,
-                     tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty), mask=tmask)
-            x = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
-            tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
-            z = _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols)
-            mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
-            dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, pcols)
-            zm = z * mz
-            sg = tl.sigmoid(zm)
-            dzm = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols) * ypd * sg * (1.0 + zm * (1.0 - sg))
-            tl.store(dz_ptr + out_off,
-                     tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty), mask=tmask)
-            tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
-            tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
+            dc_row = tl.zeros((T * RP,), tl.float32)
+            dcs_row = tl.zeros((T * RP,), tl.float32)
+            dd_row = tl.zeros((T * RP,), tl.float32)
+            # the head dim in PH column blocks: each block's [M, P/PH] tiles live only within its step
+            for hp in tl.static_range(PH):
+                cols = hp * (P // PH) + tl.arange(0, P // PH)
+                stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
+                x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols)
+                mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
+                v = x * mx
+                z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols)
+                mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
+                d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols) * _load_proj(mo_ptr, h, rank, valid, R,
+                                                                                        P, cols)
+                zm = z * mz
+                sg = tl.sigmoid(zm)
+                dy = d_o * zm * sg
+                y = tl.dot(mmat, v.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
+                                                             + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
+                dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
+                       + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT)))
+                dv = tl.dot(tl.trans(mmat), dy.to(DT)) + inter * dvi
+                dc_row += tl.sum(v * dvi, axis=1)
+                dcs_row += tl.sum(dy * y - v * dv, axis=1)
+                dd_row += tl.sum(dy * v, axis=1)
+                dvt = dv + dskip * dy
+                ypd = y + dskip * v
+                out_off = ((b * L + toks[:, None]) * H + h) * P + cols[None, :]  # dx, dz contiguous [b, l, h, p]
+                part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + cols[None, :]
+                dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
+                tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P // PH)), axis=1).to(
+                    dx_ptr.dtype.element_ty), mask=tmask)
+                tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P // PH)), axis=0), mask=rmask)
+                tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P // PH)), axis=1).to(
+                    dz_ptr.dtype.element_ty), mask=tmask)
+                tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P // PH)), axis=0), mask=rmask)
+                # dL/d mimo_o = dout * ypd * silu(zm); d_o = dout * mimo_o, so divide nothing: reload dout
+                dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols)
+                tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH)), axis=0),
+                         mask=rmask)
+            tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col + to_end * dc_row, (T, RP)), axis=1))
+            tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
+            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(dd_row, axis=0))
 
         # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
         bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]

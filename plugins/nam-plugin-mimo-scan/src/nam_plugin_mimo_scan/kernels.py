@@ -448,8 +448,10 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
                L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-               CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr):
-    """Grid (nc, b*g): the backward of one chunk of one group, a pass over the group's heads. ``CHUNK``: per
+               CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
+               PER_HEAD: tl.constexpr):
+    """Grid (nc, b*g): the backward of one chunk of one group, a pass over the group's heads (``PER_HEAD``, for
+    a CHUNK-only pass: grid (nc, b*h), one head a program, no loop). ``CHUNK``: per
     head everything but dq and dk (dx, dz, the weights' and log-decay's per-token gradients, the partials of
     dD and d mimo_*; the head dim in ``PH`` column blocks); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
     bias partials and their share of d phase (``DK`` alone adds to what ``DQ`` wrote). All three in one launch
@@ -461,9 +463,14 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
     (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
     """
     c = tl.program_id(0)
-    bg = tl.program_id(1)
-    b = bg // G
-    g = bg % G
+    if PER_HEAD:  # grid (nc, b*h), one head: no loop, so nothing is hoisted out of one (registers)
+        b = tl.program_id(1) // H
+        h0 = tl.program_id(1) % H
+        g = h0 // HPG
+    else:  # grid (nc, b*g), the group's heads in turn
+        b = tl.program_id(1) // G
+        g = tl.program_id(1) % G
+        h0 = g * HPG
     LP = NC * T
     DT = q_ptr.dtype.element_ty
     pcols = tl.arange(0, P)
@@ -480,8 +487,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
     dq_hi = tl.zeros((T * RP, HALF), tl.float32)
     dk_lo = tl.zeros((T * RP, HALF), tl.float32)
     dk_hi = tl.zeros((T * RP, HALF), tl.float32)
-    for j in range(HPG):
-        h = g * HPG + j
+    for j in range(1 if PER_HEAD else HPG):
+        h = h0 + j
         bh = b * H + h
         ph_base = (b * L * H + h) * S
         x_base = b * x_sb + h * x_sh
@@ -716,7 +723,7 @@ def _tuned(name: str, kernel):
     import os
 
     configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
-    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK"],
+    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD"],
                            prune_configs_by={"early_config_prune": _fits})(kernel)
 
 

@@ -4,7 +4,7 @@
 # 1. per kernel: autotuner timings per config, registers / spills / shared memory; three designs timed
 # 2. nam's scan alone in bench/mimo_scan.py at b2 x 4096 (fwd / bwd ms) + torch.profiler table of its kernels
 # 3. where CUDA-graph capture breaks (gpu/mimo_capture.py: forward, then forward + backward)
-# 4. the plugin's GPU tests (bf16 parity at NAM56R's widths, no host sync, preflight launch)
+# 4. the plugin's GPU tests (bf16 parity at NAM56R's widths, no host sync, preflight launch); parity at l=4096
 # 5. mamba-ssm's static kernels against nam's in one run (same GPU, as a ratio), if time is left
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -49,6 +49,16 @@ step 70 gpu-tests python -m pytest -m gpu plugins/nam-plugin-mimo-scan/tests/tes
   -p no:cacheprovider -k "not capture and not 8-32"
 grep -E "^(g=|  norm|worst|[0-9]+ (passed|failed)|FAILED|E )" "$OUT/gpu-tests.log" | head -n 30
 tail -n 3 "$OUT/gpu-tests.log"
+
+step 45 parity-4096 python -c "
+import torch
+from nam_plugin_mimo_scan.selftest import compare
+e = compare(1, 4096, 128, 8, 128, 64, 4, device='cuda', norms=True)
+seed, norm = e.pop('seed'), e.pop('norm')
+print('b1 l4096 h128 g8 seed', seed, 'worst max-rel', max(e.values()), 'worst norm-rel', max(norm.values()))
+print('max:', ' '.join(f'{k}={v:.1e}' for k, v in e.items()))
+print('norm:', ' '.join(f'{k}={v:.1e}' for k, v in norm.items()))"
+tail -n 3 "$OUT/parity-4096.log"
 
 step 120 bench-vs-static python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan \
   --baseline mamba-ssm-static --warmup 2 --iters 5 --timeout 100 --json "$OUT/bench-vs-static.json"

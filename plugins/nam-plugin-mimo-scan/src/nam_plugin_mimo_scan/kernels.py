@@ -709,14 +709,17 @@ CONFIGS = {
     # memory (ptxas / Triton on sm_90, gpu/mimo_compile.py)
     "bwd_chunk": [_config(8)],
     "bwd_qk": [_config(8)],
-    "bwd": [_config(8)],
+    # the dq / dk passes loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory)
+    "bwd": [_config(8), _config(8, 2)],
 }
 """The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
 
 
 def _fits(configs, nargs, **kwargs):
-    """A split of the head dim under 16 columns cannot feed ``tl.dot``."""
-    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16]
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``; a ``bwd`` pass with CHUNK has no
+    pipelined loop worth a second stage (per head) or no shared memory for one (fused)."""
+    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
+           and not (kwargs.get("CHUNK") and c.num_stages > 1)]
     return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
 
 

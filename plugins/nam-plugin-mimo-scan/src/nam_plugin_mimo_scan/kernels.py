@@ -453,7 +453,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
     """Grid (nc, b*g): the backward of one chunk of one group, a pass over the group's heads (``PER_HEAD``, for
     a CHUNK-only pass: grid (nc, b*h), one head a program, no loop). ``CHUNK``: per
     head everything but dq and dk (dx, dz, the weights' and log-decay's per-token gradients, the partials of
-    dD and d mimo_*; the head dim in ``PH`` column blocks); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
+    dD and d mimo_*; the head dim in ``PH`` column blocks of >= 16: ptxas on sm_90 spills 520 / 228 / 24 B at
+    PH 1 / 2 / 4 for headdim 64); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
     bias partials and their share of d phase (``DK`` alone adds to what ``DQ`` wrote). All three in one launch
     read each head's tiles once; (CHUNK, DQ) then DK in two launches keep fewer tiles live (registers).
 

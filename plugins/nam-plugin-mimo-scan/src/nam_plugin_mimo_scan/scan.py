@@ -164,7 +164,7 @@ class _MimoScanFn(torch.autograd.Function):
             for chunk, dq_, dk_ in PASSES[BACKWARD]:
                 per_head = not (dq_ or dk_)  # nothing summed over the group's heads: a program per head
                 _launch("bwd", (nc, b * (h if per_head else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_,
-                        DK=dk_, PH=2 if p >= 32 else 1, PER_HEAD=per_head)
+                        DK=dk_, PH=min(4, p // 16), PER_HEAD=per_head)
         else:
             _launch("bwd_chunk", (nc, b * h), *rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
                     dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *strides, **geo.meta())

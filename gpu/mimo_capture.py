@@ -2,8 +2,7 @@
 
     python gpu/mimo_capture.py STEP MODE [--b B --l L --h H --g G]
 
-STEP: ``geometry`` (the torch prelude only), ``forward``, ``fwdbwd`` (forward + autograd.grad), ``backward``
-(the forward eager, only autograd.grad captured); MODE: the
+STEP: ``geometry`` (the torch prelude only), ``forward``, ``fwdbwd`` (forward + autograd.grad); MODE: the
 capture_error_mode (global, thread_local, relaxed). Warms up three times on a side stream (compile, autotune),
 captures once, replays, and compares the replay with the eager result bit for bit. Prints one line
 ``capture STEP MODE: ok|FAIL ...`` and, on a failure, the traceback.
@@ -20,7 +19,7 @@ import torch
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=("geometry", "forward", "fwdbwd", "backward"))
+    ap.add_argument("step", choices=("geometry", "forward", "fwdbwd"))
     ap.add_argument("mode", choices=("global", "thread_local", "relaxed"))
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--l", type=int, default=256)
@@ -33,7 +32,13 @@ def main() -> int:
 
     x = random_inputs(a.b, a.l, a.h, a.g, 128, 64, 4, device="cuda", seed=7)
     leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
-    args = [leaves[k] if k != "angles" else leaves[k].expand(a.b, a.l, a.h, -1) for k in INPUT_NAMES]
+
+    def args_now():  # the angles' expand made here, on the stream running the step: autograd runs its backward
+        # (a sum over heads) on the stream of its forward; made once outside the capture, that is the legacy
+        # default stream, and the captured backward failed with cudaErrorStreamCaptureImplicit (2026-11-25)
+        return [leaves[k] if k != "angles" else leaves[k].expand(a.b, a.l, a.h, -1) for k in INPUT_NAMES]
+
+    args = args_now()
     wrt = list(leaves.values())
     dout = torch.randn(a.b, a.l, a.h, 64, device="cuda", dtype=torch.bfloat16)
 
@@ -43,12 +48,9 @@ def main() -> int:
             return (geo.gamma, geo.c, geo.cs, geo.phase)
         if a.step == "forward":
             with torch.no_grad():
-                return (scan.mimo_scan(*args),)
-        if a.step == "backward":
-            return torch.autograd.grad(held, wrt, dout, retain_graph=True)
-        return torch.autograd.grad(scan.mimo_scan(*args), wrt, dout)
+                return (scan.mimo_scan(*args_now()),)
+        return torch.autograd.grad(scan.mimo_scan(*args_now()), wrt, dout)
 
-    held = scan.mimo_scan(*args) if a.step == "backward" else None
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

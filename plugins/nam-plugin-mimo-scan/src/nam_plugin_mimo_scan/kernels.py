@@ -1,11 +1,13 @@
-"""The Triton kernels of the MIMO scan: two passes over chunks in order, three over chunks in parallel.
+"""The Triton kernels of the MIMO scan: walks over the chunks (or time blocks) of one (b, h) in order, and
+passes over all chunks in parallel (scan.py lists them in launch order).
 
 A tile is ``T`` tokens of one (batch, head); its rows are the ``T * RP`` (token, rank) pairs, row ``i`` =
 token ``i // RP``, rank ``i % RP`` (``RP``: the rank padded to a power of two; padded ranks are masked to 0).
 ``n`` is split in halves ``[0, n/2)`` and ``[n/2, n)`` so rotate_half's pairs ``(i, i + n/2)`` are the same
 column of two register tiles. Every ``tl.dot`` takes the dtype of ``q`` (bf16 on the GPU) and accumulates in
-fp32; states, decays, weights and every gradient reduction stay fp32 in registers. No atomics: every output
-element has exactly one writer, so the result is deterministic.
+fp32; decays, weights, state carries and every gradient reduction stay fp32 in registers (stored states are in
+q's dtype, which every reader rounds them to for its dot). No atomics: every output element has exactly one
+writer, so the result is deterministic.
 
 Per (batch, head), with ``cs`` the chunk-local inclusive cumsum of ``adt``, ``c_u`` and ``gamma_t`` the
 trapezoid weights (scan.py) and ``S_in[c]`` the state carried into chunk ``c``::
@@ -208,239 +210,6 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
 
 
 @triton.jit
-def fwd_walk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
-                    cs_ptr, gam_ptr, c_ptr, out_ptr,
-                    L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-                    x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
-                    T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PSPLIT: tl.constexpr):
-    """Grid (b*h, PSPLIT): the whole forward of one (b, h) and head-dim split, chunks in order, ``S_in`` carried
-    in fp32 registers and never stored (``fwd_chunk`` after ``state_walk`` does the same with S_in in memory).
-    The dots take S_in rounded to q's dtype, as fwd_chunk's do."""
-    bh = tl.program_id(0)
-    BP: tl.constexpr = P // PSPLIT
-    pcols = tl.program_id(1) * BP + tl.arange(0, BP)
-    b = bh // H
-    h = bh % H
-    g = h // HPG
-    LP = NC * T
-    DT = q_ptr.dtype.element_ty
-    ph_base = (b * L * H + h) * S
-    dskip = tl.load(d_ptr + h)
-    carry_lo = tl.zeros((BP, HALF), tl.float32)
-    carry_hi = tl.zeros((BP, HALF), tl.float32)
-    for c in range(NC):
-        tok, rank, valid = _rows(c, L, R, T, RP)
-        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF,
-                            cos, sin, HALF)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF,
-                            cos, sin, HALF)
-        qlo = qlo.to(DT)
-        qhi = qhi.to(DT)
-        klo = klo.to(DT)
-        khi = khi.to(DT)
-        cs = tl.load(cs_ptr + bh * LP + tok)
-        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-        cc = tl.load(c_ptr + bh * LP + tok)
-        amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-        qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))  # [M, M]
-        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
-        y = tl.dot((qk * amat).to(DT), v.to(DT))
-        y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.trans(carry_lo.to(DT))) + tl.dot(qhi, tl.trans(carry_hi.to(DT))))
-        zm = (_load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols)
-              * _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-        o = (y + dskip * v) * zm * tl.sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
-        toks = c * T + tl.arange(0, T)
-        tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
-                 tl.sum(tl.reshape(o, (T, RP, BP)), axis=1).to(out_ptr.dtype.element_ty), mask=(toks < L)[:, None])
-        vw = tl.trans((v * (tl.exp(cs_end - cs) * cc)[:, None]).to(DT))  # [BP, M]
-        decay = tl.exp(cs_end)
-        carry_lo = carry_lo * decay + tl.dot(vw, klo)
-        carry_hi = carry_hi * decay + tl.dot(vw, khi)
-
-
-@triton.jit
-def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
-                     cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
-                     dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
-                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
-                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*h): everything but dq and dk. Recomputes y, then writes dx, dz ``[b, l, h, p]``; per token
-    (``[b*h, nc*T]`` fp32) the gradient of the diagonal weight gamma_t, of c_u, and of the log-decay
-    ``Lambda_t`` (= sum_r dy.y - sum_r v.dv, reverse-cumsummed into d adt by scan.py); per chunk the fp32
-    partial sums of d mimo_x, d mimo_z, d mimo_o ``[b, nc, h, r, p]`` and d D ``[b, nc, h]``."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    g = h // HPG
-    LP = NC * T
-    DT = q_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
-    hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    ph_base = (b * L * H + h) * S
-    x_base = b * x_sb + h * x_sh
-    z_base = b * z_sb + h * z_sh
-    do_base = b * do_sb + h * do_sh
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-    cc = tl.load(c_ptr + bh * LP + tok)
-    # The order keeps few tiles live (the kernel spilled registers when it held every row tile at once): the
-    # rotated q, k die after their four uses, the per-token rows (x, z, dout) and the rank projections are
-    # loaded where they are used and loaded again for the gating at the end rather than kept.
-    cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
-    qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
-                        HALF)
-    klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
-                        HALF)
-    qlo = qlo.to(DT)
-    qhi = qhi.to(DT)
-    klo = klo.to(DT)
-    khi = khi.to(DT)
-    qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))  # [M, M]
-    amat, decay = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-    mmat = (qk * amat).to(DT)  # the weighted scores M
-    qkd = qk * decay  # for the weights' gradients
-    sp = ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S^T halves [n/2, p]
-    y_inter = tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(s_ptr + sp).to(DT))
-                                     + tl.dot(qhi, tl.load(s_ptr + sp + HALF).to(DT)))
-    # dv from later chunks: exp(cs_end - cs_u) c_u dS_out k~_u
-    dvi = tl.dot(klo, tl.load(ds_ptr + sp).to(DT)) + tl.dot(khi, tl.load(ds_ptr + sp + HALF).to(DT))  # [M, p]
-
-    v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-    vd = v.to(DT)
-    y = tl.dot(mmat, vd) + y_inter
-    dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols), _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-             _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols), _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-    dyd = dy.to(DT)
-    to_end = tl.exp(cs_end - cs)
-    dv = tl.dot(tl.trans(mmat), dyd) + (to_end * cc)[:, None] * dvi
-
-    # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below it
-    e = tl.dot(dyd, tl.trans(vd)) * qkd
-    same = tok[:, None] == tok[None, :]
-    dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
-    dc_col = tl.sum(tl.where(same, 0.0, e), axis=0) + to_end * tl.sum(v * dvi, axis=1)
-    toks = c * T + tl.arange(0, T)
-    tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-    tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
-    dcs_row = tl.sum(dy * y - v * dv, axis=1)
-    tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
-    tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
-
-    # skip, gating and the MIMO projections (rows loaded again: cheaper than keeping them live)
-    dskip = tl.load(d_ptr + h)
-    dvt = dv + dskip * dy
-    ypd = y + dskip * v
-    tmask = (toks < L)[:, None]
-    out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
-    ranks = tl.arange(0, RP)
-    part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
-    rmask = (ranks < R)[:, None]
-    mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-    tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty),
-             mask=tmask)
-    x = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
-    tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
-    z = _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols)
-    mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
-    dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, pcols)
-    zm = z * mz
-    sg = tl.sigmoid(zm)
-    dzm = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols) * ypd * sg * (1.0 + zm * (1.0 - sg))
-    tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty),
-             mask=tmask)
-    tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
-    tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
-
-
-@triton.jit
-def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
-                  cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr, dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr,
-                  L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-                  x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
-                  T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*g): dq and dk of one chunk of one group, summed over the group's heads in fp32 registers (no
-    per-head copy, no atomics), un-rotated; per head the bias-gradient partials ``[b, nc, h, r, n]`` and the
-    phase gradient ``[b, l, h, s]``. One pass: both share the score gradient dL/d(q~.k~), the rotation and the
-    rows of v and dy."""
-    c = tl.program_id(0)
-    bg = tl.program_id(1)
-    b = bg // G
-    g = bg % G
-    LP = NC * T
-    DT = q_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
-    hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    toks = c * T + tl.arange(0, T)
-    ranks = tl.arange(0, RP)
-    rmask = (ranks < R)[:, None]
-    pmask = (toks < L)[:, None] & (hcols < S)[None, :]
-    q_base = b * q_sb + g * q_sg
-    k_base = b * k_sb + g * k_sg
-    dq_lo = tl.zeros((T * RP, HALF), tl.float32)
-    dq_hi = tl.zeros((T * RP, HALF), tl.float32)
-    dk_lo = tl.zeros((T * RP, HALF), tl.float32)
-    dk_hi = tl.zeros((T * RP, HALF), tl.float32)
-    for j in range(HPG):
-        h = g * HPG + j
-        bh = b * H + h
-        ph_base = (b * L * H + h) * S
-        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
-        cs = tl.load(cs_ptr + bh * LP + tok)
-        cc = tl.load(c_ptr + bh * LP + tok)
-        amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
-        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols)).to(DT)
-        dqk = (tl.dot(dy, tl.trans(v)) * amat).to(DT)  # dL/d(q~.k~) [M, M]
-        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        # dq~ = dqk k~ + exp(cs_t) dy S_in
-        inter = tl.exp(cs)[:, None]
-        d_lo = tl.dot(dqk, klo.to(DT)) + inter * tl.dot(dy, tl.load(s_ptr + st).to(DT))
-        d_hi = tl.dot(dqk, khi.to(DT)) + inter * tl.dot(dy, tl.load(s_ptr + st + HALF).to(DT))
-        dphi = d_hi * qlo - d_lo * qhi
-        u_lo = d_lo * cos + d_hi * sin  # the rotation's transpose
-        u_hi = d_hi * cos - d_lo * sin
-        dq_lo += u_lo
-        dq_hi += u_hi
-        part = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        tl.store(dqb_ptr + part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(dqb_ptr + part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-        # dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out
-        inter = (tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1) - cs) * cc)[:, None]
-        dqkt = tl.trans(dqk)
-        d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(v, tl.load(ds_ptr + st).to(DT))
-        d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(v, tl.load(ds_ptr + st + HALF).to(DT))
-        dphi += d_hi * klo - d_lo * khi
-        u_lo = d_lo * cos + d_hi * sin
-        u_hi = d_hi * cos - d_lo * sin
-        dk_lo += u_lo
-        dk_hi += u_hi
-        tl.store(dkb_ptr + part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(dkb_ptr + part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :],
-                 tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1), mask=pmask)
-    out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
-    m = valid[:, None]
-    tl.store(dq_ptr + out, dq_lo.to(dq_ptr.dtype.element_ty), mask=m)
-    tl.store(dq_ptr + out + HALF, dq_hi.to(dq_ptr.dtype.element_ty), mask=m)
-    tl.store(dk_ptr + out, dk_lo.to(dk_ptr.dtype.element_ty), mask=m)
-    tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
-
-
-
-
-@triton.jit
 def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
                dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
@@ -450,19 +219,24 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
                PER_HEAD: tl.constexpr):
-    """Grid (nc, b*g): the backward of one chunk of one group, a pass over the group's heads (``PER_HEAD``, for
-    a CHUNK-only pass: grid (nc, b*h), one head a program, no loop). ``CHUNK``: per
-    head everything but dq and dk (dx, dz, the weights' and log-decay's per-token gradients, the partials of
-    dD and d mimo_*; the head dim in ``PH`` column blocks of >= 16: ptxas on sm_90 spills 520 / 228 / 24 B at
-    PH 1 / 2 / 4 for headdim 64); ``DQ`` / ``DK``: dq / dk summed over the heads in fp32 registers, un-rotated, with their
-    bias partials and their share of d phase (``DK`` alone adds to what ``DQ`` wrote). All three in one launch
-    read each head's tiles once; (CHUNK, DQ) then DK in two launches keep fewer tiles live (registers).
+    """One of the backward's three passes over a chunk, launched in turn (a flag each):
+
+    * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program, no loop): everything but dq and dk: dx, dz,
+      the weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in ``PH``
+      column blocks of >= 16 (ptxas on sm_90 spills 520 / 228 / 24 B at PH 1 / 2 / 4 for headdim 64);
+    * ``DQ`` / ``DK`` (grid (nc, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
+      registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s).
+
+    Passes that share a launch kept more tiles live and spilled KBs of registers (and the all-in-one launch
+    faulted on the H200), hence one a launch.
 
     Register diet (ptxas showed 255 registers and KBs of spills when everything stayed live): the rotated q, k
     are kept in q's dtype only; dL/dM = dy v^T is formed first so the score tiles die early; cos/sin, rows,
     projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
     (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
     """
+    tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK),
+                     "one pass a launch: CHUNK per head, or DQ, or DK over the group's heads")
     c = tl.program_id(0)
     if PER_HEAD:  # grid (nc, b*h), one head: no loop, so nothing is hoisted out of one (registers)
         b = tl.program_id(1) // H
@@ -703,13 +477,9 @@ CONFIGS = {
     "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "fwd_chunk": [_config(4), _config(8)],
-    # 8 warps: no spills at 2 head-dim splits (4 warps spill 200-400 B, ptxas on sm_90)
-    "fwd_walk": [_config(8, 2, PSPLIT=2), _config(8, 1, PSPLIT=2), _config(8, 1, PSPLIT=4)],
     # one program per chunk and group (head): 8 warps give each thread 255 registers; 4 warps spill KBs, 16 cap
     # registers at 128 (spills again), and a second stage of the head loop's loads asks > 200 KB of shared
     # memory (ptxas / Triton on sm_90, gpu/mimo_compile.py)
-    "bwd_chunk": [_config(8)],
-    "bwd_qk": [_config(8)],
     # the dq / dk passes loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory)
     "bwd": [_config(8), _config(8, 2)],
 }
@@ -717,11 +487,17 @@ CONFIGS = {
 
 
 def _fits(configs, nargs, **kwargs):
-    """A split of the head dim under 16 columns cannot feed ``tl.dot``; a ``bwd`` pass with CHUNK has no
-    pipelined loop worth a second stage (per head) or no shared memory for one (fused)."""
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``; the per-head ``bwd`` pass has no loop
+    for a second stage to pipeline."""
     fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
            and not (kwargs.get("CHUNK") and c.num_stages > 1)]
     return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
+
+
+RESTORE = {"bwd": ["dph_ptr"]}
+"""Outputs a kernel reads before it writes (the dk pass adds its share of d phase to the dq pass's): the
+autotuner restores them after each timed run, or the timing runs would add up in them (the GPU round's first
+calls had d angles and d dt wrong by 1e2-1e3x exactly so, 2026-11-25)."""
 
 
 def _tuned(name: str, kernel):
@@ -729,11 +505,11 @@ def _tuned(name: str, kernel):
 
     configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
     return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD"],
-                           prune_configs_by={"early_config_prune": _fits})(kernel)
+                           prune_configs_by={"early_config_prune": _fits},
+                           restore_value=RESTORE.get(name, []))(kernel)
 
 
 KERNELS = {name: _tuned(name, kernel) for name, kernel in (
     ("state_walk", state_walk_kernel), ("dstate_walk", dstate_walk_kernel), ("fwd_chunk", fwd_chunk_kernel),
-    ("fwd_walk", fwd_walk_kernel), ("bwd", bwd_kernel),
-    ("bwd_chunk", bwd_chunk_kernel), ("bwd_qk", bwd_qk_kernel))}
+    ("bwd", bwd_kernel))}
 """The kernels as launched (each wrapped in ``triton.autotune`` over ``CONFIGS[name]``)."""

@@ -1,20 +1,19 @@
 """nam's Mamba-3 MIMO scan: the ``SSMScan`` backend ``mimo-scan`` (a ``torch.autograd.Function``).
 
 The math is ``nam56r/reference/mamba3.py``'s (kernels-and-math.md section 1.2); the kernels are in kernels.py.
-Chunk-parallel, as Mamba-2's SSD::
+Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the sequence where it is a recurrence::
 
-    forward   chunk_state   grid (nc, b*h)          each chunk's own end state, in parallel: [b*h, nc, p, n] fp32
-              state_pass    grid (b*h, p*n/2048)    in place, chunks in order: own state -> S_in[c], fp32 carry
+    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi)
+    forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
-    backward  chunk_state + state_pass again (S_in is recomputed, not saved: 1 GiB fp32 at NAM56R's shape)
-              chunk_dstate  grid (nc, b*h)          each chunk's own dL/dS_in, in parallel
-              state_pass    reverse, in place       -> dS_out[c] = dL/dS_in[c+1]
-              bwd_chunk     grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*
-              bwd_qk x 2    grid (nc, b*g)          dq, dk summed over the group's heads in registers; d phase; d bias
+    backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)
+              dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
+              bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*
+              bwd (DQ, DK)  grid (nc, b*g) x 2      dq, then dk, summed over the group's heads in registers; d phase
+              time_grads    grid (b*h)              reverse sums over time: d adt, d angles, the phase's d dt
 
-Cheap [b, h, l] / [b, l, h, s] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt,
-the rotary phase (a cumsum over time), and in backward the reverse cumsums that turn d Lambda into d adt and d
-phase into d angles, plus the chain rule through sigmoid / tanh. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
+Cheap [b, h, l] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt, the chain
+rule through sigmoid, the sums of per-chunk partials. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
 sum_r v_tr.dv_tr (row minus column sums of dA*A over the whole causal matrix; the diagonal cancels), so no
 kernel needs a segment-sum of its own.
 
@@ -32,19 +31,9 @@ TILE_ROWS = 64
 (fp32 [128, 128] score tiles and [128, 64] row tiles spill registers)."""
 SHARED_BYTES: dict[str, int] = {}
 """Shared memory per block (``.metadata.shared``) of each kernel as compiled by its last launch on a GPU."""
-FORWARD = "walk"
-"""The forward's kernels: ``walk`` (``fwd_walk``: one program per (b, h) and head-dim split walks the chunks,
-S_in in registers, nothing stored) or ``chunked`` (``state_walk`` stores S_in, then ``fwd_chunk`` over all
-chunks in parallel). Both are exact to the same roundings; the GPU round times both (gpu/mimo_kernels.py)."""
-BACKWARD = "three"
-"""The backward's kernels after the two walks: ``bwd`` launched as ``PASSES[BACKWARD]`` (``fused``: one pass
-over each group's heads does all of it, reading each head's tiles once; ``two``: everything but dk, then dk;
-``three``: the per-head gradients, then dq, then dk, the fewest tiles live: ptxas spills least), or ``split``
-(``bwd_chunk`` per head, then ``bwd_qk`` per group). Same math and roundings; the GPU round times them
-(gpu/mimo_kernels.py)."""
-PASSES = {"fused": ((True, True, True),), "two": ((True, True, False), (False, False, True)),
-          "three": ((True, False, False), (False, True, False), (False, False, True))}
-"""``bwd`` launches per backward design: (CHUNK, DQ, DK) flags, in order (a DK-only pass adds to d phase)."""
+PASSES = ((True, False, False), (False, True, False), (False, False, True))
+"""The backward's ``bwd`` launches, (CHUNK, DQ, DK) in order: the per-head gradients, dq, dk (which adds to
+dq's d phase)."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
@@ -120,13 +109,9 @@ class _MimoScanFn(torch.autograd.Function):
         out = torch.empty(geo.b, geo.l, geo.h, geo.p, device=v.device, dtype=v.dtype)
         common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
                   *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
-        if FORWARD == "walk":
-            _launch("fwd_walk", geo.grid_walk, q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs, geo.gamma,
-                    geo.c, out, *common, **geo.meta())
-        else:
-            s_in = geo.states(q, k, qb, kb, v, mx)
-            _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs,
-                    geo.gamma, geo.c, s_in, out, *common, **geo.meta())
+        s_in = geo.states(q, k, qb, kb, v, mx)
+        _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs,
+                geo.gamma, geo.c, s_in, out, *common, **geo.meta())
         ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
         ctx.block_t = block_t
         ctx.dtypes = [t.dtype for t in (q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z,
@@ -158,18 +143,11 @@ class _MimoScanFn(torch.autograd.Function):
         dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
         rows = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
         strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
-        if BACKWARD in PASSES:
-            bwd_args = (*rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
-                        dd_part, dq, dk, dqb, dkb, dphase, *strides, g)
-            for chunk, dq_, dk_ in PASSES[BACKWARD]:
-                per_head = not (dq_ or dk_)  # nothing summed over the group's heads: a program per head
-                _launch("bwd", (nc, b * (h if per_head else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_,
-                        DK=dk_, PH=min(4, p // 16), PER_HEAD=per_head)
-        else:
-            _launch("bwd_chunk", (nc, b * h), *rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
-                    dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *strides, **geo.meta())
-            _launch("bwd_qk", (nc, b * g), *rows, geo.cs, geo.gamma, geo.c, s_in, ds_out, dq, dk, dqb, dkb, dphase,
-                    *strides, g, **geo.meta())
+        bwd_args = (*rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
+                    dd_part, dq, dk, dqb, dkb, dphase, *strides, g)
+        for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads
+            _launch("bwd", (nc, b * (h if chunk else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,
+                    PH=min(4, p // 16), PER_HEAD=chunk)
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

@@ -62,6 +62,27 @@ def main() -> None:
           f"{[n for n, v in same.items() if not v]}", flush=True)
     print(f"fwd {median_ms(fwd):.2f} ms, fwd+bwd {median_ms(fwd_bwd):.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
 
+    # each launch timed with CUDA events (the profiler lumps the three bwd passes under one name)
+    events, real_launch = {}, scan._launch
+
+    def timed_launch(name, grid, *args, **meta):
+        flags = "".join(k for k, v in meta.items() if v is True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        compiled = real_launch(name, grid, *args, **meta)
+        end.record()
+        events.setdefault(f"{name}[{flags}]" if flags else name, []).append((start, end))
+        return compiled
+
+    scan._launch = timed_launch
+    for _ in range(5):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    scan._launch = real_launch
+    for name, pairs in events.items():
+        print(f"launch {name}: {statistics.median(s.elapsed_time(e) for s, e in pairs):.3f} ms (median of "
+              f"{len(pairs)})")
+
     for name, kernel in kernels.KERNELS.items():
         timings = getattr(kernel, "configs_timings", None) or {}
         print(f"\n{name}: best {kernel.best_config}")

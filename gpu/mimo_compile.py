@@ -131,7 +131,8 @@ def main() -> int:
             t0 = time.time()
             compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages)
             flags = "".join(k for k, v in meta.items() if v is True)
-            print(f"{name}{'[' + flags + ']' if flags else ''} warps={warps} stages={stages} {extra}: shared {compiled.metadata.shared} B, "
+            label = f"{name}[{flags}]" if flags else name
+            print(f"{label} warps={warps} stages={stages} {extra}: shared {compiled.metadata.shared} B, "
                   f"{ptxas_info(compiled)} ({time.time() - t0:.0f} s)", flush=True)
     return 0
 

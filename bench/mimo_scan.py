@@ -3,7 +3,8 @@
 Rows, each built and timed in its own process (so each one's compile, first call and peak memory are its own):
 
 * ``mamba-ssm dynamic``: mamba-ssm 2.3.2.post1's TileLang kernels built as its drivers build them, with
-  batch, length, heads and groups dynamic (nam's lane without the static-shapes entry): the baseline;
+  batch, length, heads and groups dynamic (nam's lane without the static-shapes entry): the default baseline
+  (``--baseline ROW`` picks another, e.g. ``mamba-ssm-static`` where the dynamic build would cost too long);
 * ``mamba-ssm static``: the same kernels built for the exact sizes (the ``mamba3-mimo-static-shapes`` entry);
 * ``mimo-scan``: nam's own chunk-parallel Triton kernels (``nam-plugin-mimo-scan``).
 
@@ -15,6 +16,7 @@ the largest difference of the output and every input gradient from the baseline 
 tensor's largest magnitude.
 
     python bench/mimo_scan.py --batch 1,2 --json bench/results/mimo_scan.json [--profile DIR]
+    python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan --baseline mamba-ssm-static
 
 ``--profile DIR`` writes each row's per-kernel CUDA time of one forward + backward at the last batch
 (torch.profiler, ``DIR/mimo-scan-<row>-b<batch>.txt``).
@@ -109,7 +111,7 @@ def one_row(args) -> int:
         tensors = {"out": out.detach().float().cpu(),
                    **{f"d{k}": t.grad.float().cpu() for k, t in leaves.items() if t is not None}}
         ref_path = args.ref / f"b{b}.pt"
-        if args.row == BASELINE:
+        if args.row == args.baseline:
             torch.save(tensors, ref_path)
             diff = {k: 0.0 for k in tensors}
         else:
@@ -154,14 +156,15 @@ def one_row(args) -> int:
 
 
 def main_run(args) -> int:
-    rows = [BASELINE] + [r for r in args.rows if r != BASELINE]
+    rows = [args.baseline] + [r for r in args.rows if r != args.baseline]
     results = []
     with tempfile.TemporaryDirectory(prefix="nam-mimo-scan-") as tmp:  # the baseline's tensors (~1 GB at b=2)
         work = Path(tmp)
         for row in rows:
             out = work / f"{row}.json"
             cmd = [sys.executable, __file__, "_row", "--row", row, "--batch", ",".join(map(str, args.batch)),
-                   "--ref", str(work), "--out", str(out), "--warmup", str(args.warmup), "--iters", str(args.iters)]
+                   "--ref", str(work), "--out", str(out), "--warmup", str(args.warmup), "--iters", str(args.iters),
+                   "--baseline", args.baseline]
             if args.profile:
                 cmd += ["--profile", str(args.profile)]
             print(f"[{row}] building and timing ...", flush=True)
@@ -177,7 +180,7 @@ def main_run(args) -> int:
             if error is None:
                 results.append({**json.loads(out.read_text()), "wall_s": time.perf_counter() - t0})
             else:
-                if row == BASELINE:
+                if row == args.baseline:
                     print(f"error: the baseline row failed: {error}", file=sys.stderr)
                     return 1
                 results.append({"row": row, "error": error, "wall_s": time.perf_counter() - t0})
@@ -188,9 +191,10 @@ def main_run(args) -> int:
     base = {r["batch"]: r for r in results[0]["batches"]}
     print(f"\nMamba-3 MIMO scan, sequence {SHAPE['l']}, {SHAPE['h']} heads of {SHAPE['p']}, {SHAPE['g']} groups, "
           f"d_state {SHAPE['n']}, rank {SHAPE['r']}, chunk {CHUNK}, bf16, {torch.cuda.get_device_name()}; ms "
-          f"(median of {args.iters}); mamba-ssm's kernels fwd / bwd_fwd / bwd_bwd per launch\n")
-    print("| row | batch | fwd ms | bwd ms | scan fwd+bwd ms | vs dynamic | kernels ms | peak GiB | first call s "
-          "| worst diff vs dynamic |")
+          f"(median of {args.iters}); mamba-ssm's kernels fwd / bwd_fwd / bwd_bwd per launch; baseline "
+          f"{args.baseline}\n")
+    print("| row | batch | fwd ms | bwd ms | scan fwd+bwd ms | vs baseline | kernels ms | peak GiB | first call s "
+          "| worst diff vs baseline |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
@@ -227,6 +231,8 @@ def main() -> int:
     common.add_argument("--warmup", type=int, default=3)
     common.add_argument("--iters", type=int, default=10)
     common.add_argument("--profile", type=Path, default=None, help="folder for per-kernel profiles")
+    common.add_argument("--baseline", choices=ROWS, default=BASELINE,
+                        help="the row the others are timed and compared against (runs first)")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[common])
     sub = ap.add_subparsers(dest="command")
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))

@@ -27,15 +27,18 @@ GRADS = ("dq", "dk", "dv", "dadt", "ddt", "dtrap", "dq_bias", "dk_bias", "dangle
 # the GPU host only. l=37 is no multiple of any tile; 8-token tiles give 5 chunks (4 state hand-overs).
 INTERPRETED = """
 import json, torch
+import nam_plugin_mimo_scan.scan as scan
 from nam_plugin_mimo_scan.selftest import compare
+scan.TIME_BLOCK = 16  # the walks along the sequence (phase, reverse sums) take 3 blocks of l=37, the last ragged
 f32 = dict(device="cpu", dtype=torch.float32)
 cases = {
     # rank 2, one group for all 4 heads (the dq/dk head loop sums 4 heads), 8-token tiles of 16 rows
     "r2_g1": compare(2, 37, 4, 1, 32, 16, 2, block_t=8, **f32),
     # rank 3: padded to 4 rows per token, the padded rank masked; 2 heads per group
     "r3_g2": compare(2, 37, 4, 2, 32, 16, 3, block_t=8, **f32),
-    # rank 4, a group per head; the default tile (16 tokens: 3 chunks, the last ragged)
-    "r4_g4": compare(1, 37, 4, 4, 32, 16, 4, **f32),
+    # rank 4, a group per head; the default tile (16 tokens: 3 chunks, the last ragged); headdim 32: the
+    # per-head backward pass walks it in 2 column blocks
+    "r4_g4": compare(1, 37, 4, 4, 32, 32, 4, **f32),
 }
 print(json.dumps(cases))
 """
@@ -57,17 +60,18 @@ def test_kernels_match_the_reference_in_output_and_every_gradient(interpreted, c
 
 
 WRONG_GRADIENT = """
-import json, torch
+import functools, json, torch
 import nam_plugin_mimo_scan.scan as scan
 from nam_plugin_mimo_scan.selftest import compare
-real = scan._reverse_cumsum
-scan._reverse_cumsum = lambda x, dim: x  # drop the reverse cumsums: d adt and d angles must go wrong
+# drop the reverse sums along the sequence: d adt and d angles must go wrong
+scan._time_grads = functools.partial(scan._time_grads, cumulative=False)
 print(json.dumps(compare(1, 20, 2, 1, 32, 16, 2, block_t=8, device="cpu", dtype=torch.float32, seed=3)))
 """
 
 
 def test_the_parity_check_catches_a_wrong_gradient(run_interpreted):
-    """The harness can fail: with the reverse cumsums removed, exactly d adt and d angles are off."""
+    """The harness can fail: with the reverse sums along the sequence removed, exactly d adt and d angles are
+    off."""
     errors = run_interpreted(WRONG_GRADIENT)
     errors.pop("seed")
     assert {k for k, v in errors.items() if v > 0.1} == {"dadt", "dangles"}, errors

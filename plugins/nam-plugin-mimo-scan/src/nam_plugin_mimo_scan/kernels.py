@@ -1,11 +1,13 @@
-"""The Triton kernels of the MIMO scan: two passes over chunks in order, three over chunks in parallel.
+"""The Triton kernels of the MIMO scan: walks over the chunks (or time blocks) of one (b, h) in order, and
+passes over all chunks in parallel (scan.py lists them in launch order).
 
 A tile is ``T`` tokens of one (batch, head); its rows are the ``T * RP`` (token, rank) pairs, row ``i`` =
 token ``i // RP``, rank ``i % RP`` (``RP``: the rank padded to a power of two; padded ranks are masked to 0).
 ``n`` is split in halves ``[0, n/2)`` and ``[n/2, n)`` so rotate_half's pairs ``(i, i + n/2)`` are the same
 column of two register tiles. Every ``tl.dot`` takes the dtype of ``q`` (bf16 on the GPU) and accumulates in
-fp32; states, decays, weights and every gradient reduction stay fp32 in registers. No atomics: every output
-element has exactly one writer, so the result is deterministic.
+fp32; decays, weights, state carries and every gradient reduction stay fp32 in registers (stored states are in
+q's dtype, which every reader rounds them to for its dot). No atomics: every output element has exactly one
+writer, so the result is deterministic.
 
 Per (batch, head), with ``cs`` the chunk-local inclusive cumsum of ``adt``, ``c_u`` and ``gamma_t`` the
 trapezoid weights (scan.py) and ``S_in[c]`` the state carried into chunk ``c``::
@@ -30,9 +32,18 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _load_rotated(x_ptr, bias_ptr, ph_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, ph_base, ph_sl, S,
-                  HALF: tl.constexpr):
-    """(x + bias) rotated by the phase, as its two halves ``[M, n/2]`` fp32, plus cos and sin."""
+def _cos_sin(ph_ptr, tok, valid, ph_base, ph_sl, S, HALF: tl.constexpr):
+    """cos and sin of the rows' phases, ``[M, n/2]`` fp32 (columns >= S: phase 0, cos 1, sin 0). q and k of a
+    (token, head) share them, so a kernel that rotates both computes them once."""
+    cols = tl.arange(0, HALF)
+    phi = tl.load(ph_ptr + ph_base + tok[:, None] * ph_sl + cols[None, :],
+                  mask=valid[:, None] & (cols[None, :] < S), other=0.0)
+    return tl.cos(phi), tl.sin(phi)
+
+
+@triton.jit
+def _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF: tl.constexpr):
+    """x + bias, not rotated, as its two halves ``[M, n/2]`` fp32 (0 on invalid rows)."""
     cols = tl.arange(0, HALF)
     m = valid[:, None]
     ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
@@ -40,10 +51,14 @@ def _load_rotated(x_ptr, bias_ptr, ph_ptr, tok, rank, valid, x_base, x_sl, x_sr,
     lo = tl.where(m, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + tl.load(bptr, mask=m, other=0.0), 0.0)
     hi = tl.where(m, tl.load(ptr + HALF, mask=m, other=0.0).to(tl.float32)
                   + tl.load(bptr + HALF, mask=m, other=0.0), 0.0)
-    phi = tl.load(ph_ptr + ph_base + tok[:, None] * ph_sl + cols[None, :], mask=m & (cols[None, :] < S), other=0.0)
-    cos = tl.cos(phi)
-    sin = tl.sin(phi)
-    return lo * cos - hi * sin, lo * sin + hi * cos, cos, sin
+    return lo, hi
+
+
+@triton.jit
+def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, cos, sin, HALF: tl.constexpr):
+    """(x + bias) rotated by the phase (cos, sin from ``_cos_sin``), as its two halves ``[M, n/2]`` fp32."""
+    lo, hi = _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF)
+    return lo * cos - hi * sin, lo * sin + hi * cos
 
 
 @triton.jit
@@ -76,77 +91,80 @@ def _dy(dout, mo, z, mz):
 
 
 @triton.jit
-def chunk_state_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
-                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
-                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*h): chunk c's own end-state contribution sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T,
-    ``[b*h, nc, p, n]`` fp32 (``state_pass_kernel`` then turns it into ``S_in`` in place)."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
+def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
+                      L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
+                      T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+                      PSPLIT: tl.constexpr):
+    """Grid (b*h, PSPLIT): ``S_in[c]`` for every chunk, chunks in order, the carry ``[p/PSPLIT, n]`` in fp32
+    registers; stored in the dtype of ``s_ptr`` (q's: every reader rounds S_in to it for its dot anyway).
+    S_in[0] = 0, S_in[c+1] = exp(cs_end[c]) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T."""
+    bh = tl.program_id(0)
+    BP: tl.constexpr = P // PSPLIT
+    pcols = tl.program_id(1) * BP + tl.arange(0, BP)
     b = bh // H
     h = bh % H
     LP = NC * T
     DT = k_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + (h // HPG) * k_sg,
-                                   k_sl, k_sr, h * R * 2 * HALF, (b * L * H + h) * S, H * S, S, HALF)
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-    w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
-    v = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
-                                                                                      pcols)
-    vw = tl.trans((v * w[:, None]).to(DT))  # [p, M]
-    sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-    tl.store(sp, tl.dot(vw, klo.to(DT)))
-    tl.store(sp + HALF, tl.dot(vw, khi.to(DT)))
+    k_base = b * k_sb + (h // HPG) * k_sg
+    ph_base = (b * L * H + h) * S
+    carry_lo = tl.zeros((BP, HALF), tl.float32)
+    carry_hi = tl.zeros((BP, HALF), tl.float32)
+    for c in range(NC):
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
+        tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+        vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
+        decay = tl.exp(cs_end)
+        carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
+        carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
 
 
 @triton.jit
-def chunk_dstate_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
-                        L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
-                        T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*h): dL/dS_in[c] from chunk c's own outputs, sum_t exp(cs_t) sum_r dy_tr q~_tr^T,
-    ``[b*h, nc, p, n]`` fp32 (``state_pass_kernel`` in reverse then makes it ``dS_out``)."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
+def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
+                       L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
+                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+                       PSPLIT: tl.constexpr):
+    """Grid (b*h, PSPLIT): ``dS_out[c]`` = dL/dS_in[c+1] for every chunk, chunks in reverse, the carry in fp32
+    registers, stored in the dtype of ``ds_ptr``. dS_out[last] = 0, dS_out[c-1] = exp(cs_end[c]) dS_out[c] +
+    sum_t exp(cs_t) sum_r dy_tr q~_tr^T (chunk c's own dL/dS_in[c])."""
+    bh = tl.program_id(0)
+    BP: tl.constexpr = P // PSPLIT
+    pcols = tl.program_id(1) * BP + tl.arange(0, BP)
     b = bh // H
     h = bh % H
     LP = NC * T
     DT = q_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + (h // HPG) * q_sg,
-                                   q_sl, q_sr, h * R * 2 * HALF, (b * L * H + h) * S, H * S, S, HALF)
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-             _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-             _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-             _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-    dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [p, M]
-    sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-    tl.store(sp, tl.dot(dyt, qlo.to(DT)))
-    tl.store(sp + HALF, tl.dot(dyt, qhi.to(DT)))
-
-
-@triton.jit
-def state_pass_kernel(s_ptr, cs_ptr, NC, PN, T: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    """Grid (b*h, p*n / BLOCK), in place over ``[b*h, nc, p*n]`` fp32, the carry in fp32 registers.
-    Forward: chunk c's own contribution -> ``S_in[c]``, S_in[c+1] = exp(cs_end[c]) S_in[c] + own[c].
-    Reverse: chunk c's own dL/dS_in[c] -> ``dS_out[c]`` = dL/dS_in[c+1] (0 for the last chunk)."""
-    bh = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    carry = tl.zeros((BLOCK,), tl.float32)
+    q_base = b * q_sb + (h // HPG) * q_sg
+    ph_base = (b * L * H + h) * S
+    carry_lo = tl.zeros((BP, HALF), tl.float32)
+    carry_hi = tl.zeros((BP, HALF), tl.float32)
     for i in range(NC):
-        c = i
-        if REVERSE:
-            c = NC - 1 - i
-        ptr = s_ptr + (bh * NC + c) * PN + cols
-        own = tl.load(ptr)
-        tl.store(ptr, carry)
-        carry = carry * tl.exp(tl.load(cs_ptr + (bh * NC + c) * T + T - 1)) + own
+        c = NC - 1 - i
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
+        tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+        dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [BP, M]
+        decay = tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1))
+        carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
+        carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
 
 
 @triton.jit
@@ -167,10 +185,11 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     ph_base = (b * L * H + h) * S
-    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
-    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
+    cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+    qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
+                        HALF)
+    klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
+                        HALF)
     qlo = qlo.to(DT)
     qhi = qhi.to(DT)
     cs = tl.load(cs_ptr + bh * LP + tok)
@@ -191,165 +210,306 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
 
 
 @triton.jit
-def bwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
-                     cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
-                     dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
-                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
-                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*h): everything but dq and dk. Recomputes y, then writes dx, dz ``[b, l, h, p]``; per token
-    (``[b*h, nc*T]`` fp32) the gradient of the diagonal weight gamma_t, of c_u, and of the log-decay
-    ``Lambda_t`` (= sum_r dy.y - sum_r v.dv, reverse-cumsummed into d adt by scan.py); per chunk the fp32
-    partial sums of d mimo_x, d mimo_z, d mimo_o ``[b, nc, h, r, p]`` and d D ``[b, nc, h]``."""
+def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+               cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
+               dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
+               dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr,
+               L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+               x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
+               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
+               CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
+               PER_HEAD: tl.constexpr):
+    """One of the backward's three passes over a chunk, launched in turn (a flag each):
+
+    * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program, no loop): everything but dq and dk: dx, dz,
+      the weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in ``PH``
+      column blocks of >= 16 (ptxas on sm_90 spills 520 / 228 / 24 B at PH 1 / 2 / 4 for headdim 64);
+    * ``DQ`` / ``DK`` (grid (nc, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
+      registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s).
+
+    Passes that share a launch kept more tiles live and spilled KBs of registers (and the all-in-one launch
+    faulted on the H200), hence one a launch.
+
+    Register diet (ptxas showed 255 registers and KBs of spills when everything stayed live): the rotated q, k
+    are kept in q's dtype only; dL/dM = dy v^T is formed first so the score tiles die early; cos/sin, rows,
+    projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
+    (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
+    """
+    tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK),
+                     "one pass a launch: CHUNK per head, or DQ, or DK over the group's heads")
     c = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    g = h // HPG
+    if PER_HEAD:  # grid (nc, b*h), one head: no loop, so nothing is hoisted out of one (registers)
+        b = tl.program_id(1) // H
+        h0 = tl.program_id(1) % H
+        g = h0 // HPG
+    else:  # grid (nc, b*g), the group's heads in turn
+        b = tl.program_id(1) // G
+        g = tl.program_id(1) % G
+        h0 = g * HPG
     LP = NC * T
     DT = q_ptr.dtype.element_ty
     pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
-    ph_base = (b * L * H + h) * S
-    qlo, qhi, _, _ = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
-    klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
-                                   h * R * 2 * HALF, ph_base, H * S, S, HALF)
-    qlo = qlo.to(DT)
-    qhi = qhi.to(DT)
-    klo = klo.to(DT)
-    khi = khi.to(DT)
-    cs = tl.load(cs_ptr + bh * LP + tok)
-    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-    cc = tl.load(c_ptr + bh * LP + tok)
-    x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-    mx = _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-    v = x * mx
-    vd = v.to(DT)
-    z = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols)
-    mz = _load_proj(mz_ptr, h, rank, valid, R, P, pcols)
-    dout = _load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols)
-    d_o = dout * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
-    zm = z * mz
-    sg = tl.sigmoid(zm)
-    dy = d_o * zm * sg
-    dyd = dy.to(DT)
-
-    # only two [M, M] tiles live at once: M = qk * A and qk * decay (for the weights' gradients)
-    qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))  # [M, M]
-    amat, decay = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-    mmat = (qk * amat).to(DT)
-    qkd = qk * decay
-    sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
-    y = tl.dot(mmat, vd) + tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT))
-                                                  + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
-
-    # dv (scan part): intra-chunk M^T dy, and from later chunks exp(cs_end - cs_u) c_u dS_out k~_u
-    dsp = ds_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # dS_out^T halves
-    dvi = tl.dot(klo, tl.load(dsp).to(DT)) + tl.dot(khi, tl.load(dsp + HALF).to(DT))  # [M, p]
-    to_end = tl.exp(cs_end - cs)
-    dv = tl.dot(tl.trans(mmat), dyd) + (to_end * cc)[:, None] * dvi
-
-    # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below it
-    e = tl.dot(dyd, tl.trans(vd)) * qkd
-    same = tok[:, None] == tok[None, :]
-    dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
-    dc_col = tl.sum(tl.where(same, 0.0, e), axis=0) + to_end * tl.sum(v * dvi, axis=1)
     toks = c * T + tl.arange(0, T)
-    tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-    tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col, (T, RP)), axis=1))
-    dcs_row = tl.sum(dy * y - v * dv, axis=1)
-    tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
-
-    # gating, skip and the MIMO projections
-    dskip = tl.load(d_ptr + h)
-    ypd = y + dskip * v
-    dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
-    dvt = dv + dskip * dy
-    tmask = (toks < L)[:, None]
-    out_off = ((b * L + toks[:, None]) * H + h) * P + pcols[None, :]  # dx, dz contiguous [b, l, h, p]
-    tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P)), axis=1).to(dx_ptr.dtype.element_ty),
-             mask=tmask)
-    tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P)), axis=1).to(dz_ptr.dtype.element_ty),
-             mask=tmask)
     ranks = tl.arange(0, RP)
-    part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + pcols[None, :]
     rmask = (ranks < R)[:, None]
-    tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P)), axis=0), mask=rmask)
-    tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P)), axis=0), mask=rmask)
-    tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P)), axis=0), mask=rmask)
-    tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dy * v, axis=1), axis=0))
+    tmask = (toks < L)[:, None]
+    pmask = tmask & (hcols < S)[None, :]
+    q_base = b * q_sb + g * q_sg
+    k_base = b * k_sb + g * k_sg
+    dq_lo = tl.zeros((T * RP, HALF), tl.float32)
+    dq_hi = tl.zeros((T * RP, HALF), tl.float32)
+    dk_lo = tl.zeros((T * RP, HALF), tl.float32)
+    dk_hi = tl.zeros((T * RP, HALF), tl.float32)
+    for j in range(1 if PER_HEAD else HPG):
+        h = h0 + j
+        bh = b * H + h
+        ph_base = (b * L * H + h) * S
+        x_base = b * x_sb + h * x_sh
+        z_base = b * z_sb + h * z_sh
+        do_base = b * do_sb + h * do_sh
+        qb_base = h * R * 2 * HALF
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        cc = tl.load(c_ptr + bh * LP + tok)
+        ecs = tl.exp(cs)
+        to_end = tl.exp(cs_end - cs)
+        inter = (to_end * cc)[:, None]
+        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
+        qlo_d = qlo.to(DT)
+        qhi_d = qhi.to(DT)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
+        klo_d = klo.to(DT)
+        khi_d = khi.to(DT)
+        v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
+        vd = v.to(DT)
+        dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                 _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols), _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+        dyd = dy.to(DT)
+        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+        same = tok[:, None] == tok[None, :]
+        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+        dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
+        dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+        if CHUNK:
+            qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
+            # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
+            e = dmd * qk
+            dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
+            tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+            dc_col = tl.sum(e, axis=0) - dgam_col
+            mmat = (qk * decay * wmat).to(DT)
+            dskip = tl.load(d_ptr + h)
+            dc_row = tl.zeros((T * RP,), tl.float32)
+            dcs_row = tl.zeros((T * RP,), tl.float32)
+            dd_row = tl.zeros((T * RP,), tl.float32)
+            # the head dim in PH column blocks: each block's [M, P/PH] tiles live only within its step
+            for hp in tl.static_range(PH):
+                cols = hp * (P // PH) + tl.arange(0, P // PH)
+                stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
+                x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols)
+                mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
+                v = x * mx
+                z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols)
+                mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
+                d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols) * _load_proj(mo_ptr, h, rank, valid, R,
+                                                                                        P, cols)
+                zm = z * mz
+                sg = tl.sigmoid(zm)
+                dy = d_o * zm * sg
+                y = tl.dot(mmat, v.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
+                                                             + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
+                dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
+                       + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT)))
+                dv = tl.dot(tl.trans(mmat), dy.to(DT)) + inter * dvi
+                dc_row += tl.sum(v * dvi, axis=1)
+                dcs_row += tl.sum(dy * y - v * dv, axis=1)
+                dd_row += tl.sum(dy * v, axis=1)
+                dvt = dv + dskip * dy
+                ypd = y + dskip * v
+                out_off = ((b * L + toks[:, None]) * H + h) * P + cols[None, :]  # dx, dz contiguous [b, l, h, p]
+                part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + cols[None, :]
+                dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
+                tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P // PH)), axis=1).to(
+                    dx_ptr.dtype.element_ty), mask=tmask)
+                tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P // PH)), axis=0), mask=rmask)
+                tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P // PH)), axis=1).to(
+                    dz_ptr.dtype.element_ty), mask=tmask)
+                tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P // PH)), axis=0), mask=rmask)
+                # dL/d mimo_o = dout * ypd * silu(zm); d_o = dout * mimo_o, so divide nothing: reload dout
+                dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols)
+                tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH)), axis=0),
+                         mask=rmask)
+            tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col + to_end * dc_row, (T, RP)), axis=1))
+            tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
+            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(dd_row, axis=0))
+
+        # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
+        bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
+        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
+        dphi = tl.zeros((T * RP, HALF), tl.float32)
+        if DQ:
+            d_lo = tl.dot(dqk, klo_d) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
+            d_hi = tl.dot(dqk, khi_d) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st + HALF).to(DT))
+            u_lo = d_lo * cos + d_hi * sin
+            u_hi = d_hi * cos - d_lo * sin
+            dq_lo += u_lo
+            dq_hi += u_hi
+            tl.store(dqb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+            tl.store(dqb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+            rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, HALF)
+            dphi += u_hi * rlo - u_lo * rhi
+        if DK:
+            dqkt = tl.trans(dqk)
+            d_lo = tl.dot(dqkt, qlo_d) + inter * tl.dot(vd, tl.load(ds_ptr + st).to(DT))
+            d_hi = tl.dot(dqkt, qhi_d) + inter * tl.dot(vd, tl.load(ds_ptr + st + HALF).to(DT))
+            u_lo = d_lo * cos + d_hi * sin
+            u_hi = d_hi * cos - d_lo * sin
+            dk_lo += u_lo
+            dk_hi += u_hi
+            tl.store(dkb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
+            tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
+            rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, HALF)
+            dphi += u_hi * rlo - u_lo * rhi
+        if DQ or DK:
+            dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
+            if DK and not DQ:
+                dphi_t += tl.load(dph, mask=pmask, other=0.0)
+            tl.store(dph, dphi_t, mask=pmask)
+    out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
+    m = valid[:, None]
+    if DQ:
+        tl.store(dq_ptr + out, dq_lo.to(dq_ptr.dtype.element_ty), mask=m)
+        tl.store(dq_ptr + out + HALF, dq_hi.to(dq_ptr.dtype.element_ty), mask=m)
+    if DK:
+        tl.store(dk_ptr + out, dk_lo.to(dk_ptr.dtype.element_ty), mask=m)
+        tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (overflow-safe both ways: exp -> inf gives 1, exp -> 0 gives -1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
-def bwd_qk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
-                  cs_ptr, gam_ptr, c_ptr, st_ptr, out_ptr, dbias_ptr, dph_ptr,
-                  L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-                  x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
-                  WHICH: tl.constexpr, T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Grid (nc, b*g): dq (WHICH 0) or dk (WHICH 1) of one chunk of one group, summed over the group's heads
-    in fp32 registers (no per-head copy, no atomics), un-rotated; per head the bias-gradient partial
-    ``[b, nc, h, r, n]`` and the phase gradient ``[b, l, h, s]`` (WHICH 1 adds to what WHICH 0 wrote).
-    ``st_ptr``: ``S_in`` for dq, ``dS_out`` for dk."""
-    c = tl.program_id(0)
-    bg = tl.program_id(1)
-    b = bg // G
-    g = bg % G
-    LP = NC * T
-    DT = q_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
-    hcols = tl.arange(0, HALF)
-    tok, rank, valid = _rows(c, L, R, T, RP)
-    toks = c * T + tl.arange(0, T)
-    ranks = tl.arange(0, RP)
-    acc_lo = tl.zeros((T * RP, HALF), tl.float32)
-    acc_hi = tl.zeros((T * RP, HALF), tl.float32)
-    for j in range(HPG):
-        h = g * HPG + j
-        bh = b * H + h
-        ph_base = (b * L * H + h) * S
-        qlo, qhi, cos, sin = _load_rotated(q_ptr, qb_ptr, ph_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl,
-                                           q_sr, h * R * 2 * HALF, ph_base, H * S, S, HALF)
-        klo, khi, _, _ = _load_rotated(k_ptr, kb_ptr, ph_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr,
-                                       h * R * 2 * HALF, ph_base, H * S, S, HALF)
-        cs = tl.load(cs_ptr + bh * LP + tok)
-        cc = tl.load(c_ptr + bh * LP + tok)
-        amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
-        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
-        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols)).to(DT)
-        dqk = (tl.dot(dy, tl.trans(v)) * amat).to(DT)  # dL/d(q~.k~) [M, M]
-        sp = st_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        if WHICH == 0:
-            inter = tl.exp(cs)[:, None]
-            d_lo = tl.dot(dqk, klo.to(DT)) + inter * tl.dot(dy, tl.load(sp).to(DT))
-            d_hi = tl.dot(dqk, khi.to(DT)) + inter * tl.dot(dy, tl.load(sp + HALF).to(DT))
-            dphi = d_hi * qlo - d_lo * qhi
+def phase_kernel(ang_ptr, dt_ptr, ph_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
+                 BT: tl.constexpr, SP: tl.constexpr):
+    """Grid (b*h,): the rotary phase phi_t = (sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi, fp32 ``[b, l, h, s]``,
+    walking the sequence in blocks of ``BT`` tokens with the running sum in fp32 (the mod is taken of the full
+    sum, as the reference takes it)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    carry = tl.zeros((SP,), tl.float32)
+    for t0 in range(0, L, BT):
+        toks = t0 + tl.arange(0, BT)
+        tmask = toks < L
+        m = tmask[:, None] & cmask[None, :]
+        a = tl.load(ang_ptr + b * a_sb + toks[:, None] * a_sl + h * a_sh + cols[None, :] * a_ss, mask=m, other=0.0)
+        dt = tl.load(dt_ptr + b * dt_sb + h * dt_sh + toks * dt_sl, mask=tmask, other=0.0)
+        rate = 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
+        phi = carry[None, :] + tl.cumsum(rate, axis=0)
+        phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
+        tl.store(ph_ptr + ((b * L + toks[:, None]) * H + h) * S + cols[None, :], phi, mask=m)
+        carry += tl.sum(rate, axis=0)
+
+
+@triton.jit
+def time_grads_kernel(dph_ptr, dcs_ptr, ang_ptr, dt_ptr, dang_ptr, ddt_ptr, dadt_ptr, L, LP, H, S,
+                      a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
+                      BT: tl.constexpr, SP: tl.constexpr, CUMULATIVE: tl.constexpr):
+    """Grid (b*h,), the sequence in blocks of ``BT`` tokens from the end, running sums in fp32:
+
+    * d adt_i = sum_{t>=i} dLambda_t (``dcs`` ``[b*h, LP]``: adt_i is in the log-decay of every later token);
+    * d rate_i = sum_{t>=i} d phi_t (``dph`` ``[b, l, h, s]``), then, as rate = pi tanh(angle) dt:
+      d angles ``[b, l, h, s]`` = d rate pi (1 - tanh^2) dt and the phase's share of d dt ``[b*h, l]``,
+      sum_s d rate pi tanh.
+
+    ``CUMULATIVE`` False drops both reverse sums (how the CPU tests show the parity check catches a wrong
+    d adt and d angles)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    carry = tl.zeros((SP,), tl.float32)
+    carry_a = tl.zeros((1,), tl.float32)
+    nblocks = tl.cdiv(L, BT)
+    for i in range(nblocks):
+        toks = (nblocks - 1 - i) * BT + tl.arange(0, BT)
+        tmask = toks < L
+        m = tmask[:, None] & cmask[None, :]
+        dlam = tl.load(dcs_ptr + bh * LP + toks, mask=tmask, other=0.0)
+        ph_off = ((b * L + toks[:, None]) * H + h) * S + cols[None, :]
+        dph = tl.load(dph_ptr + ph_off, mask=m, other=0.0)
+        if CUMULATIVE:
+            dadt = carry_a + tl.cumsum(dlam, axis=0, reverse=True)
+            drate = carry[None, :] + tl.cumsum(dph, axis=0, reverse=True)
+            carry_a += tl.sum(dlam, axis=0)
+            carry += tl.sum(dph, axis=0)
         else:
-            inter = (tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1) - cs) * cc)[:, None]
-            dqkt = tl.trans(dqk)
-            d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(v, tl.load(sp).to(DT))
-            d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(v, tl.load(sp + HALF).to(DT))
-            dphi = d_hi * klo - d_lo * khi
-        u_lo = d_lo * cos + d_hi * sin  # the rotation's transpose
-        u_hi = d_hi * cos - d_lo * sin
-        acc_lo += u_lo
-        acc_hi += u_hi
-        part = dbias_ptr + (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        rmask = (ranks < R)[:, None]
-        tl.store(part, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-        tl.store(part + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
-        pmask = (toks < L)[:, None] & (hcols < S)[None, :]
-        dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
-        if WHICH == 1:
-            dphi_t += tl.load(dph, mask=pmask, other=0.0)
-        tl.store(dph, dphi_t, mask=pmask)
-    out = out_ptr + ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
-    m = valid[:, None]
-    tl.store(out, acc_lo.to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(out + HALF, acc_hi.to(out_ptr.dtype.element_ty), mask=m)
+            dadt = dlam
+            drate = dph
+        tl.store(dadt_ptr + bh * L + toks, dadt, mask=tmask)
+        a = tl.load(ang_ptr + b * a_sb + toks[:, None] * a_sl + h * a_sh + cols[None, :] * a_ss, mask=m, other=0.0)
+        th = _tanh(a.to(tl.float32))
+        dt = tl.load(dt_ptr + b * dt_sb + h * dt_sh + toks * dt_sl, mask=tmask, other=0.0).to(tl.float32)
+        tl.store(dang_ptr + ph_off, drate * (3.141592653589793 * (1.0 - th * th)) * dt[:, None], mask=m)
+        tl.store(ddt_ptr + bh * L + toks, tl.sum(drate * (3.141592653589793 * th), axis=1), mask=tmask)
+
+
+# --- launch configurations: a few per kernel, timed on the GPU at the first launch of each shape ----------------
+def _config(warps: int, stages: int = 1, **meta) -> triton.Config:
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+CONFIGS = {
+    # the walks loop over chunks: 2 stages prefetch the next chunk's rows; PSPLIT 2 (4) doubles (quadruples) the
+    # programs (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) in each
+    "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
+    "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
+    "fwd_chunk": [_config(4), _config(8)],
+    # one program per chunk and group (head): 8 warps give each thread 255 registers; 4 warps spill KBs, 16 cap
+    # registers at 128 (spills again), and a second stage of the head loop's loads asks > 200 KB of shared
+    # memory (ptxas / Triton on sm_90, gpu/mimo_compile.py)
+    # the dq / dk passes loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory)
+    "bwd": [_config(8), _config(8, 2)],
+}
+"""The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
+
+
+def _fits(configs, nargs, **kwargs):
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``; the per-head ``bwd`` pass has no loop
+    for a second stage to pipeline."""
+    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
+           and not (kwargs.get("CHUNK") and c.num_stages > 1)]
+    return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
+
+
+RESTORE = {"bwd": ["dph_ptr"]}
+"""Outputs a kernel reads before it writes (the dk pass adds its share of d phase to the dq pass's): the
+autotuner restores them after each timed run, or the timing runs would add up in them (the GPU round's first
+calls had d angles and d dt wrong by 1e2-1e3x exactly so, 2026-11-25)."""
+
+
+def _tuned(name: str, kernel):
+    import os
+
+    configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
+    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD"],
+                           prune_configs_by={"early_config_prune": _fits},
+                           restore_value=RESTORE.get(name, []))(kernel)
+
+
+KERNELS = {name: _tuned(name, kernel) for name, kernel in (
+    ("state_walk", state_walk_kernel), ("dstate_walk", dstate_walk_kernel), ("fwd_chunk", fwd_chunk_kernel),
+    ("bwd", bwd_kernel))}
+"""The kernels as launched (each wrapped in ``triton.autotune`` over ``CONFIGS[name]``)."""

@@ -1,20 +1,19 @@
 """nam's Mamba-3 MIMO scan: the ``SSMScan`` backend ``mimo-scan`` (a ``torch.autograd.Function``).
 
 The math is ``nam56r/reference/mamba3.py``'s (kernels-and-math.md section 1.2); the kernels are in kernels.py.
-Chunk-parallel, as Mamba-2's SSD::
+Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the sequence where it is a recurrence::
 
-    forward   chunk_state   grid (nc, b*h)          each chunk's own end state, in parallel: [b*h, nc, p, n] fp32
-              state_pass    grid (b*h, p*n/2048)    in place, chunks in order: own state -> S_in[c], fp32 carry
+    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi)
+    forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
-    backward  chunk_state + state_pass again (S_in is recomputed, not saved: 1 GiB fp32 at NAM56R's shape)
-              chunk_dstate  grid (nc, b*h)          each chunk's own dL/dS_in, in parallel
-              state_pass    reverse, in place       -> dS_out[c] = dL/dS_in[c+1]
-              bwd_chunk     grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*
-              bwd_qk x 2    grid (nc, b*g)          dq, dk summed over the group's heads in registers; d phase; d bias
+    backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)
+              dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
+              bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*
+              bwd (DQ, DK)  grid (nc, b*g) x 2      dq, then dk, summed over the group's heads in registers; d phase
+              time_grads    grid (b*h)              reverse sums over time: d adt, d angles, the phase's d dt
 
-Cheap [b, h, l] / [b, l, h, s] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt,
-the rotary phase (a cumsum over time), and in backward the reverse cumsums that turn d Lambda into d adt and d
-phase into d angles, plus the chain rule through sigmoid / tanh. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
+Cheap [b, h, l] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt, the chain
+rule through sigmoid, the sums of per-chunk partials. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
 sum_r v_tr.dv_tr (row minus column sums of dA*A over the whole causal matrix; the diagonal cancels), so no
 kernel needs a segment-sum of its own.
 
@@ -24,25 +23,19 @@ model's ``chunk_size`` (the chunking is exact for any tile, so ``chunk_size`` do
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-
-from nam56r.reference.mamba3 import angle_phase
 
 TILE_ROWS = 64
 """(token, rank) rows per tile: 16 tokens at rank 4. On the H100, 128-row tiles (32 tokens) ran 3x slower
 (fp32 [128, 128] score tiles and [128, 64] row tiles spill registers)."""
-PASS_BLOCK = 2048
-"""State elements per program of the pass over chunks (p*n = 8192 at NAM56R: 4 programs per (b, h))."""
-NUM_WARPS = {"chunk_state": 4, "state_pass": 4, "fwd_chunk": 4, "chunk_dstate": 4, "bwd_chunk": 8, "bwd_qk": 8}
-NUM_STAGES = {"bwd_qk": 1}
-"""bwd_qk loops over heads: Triton's default 3-stage pipelining of its gathered row loads (rotated q/k, phase,
-x, ...) would multiply their shared memory (a 3-stage loop of that kind asked 313,352 B on the H100)."""
-
 SHARED_BYTES: dict[str, int] = {}
 """Shared memory per block (``.metadata.shared``) of each kernel as compiled by its last launch on a GPU."""
+PASSES = ((True, False, False), (False, True, False), (False, False, True))
+"""The backward's ``bwd`` launches, (CHUNK, DQ, DK) in order: the per-head gradients, dq, dk (which adds to
+dq's d phase)."""
+CHOSEN: dict[str, str] = {}
+"""The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
 
 def tile_tokens(rank: int) -> int:
@@ -58,13 +51,15 @@ def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(name, kernel, grid, *args, **meta):
-    if name in NUM_STAGES:
-        meta["num_stages"] = NUM_STAGES[name]
-    compiled = kernel[grid](*args, num_warps=NUM_WARPS[name], **meta)
+def _launch(name, grid, *args, **meta):
+    from nam_plugin_mimo_scan.kernels import KERNELS
+
+    kernel = KERNELS[name]
+    compiled = kernel[grid](*args, **meta)
     shared = getattr(getattr(compiled, "metadata", None), "shared", None)
     if isinstance(shared, int):
         SHARED_BYTES[name] = shared
+    CHOSEN[name] = str(kernel.best_config)
     return compiled
 
 
@@ -86,48 +81,37 @@ class _Geometry:
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
         self.cs = F.pad(adt.float(), (0, pad)).unflatten(-1, (self.nc, self.t)).cumsum(-1).flatten(-2).contiguous()
-        self.phase = angle_phase(angles.float(), dt).contiguous()  # [b, l, h, s]
+        self.phase = _phase(angles, dt)  # [b, l, h, s]
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
 
-    def states(self, q, k, q_bias, k_bias, v, mimo_x):
-        """``S_in`` [b*h, nc, p, n] fp32: each chunk's own end state in parallel, then the pass over chunks."""
-        from nam_plugin_mimo_scan.kernels import chunk_state_kernel
+    def grid_walk(self, meta):
+        return (self.b * self.h, meta["PSPLIT"])
 
-        s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=torch.float32)
-        _launch("chunk_state", chunk_state_kernel, (self.nc, self.b * self.h),
-                k, k_bias, self.phase, v, mimo_x, self.cs, self.c, s_in,
+    def states(self, q, k, q_bias, k_bias, v, mimo_x):
+        """``S_in`` [b*h, nc, p, n] in q's dtype: one walk over the chunks per (b, h) (and head-dim split), the
+        carry in fp32 registers."""
+        s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=q.dtype)
+        _launch("state_walk", self.grid_walk, k, k_bias, self.phase, v, mimo_x, self.cs, self.c, s_in,
                 self.l, self.h, self.h // self.g, self.r, self.s, self.nc,
                 *k.stride()[:4], *v.stride()[:3], **self.meta())
-        self.state_pass(s_in, reverse=False)
         return s_in
-
-    def state_pass(self, buf, *, reverse: bool):
-        from nam_plugin_mimo_scan.kernels import state_pass_kernel
-
-        pn = self.p * self.n
-        block = min(PASS_BLOCK, pn)
-        _launch("state_pass", state_pass_kernel, (self.b * self.h, pn // block), buf, self.cs, self.nc, pn,
-                T=self.t, BLOCK=block, REVERSE=reverse)
 
 
 class _MimoScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, block_t):
-        from nam_plugin_mimo_scan.kernels import fwd_chunk_kernel
-
         q, k, v, z = (_lastdim_contiguous(t) for t in (q, k, v, z))
         params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
         qb, kb, dd, mx, mz, mo = params
         geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
-        s_in = geo.states(q, k, qb, kb, v, mx)
         out = torch.empty(geo.b, geo.l, geo.h, geo.p, device=v.device, dtype=v.dtype)
-        _launch("fwd_chunk", fwd_chunk_kernel, (geo.nc, geo.b * geo.h),
-                q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, out,
-                geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc,
-                *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *out.stride()[:3],
-                **geo.meta())
+        common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
+                  *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
+        s_in = geo.states(q, k, qb, kb, v, mx)
+        _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs,
+                geo.gamma, geo.c, s_in, out, *common, **geo.meta())
         ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
         ctx.block_t = block_t
         ctx.dtypes = [t.dtype for t in (q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z,
@@ -136,8 +120,6 @@ class _MimoScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from nam_plugin_mimo_scan.kernels import bwd_chunk_kernel, bwd_qk_kernel, chunk_dstate_kernel
-
         q, k, v, adt, dt, trap, angles, z, qb, kb, dd, mx, mz, mo = ctx.saved_tensors
         dout = _lastdim_contiguous(dout)
         geo = _Geometry(q, v, adt, dt, trap, angles, ctx.block_t)
@@ -147,31 +129,25 @@ class _MimoScanFn(torch.autograd.Function):
         s_in = geo.states(q, k, qb, kb, v, mx)
 
         ds_out = torch.empty_like(s_in)
-        _launch("chunk_dstate", chunk_dstate_kernel, (nc, b * h),
-                q, qb, geo.phase, z, dout, mz, mo, geo.cs, ds_out, *common,
+        _launch("dstate_walk", geo.grid_walk, q, qb, geo.phase, z, dout, mz, mo, geo.cs, ds_out, *common,
                 *q.stride()[:4], *z.stride()[:3], *dout.stride()[:3], **geo.meta())
-        geo.state_pass(ds_out, reverse=True)
 
         dx = torch.empty(b, l, h, p, device=dev, dtype=v.dtype)
         dz = torch.empty(b, l, h, p, device=dev, dtype=z.dtype)
         dgam, dc, dcs = (torch.empty(b, h, nc * geo.t, device=dev, dtype=f32) for _ in range(3))
         dmx, dmz, dmo = (torch.empty(b, nc, h, r, p, device=dev, dtype=f32) for _ in range(3))
         dd_part = torch.empty(b, nc, h, device=dev, dtype=f32)
-        _launch("bwd_chunk", bwd_chunk_kernel, (nc, b * h),
-                q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out,
-                dx, dz, dgam, dc, dcs, dmx, dmz, dmo, dd_part, *common,
-                *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3],
-                **geo.meta())
-
         dq = torch.empty(b, l, r, g, n, device=dev, dtype=q.dtype)
         dk = torch.empty(b, l, r, g, n, device=dev, dtype=k.dtype)
         dqb, dkb = (torch.empty(b, nc, h, r, n, device=dev, dtype=f32) for _ in range(2))
         dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
-        for which, (out, dbias, states) in enumerate(((dq, dqb, s_in), (dk, dkb, ds_out))):
-            _launch("bwd_qk", bwd_qk_kernel, (nc, b * g),
-                    q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo, geo.cs, geo.gamma, geo.c, states, out, dbias,
-                    dphase, *common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3],
-                    *dout.stride()[:3], g, WHICH=which, **geo.meta())
+        rows = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
+        strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
+        bwd_args = (*rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
+                    dd_part, dq, dk, dqb, dkb, dphase, *strides, g)
+        for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads
+            _launch("bwd", (nc, b * (h if chunk else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,
+                    PH=min(4, p // 16), PER_HEAD=chunk)
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam
@@ -182,19 +158,44 @@ class _MimoScanFn(torch.autograd.Function):
         ddt = dgamma * lam
         ddt[..., 1:] += dshift[..., :-1] * (1 - lam[..., 1:])
         dtrap = dlam * lam * (1 - lam)
-        dadt = _reverse_cumsum(dcs[..., :l], -1)  # adt_i is in Lambda_t for every t >= i
-        # rotary phase: phi_t = sum_{i<=t} pi tanh(angle_i) dt_i
-        drate = _reverse_cumsum(dphase, 1)  # [b, l, h, s]
-        th = torch.tanh(angles.float())
-        dangles = drate * (math.pi * (1 - th * th)) * dt32.transpose(1, 2).unsqueeze(-1)
-        ddt = ddt + (drate * (math.pi * th)).sum(-1).transpose(1, 2)
+        # adt_i is in Lambda_t for every t >= i; the phase phi_t = sum_{i<=t} pi tanh(angle_i) dt_i
+        dadt, dangles, ddt_phase = _time_grads(dphase, dcs, angles, dt32)
+        ddt = ddt + ddt_phase
         grads = (dq, dk, dx, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_part.sum((0, 1)), dz,
                  dmx.sum((0, 1)), dmz.sum((0, 1)), dmo.sum((0, 1)))
         return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None)
 
 
-def _reverse_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.flip(dim).cumsum(dim).flip(dim)
+TIME_BLOCK = 64
+"""Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
+
+
+def _phase(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, s]``, in one kernel walking the
+    sequence per (b, h); angles may be a stride-0 view over the heads."""
+    from nam_plugin_mimo_scan.kernels import phase_kernel
+
+    b, l, h, s = angles.shape
+    phase = torch.empty(b, l, h, s, device=angles.device, dtype=torch.float32)
+    phase_kernel[(b * h,)](angles, dt, phase, l, h, s, *angles.stride(), *dt.stride(), BT=TIME_BLOCK,
+                           SP=max(16, _pow2(s)), num_warps=4)
+    return phase
+
+
+def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True):
+    """The reverse sums along the sequence, in one kernel per (b, h): ``(d adt [b, h, l], d angles [b, l, h, s],
+    the phase's share of d dt [b, h, l])``, fp32, from d phi ``[b, l, h, s]`` and d Lambda ``dcs [b, h, nc*T]``.
+    ``cumulative=False`` leaves the sums out (the CPU tests' wrong gradient)."""
+    from nam_plugin_mimo_scan.kernels import time_grads_kernel
+
+    b, l, h, s = dphase.shape
+    dadt = torch.empty(b, h, l, device=dphase.device, dtype=torch.float32)
+    ddt = torch.empty_like(dadt)
+    dangles = torch.empty_like(dphase)
+    time_grads_kernel[(b * h,)](dphase, dcs, angles, dt, dangles, ddt, dadt, l, dcs.shape[-1], h, s,
+                                *angles.stride(), *dt.stride(), BT=TIME_BLOCK, SP=max(16, _pow2(s)),
+                                CUMULATIVE=cumulative, num_warps=4)
+    return dadt, dangles, ddt
 
 
 def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,

@@ -1,0 +1,141 @@
+"""Compile the mimo-scan's kernels for sm_90 without a GPU and report registers, spills and shared memory.
+
+    python gpu/mimo_compile.py [KERNEL ...] [--warps 8] [--stages 1] [--all-configs]
+
+Runs the scan's forward and backward on small CPU tensors (b=2, l=256, NAM56R's widths: 128 heads of 64 in 8
+groups, d_state 128, rank 4) with the launches recorded instead of run, then compiles each recorded kernel with
+Triton for an sm_90 target (the arguments specialized as a GPU launch would: pointers and multiples of 16
+marked divisible by 16) and runs ptxas -v on the PTX. Register pressure and spills do not depend on the length,
+so this is how a kernel change is checked for spills between GPU rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def record_launches():
+    import torch
+
+    from nam_plugin_mimo_scan import kernels, scan
+    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append((self.name, self.kernel, args, meta))
+            return launch
+
+    for name, kernel in list(kernels.KERNELS.items()):
+        kernels.KERNELS[name] = Recorder(name, kernel)
+    kernels.phase_kernel = Recorder("phase", kernels.phase_kernel)
+    kernels.time_grads_kernel = Recorder("time_grads", kernels.time_grads_kernel)
+    real_launch = scan._launch
+
+    def launch(name, grid, *args, **meta):
+        kernels.KERNELS[name][grid](*args, **meta)
+
+    scan._launch = launch
+    b, l, h, g = 2, 256, 128, 8
+    x = random_inputs(b, l, h, g, 128, 64, 4, device="cpu", seed=1)
+    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
+    args = [leaves[k] if k != "angles" else leaves[k].expand(b, l, h, -1) for k in INPUT_NAMES]
+    out = scan.mimo_scan(*args)
+    torch.autograd.grad(out, list(leaves.values()), torch.randn_like(out))
+    scan._launch = real_launch
+    seen, unique = set(), []
+    for name, kernel, a, meta in launches:
+        flags = tuple(sorted((k, v) for k, v in meta.items() if isinstance(v, bool)))
+        if (name, flags) not in seen:
+            seen.add((name, flags))
+            unique.append((name, kernel, a, meta))
+    return unique
+
+
+def compile_one(kernel, args, meta, warps, stages):
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel  # the JITFunction
+    names = fn.arg_names
+    meta = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
+    signature, constexprs, attrs = {}, dict(meta), {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, int):
+            if value == 1:
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+            else:
+                signature[name] = "i32" if abs(value) < 2**31 else "i64"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    for name in names[len(args):]:
+        signature[name] = "constexpr"
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def ptxas_info(compiled) -> str:
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, f.name], capture_output=True, text=True)
+    os.unlink(f.name)
+    text = done.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'} B, "
+            f"loads {spill.group(2) if spill else '?'} B")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kernels", nargs="*")
+    ap.add_argument("--warps", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--all-configs", action="store_true", help="every config of kernels.CONFIGS, not the first")
+    a = ap.parse_args()
+    from nam_plugin_mimo_scan import kernels
+
+    for name, kernel, args, meta in record_launches():
+        if a.kernels and name not in a.kernels:
+            continue
+        configs = kernels.CONFIGS.get(name, [None])
+        for config in configs if a.all_configs else configs[:1]:
+            warps = a.warps or (config.num_warps if config else meta.get("num_warps", 4))
+            stages = a.stages or (config.num_stages if config else meta.get("num_stages", 1))
+            extra = dict(config.kwargs) if config else {}
+            t0 = time.time()
+            compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages)
+            flags = "".join(k for k, v in meta.items() if v is True)
+            label = f"{name}[{flags}]" if flags else name
+            print(f"{label} warps={warps} stages={stages} {extra}: shared {compiled.metadata.shared} B, "
+                  f"{ptxas_info(compiled)} ({time.time() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Per-kernel facts of the mimo-scan at NAM56R's bench shape (issue 32's GPU round), for choosing the next design.
+
+    python gpu/mimo_kernels.py [--b 2] [--l 4096]
+
+The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
+and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
+the chosen config, and each compiled variant's registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--b", type=int, default=2)
+    ap.add_argument("--l", type=int, default=4096)
+    a = ap.parse_args()
+
+    from nam_plugin_mimo_scan import kernels, scan
+    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+
+    h, g = 128, 8
+    x = random_inputs(a.b, a.l, h, g, 128, 64, 4, device="cuda", seed=11)
+    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
+    args = [leaves[k] if k != "angles" else leaves[k].expand(a.b, a.l, h, -1) for k in INPUT_NAMES]
+    dout = torch.randn(a.b, a.l, h, 64, device="cuda", dtype=torch.bfloat16)
+    wrt = list(leaves.values())
+
+    def fwd():
+        with torch.no_grad():
+            return scan.mimo_scan(*args)
+
+    def fwd_bwd():
+        out = scan.mimo_scan(*args)
+        return (out, *torch.autograd.grad(out, wrt, dout))
+
+    def median_ms(fn, iters=5):
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    names = ["out", *(f"d{k}" for k in leaves)]
+    t0 = time.perf_counter()
+    first = [t.float() for t in fwd_bwd()]  # compiles and autotunes every kernel
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    second = [t.float() for t in fwd_bwd()]
+    same = {n: torch.equal(x, y) for n, x, y in zip(names, first, second)}
+    print(f"first call {took:.1f} s; tuning left every tensor bit-identical to the next call: {all(same.values())} "
+          f"{[n for n, v in same.items() if not v]}", flush=True)
+    print(f"fwd {median_ms(fwd):.2f} ms, fwd+bwd {median_ms(fwd_bwd):.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
+
+    # each launch timed with CUDA events (the profiler lumps the three bwd passes under one name)
+    events, real_launch = {}, scan._launch
+
+    def timed_launch(name, grid, *args, **meta):
+        flags = "".join(k for k, v in meta.items() if v is True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        compiled = real_launch(name, grid, *args, **meta)
+        end.record()
+        events.setdefault(f"{name}[{flags}]" if flags else name, []).append((start, end))
+        return compiled
+
+    scan._launch = timed_launch
+    for _ in range(5):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    scan._launch = real_launch
+    for name, pairs in events.items():
+        print(f"launch {name}: {statistics.median(s.elapsed_time(e) for s, e in pairs):.3f} ms (median of "
+              f"{len(pairs)})")
+
+    for name, kernel in kernels.KERNELS.items():
+        timings = getattr(kernel, "configs_timings", None) or {}
+        print(f"\n{name}: best {kernel.best_config}")
+        for config, ms in timings.items():
+            shown = [f"{t:.3f}" for t in (ms if isinstance(ms, list) else [ms])]
+            print(f"  {config}: {' '.join(shown)} ms")
+        for device, cache in kernel.fn.device_caches.items():
+            for compiled in cache[0].values():
+                md = compiled.metadata
+                print(f"  compiled warps={md.num_warps} stages={md.num_stages} shared={md.shared} "
+                      f"regs={getattr(compiled, 'n_regs', '?')} spills={getattr(compiled, 'n_spills', '?')}")
+    print("\nshared bytes of the last launches:", scan.SHARED_BYTES)
+
+
+if __name__ == "__main__":
+    main()

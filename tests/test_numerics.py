@@ -33,10 +33,15 @@ def _loss(model, step: int, cast=lambda p: p) -> torch.Tensor:
     return (out.float() - y).square().mean()
 
 
-def test_fp32_master_equals_an_fp32_model_run_in_bf16_bit_for_bit():
+@pytest.mark.parametrize("chunk", [numerics.GRAD_CHUNK_BYTES, 200])
+def test_fp32_master_equals_an_fp32_model_run_in_bf16_bit_for_bit(monkeypatch, chunk):
     """Reference: fp32 weights, each forward on their bf16 cast (autograd hands the fp32 weights the bf16
     gradients, upcast), torch AdamW on the fp32 weights. fp32-master must give the same fp32 masters and the
-    same bf16 parameters, exactly (tolerance 0): the same gradients meet the same AdamW."""
+    same bf16 parameters, exactly (tolerance 0): the same gradients meet the same AdamW. ``chunk`` 200 bytes
+    cuts the multi-tensor gradient upcast into four runs (weights of 1024 and 512 bytes alone, the biases)."""
+    monkeypatch.setattr(numerics, "GRAD_CHUNK_BYTES", chunk)
+    assert len(numerics._chunks(list(_mlp(0).parameters()), lambda p: p.numel() * p.element_size())) == (
+        1 if chunk > 2000 else 4)
     model = _mlp(0)
     reference = _mlp(0, torch.float32)
     with torch.no_grad():

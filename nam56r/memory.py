@@ -179,7 +179,8 @@ def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> 
     * without recompute, the measured ``per_sequence`` (everything the run keeps for one sequence, the MTP depths
       and the CE head included) is split among the kinds in proportion to ``kept_bytes_per_token``;
     * a recomputed mixer keeps its input and its norm's input (2 x hidden bf16 per token and layer); a recomputed
-      whole layer (``layer``) keeps its input (1 x hidden);
+      whole layer (``layer``) keeps its input (1 x hidden); a Mamba mixer under ``mamba-scan`` keeps those two
+      and its in_proj output (``mamba_scan_kept_per_token``);
     * the replay holds one layer of the largest recomputed kind's activations, as without recompute.
     """
     kept = kept_bytes_per_token(cfg)
@@ -188,14 +189,24 @@ def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> 
     rows, replay = {}, 0.0
     for kind, (n, per_layer) in kept.items():
         full = n * per_layer * cfg.seq_len * scale / GIB
-        recomputed = "layer" in kinds or kind in kinds
-        inputs = (1 if "layer" in kinds else 2) * cfg.hidden * 2
+        scan = kind == "mamba" and "mamba-scan" in kinds and "layer" not in kinds
+        recomputed = "layer" in kinds or kind in kinds or scan
+        inputs = (1 if "layer" in kinds else 2) * cfg.hidden * 2 + (mamba_scan_extra_per_token(cfg) if scan else 0)
         rows[kind] = {"layers": n, "gib": n * inputs * cfg.seq_len / GIB if recomputed else full,
                       "recomputed": recomputed, "without_recompute_gib": full}
         if recomputed:
             replay = max(replay, full / n)
     rows["replay"] = {"layers": 1 if replay else 0, "gib": replay, "recomputed": False, "without_recompute_gib": 0.0}
     return rows
+
+
+def mamba_scan_extra_per_token(cfg) -> int:
+    """Bytes per token a Mamba-3 layer keeps under ``mamba-scan`` beyond a whole recomputed mixer's two hidden
+    vectors: its in_proj output (bf16; z, x, B, C, dt, A, trap and the angles: 24,992 wide at NAM56R's width,
+    ``nam56r.blocks.mamba3``), the input of the checkpointed part past in_proj."""
+    bc = cfg.d_state * cfg.mamba_ngroups * cfg.mamba_mimo_rank
+    angles = int(cfg.d_state * cfg.mamba_rope_fraction) // 2 * 2 // 2
+    return 2 * (2 * cfg.d_inner + 2 * bc + 3 * cfg.mamba_heads + angles)
 
 
 def per_sequence_gib(rows: dict[str, dict]) -> float:

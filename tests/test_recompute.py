@@ -87,6 +87,40 @@ def test_recompute_is_bit_exact_against_none(reference, kinds):
         assert calls[kind] == (2 * n if kind in covered else n), kind
 
 
+@pytest.mark.slow
+def test_mamba_scan_is_bit_exact_and_reruns_only_past_in_proj(reference, monkeypatch):
+    """``mamba-scan``: loss and every gradient equal the run without recompute (tolerance 0); the part of each
+    Mamba mixer past in_proj runs twice, in_proj and the mixer's forward once; marking ``mamba`` afterwards
+    clears the mixers' own mark (a whole recomputed mixer does not checkpoint inside itself too)."""
+    from nam56r.blocks.mamba3 import Mamba3Mixer
+
+    model, batch, ref_out, ref_grads, once, calls = reference
+    past, in_proj = [], []
+    original = Mamba3Mixer._past_in_proj
+    monkeypatch.setattr(Mamba3Mixer, "_past_in_proj",
+                        lambda self, *a, **k: (past.append(1), original(self, *a, **k))[1])
+    mixers = [m for m in model.modules() if isinstance(m, Mamba3Mixer)]
+    handles = [m.in_proj.register_forward_pre_hook(lambda *a: in_proj.append(1)) for m in mixers]
+    calls.clear()
+    assert recompute.apply(model, ("mamba-scan",)) == [
+        f"activation recompute: mamba-scan in {once['mamba']} layers (train.recompute)"]
+    try:
+        out, grads = _loss_and_grads(model, batch)
+    finally:
+        recompute.apply(model, ("mamba",))
+        assert not any(m.recompute_scan for m in mixers)
+        recompute.apply(model, ())
+        for h in handles:
+            h.remove()
+    for key in ref_out:
+        assert torch.equal(out[key], ref_out[key]), key
+    assert grads.keys() == ref_grads.keys() and len(grads) > 50
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+    assert len(mixers) == once["mamba"] > 0
+    assert len(past) == 2 * len(mixers) and len(in_proj) == len(mixers) == calls["mamba"]
+
+
 def test_a_replay_sees_state_recompute_and_leaves_the_state_as_it_was():
     """The replay runs with ``state.recompute`` set (what DSA's indexer strategies read) and its aux losses
     and log lines are dropped: the first pass recorded them once."""
@@ -117,5 +151,8 @@ def test_recompute_config_presets_and_refusals():
     assert run.spec.train.recompute == ("mamba", "attention")
     with pytest.raises(ConfigError, match="alone"):
         resolve(RunRequest(overrides=["train.recompute=layer,mamba"], env_plugins=False))
-    with pytest.raises(ConfigError, match="expected one of mamba, moe, attention, layer"):
+    with pytest.raises(ConfigError, match="not both"):
+        resolve(RunRequest(overrides=["train.recompute=mamba,mamba-scan"], env_plugins=False))
+    assert recompute_kinds(TrainConfig(recompute=("moe", "mamba-scan"))) == ("mamba-scan", "moe")
+    with pytest.raises(ConfigError, match="expected one of mamba, mamba-scan, moe, attention, layer"):
         resolve(RunRequest(overrides=["train.recompute=experts"], env_plugins=False))

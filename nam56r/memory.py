@@ -103,6 +103,19 @@ def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int,
                       other_gib=other_gib_fixed + other_gib_per_sequence * mbs)
 
 
+def megatron_estimate(cfg, *, world: int, ep: int, mbs: int, kinds: tuple[str, ...], numerics: str = "fp32-master",
+                      split: tuple[int, int] | None = None) -> tuple[MemoryPlan, dict[str, dict]]:
+    """The megatron engine's per-GPU plan of ``cfg`` at ``world`` ranks, expert parallelism ``ep``, micro-batch
+    ``mbs`` and the recompute ``kinds`` (expanded), with its activation rows (``activations_by_kind``): what
+    ``--dry-run`` prints for that layout (cli/plan.py) and what ``bench/megatron.py memory`` measures against on
+    one GPU at the same per-GPU shapes. ``cfg`` must have ``MEASURED_SHAPE``."""
+    dense, routed = split or parameter_split(cfg)
+    rows = activations_by_kind(cfg, kinds, per_sequence=OTHER_GIB_PER_SEQUENCE)
+    plan = megatron_plan(dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics,
+                         other_gib_per_sequence=per_sequence_gib(rows))
+    return plan, rows
+
+
 def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB,
                 per_sequence: float = OTHER_GIB_PER_SEQUENCE, numerics: str = "fp32-master") -> int:
     """The largest micro-batch whose plan ``fits`` a GPU of ``capacity_gib`` (0 if not even MBS 1 fits)."""

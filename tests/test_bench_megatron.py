@@ -58,3 +58,75 @@ def test_bench_runs_are_requested_as_nam_train_would_request_them(bench):
     assert {"mimo-scan", "grouped-moe", "sparse-mla", "liger", "float8"} <= set(run.spec.plugins)
     assert run.spec.backends["ssm"] == "mimo-scan" and run.spec.options["float8"].linears == "rowwise"
     assert run.lowering is not None and run.lowering.moe_dispatcher == train.moe_dispatcher
+
+
+def test_a_sharded_rank_keeps_megatrons_buffers_and_steps_its_shard_as_adamw(bench):
+    """``ShardedRank`` on a small bf16 model with two routed-expert-named matrices: gradients land in the fp32
+    buffer (equal to the bf16 gradients, upcast) and the bf16 ones are freed; the shard is the first
+    ceil(dense / world) dense and ceil(routed / (world / ep)) expert elements; a step moves exactly the
+    shard's elements, as torch's AdamW on their fp32 copies would (tolerance 0), and the rest stay as they were."""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, bias=False)
+            self.w_gate_up = torch.nn.Parameter(torch.randn(2, 6, 8))
+            self.w_down = torch.nn.Parameter(torch.randn(2, 8, 3))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mixer = Block()
+    model = model.bfloat16()
+    before = torch.cat([p.detach().flatten().float() for p in (model.layers[0].mixer.proj.weight,
+                                                               model.layers[0].mixer.w_gate_up,
+                                                               model.layers[0].mixer.w_down)])
+    rank = bench.ShardedRank(model, world=4, ep=2)
+    assert (rank.dense, rank.routed) == (64, 96 + 48) and rank.ranges == [(0, 16), (64, 64 + 72)]
+    assert rank.shard_elements() == 16 + 72 and rank.grads.dtype == torch.float32
+    mixer = model.layers[0].mixer
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    loss = (mixer.proj(x).float().square().sum() + mixer.w_gate_up.float().sum() * 0.5
+            + mixer.w_down.float().square().sum())
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # added into the fp32 buffer and freed
+    expected = torch.cat([((x.float().t() @ (2 * mixer.proj(x).float())).t().bfloat16().float()).flatten(),
+                          torch.full((96,), 0.5), (2 * mixer.w_down.detach().float()).flatten()])
+    assert torch.equal(rank.grads[64:], expected[64:])
+    assert torch.allclose(rank.grads[:64], expected[:64], rtol=1e-2, atol=1e-2)  # bf16 GEMM's own rounding
+    grads = rank.grads.clone()
+    masters = [torch.nn.Parameter(before[a:b].clone()) for a, b in rank.ranges]
+    reference = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1)
+    for m, (a, b) in zip(masters, rank.ranges):
+        m.grad = grads[a:b]
+    reference.step()
+    rank.step()
+    after = rank.params.float()
+    for m, (a, b) in zip(masters, rank.ranges):
+        assert torch.equal(after[a:b], m.detach().bfloat16().float())
+    outside = torch.ones_like(after, dtype=torch.bool)
+    for a, b in rank.ranges:
+        outside[a:b] = False
+    assert torch.equal(after[outside], before[outside]) and not torch.equal(after, before)
+    assert rank.grads.abs().sum() == 0  # zeroed for the next step
+
+
+@pytest.mark.slow
+def test_per_gpu_memory_builds_one_ranks_shapes_and_trains(bench):
+    """nam56r-tiny (reference backends, CPU, rows of 32) at one rank's shapes of 8 GPUs at EP 8: 2 experts per
+    MoE layer, the static parts the plan counts (within the few fp32 parameters the plan counts as bf16), a
+    shard of the plan's size, and two steps that train."""
+    from nam56r.memory import GIB
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe("nam56r-tiny")
+    train = recipe.train.replace(micro_batch_size=1, dtype="bfloat16", recompute=("mamba", "moe"), device="cpu",
+                                 checkpoint_every=0, total_steps=2, warmup_steps=1)
+    spec = {"recipe": recipe.name, "model": {"seq_len": 32}, "backends": "reference"}
+    result = bench.per_gpu_memory(spec, train, world=8, ep=8, steps=2, say=lambda line: None)
+    plan, got = result["plan"], result["measured"]
+    assert got["experts_per_layer"] == 2 and got["peak_gib"] is None and result["activations_by_kind"] is None
+    for part in ("weights_gib", "grads_gib", "optimizer_gib"):
+        assert got[part] == pytest.approx(plan[part], rel=0.02), part
+    assert got["optimizer_gib"] == 12 * got["shard_elements"] / GIB
+    assert all(torch.isfinite(torch.tensor(got["losses"]))) and got["losses"][1] != got["losses"][0]

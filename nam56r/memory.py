@@ -192,8 +192,8 @@ def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> 
     * without recompute, the measured ``per_sequence`` (everything the run keeps for one sequence, the MTP depths
       and the CE head included) is split among the kinds in proportion to ``kept_bytes_per_token``;
     * a recomputed mixer keeps its input and its norm's input (2 x hidden bf16 per token and layer); a recomputed
-      whole layer (``layer``) keeps its input (1 x hidden); a Mamba mixer under ``mamba-scan`` keeps those two
-      and its in_proj output (``mamba_scan_kept_per_token``);
+      whole layer (``layer``) keeps its input (1 x hidden); a Mamba mixer under ``mamba-scan`` keeps those two,
+      its in_proj output and out_proj's input (``mamba_scan_extra_per_token``);
     * the replay holds one layer of the largest recomputed kind's activations, as without recompute.
     """
     kept = kept_bytes_per_token(cfg)
@@ -215,11 +215,11 @@ def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> 
 
 def mamba_scan_extra_per_token(cfg) -> int:
     """Bytes per token a Mamba-3 layer keeps under ``mamba-scan`` beyond a whole recomputed mixer's two hidden
-    vectors: its in_proj output (bf16; z, x, B, C, dt, A, trap and the angles: 24,992 wide at NAM56R's width,
-    ``nam56r.blocks.mamba3``), the input of the checkpointed part past in_proj."""
+    vectors: the in_proj output (bf16; z, x, B, C, dt, A, trap and the angles: 24,992 wide at NAM56R's width)
+    and out_proj's input (d_inner), the two ends of the checkpointed part (``nam56r.blocks.mamba3``)."""
     bc = cfg.d_state * cfg.mamba_ngroups * cfg.mamba_mimo_rank
     angles = int(cfg.d_state * cfg.mamba_rope_fraction) // 2 * 2 // 2
-    return 2 * (2 * cfg.d_inner + 2 * bc + 3 * cfg.mamba_heads + angles)
+    return 2 * (2 * cfg.d_inner + 2 * bc + 3 * cfg.mamba_heads + angles) + 2 * cfg.d_inner
 
 
 def per_sequence_gib(rows: dict[str, dict]) -> float:

@@ -99,7 +99,8 @@ def test_activations_by_kind_split_the_measured_total_and_recompute_keeps_inputs
     from nam56r.model import build_model
 
     mixer = next(m for m in build_model(cfg, device="meta").modules() if isinstance(m, Mamba3Mixer))
-    assert mamba_scan_extra_per_token(cfg) == 2 * mixer.in_proj.out_features == 2 * 24992  # bf16 in_proj output
-    assert scan["mamba"]["gib"] * GIB == 17 * (2 * cfg.hidden * 2 + 2 * 24992) * cfg.seq_len
+    widths = mixer.in_proj.out_features + mixer.out_proj.in_features  # in_proj's output, out_proj's input
+    assert mamba_scan_extra_per_token(cfg) == 2 * widths == 2 * (24992 + 8192)  # bf16
+    assert scan["mamba"]["gib"] * GIB == 17 * (2 * cfg.hidden * 2 + 2 * widths) * cfg.seq_len
     assert scan["moe"]["gib"] == none["moe"]["gib"] and scan["mamba"]["recomputed"]
     assert per_sequence_gib(mamba) < per_sequence_gib(scan) < OTHER_GIB_PER_SEQUENCE

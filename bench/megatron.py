@@ -821,6 +821,32 @@ class LocalExperts:
         return self.inner(x, chosen % self.keep, gates, w_gate_up, w_down, state)
 
 
+class ScanInPieces:
+    """A Mamba-3 scan backend called on batch pieces of at most ``rows`` sequences, the results concatenated:
+    the MIMO kernels are compiled per exact batch, and a GPU host whose cache holds the MBS 4 kernels would
+    spend minutes building MBS 8's. The scan keeps the same inputs for backward either way; the pieces' outputs
+    and their concatenation coexist for one layer at a time (one scan output, [b, l, h, p] bf16: 0.5 GiB at
+    MBS 8, well inside the plan's 10%)."""
+
+    BATCHED = (0, 1, 2, 3, 4, 5, 8, 10)
+    """The scan's per-sequence arguments: q, k, v, adt, dt, trap, angles, z (``nam56r.backends.SSMScan``)."""
+
+    def __init__(self, scan, rows: int):
+        self.scan, self.rows = scan, rows
+
+    def __call__(self, *args, chunk_size: int):
+        import torch
+
+        b = args[0].shape[0]
+        if b <= self.rows:
+            return self.scan(*args, chunk_size=chunk_size)
+        pieces = []
+        for start in range(0, b, self.rows):
+            part = [a[start:start + self.rows] if i in self.BATCHED else a for i, a in enumerate(args)]
+            pieces.append(self.scan(*part, chunk_size=chunk_size))
+        return torch.cat(pieces)
+
+
 def routed_name(name: str) -> bool:
     """Whether parameter ``name`` is a routed expert matrix (``nam56r.memory.parameter_split``'s rule)."""
     return name.endswith((".mixer.w_gate_up", ".mixer.w_down")) and name.startswith("layers.")
@@ -917,19 +943,24 @@ class ShardedRank:
                 p.grad = None
 
 
-def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=print) -> dict:
+def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=print, scan_rows: int = 0) -> dict:
     """Build ``spec``'s local model on this process's device, cut to one rank's experts of EP ``ep`` and
     wrapped in ``ShardedRank`` (``world`` ranks), train ``steps`` micro-batches of ``train.micro_batch_size``
     and return the measured static parts and peak (CUDA: the allocator's ``max_memory_allocated``) next to
-    ``nam56r.memory.megatron_estimate`` for the same layout, micro-batch and recompute."""
+    ``nam56r.memory.megatron_estimate`` for the same layout, micro-batch and recompute. ``scan_rows``: run the
+    Mamba-3 scan in batch pieces of that many sequences (``ScanInPieces``; 0: whole)."""
     import torch
 
     from nam56r import memory
+    from nam56r.blocks.mamba3 import Mamba3Mixer
     from nam_core.engine.config import recompute_kinds
 
     session = session_for(spec, train)
     model = session.trainable()
     keep = cut_experts(model.module, ep)
+    for mixer in model.module.modules():
+        if scan_rows and isinstance(mixer, Mamba3Mixer):
+            mixer.scan = ScanInPieces(mixer.scan, scan_rows)
     rank = ShardedRank(model.module, world=world, ep=ep)
     cfg = session.spec.model
     dense, routed = memory.parameter_split(cfg)
@@ -997,11 +1028,12 @@ def memory_command(args) -> int:
           f"{recipe.model.num_experts} / {args.ep}; optimizer shard 1 / {args.world} of the dense parameters, "
           f"1 / {args.world // args.ep} of this rank's experts), MBS {args.mbs}, recompute {args.recompute}, "
           f"{args.numerics}", flush=True)
-    result = per_gpu_memory(spec, train, world=args.world, ep=args.ep, steps=args.steps)
+    result = per_gpu_memory(spec, train, world=args.world, ep=args.ep, steps=args.steps, scan_rows=args.scan_rows)
     print("\n" + "\n".join(memory_table(result)), flush=True)
     if args.json:
         write_json(args.json, {"meta": meta(world=args.world, ep=args.ep, mbs=args.mbs, recompute=args.recompute,
-                                            numerics=args.numerics, steps=args.steps, recipe=recipe.name),
+                                            numerics=args.numerics, steps=args.steps, recipe=recipe.name,
+                                            scan_rows=args.scan_rows),
                                 **result})
     return 0
 
@@ -1091,6 +1123,8 @@ def main() -> int:
     mem.add_argument("--backends", choices=["fast", "reference"], default="fast")
     mem.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     mem.add_argument("--ssm", choices=SSM_BACKENDS, default="mamba-ssm")
+    mem.add_argument("--scan-rows", type=int, default=0, help="run the Mamba-3 scan in batch pieces of N sequences "
+                     "(kernels compiled for that batch; 0: the whole micro-batch)")
     for p in (t, sy, mem):
         p.add_argument("--moe", choices=list(MOE_BACKENDS), default="grouped", help="the routed experts' backend")
     for p in (c, pl, g, t, sy, mem):

@@ -130,3 +130,24 @@ def test_per_gpu_memory_builds_one_ranks_shapes_and_trains(bench):
         assert got[part] == pytest.approx(plan[part], rel=0.02), part
     assert got["optimizer_gib"] == 12 * got["shard_elements"] / GIB
     assert all(torch.isfinite(torch.tensor(got["losses"]))) and got["losses"][1] != got["losses"][0]
+
+
+def test_scan_in_pieces_splits_the_per_sequence_arguments_only(bench):
+    """Batch 5 in pieces of 2: three calls on sequences [0:2], [2:4], [4:5] of q, k, v, adt, dt, trap, angles and
+    z, the biases, D and the MIMO projections whole; the results concatenated in order."""
+    b, l, h = 5, 3, 2
+    per_seq = {0: (b, l, 4, 1, 8), 1: (b, l, 4, 1, 8), 2: (b, l, h, 6), 3: (b, h, l), 4: (b, h, l), 5: (b, h, l),
+               8: (b, l, h, 4), 10: (b, l, h, 6)}
+    whole = {6: (h, 4, 8), 7: (h, 4, 8), 9: (h,), 11: (h, 4, 6), 12: (h, 4, 6), 13: (h, 4, 6)}
+    args = [torch.randn(per_seq.get(i) or whole[i]) for i in range(14)]
+    seen = []
+
+    def scan(*a, chunk_size):
+        seen.append([tuple(t.shape) for t in a])
+        return a[2] * 2 + a[10] + a[9].sum()
+
+    out = bench.ScanInPieces(scan, 2)(*args, chunk_size=16)
+    assert torch.equal(out, scan(*args, chunk_size=16)) and len(seen) == 4
+    assert [s[2][0] for s in seen[:3]] == [2, 2, 1] and all(s[i][0] == n for s, n in zip(seen, (2, 2, 1))
+                                                             for i in per_seq)
+    assert all(s[i] == whole[i] for s in seen[:3] for i in whole)

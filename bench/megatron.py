@@ -707,8 +707,8 @@ def throughput(args) -> int:
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
     print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
-          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs first |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | vs first | recompute ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for engine, n, overlap, f8, numerics, recompute in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
             (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}"
@@ -729,13 +729,15 @@ def throughput(args) -> int:
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics)})
+        rows[-1]["recompute_ms_per_step"] = recompute_cost(rows)
         shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]
         vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x"
+        cost = "" if r["recompute_ms_per_step"] is None else f"{r['recompute_ms_per_step']:+.0f}"
         print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['numerics']} | {r['recompute']} "
               f"| {r['mbs']} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} "
-              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} |",
+              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} | {cost} |",
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
             write_json(args.json, {"meta": meta(layers=args.layers, ssm=args.ssm, mbs=args.mbs, warmup=args.warmup,
@@ -748,9 +750,20 @@ def throughput(args) -> int:
 
 
 RECOMPUTE_CHOICES = {"none": (), "mamba": ("mamba",), "mamba-scan": ("mamba-scan",), "moe": ("moe",),
-                     "attention": ("attention",), "mamba,moe": ("mamba", "moe"),
+                     "attention": ("attention",), "layer": ("layer",), "mamba,moe": ("mamba", "moe"),
                      "mamba-scan,moe": ("mamba-scan", "moe"), "mixers": ("mixers",), "full": ("full",)}
 """``throughput --recompute``: the ``train.recompute`` each row runs (a kind, a set, or a preset)."""
+
+
+ROW_KEY = ("engine", "gpus", "overlap", "numerics", "mbs")
+
+
+def recompute_cost(rows: list[dict]) -> float | None:
+    """What the last row's recompute adds to a step: its step ms minus the ``none`` row's of the same engine,
+    GPUs, overlap, numerics and MBS measured before it in this run (None without one, or for ``none``)."""
+    last = rows[-1]
+    base = next((r for r in rows if r["recompute"] == "none" and all(r[k] == last[k] for k in ROW_KEY)), None)
+    return None if base is None or last["recompute"] == "none" else last["step_ms"] - base["step_ms"]
 
 
 def throughput_runs(args) -> list[tuple]:

@@ -151,3 +151,14 @@ def test_scan_in_pieces_splits_the_per_sequence_arguments_only(bench):
     assert [s[2][0] for s in seen[:3]] == [2, 2, 1] and all(s[i][0] == n for s, n in zip(seen, (2, 2, 1))
                                                              for i in per_seq)
     assert all(s[i] == whole[i] for s in seen[:3] for i in whole)
+
+
+def test_recompute_cost_is_the_step_time_over_the_matching_none_row(bench):
+    row = lambda recompute, ms, numerics="fp32-master", mbs=2: {  # noqa: E731
+        "engine": "local", "gpus": 1, "overlap": "none", "numerics": numerics, "mbs": mbs, "recompute": recompute,
+        "step_ms": ms}
+    rows = [row("none", 900.0), row("mamba", 990.0)]
+    assert bench.recompute_cost(rows) == 90.0
+    assert bench.recompute_cost(rows[:1]) is None  # none itself
+    assert bench.recompute_cost([row("none", 900.0), row("moe", 950.0, numerics="bf16")]) is None  # no matching none
+    assert bench.recompute_cost([row("none", 900.0, mbs=4), row("none", 500.0), row("layer", 640.0)]) == 140.0

@@ -7,6 +7,12 @@ Three commands for the GPU host (megatron-core 0.19.2 importable, e.g. ``PYTHONP
     python bench/megatron.py throughput --gpus 1,2,4 --json bench/results/megatron.json
     python bench/megatron.py grads --gpus 2 --json bench/results/megatron_grads_2gpu.json
     python bench/megatron.py pipeline --gpus 2 --json bench/results/megatron_pipeline_2gpu.json
+    python bench/megatron.py memory --world 8 --ep 8 --mbs 8 --recompute mamba,moe --json bench/results/m.json
+
+``memory`` (one GPU, this process, no torchrun): the local model at one rank's shapes of ``--world`` GPUs at
+EP ``--ep`` (``per_gpu_memory``: E / ep experts per MoE layer, Megatron's flat parameter and fp32 gradient
+buffers, the distributed optimizer's shard), a few steps at ``--mbs``, its measured peak against the plan's
+per-GPU estimate (``nam56r.memory.megatron_estimate``) in one table.
 
 ``check``: NAM56R's 52-layer pattern at nam56r-tiny widths on CUDA with the reference backends, one initial
 state (nam's initialisation at the recipe's seed, saved once and loaded by every run) and one data order

@@ -78,7 +78,7 @@ from pathlib import Path
 # bench/megatron.py` and torchrun put it), `import megatron.core` would find this file. Drop bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from nam_core.engine.config import NUMERICS  # noqa: E402 (after the path fix above)
+from nam_core.engine.config import NUMERICS, RECOMPUTE_KINDS, RECOMPUTE_PRESETS  # noqa: E402 (after the path fix)
 
 RESUME_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
 """Resumed vs uninterrupted run, per step. Measured bit-exact on CPU (gloo, fp32, EP 2, 20 steps); on GPU the
@@ -1040,12 +1040,12 @@ def memory_command(args) -> int:
     train = recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=args.steps, warmup_steps=1,
                                  checkpoint_every=0, schedule="single", optimizer_numerics=args.numerics,
                                  dtype="bfloat16",
-                                 recompute=RECOMPUTE_CHOICES[args.recompute], device="cuda" if args.device == "cuda"
+                                 recompute=args.recompute, device="cuda" if args.device == "cuda"
                                  else "cpu", engine="local")
     spec = {"recipe": recipe.name, "model": {}, "backends": args.backends, "ssm": args.ssm, "moe": args.moe}
     print(f"\n{recipe.name} at one rank's shapes of {args.world} GPUs, EP {args.ep} (experts per MoE layer "
           f"{recipe.model.num_experts} / {args.ep}; optimizer shard 1 / {args.world} of the dense parameters, "
-          f"1 / {args.world // args.ep} of this rank's experts), MBS {args.mbs}, recompute {args.recompute}, "
+          f"1 / {args.world // args.ep} of this rank's experts), MBS {args.mbs}, recompute {','.join(args.recompute)}, "
           f"{args.numerics}", flush=True)
     result = per_gpu_memory(spec, train, world=args.world, ep=args.ep, steps=args.steps, scan_rows=args.scan_rows)
     print("\n" + "\n".join(memory_table(result)), flush=True)
@@ -1135,7 +1135,8 @@ def main() -> int:
     mem.add_argument("--world", type=int, default=8)
     mem.add_argument("--ep", type=int, default=8)
     mem.add_argument("--mbs", type=int, default=8)
-    mem.add_argument("--recompute", choices=list(RECOMPUTE_CHOICES), default="mamba,moe")
+    mem.add_argument("--recompute", type=lambda s: tuple(x for x in s.split(",") if x), default=("mamba", "moe"),
+                     help="train.recompute, a comma list (the plan's --dry-run names it)")
     mem.add_argument("--numerics", choices=["fp32-master", "bf16-moments"], default="fp32-master")
     mem.add_argument("--steps", type=int, default=3)
     mem.add_argument("--recipe", default="nam56r")
@@ -1165,6 +1166,9 @@ def main() -> int:
         ap.error(f"--recompute: '/'-separated among {' / '.join(RECOMPUTE_CHOICES)}, found {'/'.join(args.recompute)}")
     if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
         ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
+    if args.command == "memory" and set(args.recompute) - set(RECOMPUTE_KINDS) - set(RECOMPUTE_PRESETS):
+        ap.error(f"--recompute: a comma list of {', '.join((*RECOMPUTE_KINDS, *RECOMPUTE_PRESETS))}, found "
+                 f"{','.join(args.recompute)}")
     if args.command == "memory" and (args.world % args.ep or args.ep < 1):
         ap.error(f"--ep must divide --world, found world {args.world}, ep {args.ep}")
     if args.command in ("check", "pipeline") and args.steps % 2:

@@ -112,16 +112,18 @@ def main() -> int:
         reference = reference or values
         row["max_abs_difference"], row["worst"] = largest_difference(values, reference)
         rows.append(row)
-        print(f"[{mode}] {row['ms']:.2f} ms, kept {row['kept_gib']:.3f} GiB, difference {row['max_abs_difference']:.3g}",
-              flush=True)
+        print(f"[{mode}] {row['ms']:.2f} ms, kept {row['kept_gib']:.3f} GiB, difference "
+              f"{row['max_abs_difference']:.3g}", flush=True)
     floor = rows[1]["max_abs_difference"]
     print(f"\nMamba-3 mixer fwd+bwd, b={args.batch} s={args.seq}, NAM56R width, bf16, {torch.cuda.get_device_name()}; "
           f"difference: largest |x - none| over the output, the input gradient and every parameter gradient\n")
-    print("| recompute | ms | vs none | kept for backward GiB | peak above inputs GiB | difference from none | worst at |")
+    print("| recompute | ms | vs none | kept for backward GiB | peak above inputs GiB | difference from none "
+          "| worst at |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['ms']:.2f} | {r['ms'] - rows[0]['ms']:+.2f} ms | {r['kept_gib']:.3f} "
-              f"| {r['peak_gib']:.3f} | {r['max_abs_difference']:.3g} | {r['worst'] if r['max_abs_difference'] else ''} |")
+              f"| {r['peak_gib']:.3f} | {r['max_abs_difference']:.3g} "
+              f"| {r['worst'] if r['max_abs_difference'] else ''} |")
     bad = [r["mode"] for r in rows[2:] if r["max_abs_difference"] > floor]
     print(f"\nfloor (two runs without recompute): {floor:.3g}; " +
           (f"OVER THE FLOOR: {', '.join(bad)}" if bad else "every recompute choice within it"))

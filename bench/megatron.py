@@ -743,7 +743,8 @@ def throughput(args) -> int:
         print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['numerics']} | {r['recompute']} "
               f"| {r['mbs']} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} "
-              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} | {cost} |",
+              f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} | {vs} "
+              f"| {cost} |",
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
             write_json(args.json, {"meta": meta(layers=args.layers, ssm=args.ssm, mbs=args.mbs, warmup=args.warmup,
@@ -945,7 +946,8 @@ class ShardedRank:
         weights = self.params.numel() * 2 + sum(p.numel() * p.element_size() for p in self.others)
         optimizer = sum(t.numel() * t.element_size() for m in self.masters
                         for t in (m, self.optimizer.state[m]["exp_avg"], self.optimizer.state[m]["exp_avg_sq"]))
-        return {"weights_gib": weights / GIB, "grads_gib": self.grads.numel() * 4 / GIB, "optimizer_gib": optimizer / GIB}
+        return {"weights_gib": weights / GIB, "grads_gib": self.grads.numel() * 4 / GIB,
+                "optimizer_gib": optimizer / GIB}
 
     def step(self) -> None:
         import torch

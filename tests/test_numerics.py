@@ -154,6 +154,21 @@ def test_a_missing_torchao_is_refused_naming_the_package(monkeypatch):
         assert "pip install 'torchao==0.18.*'" in info.value.hint
 
 
+def test_fp32_master_on_a_float32_model_updates_the_parameters_themselves():
+    """No bf16 parameter, no master copy: the hooks have nothing to copy and the step is torch's AdamW's."""
+    model, reference = _mlp(0, torch.float32), _mlp(0, torch.float32)
+    opt = numerics.make_optimizer(model.parameters(), numerics="fp32-master", **HP)
+    ref_opt = torch.optim.AdamW([{"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            _loss(m, step, cast=lambda p: p.bfloat16()).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert opt.nam_masters == [] and all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
 def test_float32_runs_take_fp32_master_only():
     from nam56r.run import RunRequest, resolve
     from nam_core.errors import ConfigError

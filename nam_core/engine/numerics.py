@@ -172,7 +172,8 @@ def _attach_masters(opt: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, 
 
     @torch.no_grad()
     def masters_to_params(optimizer, args, kwargs) -> None:
-        torch._foreach_copy_(targets, masters)  # fp32 -> bf16, round-to-nearest
+        if targets:  # none in a float32 model: its parameters are their own masters
+            torch._foreach_copy_(targets, masters)  # fp32 -> bf16, round-to-nearest
 
     def save_masters(optimizer, state: dict) -> dict:
         state[MASTER_KEY] = [m.detach().clone() for _, m in pairs]

@@ -964,9 +964,11 @@ class ShardedRank:
                 p.grad = None
 
 
-def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=print, scan_rows: int = 0) -> dict:
+def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=print, scan_rows: int = 0,
+                   mbs: int | None = None) -> dict:
     """Build ``spec``'s local model on this process's device, cut to one rank's experts of EP ``ep`` and
-    wrapped in ``ShardedRank`` (``world`` ranks), train ``steps`` micro-batches of ``train.micro_batch_size``
+    wrapped in ``ShardedRank`` (``world`` ranks), train ``steps`` micro-batches of ``mbs`` sequences (default
+    ``train.micro_batch_size``, the one the run is built at: the plugins' preflight builds kernels for it)
     and return the measured static parts and peak (CUDA: the allocator's ``max_memory_allocated``) next to
     ``nam56r.memory.megatron_estimate`` for the same layout, micro-batch and recompute. ``scan_rows``: run the
     Mamba-3 scan in batch pieces of that many sequences (``ScanInPieces``; 0: whole)."""
@@ -995,15 +997,16 @@ def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=pr
         torch.cuda.reset_peak_memory_stats()
     static_allocated = torch.cuda.memory_allocated() / memory.GIB if cuda else None
     numerics = train.optimizer_numerics
-    plan, rows = (memory.megatron_estimate(cfg, world=world, ep=ep, mbs=train.micro_batch_size,
+    mbs = mbs or train.micro_batch_size
+    plan, rows = (memory.megatron_estimate(cfg, world=world, ep=ep, mbs=mbs,
                                            kinds=recompute_kinds(train), numerics=numerics, split=(dense, routed))
                   if memory.activations_measured(cfg) else (memory.megatron_plan(
-                      dense, routed, world=world, ep=ep, mbs=train.micro_batch_size, numerics=numerics,
+                      dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics,
                       other_gib_per_sequence=0.0, other_gib_fixed=0.0), None))
     peaks, losses = [], []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = {k: v.to(rank.params.device) for k, v in session.batches(step, train.micro_batch_size).items()}
+        batch = {k: v.to(rank.params.device) for k, v in session.batches(step, mbs).items()}
         out = model.forward(batch, step)
         out["loss"].backward()
         rank.step()
@@ -1039,17 +1042,18 @@ def memory_command(args) -> int:
 
     recipe = get_recipe(args.recipe)
     packed_rows(recipe.model.seq_len, recipe.train.seed)
-    train = recipe.train.replace(micro_batch_size=args.mbs, grad_accum=1, total_steps=args.steps, warmup_steps=1,
-                                 checkpoint_every=0, schedule="single", optimizer_numerics=args.numerics,
-                                 dtype="bfloat16",
-                                 recompute=args.recompute, device="cuda" if args.device == "cuda"
-                                 else "cpu", engine="local")
+    # --scan-rows: built at that micro-batch, so the scan plugin's preflight builds (or reads) its kernels
+    train = recipe.train.replace(micro_batch_size=args.scan_rows or args.mbs, grad_accum=1, total_steps=args.steps,
+                                 warmup_steps=1, checkpoint_every=0, schedule="single", dtype="bfloat16",
+                                 optimizer_numerics=args.numerics, recompute=args.recompute, device=args.device,
+                                 engine="local")
     spec = {"recipe": recipe.name, "model": {}, "backends": args.backends, "ssm": args.ssm, "moe": args.moe}
     print(f"\n{recipe.name} at one rank's shapes of {args.world} GPUs, EP {args.ep} (experts per MoE layer "
           f"{recipe.model.num_experts} / {args.ep}; optimizer shard 1 / {args.world} of the dense parameters, "
           f"1 / {args.world // args.ep} of this rank's experts), MBS {args.mbs}, recompute {','.join(args.recompute)}, "
           f"{args.numerics}", flush=True)
-    result = per_gpu_memory(spec, train, world=args.world, ep=args.ep, steps=args.steps, scan_rows=args.scan_rows)
+    result = per_gpu_memory(spec, train, world=args.world, ep=args.ep, steps=args.steps, scan_rows=args.scan_rows,
+                            mbs=args.mbs)
     print("\n" + "\n".join(memory_table(result)), flush=True)
     if args.json:
         write_json(args.json, {"meta": meta(world=args.world, ep=args.ep, mbs=args.mbs, recompute=args.recompute,
@@ -1146,7 +1150,8 @@ def main() -> int:
     mem.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     mem.add_argument("--ssm", choices=SSM_BACKENDS, default="mamba-ssm")
     mem.add_argument("--scan-rows", type=int, default=0, help="run the Mamba-3 scan in batch pieces of N sequences "
-                     "(kernels compiled for that batch; 0: the whole micro-batch)")
+                     "and build the run at MBS N (the scan plugin's preflight builds kernels for the run's MBS; a "
+                     "host that has MBS N's skips minutes of building); 0: the whole micro-batch")
     for p in (t, sy, mem):
         p.add_argument("--moe", choices=list(MOE_BACKENDS), default="grouped", help="the routed experts' backend")
     for p in (c, pl, g, t, sy, mem):

@@ -7,6 +7,12 @@ Three commands for the GPU host (megatron-core 0.19.2 importable, e.g. ``PYTHONP
     python bench/megatron.py throughput --gpus 1,2,4 --json bench/results/megatron.json
     python bench/megatron.py grads --gpus 2 --json bench/results/megatron_grads_2gpu.json
     python bench/megatron.py pipeline --gpus 2 --json bench/results/megatron_pipeline_2gpu.json
+    python bench/megatron.py memory --world 8 --ep 8 --mbs 8 --recompute mamba,moe --json bench/results/m.json
+
+``memory`` (one GPU, this process, no torchrun): the local model at one rank's shapes of ``--world`` GPUs at
+EP ``--ep`` (``per_gpu_memory``: E / ep experts per MoE layer, Megatron's flat parameter and fp32 gradient
+buffers, the distributed optimizer's shard), a few steps at ``--mbs``, its measured peak against the plan's
+per-GPU estimate (``nam56r.memory.megatron_estimate``) in one table.
 
 ``check``: NAM56R's 52-layer pattern at nam56r-tiny widths on CUDA with the reference backends, one initial
 state (nam's initialisation at the recipe's seed, saved once and loaded by every run) and one data order
@@ -61,6 +67,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 import statistics
@@ -74,7 +81,7 @@ from pathlib import Path
 # bench/megatron.py` and torchrun put it), `import megatron.core` would find this file. Drop bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from nam_core.engine.config import NUMERICS  # noqa: E402 (after the path fix above)
+from nam_core.engine.config import NUMERICS, RECOMPUTE_KINDS, RECOMPUTE_PRESETS  # noqa: E402 (after the path fix)
 
 RESUME_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
 """Resumed vs uninterrupted run, per step. Measured bit-exact on CPU (gloo, fp32, EP 2, 20 steps); on GPU the
@@ -712,8 +719,8 @@ def throughput(args) -> int:
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
           f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
     print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
-          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs first |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs first | recompute ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for engine, n, overlap, f8, numerics, recompute, (te, te_experts) in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
             (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}" + \
@@ -739,14 +746,16 @@ def throughput(args) -> int:
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
                      "peak_gib": max(m["mem_gib"] for m in metrics), "first_step_s": logged[0]["step_time_s"]})
+        rows[-1]["recompute_ms_per_step"] = recompute_cost(rows)
         shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]
         vs = f"{r['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x"
+        cost = "" if r["recompute_ms_per_step"] is None else f"{r['recompute_ms_per_step']:+.0f}"
         print(f"| {r['engine']} | {r['gpus']} | {r['topology']} | {r['overlap']} | {r['numerics']} | {r['recompute']} "
               f"| {r['mbs']} "
               f"| {r['tokens_per_s_per_gpu']:,.0f} "
               f"| {r['tflops_per_gpu']:.1f} | {r['tflops_per_gpu_at_31.2']:.1f} | {r['peak_gib']:.1f} "
-              f"| {r['first_step_s']:.1f} | {vs} |",
+              f"| {r['first_step_s']:.1f} | {vs} | {cost} |",
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
             write_json(args.json, {"meta": meta(layers=args.layers, ssm=args.ssm, mbs=args.mbs, warmup=args.warmup,
@@ -758,9 +767,21 @@ def throughput(args) -> int:
     return 0
 
 
-RECOMPUTE_CHOICES = {"none": (), "mamba": ("mamba",), "moe": ("moe",), "attention": ("attention",),
-                     "mamba,moe": ("mamba", "moe"), "mixers": ("mixers",), "full": ("full",)}
+RECOMPUTE_CHOICES = {"none": (), "mamba": ("mamba",), "mamba-scan": ("mamba-scan",), "moe": ("moe",),
+                     "attention": ("attention",), "layer": ("layer",), "mamba,moe": ("mamba", "moe"),
+                     "mamba-scan,moe": ("mamba-scan", "moe"), "mixers": ("mixers",), "full": ("full",)}
 """``throughput --recompute``: the ``train.recompute`` each row runs (a kind, a set, or a preset)."""
+
+
+ROW_KEY = ("engine", "gpus", "overlap", "numerics", "mbs")
+
+
+def recompute_cost(rows: list[dict]) -> float | None:
+    """What the last row's recompute adds to a step: its step ms minus the ``none`` row's of the same engine,
+    GPUs, overlap, numerics and MBS measured before it in this run (None without one, or for ``none``)."""
+    last = rows[-1]
+    base = next((r for r in rows if r["recompute"] == "none" and all(r[k] == last[k] for k in ROW_KEY)), None)
+    return None if base is None or last["recompute"] == "none" else last["step_ms"] - base["step_ms"]
 
 
 def throughput_runs(args) -> list[tuple]:
@@ -813,6 +834,248 @@ def syncs(args) -> int:
         write_json(args.json, {"meta": meta(layers=args.layers, moe=args.moe), "rows": rows})
     shutil.rmtree(work, ignore_errors=True)
     return 0 if rows[0]["syncs"] == 0 and rows[1]["syncs"] > 0 else 1
+
+
+# --- memory at one GPU's shapes of a larger layout -----------------------------------------------------------
+
+
+class LocalExperts:
+    """A MoE layer's routed experts as one rank of expert parallelism ``ep`` holds them: ``keep`` = E / ep
+    experts, and each routed slot sent to expert ``e`` lands on local expert ``e % keep``. Under balanced
+    routing a rank of EP ``ep`` at DP ``ep`` receives ``t x k`` slots for its ``keep`` experts, as this layer
+    does: the same GEMM rows and the same kept activations, the same router. For memory only: the outputs are
+    not the model's (the slots meet other experts' weights)."""
+
+    def __init__(self, experts, keep: int):
+        self.inner, self.keep = experts, keep
+
+    def layer_state(self, cfg):
+        return self.inner.layer_state(cfg)
+
+    def __call__(self, x, chosen, gates, w_gate_up, w_down, state=None):
+        return self.inner(x, chosen % self.keep, gates, w_gate_up, w_down, state)
+
+
+class ScanInPieces:
+    """A Mamba-3 scan backend called on batch pieces of at most ``rows`` sequences, the results concatenated:
+    the MIMO kernels are compiled per exact batch, and a GPU host whose cache holds the MBS 4 kernels would
+    spend minutes building MBS 8's. The scan keeps the same inputs for backward either way; the pieces' outputs
+    and their concatenation coexist for one layer at a time (one scan output, [b, l, h, p] bf16: 0.5 GiB at
+    MBS 8, well inside the plan's 10%)."""
+
+    BATCHED = (0, 1, 2, 3, 4, 5, 8, 10)
+    """The scan's per-sequence arguments: q, k, v, adt, dt, trap, angles, z (``nam56r.backends.SSMScan``)."""
+
+    def __init__(self, scan, rows: int):
+        self.scan, self.rows = scan, rows
+
+    def __call__(self, *args, chunk_size: int):
+        import torch
+
+        b = args[0].shape[0]
+        if b <= self.rows:
+            return self.scan(*args, chunk_size=chunk_size)
+        pieces = []
+        for start in range(0, b, self.rows):
+            part = [a[start:start + self.rows] if i in self.BATCHED else a for i, a in enumerate(args)]
+            pieces.append(self.scan(*part, chunk_size=chunk_size))
+        return torch.cat(pieces)
+
+
+def routed_name(name: str) -> bool:
+    """Whether parameter ``name`` is a routed expert matrix (``nam56r.memory.parameter_split``'s rule)."""
+    return name.endswith((".mixer.w_gate_up", ".mixer.w_down")) and name.startswith("layers.")
+
+
+def cut_experts(module, ep: int) -> int:
+    """Keep ``E / ep`` experts in every routed MoE layer of ``module`` (``LocalExperts``); returns how many."""
+    import torch
+
+    from nam56r.blocks.moe import MoE
+
+    keep = 0
+    for name, block in module.named_modules():
+        if isinstance(block, MoE) and name.startswith("layers."):
+            if block.num_experts % ep:
+                raise ValueError(f"{block.num_experts} experts do not split {ep} ways")
+            keep = block.num_experts // ep
+            block.w_gate_up = torch.nn.Parameter(block.w_gate_up.detach()[:keep].clone())  # [E/ep, 2f, d]
+            block.w_down = torch.nn.Parameter(block.w_down.detach()[:keep].clone())  # [E/ep, d, f]
+            block.experts = LocalExperts(block.experts, keep)
+    return keep
+
+
+class ShardedRank:
+    """One rank's static memory as the megatron engine keeps it (``nam56r.memory``'s module docstring), built
+    around a local model: the bf16 parameters in one flat buffer (dense first, then the routed experts); fp32
+    gradient buffers of the same layout, each gradient added in as backward produces it and freed (Megatron's
+    ``main_grad``); and the distributed optimizer's shard, fp32 main weights and two fp32 moments for the first
+    ``dense / world`` dense elements and ``routed / world`` expert elements (the experts are sharded over the
+    ``world / ep`` ranks that hold the same experts). ``step`` runs torch's AdamW on the shard and copies it back
+    into the parameters (the all-gather of the other shards moves no memory). Parameters that are not bf16
+    (Mamba-3's fp32 D and biases: kilobytes) keep their own gradients and are not stepped."""
+
+    def __init__(self, module, *, world: int, ep: int, lr: float = 1e-4):
+        import torch
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        low = [(n, p) for n, p in named if p.dtype == torch.bfloat16]
+        self.others = [p for _, p in named if p.dtype != torch.bfloat16]
+        ordered = [p for n, p in low if not routed_name(n)] + [p for n, p in low if routed_name(n)]
+        self.dense = sum(p.numel() for n, p in low if not routed_name(n))
+        self.routed = sum(p.numel() for n, p in low if routed_name(n))
+        device = ordered[0].device
+        self.params = torch.empty(self.dense + self.routed, dtype=torch.bfloat16, device=device)
+        self.grads = torch.zeros(self.dense + self.routed, dtype=torch.float32, device=device)
+        offset = 0
+        for p in ordered:
+            n = p.numel()
+            self.params[offset:offset + n].copy_(p.detach().flatten())
+            p.data = self.params[offset:offset + n].view_as(p)
+            p.register_post_accumulate_grad_hook(self._into(self.grads[offset:offset + n].view_as(p)))
+            offset += n
+        shard = (math.ceil(self.dense / world), math.ceil(self.routed / (world // ep)))
+        self.ranges = [(0, shard[0]), (self.dense, self.dense + shard[1])]
+        self.masters = [torch.nn.Parameter(self.params[a:b].float()) for a, b in self.ranges]  # fp32 [shard]
+        fused = device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=0.1, fused=fused or None)
+        for m in self.masters:  # the moments now, so the static part is all there before the first step
+            self.optimizer.state[m] = {"step": torch.zeros((), dtype=torch.float32, device=device if fused else "cpu"),
+                                       "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+
+    @staticmethod
+    def _into(main_grad):
+        def hook(p):
+            main_grad.add_(p.grad)  # bf16 -> the fp32 buffer
+            p.grad = None
+
+        return hook
+
+    def shard_elements(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    def static_gib(self) -> dict[str, float]:
+        """Bytes of each part, as allocated (GiB)."""
+        from nam56r.memory import GIB
+
+        weights = self.params.numel() * 2 + sum(p.numel() * p.element_size() for p in self.others)
+        optimizer = sum(t.numel() * t.element_size() for m in self.masters
+                        for t in (m, self.optimizer.state[m]["exp_avg"], self.optimizer.state[m]["exp_avg_sq"]))
+        return {"weights_gib": weights / GIB, "grads_gib": self.grads.numel() * 4 / GIB,
+                "optimizer_gib": optimizer / GIB}
+
+    def step(self) -> None:
+        import torch
+
+        for m, (a, b) in zip(self.masters, self.ranges):
+            m.grad = self.grads[a:b]  # fp32 view of the shard's gradients
+        self.optimizer.step()
+        with torch.no_grad():
+            for m, (a, b) in zip(self.masters, self.ranges):
+                self.params[a:b].copy_(m)  # fp32 -> bf16
+                m.grad = None
+            self.grads.zero_()
+            for p in self.others:
+                p.grad = None
+
+
+def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=print, scan_rows: int = 0,
+                   mbs: int | None = None) -> dict:
+    """Build ``spec``'s local model on this process's device, cut to one rank's experts of EP ``ep`` and
+    wrapped in ``ShardedRank`` (``world`` ranks), train ``steps`` micro-batches of ``mbs`` sequences (default
+    ``train.micro_batch_size``, the one the run is built at: the plugins' preflight builds kernels for it)
+    and return the measured static parts and peak (CUDA: the allocator's ``max_memory_allocated``) next to
+    ``nam56r.memory.megatron_estimate`` for the same layout, micro-batch and recompute. ``scan_rows``: run the
+    Mamba-3 scan in batch pieces of that many sequences (``ScanInPieces``; 0: whole)."""
+    import torch
+
+    from nam56r import memory
+    from nam56r.blocks.mamba3 import Mamba3Mixer
+    from nam_core.engine.config import recompute_kinds
+
+    session = session_for(spec, train)
+    model = session.trainable()
+    keep = cut_experts(model.module, ep)
+    for mixer in model.module.modules():
+        if scan_rows and isinstance(mixer, Mamba3Mixer):
+            mixer.scan = ScanInPieces(mixer.scan, scan_rows)
+    rank = ShardedRank(model.module, world=world, ep=ep)
+    cfg = session.spec.model
+    dense, routed = memory.parameter_split(cfg)
+    kept_dense = rank.dense + sum(p.numel() for p in rank.others)  # the plan counts the fp32 ones as dense
+    if (kept_dense, rank.routed * ep) != (dense, routed):
+        raise AssertionError(f"per-GPU shapes: dense {kept_dense:,} and routed {rank.routed:,} x {ep} elements, "
+                             f"expected {dense:,} and {routed:,} (nam56r.memory.parameter_split)")
+    cuda = torch.cuda.is_available() and rank.params.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    static_allocated = torch.cuda.memory_allocated() / memory.GIB if cuda else None
+    numerics = train.optimizer_numerics
+    mbs = mbs or train.micro_batch_size
+    plan, rows = (memory.megatron_estimate(cfg, world=world, ep=ep, mbs=mbs,
+                                           kinds=recompute_kinds(train), numerics=numerics, split=(dense, routed))
+                  if memory.activations_measured(cfg) else (memory.megatron_plan(
+                      dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics,
+                      other_gib_per_sequence=0.0, other_gib_fixed=0.0), None))
+    peaks, losses = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = {k: v.to(rank.params.device) for k, v in session.batches(step, mbs).items()}
+        out = model.forward(batch, step)
+        out["loss"].backward()
+        rank.step()
+        losses.append(out["loss"].item())
+        peaks.append(torch.cuda.max_memory_allocated() / memory.GIB if cuda else None)
+        say(f"step {step}: loss {losses[-1]:.4f}, {time.perf_counter() - t0:.1f} s"
+            + (f", peak {peaks[-1]:.1f} GiB" if cuda else ""))
+    measured = {**rank.static_gib(), "experts_per_layer": keep, "shard_elements": rank.shard_elements(),
+                "static_allocated_gib": static_allocated, "peak_gib": peaks[-1], "peaks_gib": peaks,
+                "losses": losses, "other_gib": peaks[-1] - static_allocated if cuda else None}
+    return {"plan": plan.to_dict(), "activations_by_kind": rows, "measured": measured}
+
+
+def memory_table(result: dict) -> list[str]:
+    """Plan and measurement side by side (GiB)."""
+    p, m = result["plan"], result["measured"]
+    rows = [("weights (bf16, this rank's)", p["weights_gib"], m["weights_gib"]),
+            ("gradients (fp32 buffers)", p["grads_gib"], m["grads_gib"]),
+            ("optimizer (fp32 main + 2 moments, this rank's shard)", p["optimizer_gib"], m["optimizer_gib"]),
+            ("static", p["static_gib"], m["static_allocated_gib"]),
+            ("activations and temporaries", p["other_gib"], m["other_gib"]),
+            ("peak (allocator)", p["total_gib"], m["peak_gib"])]
+    out = ["| part | plan GiB | measured GiB | measured vs plan |", "|---|---|---|---|"]
+    for name, planned, got in rows:
+        vs = f"{(got - planned) / planned:+.1%}" if got is not None and planned else ""
+        out.append(f"| {name} | {planned:.2f} | {'' if got is None else f'{got:.2f}'} | {vs} |")
+    return out
+
+
+def memory_command(args) -> int:
+    """``memory``: ``per_gpu_memory`` on full NAM56R (fast backends) in this process, its table, its JSON."""
+    from nam56r.recipes import get_recipe
+
+    recipe = get_recipe(args.recipe)
+    packed_rows(recipe.model.seq_len, recipe.train.seed)
+    # --scan-rows: built at that micro-batch, so the scan plugin's preflight builds (or reads) its kernels
+    train = recipe.train.replace(micro_batch_size=args.scan_rows or args.mbs, grad_accum=1, total_steps=args.steps,
+                                 warmup_steps=1, checkpoint_every=0, schedule="single", dtype="bfloat16",
+                                 optimizer_numerics=args.numerics, recompute=args.recompute, device=args.device,
+                                 engine="local")
+    spec = {"recipe": recipe.name, "model": {}, "backends": args.backends, "ssm": args.ssm, "moe": args.moe}
+    print(f"\n{recipe.name} at one rank's shapes of {args.world} GPUs, EP {args.ep} (experts per MoE layer "
+          f"{recipe.model.num_experts} / {args.ep}; optimizer shard 1 / {args.world} of the dense parameters, "
+          f"1 / {args.world // args.ep} of this rank's experts), MBS {args.mbs}, recompute {','.join(args.recompute)}, "
+          f"{args.numerics}", flush=True)
+    result = per_gpu_memory(spec, train, world=args.world, ep=args.ep, steps=args.steps, scan_rows=args.scan_rows,
+                            mbs=args.mbs)
+    print("\n" + "\n".join(memory_table(result)), flush=True)
+    if args.json:
+        write_json(args.json, {"meta": meta(world=args.world, ep=args.ep, mbs=args.mbs, recompute=args.recompute,
+                                            numerics=args.numerics, steps=args.steps, recipe=recipe.name,
+                                            scan_rows=args.scan_rows),
+                                **result})
+    return 0
 
 
 # --- shared -----------------------------------------------------------------------------------------------
@@ -894,9 +1157,25 @@ def main() -> int:
     sy.add_argument("--layers", type=int, default=52, help="the first N layers of the pattern (52, or fewer with "
                     "mla_attention_ranks inside them)")
     sy.add_argument("--warmup", type=int, default=1)
-    for p in (t, sy):
+    mem = sub.add_parser("memory", help="one GPU at the per-GPU shapes of --world GPUs at EP --ep: measured peak "
+                                        "against the plan's estimate")
+    mem.add_argument("--world", type=int, default=8)
+    mem.add_argument("--ep", type=int, default=8)
+    mem.add_argument("--mbs", type=int, default=8)
+    mem.add_argument("--recompute", type=lambda s: tuple(x for x in s.split(",") if x), default=("mamba", "moe"),
+                     help="train.recompute, a comma list (the plan's --dry-run names it)")
+    mem.add_argument("--numerics", choices=["fp32-master", "bf16-moments"], default="fp32-master")
+    mem.add_argument("--steps", type=int, default=3)
+    mem.add_argument("--recipe", default="nam56r")
+    mem.add_argument("--backends", choices=["fast", "reference"], default="fast")
+    mem.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    mem.add_argument("--ssm", choices=SSM_BACKENDS, default="mamba-ssm")
+    mem.add_argument("--scan-rows", type=int, default=0, help="run the Mamba-3 scan in batch pieces of N sequences "
+                     "and build the run at MBS N (the scan plugin's preflight builds kernels for the run's MBS; a "
+                     "host that has MBS N's skips minutes of building); 0: the whole micro-batch")
+    for p in (t, sy, mem):
         p.add_argument("--moe", choices=list(MOE_BACKENDS), default="grouped", help="the routed experts' backend")
-    for p in (c, pl, g, t, sy):
+    for p in (c, pl, g, t, sy, mem):
         p.add_argument("--json", type=Path, default=None)
         p.add_argument("--work", type=Path, default=None, help="where run folders go (default: the temp dir)")
     w = sub.add_parser("_worker", help=argparse.SUPPRESS)
@@ -917,11 +1196,16 @@ def main() -> int:
         ap.error(f"--recompute: '/'-separated among {' / '.join(RECOMPUTE_CHOICES)}, found {'/'.join(args.recompute)}")
     if args.command == "throughput" and not args.engines or set(getattr(args, "engines", [])) - {"local", "megatron"}:
         ap.error(f"--engines: local and/or megatron, found {','.join(args.engines)}")
+    if args.command == "memory" and set(args.recompute) - set(RECOMPUTE_KINDS) - set(RECOMPUTE_PRESETS):
+        ap.error(f"--recompute: a comma list of {', '.join((*RECOMPUTE_KINDS, *RECOMPUTE_PRESETS))}, found "
+                 f"{','.join(args.recompute)}")
+    if args.command == "memory" and (args.world % args.ep or args.ep < 1):
+        ap.error(f"--ep must divide --world, found world {args.world}, ep {args.ep}")
     if args.command in ("check", "pipeline") and args.steps % 2:
         ap.error("--steps must be even")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every engine run, same allocator
     return {"check": check, "pipeline": pipeline, "grads": grads, "throughput": throughput,
-            "syncs": syncs}[args.command](args)
+            "syncs": syncs, "memory": memory_command}[args.command](args)
 
 
 if __name__ == "__main__":

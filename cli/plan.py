@@ -184,12 +184,14 @@ def memory_section(spec, device) -> dict:
         section.update(scope="per GPU", activations=f"not estimated: the model is for pp 1 and tp 1 (found pp "
                                                     f"{lay.pp}, tp {lay.tp})")
         return section
-    rows = memory.activations_by_kind(cfg, kinds, per_sequence=memory.OTHER_GIB_PER_SEQUENCE) if measured else None
-    per_seq = memory.per_sequence_gib(rows) if rows else 0.0
-    kw = {"other_gib_per_sequence": per_seq} if measured else {"other_gib_per_sequence": 0.0, "other_gib_fixed": 0.0}
     numerics = train.optimizer_numerics if train.optimizer_numerics in memory.MEGATRON_OPTIMIZER else "fp32-master"
-    plan = memory.megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                                numerics=numerics, **kw)
+    if measured:  # the estimate bench/megatron.py memory measures at these per-GPU shapes on one GPU
+        plan, rows = memory.megatron_estimate(cfg, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
+                                              kinds=kinds, numerics=numerics, split=(dense, routed))
+        per_seq = memory.per_sequence_gib(rows)
+    else:
+        plan = memory.megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
+                                    numerics=numerics, other_gib_per_sequence=0.0, other_gib_fixed=0.0)
     section.update(scope=f"per GPU, {lay.world_size} GPUs at ep {lay.ep}, micro-batch {train.micro_batch_size}",
                    **plan.to_dict())
     if not measured:
@@ -197,7 +199,10 @@ def memory_section(spec, device) -> dict:
             f"{k} {v}" for k, v in memory.MEASURED_SHAPE.items()))
         return section
     section.update(activations=_activations_note(kinds), activations_by_kind=rows,
-                   outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB)
+                   outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB,
+                   one_gpu_check=(f"python bench/megatron.py memory --world {lay.world_size} --ep {lay.ep} --mbs "
+                                  f"{train.micro_batch_size} --recompute {','.join(kinds) or 'none'} --numerics "
+                                  f"{numerics}"))
     if capacity is not None:
         section.update(fits=plan.fits(capacity), largest_micro_batch=memory.largest_mbs(
             dense, routed, world=lay.world_size, ep=lay.ep, capacity_gib=capacity, per_sequence=per_seq,
@@ -345,6 +350,8 @@ def _memory(plan: dict) -> list[str]:
                      f"{m['largest_micro_batch']} (--set train.micro_batch_size=N)")
     elif m.get("capacity_gib"):
         lines.append(f"  device memory: {m['capacity_gib']:.1f} GiB")
+    if m.get("one_gpu_check"):
+        lines.append(f"  measured on one GPU at these per-GPU shapes by: {m['one_gpu_check']}")
     return lines
 
 

@@ -60,6 +60,11 @@ class SSMScan(Protocol):
 
     Rotation convention: SISO (r == 1) rotates adjacent pairs (2i, 2i+1); MIMO rotates (i, i + n/2),
     matching mamba-ssm's Triton SISO and TileLang MIMO kernels respectively.
+
+    Optional: ``for_backward_only(...)``, the same arguments: the same autograd graph and saved tensors as a
+    call, the result's values unspecified. ``train.recompute=mamba-scan`` replays the scan only to rebuild
+    what its backward reads and drops the result (``nam56r.blocks.mamba3``); a backend whose backward does not
+    read its own output can skip the forward's work there.
     """
 
     def __call__(

@@ -103,6 +103,19 @@ def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int,
                       other_gib=other_gib_fixed + other_gib_per_sequence * mbs)
 
 
+def megatron_estimate(cfg, *, world: int, ep: int, mbs: int, kinds: tuple[str, ...], numerics: str = "fp32-master",
+                      split: tuple[int, int] | None = None) -> tuple[MemoryPlan, dict[str, dict]]:
+    """The megatron engine's per-GPU plan of ``cfg`` at ``world`` ranks, expert parallelism ``ep``, micro-batch
+    ``mbs`` and the recompute ``kinds`` (expanded), with its activation rows (``activations_by_kind``): what
+    ``--dry-run`` prints for that layout (cli/plan.py) and what ``bench/megatron.py memory`` measures against on
+    one GPU at the same per-GPU shapes. ``cfg`` must have ``MEASURED_SHAPE``."""
+    dense, routed = split or parameter_split(cfg)
+    rows = activations_by_kind(cfg, kinds, per_sequence=OTHER_GIB_PER_SEQUENCE)
+    plan = megatron_plan(dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics,
+                         other_gib_per_sequence=per_sequence_gib(rows))
+    return plan, rows
+
+
 def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB,
                 per_sequence: float = OTHER_GIB_PER_SEQUENCE, numerics: str = "fp32-master") -> int:
     """The largest micro-batch whose plan ``fits`` a GPU of ``capacity_gib`` (0 if not even MBS 1 fits)."""
@@ -179,7 +192,8 @@ def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> 
     * without recompute, the measured ``per_sequence`` (everything the run keeps for one sequence, the MTP depths
       and the CE head included) is split among the kinds in proportion to ``kept_bytes_per_token``;
     * a recomputed mixer keeps its input and its norm's input (2 x hidden bf16 per token and layer); a recomputed
-      whole layer (``layer``) keeps its input (1 x hidden);
+      whole layer (``layer``) keeps its input (1 x hidden); a Mamba mixer under ``mamba-scan`` keeps those two,
+      its in_proj output and out_proj's input (``mamba_scan_extra_per_token``);
     * the replay holds one layer of the largest recomputed kind's activations, as without recompute.
     """
     kept = kept_bytes_per_token(cfg)
@@ -188,14 +202,24 @@ def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> 
     rows, replay = {}, 0.0
     for kind, (n, per_layer) in kept.items():
         full = n * per_layer * cfg.seq_len * scale / GIB
-        recomputed = "layer" in kinds or kind in kinds
-        inputs = (1 if "layer" in kinds else 2) * cfg.hidden * 2
+        scan = kind == "mamba" and "mamba-scan" in kinds and "layer" not in kinds
+        recomputed = "layer" in kinds or kind in kinds or scan
+        inputs = (1 if "layer" in kinds else 2) * cfg.hidden * 2 + (mamba_scan_extra_per_token(cfg) if scan else 0)
         rows[kind] = {"layers": n, "gib": n * inputs * cfg.seq_len / GIB if recomputed else full,
                       "recomputed": recomputed, "without_recompute_gib": full}
         if recomputed:
             replay = max(replay, full / n)
     rows["replay"] = {"layers": 1 if replay else 0, "gib": replay, "recomputed": False, "without_recompute_gib": 0.0}
     return rows
+
+
+def mamba_scan_extra_per_token(cfg) -> int:
+    """Bytes per token a Mamba-3 layer keeps under ``mamba-scan`` beyond a whole recomputed mixer's two hidden
+    vectors: the in_proj output (bf16; z, x, B, C, dt, A, trap and the angles: 24,992 wide at NAM56R's width)
+    and out_proj's input (d_inner), the two ends of the checkpointed part (``nam56r.blocks.mamba3``)."""
+    bc = cfg.d_state * cfg.mamba_ngroups * cfg.mamba_mimo_rank
+    angles = int(cfg.d_state * cfg.mamba_rope_fraction) // 2 * 2 // 2
+    return 2 * (2 * cfg.d_inner + 2 * bc + 3 * cfg.mamba_heads + angles) + 2 * cfg.d_inner
 
 
 def per_sequence_gib(rows: dict[str, dict]) -> float:

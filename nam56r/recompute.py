@@ -4,11 +4,12 @@ the forward again inside backward (``train.recompute``, nam_core/engine/config.p
 Both engines run it on nam's blocks:
 
 * the local engine: ``apply(model, kinds)`` marks each ``Layer``; a marked layer runs its mixer (``mamba``,
-  ``moe``, ``attention``) or its whole body (``layer``: norm + mixer) under ``checkpointed``;
+  ``moe``, ``attention``) or its whole body (``layer``: norm + mixer) under ``checkpointed``; ``mamba-scan``
+  marks the Mamba-3 mixer itself, which runs the part past its in_proj under ``checkpointed``;
 * the megatron engine: Megatron's own recompute where it has one for the block (``layer``: its full
   recompute of every layer; ``moe``: its selective ``moe`` module, which recomputes the MoE layer), and
-  ``checkpointed`` in nam's slot adapters elsewhere (``mamba``, ``attention``: nam's blocks, which Megatron's
-  selective modules do not reach; ``nam56r.megatron.lowering``).
+  ``checkpointed`` in nam's slot adapters elsewhere (``mamba``, ``mamba-scan``, ``attention``: nam's blocks,
+  which Megatron's selective modules do not reach; ``nam56r.megatron.lowering``).
 
 ``checkpointed`` is ``torch.utils.checkpoint`` non-reentrant with the RNG state preserved, so the replay sees
 the same random numbers and the same inputs; the blocks are deterministic functions of those (the Mamba-3
@@ -74,6 +75,17 @@ def apply(model: torch.nn.Module, kinds: Iterable[str]) -> list[str]:
             continue
         kind = "layer" if "layer" in kinds else KIND_OF_LAYER[module.spec.kind]
         module.recompute = kind if kind in kinds else None
-        if module.recompute is not None:
+        scan = mark_scan(module.mixer, kinds if module.recompute is None else ())  # a recomputed mixer: whole
+        if module.recompute is not None or scan:
+            kind = module.recompute or "mamba-scan"
             counts[kind] = counts.get(kind, 0) + 1
     return [f"activation recompute: {kind} in {n} layers (train.recompute)" for kind, n in sorted(counts.items())]
+
+
+def mark_scan(mixer: torch.nn.Module, kinds: Iterable[str]) -> bool:
+    """Set a Mamba-3 mixer's ``recompute_scan`` to whether ``kinds`` names ``mamba-scan`` (the part past its
+    in_proj: ``nam56r.blocks.mamba3``); False for any other block. Both engines' Mamba mixers go through here."""
+    if not hasattr(mixer, "recompute_scan"):
+        return False
+    mixer.recompute_scan = "mamba-scan" in kinds
+    return mixer.recompute_scan

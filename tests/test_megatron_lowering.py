@@ -213,6 +213,7 @@ def test_dispatcher_is_the_run_s_choice_and_flex_names_deepep():
     (("layer",), {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, ()),
     (("mamba", "moe"), {"recompute_granularity": "selective", "recompute_modules": ["moe"]}, ("mamba",)),
     (("mamba", "attention"), {}, ("mamba", "attention")),
+    (("mamba-scan", "moe"), {"recompute_granularity": "selective", "recompute_modules": ["moe"]}, ("mamba-scan",)),
 ])
 def test_recompute_lowers_to_megatrons_own_where_it_has_one(cfg, kinds, config, slots):
     """``layer`` and ``moe``: Megatron's full and selective-moe recompute; Mamba and attention: nam's slots."""

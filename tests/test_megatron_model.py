@@ -144,6 +144,23 @@ def test_mamba_slot_is_the_mixer_in_megatron_layout(tiny):
     torch.testing.assert_close(out, slot.block(x.transpose(0, 1)).transpose(0, 1), rtol=0, atol=0)
     with pytest.raises(NamError, match="no packed"):
         slot(x, packed_seq_params=object())
+    assert not slot.block.recompute_scan
+
+
+def test_mamba_slot_under_mamba_scan_checkpoints_between_the_projections_bit_exactly(tiny):
+    """``train.recompute=mamba-scan`` in the megatron engine: the slot's mixer marks itself; output and every
+    gradient equal the unmarked slot's (tolerance 0)."""
+    runs = []
+    for recompute in ((), ("mamba-scan",)):
+        torch.manual_seed(0)
+        slot = slots.MambaSlot(None, d_model=tiny.hidden, layer_number=3, pg_collection=None,
+                               nam=slots.Slots(tiny, Backends.reference(), {}, recompute=recompute))
+        assert slot.block.recompute_scan == bool(recompute)
+        x = torch.randn(tiny.seq_len, 2, tiny.hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out, _ = slot(x)
+        out.square().sum().backward()
+        runs.append([out.detach(), x.grad, *(p.grad for p in slot.parameters())])
+    assert len(runs[1]) == len(runs[0]) > 5 and all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_attention_slot_attaches_the_indexer_loss(tiny):

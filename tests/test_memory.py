@@ -93,3 +93,14 @@ def test_activations_by_kind_split_the_measured_total_and_recompute_keeps_inputs
     full = activations_by_kind(cfg, ("layer",), per_sequence=OTHER_GIB_PER_SEQUENCE)
     assert full["moe"]["gib"] * GIB == 22 * cfg.hidden * 2 * cfg.seq_len
     assert per_sequence_gib(full) < per_sequence_gib(mamba) < OTHER_GIB_PER_SEQUENCE
+    scan = activations_by_kind(cfg, ("mamba-scan",), per_sequence=OTHER_GIB_PER_SEQUENCE)
+    from nam56r.blocks.mamba3 import Mamba3Mixer
+    from nam56r.memory import mamba_scan_extra_per_token
+    from nam56r.model import build_model
+
+    mixer = next(m for m in build_model(cfg, device="meta").modules() if isinstance(m, Mamba3Mixer))
+    widths = mixer.in_proj.out_features + mixer.out_proj.in_features  # in_proj's output, out_proj's input
+    assert mamba_scan_extra_per_token(cfg) == 2 * widths == 2 * (24992 + 8192)  # bf16
+    assert scan["mamba"]["gib"] * GIB == 17 * (2 * cfg.hidden * 2 + 2 * widths) * cfg.seq_len
+    assert scan["moe"]["gib"] == none["moe"]["gib"] and scan["mamba"]["recomputed"]
+    assert per_sequence_gib(mamba) < per_sequence_gib(scan) < OTHER_GIB_PER_SEQUENCE

@@ -33,10 +33,15 @@ def _loss(model, step: int, cast=lambda p: p) -> torch.Tensor:
     return (out.float() - y).square().mean()
 
 
-def test_fp32_master_equals_an_fp32_model_run_in_bf16_bit_for_bit():
+@pytest.mark.parametrize("chunk", [numerics.GRAD_CHUNK_BYTES, 200])
+def test_fp32_master_equals_an_fp32_model_run_in_bf16_bit_for_bit(monkeypatch, chunk):
     """Reference: fp32 weights, each forward on their bf16 cast (autograd hands the fp32 weights the bf16
     gradients, upcast), torch AdamW on the fp32 weights. fp32-master must give the same fp32 masters and the
-    same bf16 parameters, exactly (tolerance 0): the same gradients meet the same AdamW."""
+    same bf16 parameters, exactly (tolerance 0): the same gradients meet the same AdamW. ``chunk`` 200 bytes
+    cuts the multi-tensor gradient upcast into four runs (weights of 1024 and 512 bytes alone, the biases)."""
+    monkeypatch.setattr(numerics, "GRAD_CHUNK_BYTES", chunk)
+    assert len(numerics._chunks(list(_mlp(0).parameters()), lambda p: p.numel() * p.element_size())) == (
+        1 if chunk > 2000 else 4)
     model = _mlp(0)
     reference = _mlp(0, torch.float32)
     with torch.no_grad():
@@ -147,6 +152,21 @@ def test_a_missing_torchao_is_refused_naming_the_package(monkeypatch):
         with pytest.raises(CannotRunHere, match="torchao") as info:
             numerics.make_optimizer([w], numerics=name, **HP)
         assert "pip install 'torchao==0.18.*'" in info.value.hint
+
+
+def test_fp32_master_on_a_float32_model_updates_the_parameters_themselves():
+    """No bf16 parameter, no master copy: the hooks have nothing to copy and the step is torch's AdamW's."""
+    model, reference = _mlp(0, torch.float32), _mlp(0, torch.float32)
+    opt = numerics.make_optimizer(model.parameters(), numerics="fp32-master", **HP)
+    ref_opt = torch.optim.AdamW([{"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            _loss(m, step, cast=lambda p: p.bfloat16()).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert opt.nam_masters == [] and all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
 def test_float32_runs_take_fp32_master_only():

@@ -106,6 +106,13 @@ def test_the_plan_shows_numerics_recompute_and_activations_by_kind(capsys, no_cu
     assert mem["numerics"].startswith("fp32-master") and mem["recompute"] == ["mamba", "moe"]
     assert mem["activations_by_kind"]["mamba"]["recomputed"] and not mem["activations_by_kind"]["attention"]["recomputed"]
     assert mem["fits"] is True and mem["largest_micro_batch"] >= 8 and "ESTIMATE" in mem["activations"]
+    from nam56r.memory import megatron_estimate
+    from nam56r.recipes import get_recipe
+
+    same, _ = megatron_estimate(get_recipe("nam56r").model, world=8, ep=8, mbs=8, kinds=("mamba", "moe"))
+    assert mem["total_gib"] == same.total_gib  # what bench/megatron.py memory compares its measured peak with
+    assert mem["one_gpu_check"] == ("python bench/megatron.py memory --world 8 --ep 8 --mbs 8 --recompute mamba,moe "
+                                    "--numerics fp32-master")
     none = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--engine", "megatron", "--nproc",
                      "8", "--ep", "8", "--set", "train.micro_batch_size=8")["memory"]
     assert none["fits"] is False and none["total_gib"] > mem["total_gib"]

@@ -87,6 +87,60 @@ def test_recompute_is_bit_exact_against_none(reference, kinds):
         assert calls[kind] == (2 * n if kind in covered else n), kind
 
 
+class ReplayBlindScan:
+    """A scan backend whose ``for_backward_only`` runs the scan (so autograd saves what it saves) and returns NaNs
+    in place of its output: a mixer that read a replay's output would carry them into the gradients."""
+
+    def __init__(self, scan, log: list):
+        self.scan, self.log = scan, log
+
+    def __call__(self, *args, **kwargs):
+        self.log.append("call")
+        return self.scan(*args, **kwargs)
+
+    def for_backward_only(self, *args, **kwargs):
+        self.log.append("for_backward_only")
+        return torch.full_like(self.scan(*args, **kwargs), float("nan"))
+
+
+@pytest.mark.slow
+def test_mamba_scan_is_bit_exact_and_replays_only_between_the_projections(reference):
+    """``mamba-scan``: loss and every gradient equal the run without recompute (tolerance 0) even though the
+    replay's scan output is NaN (it is never read); each mixer's scan runs once as a call and once for backward
+    only, in_proj and out_proj once; marking ``mamba`` afterwards clears the mixers' own mark (a whole
+    recomputed mixer does not checkpoint inside itself too)."""
+    from nam56r.blocks.mamba3 import Mamba3Mixer
+
+    model, batch, ref_out, ref_grads, once, calls = reference
+    log, in_proj, out_proj = [], [], []
+    mixers = [m for m in model.modules() if isinstance(m, Mamba3Mixer)]
+    for m in mixers:
+        m.scan = ReplayBlindScan(m.scan, log)
+    handles = [m.in_proj.register_forward_pre_hook(lambda *a: in_proj.append(1)) for m in mixers]
+    handles += [m.out_proj.register_forward_pre_hook(lambda *a: out_proj.append(1)) for m in mixers]
+    calls.clear()
+    assert recompute.apply(model, ("mamba-scan",)) == [
+        f"activation recompute: mamba-scan in {once['mamba']} layers (train.recompute)"]
+    try:
+        out, grads = _loss_and_grads(model, batch)
+    finally:
+        recompute.apply(model, ("mamba",))
+        assert not any(m.recompute_scan for m in mixers)
+        recompute.apply(model, ())
+        for h in handles:
+            h.remove()
+        for m in mixers:
+            m.scan = m.scan.scan
+    for key in ref_out:
+        assert torch.equal(out[key], ref_out[key]), key
+    assert grads.keys() == ref_grads.keys() and len(grads) > 50
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+    assert len(mixers) == once["mamba"] > 0
+    assert sorted(log) == ["call"] * len(mixers) + ["for_backward_only"] * len(mixers)
+    assert len(in_proj) == len(out_proj) == len(mixers) == calls["mamba"]
+
+
 def test_a_replay_sees_state_recompute_and_leaves_the_state_as_it_was():
     """The replay runs with ``state.recompute`` set (what DSA's indexer strategies read) and its aux losses
     and log lines are dropped: the first pass recorded them once."""
@@ -117,5 +171,8 @@ def test_recompute_config_presets_and_refusals():
     assert run.spec.train.recompute == ("mamba", "attention")
     with pytest.raises(ConfigError, match="alone"):
         resolve(RunRequest(overrides=["train.recompute=layer,mamba"], env_plugins=False))
-    with pytest.raises(ConfigError, match="expected one of mamba, moe, attention, layer"):
+    with pytest.raises(ConfigError, match="not both"):
+        resolve(RunRequest(overrides=["train.recompute=mamba,mamba-scan"], env_plugins=False))
+    assert recompute_kinds(TrainConfig(recompute=("moe", "mamba-scan"))) == ("mamba-scan", "moe")
+    with pytest.raises(ConfigError, match="expected one of mamba, mamba-scan, moe, attention, layer"):
         resolve(RunRequest(overrides=["train.recompute=experts"], env_plugins=False))

@@ -20,6 +20,7 @@ from torch import nn
 
 from nam56r.backends import SSMScan
 from nam56r.config import NAM56RConfig
+from nam56r.recompute import checkpointed
 from nam56r.state import ForwardState
 
 DT_INIT_FLOOR = 1e-4  # mamba-ssm Mamba3 dt_init_floor default
@@ -102,16 +103,41 @@ class Mamba3Mixer(nn.Module):
                     param.grad = param.grad.to(torch.float32)
         return self
 
+    recompute_scan: bool = False
+    """``train.recompute=mamba-scan`` (``nam56r.recompute.apply``): the part between the two projections (the
+    elementwise prelude and the scan) runs under ``checkpointed``, its input the in_proj output and its output
+    out_proj's input, both kept ([b, l, 24992] and [b, l, 8192] bf16 per layer at NAM56R's width), so neither
+    GEMM runs again. Nothing in that part keeps the scan's output for backward (the scan's own backward reads
+    its inputs only), so the replay, which is there only to rebuild what the scan's backward reads, asks a
+    backend that offers it for ``for_backward_only`` (``nam56r.backends.SSMScan``): mamba-ssm's then skips its
+    forward kernel, and the replay costs the prelude."""
+
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         """``state`` is accepted for the common block interface; Mamba-3 adds no auxiliary loss."""
+        proj = self.in_proj(x)  # [b, l, sum(split_sizes)]
+        if self.recompute_scan:
+            passes = []
+
+            def between(proj: torch.Tensor, state: ForwardState | None) -> torch.Tensor:
+                passes.append(None)
+                return self._between(proj, output_used=len(passes) == 1)  # a replay's output is dropped
+
+            y = checkpointed(between, state, proj)
+        else:
+            y = self._between(proj)
+        return self.out_proj(y.flatten(2).to(x.dtype))  # y [b, l, H, P]
+
+    def _between(self, proj: torch.Tensor, output_used: bool = True) -> torch.Tensor:
+        """The in_proj output -> the scan's output [b, l, H, P] (prelude, scan). ``output_used`` False: the
+        values of the result are not read (a replay), a backend may leave them unset (``for_backward_only``)."""
         prelude = compiled_prelude() if self.cfg.mamba_compile_prelude else mamba3_prelude
+        scan = self.scan if output_used else getattr(self.scan, "for_backward_only", self.scan)
         scan_inputs = prelude(
-            self.in_proj(x), self.dt_bias, self.B_bias, self.C_bias, self.B_norm.weight, self.C_norm.weight,
+            proj, self.dt_bias, self.B_bias, self.C_bias, self.B_norm.weight, self.C_norm.weight,
             self.D, self.split_sizes, (self.rank, self.groups, self.d_state, self.heads, self.headdim),
             self.cfg.mamba_a_floor, BC_NORM_EPS,
         )
-        y = self.scan(*scan_inputs, self.mimo_x, self.mimo_z, self.mimo_o, chunk_size=self.cfg.mamba_chunk)
-        return self.out_proj(y.flatten(2).to(x.dtype))  # y [b, l, H, P]
+        return scan(*scan_inputs, self.mimo_x, self.mimo_z, self.mimo_o, chunk_size=self.cfg.mamba_chunk)
 
 
 def mamba3_prelude(proj, dt_bias, B_bias, C_bias, B_norm_weight, C_norm_weight, D, split_sizes, dims, a_floor,

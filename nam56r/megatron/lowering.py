@@ -421,7 +421,7 @@ of the hybrid stack and the MTP depths (``HybridStack.forward``'s checkpointed_f
 ``moe`` as its selective ``moe`` module (``MoELayer``: router, dispatch, experts and combine). Its other
 selective modules (``core_attn``, ``mla_up_proj``, ``moe_act``, ``layernorm``) recompute parts of Megatron's own
 attention and experts, which NAM56R's slots replace, so nam recomputes Mamba and attention in its adapters."""
-NAM_RECOMPUTES = ("mamba", "attention")
+NAM_RECOMPUTES = ("mamba", "mamba-scan", "attention")
 
 
 def recompute_args(kinds: Sequence[str]) -> tuple[dict, tuple[str, ...]]:

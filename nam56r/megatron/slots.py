@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from nam56r.recompute import checkpointed, replaying
+from nam56r.recompute import checkpointed, mark_scan, replaying
 from nam_core.errors import NamError
 
 
@@ -80,6 +80,7 @@ class MambaSlot(nn.Module):
         self.layer_number = layer_number
         with nam.device:
             self.block = Mamba3Mixer(nam.cfg, nam.backends.ssm)
+        mark_scan(self.block, nam.recompute)  # train.recompute=mamba-scan: the mixer checkpoints itself
 
     def forward(self, hidden_states, inference_context=None, packed_seq_params=None):
         _refuse_unsupported(inference_context, packed_seq_params)

@@ -25,9 +25,10 @@ DTYPES = ("float32", "bfloat16")
 
 NUMERICS = ("fp32-master", "bf16-moments", "stochastic-rounding", "bf16")
 """``train.optimizer_numerics``: what AdamW updates and keeps (nam_core/engine/numerics.py has the table)."""
-RECOMPUTE_KINDS = ("mamba", "moe", "attention", "layer")
+RECOMPUTE_KINDS = ("mamba", "mamba-scan", "moe", "attention", "layer")
 """``train.recompute``: the blocks whose activations are recomputed in backward instead of kept (Mamba-3
-mixers; MoE blocks, router and experts; DSA and MLA attention; whole layers, norm and mixer)."""
+mixers; Mamba-3 mixers past their in_proj, whose output is kept; MoE blocks, router and experts; DSA and MLA
+attention; whole layers, norm and mixer)."""
 RECOMPUTE_PRESETS = {"none": (), "mixers": ("mamba", "moe", "attention"), "full": ("layer",)}
 """Names for common sets of ``RECOMPUTE_KINDS``."""
 
@@ -95,7 +96,9 @@ class TrainConfig:
                                          aka=("recompute_granularity", "recompute_modules", "activation_checkpointing",
                                               "gradient_checkpointing"))
     """Activation recompute, a comma list of kinds or one preset (``--set train.recompute=mamba,moe``):
-    ``mamba``, ``moe``, ``attention`` (DSA and MLA), ``layer`` (each layer whole); presets ``none``,
+    ``mamba``, ``mamba-scan`` (the Mamba-3 mixer past its in_proj: the in_proj output is kept, so the mixer's
+    largest GEMM is not rerun; more memory than ``mamba``, less time), ``moe``, ``attention`` (DSA and MLA),
+    ``layer`` (each layer whole); presets ``none``,
     ``mixers`` (the three mixers) and ``full`` (= ``layer``). A recomputed block keeps its input and runs its
     forward again in backward: less memory (nam56r/memory.py), one more forward of it per step. Bit-exact
     against no recompute where nam checkpoints (the local engine; Mamba and attention in the megatron engine),
@@ -146,6 +149,8 @@ class TrainConfig:
     RULES = (
         Rule(("recompute",), "layer (or full) and none alone: a whole layer already covers its mixer",
              lambda c: len(c.recompute) <= 1 or not {"layer", "full", "none"} & set(c.recompute)),
+        Rule(("recompute",), "mamba or mamba-scan, not both: mamba-scan is the part of the Mamba mixer past its "
+             "in_proj", lambda c: not {"mamba", "mamba-scan"} <= set(c.recompute)),
         Rule(("optimizer_numerics", "dtype"), "optimizer_numerics=fp32-master unless dtype=bfloat16 (float32 "
              "parameters are their own masters)", lambda c: c.optimizer_numerics == "fp32-master"
              or c.dtype == "bfloat16"),

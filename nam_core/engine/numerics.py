@@ -87,9 +87,9 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], *, numerics: str, weigh
     """AdamW over ``params`` (the model's, in the order it holds them) under ``numerics``; no weight decay on
     vectors (norm weights, biases, per-head scalars).
 
-    With fp32 masters the returned optimizer holds the masters, not ``params``: a step-pre hook moves each
-    model gradient into its master's (fp32, the bf16 gradient freed as it goes) and a step-post hook copies
-    each master back into its model parameter; its state dict carries the masters under ``MASTER_KEY``, so a
+    With fp32 masters the returned optimizer holds the masters, not ``params``: a step-pre hook moves the model
+    gradients into their masters' (fp32, in runs of ``GRAD_CHUNK_BYTES``, each run's bf16 gradients freed
+    before the next) and a step-post hook copies the masters back into the model parameters; its state dict carries the masters under ``MASTER_KEY``, so a
     checkpoint restores them exactly. On CUDA torch's AdamW runs fused (one kernel per group and dtype:
     NAM56R MBS 2, one H200, 64.6 ms of a 966 ms step on the multi-tensor path, bench/README.md)."""
     if numerics not in NUMERICS:
@@ -133,20 +133,47 @@ def _master_of(p: torch.nn.Parameter) -> torch.nn.Parameter:
     return torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
 
 
-def _attach_masters(opt: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.nn.Parameter]]) -> None:
-    """The hooks that tie the masters to the model parameters (``make_optimizer``'s docstring)."""
-    opt.nam_masters = pairs
+GRAD_CHUNK_BYTES = 1 << 30
+"""How many bytes of bf16 gradients one fused upcast takes at a time (``_attach_masters``): one multi-tensor
+kernel per chunk instead of one copy per parameter, and the chunk's bf16 gradients freed before the next, so
+the step holds at most this much more than a parameter-by-parameter upcast did."""
 
+
+def _chunks(pairs: list, nbytes) -> list[list]:
+    """``pairs`` cut into runs of consecutive items of at most ``GRAD_CHUNK_BYTES`` (``nbytes`` of each; an item
+    larger than that is a run of its own)."""
+    runs, size = [[]], 0
+    for item in pairs:
+        if runs[-1] and size + nbytes(item) > GRAD_CHUNK_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += nbytes(item)
+    return [run for run in runs if run]
+
+
+def _attach_masters(opt: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.nn.Parameter]]) -> None:
+    """The hooks that tie the masters to the model parameters (``make_optimizer``'s docstring). Both copies run
+    as torch's multi-tensor copy (``torch._foreach_copy_``, round-to-nearest like ``Tensor.copy_``: the same
+    values as a loop of copies, in a few kernels instead of one per parameter; NAM56R has ~700)."""
+    opt.nam_masters = pairs
+    targets = [p for p, _ in pairs]
+    masters = [m for _, m in pairs]
+
+    @torch.no_grad()
     def grads_to_masters(optimizer, args, kwargs) -> None:
-        for p, m in pairs:
-            if p.grad is not None:
-                m.grad = p.grad.to(torch.float32)  # [same shape] bf16 -> fp32
+        live = [(p, m) for p, m in pairs if p.grad is not None]
+        for run in _chunks(live, lambda pm: pm[0].grad.numel() * pm[0].grad.element_size()):
+            upcast = [torch.empty_like(m) for _, m in run]  # fp32, the masters' shapes
+            torch._foreach_copy_(upcast, [p.grad for p, _ in run])  # bf16 -> fp32, exact
+            for (p, m), g in zip(run, upcast):
+                m.grad = g
                 p.grad = None
 
     @torch.no_grad()
     def masters_to_params(optimizer, args, kwargs) -> None:
-        for p, m in pairs:
-            p.copy_(m)  # fp32 -> bf16, round-to-nearest
+        if targets:  # none in a float32 model: its parameters are their own masters
+            torch._foreach_copy_(targets, masters)  # fp32 -> bf16, round-to-nearest
 
     def save_masters(optimizer, state: dict) -> dict:
         state[MASTER_KEY] = [m.detach().clone() for _, m in pairs]

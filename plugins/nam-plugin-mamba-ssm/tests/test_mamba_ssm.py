@@ -706,3 +706,19 @@ def test_saved_once_lets_non_reentrant_checkpointing_run_a_backward_that_unpacks
     finally:
         patches.revert_saved_once(_UnpacksTwice)
     assert patches.unpacks_twice(_UnpacksTwice)
+
+
+def test_forward_driver_skips_the_kernel_when_its_output_is_unused(signature_kernels):
+    """``output_unused`` (the mamba-scan replay): the output is allocated with its shape and dtype, the forward
+    kernel is not launched, a forward asking for its final state is refused, and the flag ends with the block."""
+    kernels, _ = signature_kernels
+    x = driver_inputs()
+    args = (x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["mimo_o"], x["z"], x["D"], x["mimo_z"],
+            x["angles"], x["dA_cs"], x["dA_cs_rev"], x["dt"], x["trap"], x["segsum"])
+    with mimo.output_unused():
+        out, state, final_k = mimo.forward(*args, chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF)
+        with pytest.raises(ValueError, match="final state"):
+            mimo.forward(*args, chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF, return_state=True)
+    assert (tuple(out.shape), out.dtype, state, final_k, kernels.fwd.calls) == ((B, S, H, P), BF, None, None, 0)
+    mimo.forward(*args, chunk_size=CH, rotary_dim_divisor=DIV, dtype=BF)
+    assert kernels.fwd.calls == 1

@@ -32,7 +32,8 @@ import functools
 import math
 import sys
 import time
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -82,6 +83,22 @@ preflight's self-test shape."""
 BUILD_SECONDS = 180
 """Roughly how long TileLang 0.1.8 takes to build the three kernels on the H100 host when its disk cache does not
 have them (measured 2026-11-22); a set read from the cache takes seconds."""
+
+
+_OUTPUT_UNUSED = False
+
+
+@contextmanager
+def output_unused() -> Iterator[None]:
+    """Forward calls inside skip the forward kernel: their output is allocated, not computed. Upstream's
+    autograd function saves its inputs only (its backward recomputes the chunk states in ``bwd_fwd``), so a
+    replay that only rebuilds those saved inputs (``MambaSSMScan.for_backward_only``) needs no output."""
+    global _OUTPUT_UNUSED
+    was, _OUTPUT_UNUSED = _OUTPUT_UNUSED, True
+    try:
+        yield
+    finally:
+        _OUTPUT_UNUSED = was
 
 
 def dtype_name(dtype) -> str:
@@ -174,8 +191,11 @@ def forward(q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, D, mimo_z, angles, dA_cs
     mimo_z_arg = mimo_z if mimo_z is not None else torch.empty((h, r, p), device=dev, dtype=torch.float32)
     final_state = torch.empty((b, h, n, p), device=dev, dtype=torch.float32) if return_state else None
     final_k = torch.empty((b, r, h, n), device=dev, dtype=out_dtype) if return_state else None
-    kernels.fwd(q, k, v, out, q_bias, k_bias, mimo_v, mimo_o_arg, z_arg, d_arg, mimo_z_arg, angles, dA_cs,
-                dA_cs_rev, dt, trap, segsum, final_state, final_k)
+    if _OUTPUT_UNUSED and return_state:
+        raise ValueError("output_unused: a forward that returns its final state computes it; ask without one")
+    if not _OUTPUT_UNUSED:
+        kernels.fwd(q, k, v, out, q_bias, k_bias, mimo_v, mimo_o_arg, z_arg, d_arg, mimo_z_arg, angles, dA_cs,
+                    dA_cs_rev, dt, trap, segsum, final_state, final_k)
     return out, final_state, final_k
 
 

@@ -66,6 +66,17 @@ class MambaSSMScan:
                                   chunk_size=chunk_size))
         return y[:, :l] if y.shape[1] != l else y
 
+    def for_backward_only(self, q, k, v, *args, chunk_size: int) -> torch.Tensor:
+        """``nam56r.backends.SSMScan.for_backward_only``: a call whose output values are not read. MIMO skips its
+        forward kernel (``mimo.output_unused``: upstream's backward reads the saved inputs only), which is most
+        of a ``train.recompute=mamba-scan`` replay; SISO runs as a call."""
+        if q.shape[2] == 1:
+            return self(q, k, v, *args, chunk_size=chunk_size)
+        from nam_plugin_mamba_ssm import mimo
+
+        with mimo.output_unused():
+            return self(q, k, v, *args, chunk_size=chunk_size)
+
 
 def pad_to_chunks(q, k, v, adt, dt, trap, angles, z, *, chunk_size: int) -> tuple:
     """Zero-pad every per-token argument at the end of the sequence to a whole number of chunks (unchanged if

@@ -504,7 +504,9 @@ def _tuned(name: str, kernel):
     import os
 
     configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
-    return triton.autotune(configs, key=["H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD"],
+    # the shape and pass arguments this kernel has (Triton >= 3.9 refuses a key naming an argument it lacks)
+    key = [k for k in ("H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD") if k in kernel.arg_names]
+    return triton.autotune(configs, key=key,
                            prune_configs_by={"early_config_prune": _fits},
                            restore_value=RESTORE.get(name, []))(kernel)
 

@@ -1,19 +1,9 @@
 """Which of NAM56R's ``nn.Linear`` modules run in FP8, and the swap (``torchao.float8``).
 
-A projection is chosen by the block that owns it and its attribute name, never by its path: the megatron
-engine nests the same blocks under other names (``...mixer.block.in_proj``)::
-
-    Mamba3Mixer     in_proj, out_proj                      Mamba in/out projections
-    MLA (DSA too)   wq_a, wq_b, wkv_a, wkv_b, wo           MLA/DSA projections (DSA subclasses MLA)
-    MoE             shared.w_gate_up, shared.w_down        the shared expert
-    MTPDepth        eh_proj, mlp.w_gate_up, mlp.w_down     the MTP projections
-
-Left in the run's dtype: the router (its softmax picks the experts), the DSA lightning indexer (its scores
-pick the top-k keys), the n-gram embedding's projection, the embeddings and the LM head (parameters the CE
-backend owns, not ``nn.Linear``), the norms, and every parameter that is not one of these weights (Mamba's
-``D``, ``dt_bias``, B/C biases and MIMO projections: fp32 or per-head tensors, never touched). On the
-megatron engine the shared expert and the MTP projections are Megatron's own ``ColumnParallelLinear`` /
-``RowParallelLinear``, not ``nn.Linear``: they stay bf16 there (the transform's log line counts what it swapped).
+The projections are ``nam56r.projections``' (the block that owns each one and its attribute name); what
+is left in the run's dtype is listed there. On the megatron engine the shared expert and the MTP projections
+are Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear``: they stay bf16 there (the transform's
+log line counts what it swapped).
 
 ``Float8Linear.from_float`` assigns the old module's ``weight`` Parameter to the new module, so the swap keeps
 every parameter object, its name and its dtype: the optimizer, the checkpoint keys and Megatron's grad buffers
@@ -23,10 +13,10 @@ product stays bf16 whichever class holds the weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
+
+from nam56r.projections import count_by_part, dense_projections, refuse_misaligned
 
 MULTIPLE = 16
 """``torch._scaled_mm`` needs both dims of each FP8 operand divisible by 16 (torchao's auto filter skips
@@ -34,66 +24,6 @@ others; here a selected projection that is not is refused by ``nam_check_config`
 RECIPES = ("tensorwise", "rowwise")
 """``torchao.float8.Float8LinearRecipeName`` values offered: per-tensor scales (cuBLAS) and per-row scales
 rounded to powers of two (CUTLASS), e4m3 for inputs, weights and gradients in both."""
-
-
-def _owners() -> dict[type, tuple[str, str]]:
-    """Owner block class -> (what it is, in the log line; its projections' attribute paths)."""
-    from nam56r.blocks.mamba3 import Mamba3Mixer
-    from nam56r.blocks.mla import MLA
-    from nam56r.blocks.moe import MoE
-    from nam56r.model import MTPDepth
-
-    return {
-        Mamba3Mixer: ("mamba", ("in_proj", "out_proj")),
-        MLA: ("attention", ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")),
-        MoE: ("shared expert", ("shared.w_gate_up", "shared.w_down")),
-        MTPDepth: ("mtp", ("eh_proj", "mlp.w_gate_up", "mlp.w_down")),
-    }
-
-
-@dataclass(frozen=True)
-class Projection:
-    """One selected ``nn.Linear``: its path in the model, the module, and the part it belongs to."""
-
-    name: str
-    module: nn.Linear
-    part: str
-
-    @property
-    def aligned(self) -> bool:
-        return self.module.in_features % MULTIPLE == 0 and self.module.out_features % MULTIPLE == 0
-
-    def describe(self) -> str:
-        return f"{self.name} [{self.module.in_features} -> {self.module.out_features}]"
-
-
-def dense_projections(model: nn.Module) -> list[Projection]:
-    """The plain ``nn.Linear`` modules of the table above, in module order (an ``nn.Linear`` subclass, e.g. a
-    ``Float8Linear`` already swapped, is not selected again)."""
-    owners = _owners()
-    chosen: list[Projection] = []
-    for path, block in model.named_modules():
-        part, attrs = next(((p, a) for cls, (p, a) in owners.items() if isinstance(block, cls)), (None, ()))
-        for attr in attrs:
-            try:
-                module = block.get_submodule(attr)
-            except AttributeError:
-                continue  # e.g. the megatron engine's MoE has no nam ``shared`` SwiGLU
-            if type(module) is nn.Linear:
-                chosen.append(Projection(f"{path}.{attr}" if path else attr, module, part))
-    return chosen
-
-
-def projections_of(cfg) -> list[Projection]:
-    """``dense_projections`` of NAM56R built from ``cfg`` on the meta device (no memory; ~2 s at full size):
-    what ``nam_check_config`` judges before a run."""
-    from nam56r.model import build_model
-
-    return dense_projections(build_model(cfg, device="meta"))
-
-
-def misaligned(projections: list[Projection]) -> list[Projection]:
-    return [p for p in projections if not p.aligned]
 
 
 def torchao_config(recipe: str):
@@ -112,17 +42,11 @@ def convert(model: nn.Module, recipe: str) -> str:
     from torchao.float8 import convert_to_float8_training
 
     chosen = dense_projections(model)
-    bad = misaligned(chosen)
-    if bad:
-        raise ValueError(f"float8.linears: dims not divisible by {MULTIPLE}: "
-                         + ", ".join(p.describe() for p in bad[:4]) + (" ..." if len(bad) > 4 else ""))
+    refuse_misaligned(chosen, MULTIPLE, "float8.linears")
     ids = {id(p.module) for p in chosen}
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: id(module) in ids,
                                config=torchao_config(recipe))
-    by_part: dict[str, int] = {}
-    for p in chosen:
-        by_part[p.part] = by_part.get(p.part, 0) + 1
-    parts = ", ".join(f"{part} {n}" for part, n in by_part.items()) or "none found"
+    parts = count_by_part(chosen)
     return (f"float8: {len(chosen)} nn.Linear -> torchao Float8Linear ({recipe}): {parts}; router, indexer, "
             f"n-gram projection, embeddings, LM head, norms and Mamba's fp32 parameters unchanged")
 

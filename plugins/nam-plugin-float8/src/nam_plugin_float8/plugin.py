@@ -119,14 +119,11 @@ def expert_shapes(spec) -> tuple[bool, str]:
 
 
 def linear_shapes(spec) -> tuple[bool, str]:
-    from nam_plugin_float8.linears import misaligned, projections_of
+    from nam56r.projections import shape_row
 
-    chosen = projections_of(spec.model)
-    bad = misaligned(chosen)
-    if bad:
-        shown = ", ".join(p.describe() for p in bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        return False, f"{len(bad)} of {len(chosen)} are not: {shown}"
-    found = f"{len(chosen)} projections"
+    ok, found = shape_row(spec.model, MULTIPLE)
+    if not ok:
+        return ok, found
     if spec.engine == "megatron":
         found += ("; on the megatron engine the shared expert and the MTP projections are Megatron's parallel "
                   "linears and stay bf16")

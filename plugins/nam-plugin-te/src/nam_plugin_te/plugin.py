@@ -99,20 +99,19 @@ def fp8_on(spec) -> bool:
 
 
 def linear_shapes(spec) -> tuple[bool, str]:
-    from nam_plugin_te.linears import MULTIPLE, misaligned, projections_of
+    from nam56r.projections import shape_row
+    from nam_plugin_te.linears import MULTIPLE
 
-    chosen = projections_of(spec.model)
-    bad = misaligned(chosen)
-    if bad:
-        shown = ", ".join(p.describe() for p in bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        return False, f"{len(bad)} of {len(chosen)} are not: {shown}"
+    ok, found = shape_row(spec.model, MULTIPLE)
+    if not ok:
+        return ok, found
     if spec.options[NAME].experts == "grouped":  # TEGroupedMLP's FP8 GEMMs: [2f, d] and [d, f] per expert
         widths = {"hidden": spec.model.hidden, "moe_ffn_hidden": spec.model.moe_ffn_hidden}
         off = {k: v for k, v in widths.items() if v % MULTIPLE}
         if off:
             return False, "the grouped experts' " + ", ".join(f"{k}={v}" for k, v in off.items())
-        return True, f"{len(chosen)} projections and the grouped experts"
-    return True, f"{len(chosen)} projections"
+        return True, f"{found} and the grouped experts"
+    return True, found
 
 
 CHECKS = (

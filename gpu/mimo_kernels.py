@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from timing import median_ms  # noqa: E402 (bench/timing.py: the benches' CUDA-event median)
 
 
 def main() -> None:
@@ -40,17 +45,6 @@ def main() -> None:
         out = scan.mimo_scan(*args)
         return (out, *torch.autograd.grad(out, wrt, dout))
 
-    def median_ms(fn, iters=5):
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
     names = ["out", *(f"d{k}" for k in leaves)]
     t0 = time.perf_counter()
     first = [t.float() for t in fwd_bwd()]  # compiles and autotunes every kernel
@@ -60,7 +54,8 @@ def main() -> None:
     same = {n: torch.equal(x, y) for n, x, y in zip(names, first, second)}
     print(f"first call {took:.1f} s; tuning left every tensor bit-identical to the next call: {all(same.values())} "
           f"{[n for n, v in same.items() if not v]}", flush=True)
-    print(f"fwd {median_ms(fwd):.2f} ms, fwd+bwd {median_ms(fwd_bwd):.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
+    fwd_ms, fwd_bwd_ms = (median_ms(f, warmup=0, iters=5) for f in (fwd, fwd_bwd))
+    print(f"fwd {fwd_ms:.2f} ms, fwd+bwd {fwd_bwd_ms:.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
 
     # each launch timed with CUDA events (the profiler lumps the three bwd passes under one name)
     events, real_launch = {}, scan._launch

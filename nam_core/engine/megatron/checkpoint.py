@@ -132,15 +132,30 @@ def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, mani
         if rank0:
             _finish(tmp, final, ckpt_root, step, manifest, keep)
     except BaseException as exc:
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if files.rundir.disk_full(exc):
-            good = good_checkpoints(ckpt_root)
-            need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
-            raise files.no_space(ckpt_root, need, good) from exc
-        raise
+        _save_failed(ckpt_root, tmp, exc)
     torch.distributed.barrier()
     return final
+
+
+def _save_failed(ckpt_root: Path, tmp: Path, exc: BaseException):
+    """A save's error, raised again once rank 0 removed the hidden folder: a full disk as ``files.no_space``
+    (exit 6, what one checkpoint needs), anything else as it is."""
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if files.rundir.disk_full(exc):
+        good = good_checkpoints(ckpt_root)
+        need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
+        raise files.no_space(ckpt_root, need, good) from exc
+    raise exc
+
+
+def _aside(tmp: Path, rank: int) -> None:
+    """Collective: the hidden folder ``tmp`` made afresh by rank 0, then this rank's RNG state in it."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    torch.distributed.barrier()
+    files._save_file(files.rng_state(), _rng_file(tmp, rank))
 
 
 class BackgroundSaves:
@@ -178,17 +193,13 @@ class BackgroundSaves:
         final = self.ckpt_root / f"step-{step:08d}"
         tmp = self.ckpt_root / f".{final.name}.tmp"
         try:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                (tmp / "rng").mkdir(parents=True)
-            torch.distributed.barrier()
-            files._save_file(files.rng_state(), _rng_file(tmp, rank))  # small: written here
+            _aside(tmp, rank)  # the RNG files are small: written here
             request = dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp),
                                               async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._written(tmp, final, step, manifest))
             self.queue.schedule_async_request(request)
         except BaseException as exc:
-            self._failed(tmp, exc)
+            _save_failed(self.ckpt_root, tmp, exc)
         self.pending = {"final": final, "tmp": tmp, "stall_s": time.perf_counter() - t0, "started": t0,
                         "written": False}
 
@@ -217,7 +228,7 @@ class BackgroundSaves:
                 p["written"] = bool(self.queue.maybe_finalize_async_calls(blocking=wait))
             except BaseException as exc:
                 self.pending = None
-                self._failed(p["tmp"], exc)
+                _save_failed(self.ckpt_root, p["tmp"], exc)
             if not p["written"]:
                 return None
         if self.thread is not None:
@@ -228,7 +239,7 @@ class BackgroundSaves:
             self.thread = None
             if self.error is not None:
                 error, self.error, self.pending = self.error, None, None
-                self._failed(p["tmp"], error)
+                _save_failed(self.ckpt_root, p["tmp"], error)
             self.note(f"checkpoint {p['final']}: training paused {p['stall_s']:.1f} s (copy to host memory), "
                       f"written in {time.perf_counter() - p['started']:.1f} s in the background")
         self.pending, self.last_good = None, p["final"]
@@ -241,26 +252,12 @@ class BackgroundSaves:
         torch.distributed.barrier()
         return last
 
-    def _failed(self, tmp: Path, exc: BaseException):
-        if torch.distributed.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if files.rundir.disk_full(exc):
-            good = good_checkpoints(self.ckpt_root)
-            need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
-            raise files.no_space(self.ckpt_root, need, good) from exc
-        raise exc
-
-
 def _save_aside(tmp: Path, models: list, optimizer, rank: int) -> None:
     """Collective: every rank's shards and RNG into the hidden folder ``tmp``."""
     from megatron.core import dist_checkpointing
 
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    torch.distributed.barrier()
+    _aside(tmp, rank)
     dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp), verify_integrity=True)
-    files._save_file(files.rng_state(), _rng_file(tmp, rank))
     torch.distributed.barrier()
 
 

@@ -7,11 +7,13 @@ each swapped module, recompute replays included. GPU parity against real TE: tes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import importlib.util
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,18 +356,36 @@ def test_te_is_pointed_at_torchs_bundled_cudnn_unless_the_user_chose(tmp_path, m
 
     lib = tmp_path / "nvidia" / "cu13" / "lib"
     lib.mkdir(parents=True)
-    (lib / "libcudnn.so.9").write_bytes(b"")
+    for name in ("libcudnn_engines_precompiled.so.9", "libcudnn_adv.so.9", "libcudnn.so.9", "libcudnn_ops.so.9",
+                 "libcudnn_graph.so.9", "libcudnn_heuristic.so.9", "libcudnn.so"):
+        (lib / name).write_bytes(b"")
     monkeypatch.setattr(cudnn.importlib.util, "find_spec", lambda name: None)  # torch's own site: only tmp_path
     monkeypatch.setattr(sys, "path", [str(tmp_path)])
     monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
     for var in ("CUDNN_HOME", "CUDNN_PATH"):
         monkeypatch.delenv(var, raising=False)
-    assert cudnn.prefer_torch_cudnn() == str(lib) and cudnn.os.environ["CUDNN_HOME"] == str(lib)
+    loaded = []
+    record = lambda path, mode: loaded.append((Path(path).name, mode))  # noqa: E731
+    assert cudnn.prefer_torch_cudnn(record) == str(lib) and cudnn.os.environ["CUDNN_HOME"] == str(lib)
+    # every soname TE's core names is torch's before TE loads: the entry library and graph first, one file each
+    assert loaded == [(n, ctypes.RTLD_GLOBAL) for n in ("libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_ops.so.9",
+                      "libcudnn_heuristic.so.9", "libcudnn_adv.so.9", "libcudnn_engines_precompiled.so.9")], loaded
+    loaded.clear()
     monkeypatch.setenv("CUDNN_HOME", "/opt/mine")
-    assert cudnn.prefer_torch_cudnn() is None and cudnn.os.environ["CUDNN_HOME"] == "/opt/mine"
+    assert cudnn.prefer_torch_cudnn(record) is None and cudnn.os.environ["CUDNN_HOME"] == "/opt/mine"
     monkeypatch.delenv("CUDNN_HOME")
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
-    assert cudnn.prefer_torch_cudnn() is None and "CUDNN_HOME" not in cudnn.os.environ  # too late: TE loaded
+    assert cudnn.prefer_torch_cudnn(record) is None and "CUDNN_HOME" not in cudnn.os.environ  # too late: TE loaded
+    assert loaded == []
+
+
+def test_a_failed_preload_is_kept_for_the_preflight_row(tmp_path, monkeypatch):
+    from nam_plugin_te import cudnn
+
+    (tmp_path / "libcudnn.so.9").write_bytes(b"")  # not a library: the real loader refuses it
+    monkeypatch.setattr(cudnn, "PRELOAD_ERROR", None)
+    assert cudnn.preload(str(tmp_path)) == []
+    assert cudnn.PRELOAD_ERROR.startswith(f"loading {tmp_path}/libcudnn.so.9 failed: "), cudnn.PRELOAD_ERROR
 
 
 def test_the_cudnn_row_refuses_a_second_cudnn_with_the_fix(tmp_path, monkeypatch):
@@ -379,7 +399,8 @@ def test_the_cudnn_row_refuses_a_second_cudnn_with_the_fix(tmp_path, monkeypatch
     monkeypatch.setattr(torch._C, "_cudnn", types.SimpleNamespace(getCompileVersion=lambda: (9, 19, 0)),
                         raising=False)
     monkeypatch.setattr(cudnn, "torch_cudnn_dir", lambda: bundled)
-    monkeypatch.setattr(cudnn, "loaded_cudnn_files", lambda: ["/usr/local/cuda/lib64/libcudnn.so.9.14.0"])
+    monkeypatch.setattr(cudnn, "loaded_cudnn_files",
+                        lambda: [f"{bundled}/libcudnn.so.9", "/lib/x86_64-linux-gnu/libcudnn_graph.so.9.14.0"])
 
     def refuses():
         raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled against (9, 19, 0) but found "
@@ -388,7 +409,8 @@ def test_the_cudnn_row_refuses_a_second_cudnn_with_the_fix(tmp_path, monkeypatch
     monkeypatch.setattr(torch.backends.cudnn, "version", refuses)
     row = selftest.cudnn(None)
     assert row.ok is False and row.hint.startswith(f"export CUDNN_HOME={bundled} "), row
-    assert "TE loaded cuDNN 9.14.0 from /usr/local/cuda/lib64/libcudnn.so.9.14.0" in row.found, row
+    assert ("TE loaded cuDNN 9.14.0 (1 cuDNN libraries from torch's folder, others: "
+            "/lib/x86_64-linux-gnu/libcudnn_graph.so.9.14.0)") in row.found, row
     fake.get_cudnn_version = lambda: (9, 19, 0)
     monkeypatch.setattr(cudnn, "loaded_cudnn_files", lambda: [f"{bundled}/libcudnn.so.9"])
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
@@ -403,5 +425,6 @@ def test_loaded_cudnn_files_reads_the_process_maps(tmp_path):
                     "7f2-7f3 r--p 0 08:01 1 /site/nvidia/cu13/lib/libcudnn.so.9\n"
                     "7f4-7f5 r-xp 0 08:01 2 /site/nvidia/cu13/lib/libcudnn_graph.so.9\n"
                     "7f6-7f7 r-xp 0 08:01 3 /usr/lib/libc.so.6\n")
-    assert loaded_cudnn_files(str(maps)) == ["/site/nvidia/cu13/lib/libcudnn.so.9"]
+    assert loaded_cudnn_files(str(maps)) == ["/site/nvidia/cu13/lib/libcudnn.so.9",
+                                             "/site/nvidia/cu13/lib/libcudnn_graph.so.9"]
     assert loaded_cudnn_files(str(tmp_path / "absent")) == []

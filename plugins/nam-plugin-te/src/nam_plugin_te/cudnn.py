@@ -2,18 +2,24 @@
 
 TE's loader (``transformer_engine/common/__init__.py``, 2.20) looks for ``libcudnn.so*`` in ``$CUDNN_HOME``,
 ``$CUDNN_PATH``, ``$CUDA_HOME``, ``$CUDA_PATH`` and ``/usr/local/cuda`` before the Python wheels, and loads the
-first it finds with ``RTLD_GLOBAL``. On a host whose CUDA toolkit carries an older cuDNN (9.14) than the one
-torch's wheel bundles and was built against (9.19), TE loads the toolkit's, torch then finds that one by its
-soname, and ``torch.backends.cudnn`` refuses ("cuDNN version incompatibility") or a cuDNN symbol is missing.
-Pointing ``CUDNN_HOME`` at torch's bundled cuDNN before TE is first imported makes TE load torch's file.
+first it finds with ``RTLD_GLOBAL``. Then it loads its core library, ``libtransformer_engine.so``, which names
+every cuDNN sub-library (``libcudnn_graph.so.9``, ``libcudnn_ops.so.9``, ...) as a dependency and carries no
+run path: the dynamic loader resolves those through ``ld.so.cache``. On nam's GPU host (2026-11-25) the system
+holds cuDNN 9.14 in ``/lib/x86_64-linux-gnu`` while torch 2.11 bundles and was built with 9.19: TE's core
+pulled in the system's ``libcudnn_graph.so.9``, torch's ``libcudnn.so.9`` then found that one by its soname, and
+``torch.backends.cudnn`` refused ("cuDNN version incompatibility: ... found runtime version (9, 14, 0)") or a
+cuDNN symbol was missing. Setting ``CUDNN_HOME`` alone did not help (measured: the same refusal).
 
-This module stays light (no torch, no TE): ``nam_plugin_te`` calls ``prefer_torch_cudnn`` when it is imported,
-which in ``nam train`` and ``nam preflight`` is before anything imports TE (the megatron engine's ranks inherit
-the variable through the relaunch).
+So before TE is first imported, ``prefer_torch_cudnn`` points ``CUDNN_HOME`` at torch's bundled folder and loads
+each of that folder's cuDNN libraries with ``RTLD_GLOBAL``: every soname TE's core asks for is then already
+torch's. ``nam_plugin_te`` calls it when it is imported, which in ``nam train`` and ``nam preflight`` is before
+anything imports TE (the megatron engine's ranks import the plugin the same way). Whatever went wrong, the
+``cuDNN`` preflight row compares what the process mapped with torch's folder and refuses with the fix.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import sys
@@ -36,22 +42,55 @@ def torch_cudnn_dir() -> str | None:
     return None
 
 
-def prefer_torch_cudnn() -> str | None:
-    """Set ``CUDNN_HOME`` to torch's bundled cuDNN, unless the user set ``CUDNN_HOME`` or ``CUDNN_PATH``, TE is
-    already imported, or torch bundles none; the folder set, or None."""
+FIRST = ("libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_ops.so.9", "libcudnn_heuristic.so.9")
+"""Loaded before the folder's other cuDNN libraries, which depend on them."""
+
+PRELOAD_ERROR: str | None = None
+"""Why the preload of torch's cuDNN failed in this process (shown by the ``cuDNN`` preflight row), or None."""
+
+
+def preload_order(folder: str) -> list[Path]:
+    """The cuDNN libraries of ``folder`` (one file per soname, ``libcudnn*.so.9``) in the order they load."""
+    files = sorted(Path(folder).glob("libcudnn*.so.9"))
+    rank = {name: i for i, name in enumerate(FIRST)}
+    return sorted(files, key=lambda f: (rank.get(f.name, len(FIRST)), f.name))
+
+
+def preload(folder: str, load=ctypes.CDLL) -> list[str]:
+    """Load every cuDNN library of ``folder`` with ``RTLD_GLOBAL`` (``load`` is ctypes' loader; tests pass a
+    recorder); the files loaded. A failure is kept in ``PRELOAD_ERROR`` for the preflight row, not raised: an
+    import must not crash ``nam plugins list``, and the row refuses the run."""
+    global PRELOAD_ERROR
+    done = []
+    for file in preload_order(folder):
+        try:
+            load(str(file), mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            PRELOAD_ERROR = f"loading {file} failed: {e}"
+            break
+        done.append(str(file))
+    return done
+
+
+def prefer_torch_cudnn(load=ctypes.CDLL) -> str | None:
+    """Point TE at torch's bundled cuDNN: set ``CUDNN_HOME`` to its folder and preload its libraries, unless the
+    user set ``CUDNN_HOME`` or ``CUDNN_PATH``, TE is already imported, or torch bundles none; the folder, or
+    None."""
     if "transformer_engine" in sys.modules or os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
         return None
     folder = torch_cudnn_dir()
     if folder is not None:
         os.environ["CUDNN_HOME"] = folder
+        preload(folder, load)
     return folder
 
 
 def loaded_cudnn_files(maps: str = "/proc/self/maps") -> list[str]:
-    """The ``libcudnn.so*`` files mapped into this process (Linux), in the order first seen."""
+    """The cuDNN libraries (``libcudnn*.so*``: the entry library and its sub-libraries) mapped into this process
+    (Linux), in the order first seen."""
     try:
         text = Path(maps).read_text()
     except OSError:
         return []
-    paths = [line.split()[-1] for line in text.splitlines() if "/libcudnn.so" in line]
+    paths = [line.split()[-1] for line in text.splitlines() if "/libcudnn" in line and ".so" in line]
     return list(dict.fromkeys(paths))

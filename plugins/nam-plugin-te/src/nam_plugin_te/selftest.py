@@ -39,25 +39,29 @@ def cudnn(spec) -> Measured:
     torch's own version check raises on a mismatch; that is this row failing, with the fix."""
     import torch
 
-    from nam_plugin_te.cudnn import loaded_cudnn_files, torch_cudnn_dir
+    from nam_plugin_te import cudnn as which
 
     te, _ = _import_te()
     if te is None:
         return Measured(None, NOT_LOADED)
     te_has = tuple(te.get_cudnn_version())
     built = tuple(torch._C._cudnn.getCompileVersion())
-    files, bundled = loaded_cudnn_files(), torch_cudnn_dir()
+    files, bundled = which.loaded_cudnn_files(), which.torch_cudnn_dir()
     try:
         torch.backends.cudnn.version()
         torch_ok = ""
     except RuntimeError as e:
         torch_ok = f"; torch refuses it: {str(e).strip()[:160]}"
-    found = (f"TE loaded cuDNN {'.'.join(map(str, te_has))} from {', '.join(files) or 'an unknown file'}; torch was "
-             f"built with {'.'.join(map(str, built))} and bundles {bundled or 'none'}{torch_ok}")
-    foreign = bundled is not None and any(not f.startswith(bundled) for f in files)
+    foreign = [f for f in files if bundled is None or not f.startswith(bundled + "/")]
+    mapped = (f"{len(files) - len(foreign)} cuDNN libraries from torch's folder" +
+              (f", others: {', '.join(foreign)}" if foreign else "")) if files else "no cuDNN file found mapped"
+    preload = f"; preload failed: {which.PRELOAD_ERROR}" if which.PRELOAD_ERROR else ""
+    found = (f"TE loaded cuDNN {'.'.join(map(str, te_has))} ({mapped}); torch was built with "
+             f"{'.'.join(map(str, built))} and bundles {bundled or 'none'}{preload}{torch_ok}")
     ok = te_has[:2] == built[:2] and not torch_ok and not foreign
-    hint = (f"export CUDNN_HOME={bundled} before anything imports Transformer Engine (nam_plugin_te sets it when "
-            "it is imported first; here TE came first, or CUDNN_HOME/CUDNN_PATH points elsewhere)"
+    hint = (f"export CUDNN_HOME={bundled} LD_LIBRARY_PATH={bundled}:$LD_LIBRARY_PATH before anything imports "
+            "Transformer Engine (nam_plugin_te preloads torch's cuDNN when it is imported first; here TE came "
+            "first, the preload failed, or CUDNN_HOME/CUDNN_PATH points elsewhere)"
             if bundled else "install the cuDNN wheel torch was built with (nvidia-cudnn)")
     return Measured(ok, found, needed="TE and torch on one cuDNN, the version torch was built with", hint=hint)
 

@@ -364,9 +364,11 @@ def test_te_is_pointed_at_torchs_bundled_cudnn_unless_the_user_chose(tmp_path, m
     monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
     for var in ("CUDNN_HOME", "CUDNN_PATH"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/usr/local/nvidia/lib64:{lib}")
     loaded = []
     record = lambda path, mode: loaded.append((Path(path).name, mode))  # noqa: E731
     assert cudnn.prefer_torch_cudnn(record) == str(lib) and cudnn.os.environ["CUDNN_HOME"] == str(lib)
+    assert cudnn.os.environ["LD_LIBRARY_PATH"] == f"{lib}:/usr/local/nvidia/lib64"  # the ranks it starts: first
     # every soname TE's core names is torch's before TE loads: the entry library and graph first, one file each
     assert loaded == [(n, ctypes.RTLD_GLOBAL) for n in ("libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_ops.so.9",
                       "libcudnn_heuristic.so.9", "libcudnn_adv.so.9", "libcudnn_engines_precompiled.so.9")], loaded

@@ -13,7 +13,9 @@ cuDNN symbol was missing. Setting ``CUDNN_HOME`` alone did not help (measured: t
 So before TE is first imported, ``prefer_torch_cudnn`` points ``CUDNN_HOME`` at torch's bundled folder and loads
 each of that folder's cuDNN libraries with ``RTLD_GLOBAL``: every soname TE's core asks for is then already
 torch's. ``nam_plugin_te`` calls it when it is imported, which in ``nam train`` and ``nam preflight`` is before
-anything imports TE (the megatron engine's ranks import the plugin the same way). Whatever went wrong, the
+anything imports TE. The megatron engine's ranks import Megatron, which imports TE, before any plugin: they get
+torch's folder first on ``LD_LIBRARY_PATH``, which this sets for the processes it starts (measured: without it
+the ranks loaded the system's sub-libraries and the row refused the run). Whatever went wrong, the
 ``cuDNN`` preflight row compares what the process mapped with torch's folder and refuses with the fix.
 """
 
@@ -73,7 +75,8 @@ def preload(folder: str, load=ctypes.CDLL) -> list[str]:
 
 
 def prefer_torch_cudnn(load=ctypes.CDLL) -> str | None:
-    """Point TE at torch's bundled cuDNN: set ``CUDNN_HOME`` to its folder and preload its libraries, unless the
+    """Point TE at torch's bundled cuDNN: set ``CUDNN_HOME`` to its folder, put it first on ``LD_LIBRARY_PATH`` for
+    the processes this one starts and preload its libraries here, unless the
     user set ``CUDNN_HOME`` or ``CUDNN_PATH``, TE is already imported, or torch bundles none; the folder, or
     None."""
     if "transformer_engine" in sys.modules or os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
@@ -81,6 +84,10 @@ def prefer_torch_cudnn(load=ctypes.CDLL) -> str | None:
     folder = torch_cudnn_dir()
     if folder is not None:
         os.environ["CUDNN_HOME"] = folder
+        # the processes this one starts (the megatron engine's ranks import Megatron, and so TE, before any
+        # plugin) resolve TE's cuDNN dependencies through LD_LIBRARY_PATH, read when they start
+        paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != folder]
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([folder, *paths])
         preload(folder, load)
     return folder
 

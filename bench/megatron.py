@@ -703,9 +703,9 @@ def grads(args) -> int:
 
 def throughput(args) -> int:
     from nam56r.flops import flops_per_token
-    from nam56r.recipes import get_recipe
+    from nam56r.recipes import apply_overrides, get_recipe
 
-    recipe = get_recipe("nam56r")
+    recipe = apply_overrides(get_recipe("nam56r"), args.train_set)  # every row's extra train.<field> settings
     model = {"num_layers": args.layers}
     cfg = recipe.model.replace(**model)
     packed_rows(cfg.seq_len, recipe.train.seed)
@@ -759,7 +759,7 @@ def throughput(args) -> int:
               flush=True)
         if args.json:  # after every run, so a run cut short by a time limit still leaves the rows it finished
             write_json(args.json, {"meta": meta(layers=args.layers, ssm=args.ssm, mbs=args.mbs, warmup=args.warmup,
-                                                iters=args.iters, flops_per_token=flops),
+                                                iters=args.iters, flops_per_token=flops, train_set=args.train_set),
                                    "complete": len(rows) == len(runs), "rows": rows}, announce=False)
     if args.json:
         print(f"\nwrote {args.json}")
@@ -1147,6 +1147,9 @@ def main() -> int:
                         "refuses stochastic-rounding and bf16: local rows only)")
     t.add_argument("--recompute", type=lambda s: s.split("/"), default=["none"],
                    help=f"train.recompute of each row, '/'-separated, among {' / '.join(RECOMPUTE_CHOICES)}")
+    t.add_argument("--train-set", action="append", default=[], metavar="train.FIELD=VALUE",
+                   help="a train setting every row runs with (repeatable; e.g. train.grad_reduce_in_fp32=false); "
+                        "the JSON's meta records them")
     t.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (at least 1: the first "
                    "step builds kernels; its time is the 'first step s' column)")
     t.add_argument("--iters", type=int, default=4)

@@ -122,6 +122,25 @@ def test_overlapped_grad_reduce_is_bit_exact_and_resumes(tmp_path, ep2):
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
 
 
+def test_bf16_gradient_buffers_train_within_bf16_of_fp32_ones(tmp_path):
+    """train.grad_reduce_in_fp32=false in bf16 (one rank, 4 micro-batches a step): Megatron's gradient buffers
+    in bf16, as the run log says. Step 1's loss is computed before any update: equal. The buffers sum the
+    micro-batches' gradients in bf16, so the gradient norm and the later losses move, by bf16 rounding (2**-8
+    relative per sum; measured here below 1e-2) and not more."""
+    runs = {}
+    for name, value in (("fp32", "true"), ("bf16", "false")):
+        runs[name] = _run(tmp_path, name, "megatron", "--dtype", "bfloat16",
+                          f"--set=train.grad_reduce_in_fp32={value}", steps=2)
+    log = lambda name: (tmp_path / name / "run.log").read_text()  # noqa: E731
+    assert "gradient buffers in fp32 (train.grad_reduce_in_fp32)" in log("fp32")
+    assert "gradient buffers in the parameters' dtype (train.grad_reduce_in_fp32)" in log("bf16")
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    assert bf16[0]["loss"] == fp32[0]["loss"]
+    assert bf16[0]["grad_norm"] != fp32[0]["grad_norm"]  # the bf16 sums did run
+    assert _rel(bf16[0]["grad_norm"], fp32[0]["grad_norm"]) <= 1e-2
+    assert _rel(bf16[1]["loss"], fp32[1]["loss"]) <= 1e-2
+
+
 @pytest.mark.parametrize("choice, rtol", [("mamba,attention", 0.0), ("moe", 1e-6), ("layer", 1e-6)])
 def test_recompute_against_none(tmp_path, ep2, choice, rtol):
     """train.recompute at EP 2, two steps. nam's checkpointing in the Mamba and attention slots (non-reentrant,

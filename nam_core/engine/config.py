@@ -136,6 +136,12 @@ class TrainConfig:
     throughput --overlap`` measured no gain (NAM56R MBS 2, H200, 2026-11-23: 1 GPU 8,393 -> 8,362 tokens/s, 2 GPUs
     at EP 2 with the shared-expert overlap too 7,477 -> 7,468). Refused with two model chunks per rank (DualPipeV
     sums the chunks' shared weights after the backward pass)."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron engine: gradients accumulate and reduce in fp32 buffers (Megatron DDP's ``grad_reduce_in_fp32``; 4
+    bytes per parameter). ``false`` keeps them in the parameters' dtype (bf16: 2 bytes, as the local engine's
+    gradients, which its fp32-master AdamW reads in fp32), saving 2 bytes per parameter (8.8 GiB for NAM56R on one
+    GPU); bf16 sums are rounded at each micro-batch and each reduction. Not part of the checkpoint (Megatron saves
+    no gradient buffers): a resume may change it."""
     overlap_param_gather: bool = False
     """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
     of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Refused by

@@ -232,12 +232,14 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
 
 
 def _overlaps(config, ddp_config) -> str:
-    """The log line naming the communication Megatron overlaps in this run, as Megatron's configs hold it."""
+    """The log line naming the communication Megatron overlaps in this run and its gradient buffers' dtype, as
+    Megatron's configs hold them."""
     on = [name for name, value in (("grad reduce", ddp_config.overlap_grad_reduce),
                                    ("param gather", ddp_config.overlap_param_gather),
                                    ("shared expert", getattr(config, "moe_shared_expert_overlap", False))) if value]
+    grads = "fp32" if ddp_config.grad_reduce_in_fp32 else "the parameters' dtype"
     return f"overlap: {', '.join(on) or 'none'} (train.overlap_grad_reduce, overlap_param_gather, " \
-           "moe_shared_expert_overlap)"
+           f"moe_shared_expert_overlap); gradient buffers in {grads} (train.grad_reduce_in_fp32)"
 
 
 def _gather_params(models: list, train: TrainConfig) -> None:

@@ -44,7 +44,8 @@ class MegatronModel(Protocol):
 def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, distributed_optimizer: bool,
               schedule: PipelineSchedule | None = None, transform: Callable[[nn.Module], None] | None = None):
     """This rank's model chunks, each in Megatron's DDP (bf16 through the schedule's ``float16`` wrapper;
-    parameters the model keeps fp32 stay fp32, §8), gradients reduced in fp32; returns
+    parameters the model keeps fp32 stay fp32, §8), gradients in fp32 buffers unless ``train.grad_reduce_in_fp32``
+    is off; returns
     ``(transformer config, [DDP chunk, ...])``. ``transform(chunk)`` (the plugins' ``nam_transform_model``)
     runs on each chunk after its ``float16`` wrapper and before DDP builds its grad buffers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -60,7 +61,8 @@ def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, dis
                           "this build has no distributed optimizer", hint="--set train.overlap_param_gather=false")
     if train.moe_shared_expert_overlap:
         overlap_shared_experts(config)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=train.overlap_grad_reduce,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=train.grad_reduce_in_fp32,
+                                               overlap_grad_reduce=train.overlap_grad_reduce,
                                                overlap_param_gather=train.overlap_param_gather,
                                                use_distributed_optimizer=distributed_optimizer,
                                                fp8_param_gather=bool(getattr(config, "fp8_param", False)))

@@ -124,4 +124,7 @@ def _run(command, argv: list[str] | None) -> int:
 
 
 def main() -> None:
+    from nam_core.engine.summary import mark_launch
+
+    mark_launch()  # the summary's time from launch to the first step starts here (or in the nam that launched us)
     sys.exit(run())

@@ -159,7 +159,7 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say
                   plugins=list(session.spec.plugins), **numerics_fields(session.spec.train), **summarize(
                       folder.metrics(), wall_s=time.monotonic() - started,
                       steps_run=result["steps"] - result["started_at_step"], tokens_per_step=result["tokens_per_step"],
-                      first_step=result["started_at_step"] + 1))
+                      first_step=result["started_at_step"] + 1, first_step_done_at=result.get("first_step_done_at")))
     last = result.get("last_checkpoint")
     result.update(rundir.whereabouts(folder.path, Path(last) if last not in (None, "None") else None,
                                      steps_run=result["steps_run"], again=again,

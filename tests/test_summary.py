@@ -2,6 +2,8 @@
 and auxiliary losses (nam_core/engine/summary.py)."""
 
 import json
+import os
+import time
 
 import pytest
 
@@ -70,7 +72,27 @@ def test_a_run_without_records_still_has_its_time():
     assert describe(dict(s, run_dir="r")) == "done: 0 steps in 1.5 s; run folder r"
 
 
-def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys):
+def test_the_time_from_launch_to_the_first_step(monkeypatch):
+    """The launch is the environment's mark (the first nam process sets it; ranks inherit it); the line says
+    when the first step ended after it. Without a mark (or a first step) there is no such number."""
+    from nam_core.engine import summary as summary_
+
+    monkeypatch.setenv(summary_.LAUNCHED_AT, "1000.000")
+    s = summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10, first_step_done_at=1042.25)
+    assert s["launch_to_first_step_s"] == 42.25
+    assert "(first step 0.1 s: kernel builds, warm-up; it ended 42.2 s after launch; " in describe(dict(s, run_dir="r"))
+    assert summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10)["launch_to_first_step_s"] is None
+    monkeypatch.delenv(summary_.LAUNCHED_AT)
+    assert summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10,
+                     first_step_done_at=1042.25)["launch_to_first_step_s"] is None
+    summary_.mark_launch()  # unset: this process's start
+    assert abs(float(os.environ[summary_.LAUNCHED_AT]) - time.time()) < 60
+    monkeypatch.setenv(summary_.LAUNCHED_AT, "1000.000")
+    summary_.mark_launch()  # set by a parent nam: kept
+    assert os.environ[summary_.LAUNCHED_AT] == "1000.000"
+
+
+def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys, monkeypatch):
     from nam_cli.main import run
     from nam_core.engine.metrics import read_metrics
     from nam56r.testing import prepare_corpus
@@ -79,6 +101,8 @@ def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys):
 
     corpus = prepare_corpus(tmp_path_factory, (textwrap,), chars=4000)
     run_dir = tmp_path / "run"
+    launched = time.time()
+    monkeypatch.setenv("NAM_LAUNCHED_AT", f"{launched:.3f}")
     assert run(["train", "--run-dir", str(run_dir), "--data", str(corpus), "--max-steps", "4", "--set", "seq_len=32",
                 "--set", "train.micro_batch_size=2", "--set", "train.checkpoint_every=0",
                 "--set", "train.log_every=3"]) == 0
@@ -88,6 +112,8 @@ def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys):
     assert summary["steps_run"] == 4 and summary["tokens"] == 4 * 2 * 32
     assert summary["wall_time_s"] > 0 and summary["tokens_per_s"] > 0
     assert summary["first_step_s"] == metrics[0]["step_time_s"] and summary["steady_steps"] == 2
+    # the model build and data before it, then the first step: longer than that step, shorter than the test so far
+    assert summary["first_step_s"] < summary["launch_to_first_step_s"] < time.time() - launched
     assert summary["step_tokens_per_s"] == pytest.approx((metrics[1]["tokens_per_s"] + metrics[2]["tokens_per_s"]) / 2)
     assert summary["lm_loss_last"] == pytest.approx(metrics[-1]["lm_loss"])  # window 1 at 3 records
     assert "mtp_loss" in summary["other_losses_last"] and "lm_loss" not in summary["other_losses_last"]

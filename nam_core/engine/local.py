@@ -255,12 +255,13 @@ def train(run: EngineRun) -> dict:
         state = _start(run)
         good = checkpoint.good_checkpoints(run.folder.checkpoints)
         last_good = good[-1] if good else None
-        tokens_per_step = None
+        tokens_per_step = first_step_done_at = None
         try:
             if stop.signum is not None:  # asked to stop while loading: nothing new to save
                 raise _stopped(run, stop, state.start, last_good)
             for step in range(state.start, run.max_steps):
                 metrics, tokens_per_step = _step(run, state, step, last_good)
+                first_step_done_at = first_step_done_at or time.time()  # the summary's launch-to-first-step
                 _drain_notes(run, state)
                 if cfg.evaluates_after(step + 1, run.max_steps):
                     metrics.update(evaluate(run))
@@ -281,4 +282,4 @@ def train(run: EngineRun) -> dict:
                 _finish_save(run, state)  # flight still lands (or is removed)
             state.log.close()
     return {"steps": run.max_steps, "started_at_step": state.start, "last_checkpoint": str(last_good),
-            "tokens_per_step": tokens_per_step, "plugin_report": report}
+            "tokens_per_step": tokens_per_step, "first_step_done_at": first_step_done_at, "plugin_report": report}

@@ -10,7 +10,9 @@ The speed it leads with is the steady state: the median step after this invocati
 model TFLOP/s per device, as the engines log them). The first step builds kernels and warms allocators and
 caches (NAM56R, one H200: ~20 s against ~1.7 s for each later step), so an average over the wall time that
 includes it understates a run's speed by 1.7x at 10 steps (issue 31); the first step's time is reported
-apart, and the wall average (checkpoints included) stays in ``summary.json`` as ``tokens_per_s``.
+apart, with the time from the command's launch to the end of that step (``launch_to_first_step_s``: start-up,
+model build, checkpoint load and the first step; a resume's time to its first step), and the wall average
+(checkpoints included) stays in ``summary.json`` as ``tokens_per_s``.
 
 Both engines write the same records (``nam_core.engine.local``, ``nam_core.engine.megatron.loop``): a record is
 the step's numbers; every numeric field that is not one of ``STEP_FIELDS`` is a loss term.
@@ -19,6 +21,8 @@ the step's numbers; every numeric field that is not one of ``STEP_FIELDS`` is a 
 from __future__ import annotations
 
 import math
+import os
+import time
 from statistics import fmean, median
 
 STEP_FIELDS = frozenset({"step", "loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
@@ -36,14 +40,35 @@ def window(n_records: int) -> int:
     return max(1, min(WINDOW_MAX, math.ceil(n_records * WINDOW_FRACTION)))
 
 
+LAUNCHED_AT = "NAM_LAUNCHED_AT"
+"""The environment variable holding when ``nam`` started (``time.time()``), set by the first ``nam`` process and
+inherited by the ranks it launches, so a rank measures the time to its first step from the command's start."""
+
+
+def mark_launch() -> None:
+    """Note this process's start as the launch, unless a parent ``nam`` process already did."""
+    os.environ.setdefault(LAUNCHED_AT, f"{time.time():.3f}")
+
+
+def launch_to_first_step(first_step_done_at: float | None) -> float | None:
+    """Seconds from the launch (``mark_launch``) to the end of this invocation's first step (``time.time()`` the
+    engine returned), or None when either is unknown."""
+    launched = os.environ.get(LAUNCHED_AT)
+    if first_step_done_at is None or not launched:
+        return None
+    return round(first_step_done_at - float(launched), 3)
+
+
 def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_step: int | None,
-              first_step: int = 1) -> dict:
+              first_step: int = 1, first_step_done_at: float | None = None) -> dict:
     """The summary's numbers. ``records``: the run folder's metrics records (a resumed run's earlier ones too);
     ``wall_s``, ``steps_run`` and ``tokens_per_step``: this invocation's training (tokens over every rank);
-    ``first_step``: the number (from 1) of this invocation's first step, the one whose time is reported apart."""
+    ``first_step``: the number (from 1) of this invocation's first step, the one whose time is reported apart;
+    ``first_step_done_at``: when it ended (``time.time()``), for the time from the launch to it."""
     tokens = (tokens_per_step or 0) * steps_run
     summary = {"wall_time_s": round(wall_s, 3), "steps_run": steps_run, "tokens": tokens,
-               "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None, **steady_state(records, first_step)}
+               "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None, **steady_state(records, first_step),
+               "launch_to_first_step_s": launch_to_first_step(first_step_done_at)}
     evaluated = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
     summary.update(val_loss_last=evaluated[-1]["val_loss"] if evaluated else None,
                    val_loss_step=evaluated[-1]["step"] if evaluated else None)
@@ -109,8 +134,10 @@ def describe(summary: dict) -> str:
 def _speed(summary: dict) -> str:
     """'9,478 tokens/s, 85.1 TFLOP/s per device at the median step after the first (first step 22.1 s: kernel
     builds, warm-up; 5,543 tokens/s over the wall time)'; the wall average alone when no later step ran."""
-    first = summary.get("first_step_s")
+    first, launched = summary.get("first_step_s"), summary.get("launch_to_first_step_s")
     first = f"first step {_duration(first)}: kernel builds, warm-up" if first is not None else ""
+    if first and launched is not None:
+        first += f"; it ended {_duration(launched)} after launch"
     wall = f"{summary['tokens_per_s']:,.0f} tokens/s over the wall time" if summary.get("tokens_per_s") else ""
     if summary.get("step_tokens_per_s") is None:
         return "; ".join(x for x in (wall + (" (no step after the first to measure)" if wall else ""), first) if x)

@@ -49,6 +49,8 @@ class _Session:
     saves: checkpoint.BackgroundSaves | None = None
     """The background checkpoint writer (``train.async_checkpoints``); None: synchronous saves."""
     noted: set = field(default_factory=set)
+    first_step_done_at: float | None = None
+    """When this invocation's first step ended (``time.time()``), for the summary's time from launch."""
 
     def note(self, line: str) -> None:
         if self.log is not None:
@@ -100,6 +102,7 @@ def train(run: EngineRun) -> dict:
                 update_ok, grad_norm, _ = s.optimizer.step()
                 means, notes = _step_means(run, s, losses)
                 dt, mem = _peaks(t0)
+                s.first_step_done_at = s.first_step_done_at or time.time()  # the summary's launch-to-first-step
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)
                 _guard(step, update_ok, means["loss"], grad_norm, s)
                 metrics = step_metrics(step, means, lr=lr, grad_norm=grad_norm, tokens=s.tokens_per_step,
@@ -128,7 +131,8 @@ def train(run: EngineRun) -> dict:
             if s.log is not None:
                 s.log.close()
     return {"steps": run.max_steps, "started_at_step": s.start, "last_checkpoint": str(s.last_good),
-            "tokens_per_step": s.tokens_per_step, "layout": s.layout, "plugin_report": report}
+            "tokens_per_step": s.tokens_per_step, "first_step_done_at": s.first_step_done_at, "layout": s.layout,
+            "plugin_report": report}
 
 
 def _save(run: EngineRun, s: _Session, step: int) -> None:

@@ -278,17 +278,26 @@ def verify(folder: Path) -> dict | None:
     return inspect(folder)[0]
 
 
-def inspect(folder: Path) -> tuple[dict | None, str]:
-    """``(manifest, "")`` for a good checkpoint folder, ``(None, what is wrong with it)`` otherwise."""
-    manifest_path = folder / "manifest.json"
+def read_manifest(folder: Path) -> tuple[dict | None, str]:
+    """``(manifest, "")`` as a checkpoint folder's manifest.json holds it (parsed JSON, not yet checked), or
+    ``(None, why not)``, ``why`` never empty: a hidden folder, no manifest, or one that is not JSON. Both
+    engines' ``inspect`` start here; what a manifest must list is each format's own."""
     if folder.name.startswith("."):
         return None, "a save in progress or interrupted (hidden folder)"
-    if not manifest_path.is_file():
+    path = folder / "manifest.json"
+    if not path.is_file():
         return None, "no manifest.json (the save did not finish)"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        return json.loads(path.read_text()), ""
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, f"manifest.json is not valid JSON ({e})"
+
+
+def inspect(folder: Path) -> tuple[dict | None, str]:
+    """``(manifest, "")`` for a good checkpoint folder, ``(None, what is wrong with it)`` otherwise."""
+    manifest, why = read_manifest(folder)
+    if why:
+        return None, why
     digests = manifest.get("sha256", {})
     names = FILES
     if _dcp_format(manifest):

@@ -11,9 +11,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/deepep-out}
 mkdir -p "$OUT" .deepep-cache
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-t0=$(date +%s)
-left() { echo $(( 230 - ($(date +%s) - t0) )); }
-log() { echo "== $* (t=$(( $(date +%s) - t0 )) s)" | tee -a "$OUT/summary.txt"; }
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # left, limit, log, step
+BUDGET=230 STEP_MIN=10 SUMMARY=summary.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' | tee -a "$OUT/gpu.txt"
 nvcc --version | tail -2 | tee -a "$OUT/gpu.txt"
@@ -33,10 +32,9 @@ if [[ $rc -ne 0 ]]; then
   exit 1
 fi
 P=plugins/nam-plugin-deepep/device/probe_deepep.py
-run_probe() {  # name, limit, args...
-  local name=$1 lim=$2; shift 2
-  (( lim > $(left) )) && lim=$(left)
-  if (( lim < 10 )); then log "$name: skipped, out of time"; return; fi
+run_probe() {  # name, limit, args...: like step, but the probe's JSON lines and its stderr in two files
+  local name=$1 lim; lim=$(limit "$2"); shift 2
+  if (( lim < STEP_MIN )); then log "$name: skipped, out of time (limit ${lim}s)"; return; fi
   timeout -k 5 "$lim" python3 "$P" "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.err"
   local r=$?
   cat "$OUT/$name.jsonl"; tail -5 "$OUT/$name.err"

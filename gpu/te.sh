@@ -15,18 +15,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/te-out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-t0=$(date +%s)
-left() { echo $(( 235 - ($(date +%s) - t0) )); }
-log() { echo "== $* (t=$(( $(date +%s) - t0 )) s)" | tee -a "$OUT/summary.txt"; }
-step() {  # name, limit, command...: run with a timeout bounded by what is left, output to $OUT/name.txt
-  local name=$1 lim=$2; shift 2
-  (( lim > $(left) )) && lim=$(left)
-  if (( lim < 10 )); then log "$name: skipped, out of time"; return; fi
-  timeout "$lim" "$@" > "$OUT/$name.txt" 2>&1
-  local r=$?
-  tail -n 25 "$OUT/$name.txt"
-  log "$name rc=$r"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # left, limit, log, step
+BUDGET=235 STEP_MIN=10 STEP_EXT=.txt STEP_TAIL=25 SUMMARY=summary.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 git log --oneline -1 | tee -a "$OUT/gpu.txt"
@@ -50,12 +40,12 @@ bg megatron-fp8-gather nam train "${TINY[@]}" --engine megatron --nproc 1 --set 
 bg preflight-run nam preflight --plugins te --recipe nam56r-tiny --device cuda --set train.dtype=bfloat16 \
   --set mamba_rope_fraction=1.0 --set attention_backend=reference --set te.fp8=delayed
 log "smokes started in the background (limit $lim s each)"
-step preflight 60 nam preflight --plugins te
-step preflight-gb10 20 nam preflight --plugins te --device-profile gb10
-step gpu-tests 100 python3 -m pytest -m gpu plugins/nam-plugin-te/tests/test_te_gpu.py -q -s -p no:cacheprovider
+step 60 preflight nam preflight --plugins te
+step 20 preflight-gb10 nam preflight --plugins te --device-profile gb10
+step 100 gpu-tests python3 -m pytest -m gpu plugins/nam-plugin-te/tests/test_te_gpu.py -q -s -p no:cacheprovider
 wait
 for name in "${SMOKES[@]}"; do
   echo "---- $name"; tail -n 18 "$OUT/$name.txt"; log "$name $(tail -n 1 "$OUT/$name.txt")"
 done
-step bench-linear 45 python3 bench/te_linear.py --json "$OUT/te_linear.json"
+step 45 bench-linear python3 bench/te_linear.py --json "$OUT/te_linear.json"
 log "done"

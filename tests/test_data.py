@@ -605,6 +605,20 @@ def test_prepare_onto_a_read_only_disk_is_exit_6_before_anything_is_read(code_fo
     assert "Traceback" not in err and list(disk.iterdir()) == []
 
 
+def test_prepare_into_a_folder_this_user_may_not_write_is_exit_6_naming_it(code_folder, tmp_path, monkeypatch,
+                                                                            capsys):
+    from nam_cli.main import run
+
+    parent = tmp_path / "locked"  # as root (CI) chmod is out of reach: what the kernel would answer
+    parent.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: False if str(p) == str(parent) else real_access(p, m))
+    assert run(["data", "prepare", str(code_folder), "--out", str(parent / "ds"), "--json"]) == 6
+    err = capsys.readouterr().err
+    assert f"cannot write the dataset folder {parent / 'ds'}: permission denied on {parent}" in err, err
+    assert f"make {parent} writable" in err and "Traceback" not in err and list(parent.iterdir()) == []
+
+
 def test_the_default_corpus_under_a_read_only_home_is_exit_6_naming_nam_cache_dir(small_disk, monkeypatch):
     from nam_core.errors import RunFolderError
 

@@ -300,6 +300,22 @@ def test_resume_takes_megatron_checkpoints_only(tmp_path, capsys):
         engine.resolve_resume(str(root / "step-00000004"), root)  # a local-engine checkpoint
 
 
+def test_both_engines_refuse_an_unreadable_manifest_with_the_same_words(tmp_path):
+    from nam_core.engine import checkpoint as local
+
+    (tmp_path / "step-00000002").mkdir()
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "manifest.json").write_text("{not json")
+    _megatron_checkpoint(tmp_path / ".step-00000006.tmp", 6)
+    expected = {"step-00000002": "no manifest.json (the save did not finish)",
+                "step-00000004": "manifest.json is not valid JSON (",
+                ".step-00000006.tmp": "a save in progress or interrupted (hidden folder)"}
+    for name, words in expected.items():
+        for inspect in (local.inspect, checkpoint.inspect):
+            manifest, why = inspect(tmp_path / name)
+            assert manifest is None and why.startswith(words), (inspect.__module__, name, why)
+
+
 class _RunsCode:
     """Unpickling this runs ``open(marker, "w")``: a stand-in for ``os.system``."""
 

@@ -70,7 +70,7 @@ from nam_core.data.dataset import (
     open_dataset,
 )
 from nam_core.data.tokenizer import Tokenizer
-from nam_core.engine.rundir import disk_full, free_mb, mount_point
+from nam_core.engine.rundir import READ_ONLY, disk_full, free_mb, mount_point, unwritable
 from nam_core.errors import DataError, RunFolderError
 
 Annotator = Callable[[str], "list[int]"]
@@ -343,10 +343,11 @@ def _check_writable(out: Path) -> None:
     parent = Path(os.path.abspath(out)).parent
     while not parent.exists():
         parent = parent.parent
-    if os.statvfs(parent).f_flag & os.ST_RDONLY:
+    why = unwritable(parent)
+    if why == READ_ONLY:
         raise RunFolderError(f"cannot write the dataset folder {out}: {parent} is on a read-only filesystem; nothing was written",
                              hint="choose an --out folder on a writable disk")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if why is not None:
         raise RunFolderError(f"cannot write the dataset folder {out}: permission denied on {parent}; nothing was written",
                              hint=f"make {parent} writable, or choose another --out folder")
 

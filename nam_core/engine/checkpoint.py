@@ -125,11 +125,7 @@ def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler
     from nam_core.engine import async_checkpoint as dcp
 
     finish_save(saver, ckpt_root, model, optimizer)
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    for stale in ckpt_root.glob(".step-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # nothing is in flight: leftovers of a killed save or prune
-    final = ckpt_root / f"step-{step:08d}"
-    tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
+    tmp, final = _aside(ckpt_root, step)
     model_sd, optim_sd = dcp.state_dicts(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state()}
 
@@ -142,9 +138,7 @@ def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler
         tmp.mkdir()
         return saver.start(tmp, final, step, state, finish)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if rundir.disk_full(exc):
-            raise _no_space(ckpt_root, model, optimizer) from exc
+        _save_failed(ckpt_root, tmp, exc, model, optimizer)
         raise
 
 
@@ -173,21 +167,34 @@ def _into_place(tmp: Path, final: Path, ckpt_root: Path, keep: int) -> None:
 
 def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict, keep: int) -> Path:
     """Write checkpoint ``step`` atomically; return its folder. ``extra`` goes into the manifest."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    for stale in ckpt_root.glob(".step-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # leftovers of a killed save or prune: never a good checkpoint
-    final = ckpt_root / f"step-{step:08d}"
-    tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
+    tmp, final = _aside(ckpt_root, step)
     try:
         tmp.mkdir()
         _write(tmp, step, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
         _into_place(tmp, final, ckpt_root, keep)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if rundir.disk_full(exc):
-            raise _no_space(ckpt_root, model, optimizer) from exc
+        _save_failed(ckpt_root, tmp, exc, model, optimizer)
         raise
     return final
+
+
+def _aside(ckpt_root: Path, step: int) -> tuple[Path, Path]:
+    """``(tmp, final)`` of checkpoint ``step``: the hidden folder it is written into (the caller makes it) and
+    the name it gets when done. Hidden folders left in ``ckpt_root`` go first: no save is in flight when one
+    starts, so they are leftovers of a killed save or prune, never a good checkpoint."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = ckpt_root / f"step-{step:08d}"
+    return ckpt_root / f".{final.name}.tmp-{os.getpid()}", final
+
+
+def _save_failed(ckpt_root: Path, tmp: Path, exc: BaseException, model, optimizer) -> None:
+    """A save that raised ``exc``: its hidden folder removed, and a full disk raised as ``_no_space`` (exit 6,
+    what one checkpoint needs); any other error is the caller's to raise again."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if rundir.disk_full(exc):
+        raise _no_space(ckpt_root, model, optimizer) from exc
 
 
 def _write(tmp: Path, step: int, *, model, optimizer, scheduler, extra: dict) -> None:
@@ -278,17 +285,26 @@ def verify(folder: Path) -> dict | None:
     return inspect(folder)[0]
 
 
-def inspect(folder: Path) -> tuple[dict | None, str]:
-    """``(manifest, "")`` for a good checkpoint folder, ``(None, what is wrong with it)`` otherwise."""
-    manifest_path = folder / "manifest.json"
+def read_manifest(folder: Path) -> tuple[dict | None, str]:
+    """``(manifest, "")`` as a checkpoint folder's manifest.json holds it (parsed JSON, not yet checked), or
+    ``(None, why not)``, ``why`` never empty: a hidden folder, no manifest, or one that is not JSON. Both
+    engines' ``inspect`` start here; what a manifest must list is each format's own."""
     if folder.name.startswith("."):
         return None, "a save in progress or interrupted (hidden folder)"
-    if not manifest_path.is_file():
+    path = folder / "manifest.json"
+    if not path.is_file():
         return None, "no manifest.json (the save did not finish)"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        return json.loads(path.read_text()), ""
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, f"manifest.json is not valid JSON ({e})"
+
+
+def inspect(folder: Path) -> tuple[dict | None, str]:
+    """``(manifest, "")`` for a good checkpoint folder, ``(None, what is wrong with it)`` otherwise."""
+    manifest, why = read_manifest(folder)
+    if why:
+        return None, why
     digests = manifest.get("sha256", {})
     names = FILES
     if _dcp_format(manifest):

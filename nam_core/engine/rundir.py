@@ -161,13 +161,25 @@ def _loops(path: Path) -> bool:
     return False
 
 
+READ_ONLY, DENIED = "read-only filesystem", "permission denied"
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file can be made in the existing ``folder`` (``READ_ONLY``, ``DENIED``), or None: asked before a
+    run folder or a dataset folder (``nam data prepare``) is written, each wording its own refusal."""
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return READ_ONLY
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return DENIED
+    return None
+
+
 def _check_writable(path: Path) -> None:
-    if os.statvfs(path).f_flag & os.ST_RDONLY:
-        raise RunFolderError(f"cannot write to {path}: read-only filesystem",
-                             hint="choose a --run-dir on a writable disk")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise RunFolderError(f"cannot write to {path}: permission denied",
-                             hint=f"make it writable (chmod u+w {path}), or choose another --run-dir")
+    why = unwritable(path)
+    if why is not None:
+        raise RunFolderError(f"cannot write to {path}: {why}",
+                             hint="choose a --run-dir on a writable disk" if why == READ_ONLY else
+                             f"make it writable (chmod u+w {path}), or choose another --run-dir")
 
 
 # --- the lock --------------------------------------------------------------------------------------------

@@ -69,15 +69,9 @@ def _digests(folder: Path) -> dict[str, str]:
 def inspect(folder: Path) -> tuple[dict | None, str]:
     """``(manifest, "")`` for a good megatron-engine checkpoint folder, ``(None, what is wrong)`` otherwise:
     a manifest of this format, and exactly the files it lists, each with its sha256."""
-    if folder.name.startswith("."):
-        return None, "a save in progress or interrupted (hidden folder)"
-    path = folder / "manifest.json"
-    if not path.is_file():
-        return None, "no manifest.json (the save did not finish)"
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, f"manifest.json is not valid JSON ({e})"
+    manifest, why = files.read_manifest(folder)
+    if why:
+        return None, why
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else manifest
         return None, f"no {CHECKPOINT_FORMAT} manifest (format {found!r})"

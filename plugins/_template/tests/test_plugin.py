@@ -1,11 +1,14 @@
+"""__NAME__ on the CPU: activation registers its strategy under its name, and requesting the plugin selects it."""
+
 from nam_core.device import DeviceInfo
 from nam_core.host import PluginHost
 
-import __MODULE__.plugin as plugin
+from __MODULE__.plugin import NAME, PLUGIN
+from __MODULE__.strategy import Strategy
 
 
-def test_activates_on_cpu_and_registers_its_name():
+def test_activates_on_cpu_and_registers_its_strategy():
     host = PluginHost()
-    host.activate(["__NAME__"], DeviceInfo.profile("cpu"))
-    assert "__NAME__" in host.registry("indexers")
-    assert plugin.PLUGIN.provides["indexers"] == ["__NAME__"]
+    host.activate([NAME], DeviceInfo.profile("cpu"))
+    assert host.registry("indexer").get(NAME) is Strategy
+    assert PLUGIN.selects == {"indexer_backend": NAME}

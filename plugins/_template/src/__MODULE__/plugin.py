@@ -1,18 +1,18 @@
-"""Entry point of the __NAME__ plugin: what it declares and the hooks it implements.
+"""The __NAME__ plugin's declaration: what it provides, needs and selects, read by ``nam plugins list`` and
+``nam preflight`` without importing any kernel. Requesting it selects ``indexer_backend=__NAME__`` (an explicit
+``--set`` wins). The host registers the class named in ``provides`` at activation, so no provider hook is
+needed; add hooks (``nam_core.hookspecs``) only for what a declaration cannot say, with heavy imports inside
+their bodies. This module stays light (no torch, no GPU library at import)."""
 
-Keep this module light: heavy imports (kernels, GPU libraries) go inside hook bodies, so that
-`nam plugins list` can read PLUGIN without importing them.
-"""
+from __future__ import annotations
 
-from nam_core import PluginInfo, Requirement, hookimpl
+from nam_core import PluginInfo, Requirement
+
+NAME = "__NAME__"
 
 PLUGIN = PluginInfo(
     summary="__NAME__: say in one line what it offers.",
-    provides={"indexer": ["__NAME__"]},
-    requires=(),  # e.g. Requirement.cuda_capability(at_least=(9, 0)), Requirement.package("triton>=3.4")
+    provides={"indexer": {NAME: "__MODULE__.strategy:Strategy"}},  # kind -> {name: "module:Class"}
+    requires=(),  # e.g. Requirement.cuda_capability((9, 0), reason="..."), Requirement.package("triton>=3.3")
+    selects={"indexer_backend": NAME},
 )
-
-
-@hookimpl
-def nam_register_indexer_backends(register):
-    register("__NAME__", object)  # replace `object` with the implementing class

@@ -17,10 +17,8 @@ import torch
 from torch import nn
 
 from nam56r.projections import count_by_part, dense_projections, refuse_misaligned
+from nam_plugin_float8.plugin import MULTIPLE
 
-MULTIPLE = 16
-"""``torch._scaled_mm`` needs both dims of each FP8 operand divisible by 16 (torchao's auto filter skips
-others; here a selected projection that is not is refused by ``nam_check_config`` before the run)."""
 RECIPES = ("tensorwise", "rowwise")
 """``torchao.float8.Float8LinearRecipeName`` values offered: per-tensor scales (cuBLAS) and per-row scales
 rounded to powers of two (CUTLASS), e4m3 for inputs, weights and gradients in both."""

@@ -26,7 +26,9 @@ GPU_HINT = "pip install 'nam-plugin-float8[gpu]'"
 LINEAR_RECIPES = ("none", "tensorwise", "rowwise")  # "none" + linears.RECIPES
 EXPERT_RECIPES = ("off", "rowwise")
 MULTIPLE = 16
-"""FP8 GEMM operands need both dims divisible by 16 (``torch._scaled_mm``, ``torch._scaled_grouped_mm``)."""
+"""FP8 GEMM operands need both dims divisible by 16 (``torch._scaled_mm``, ``torch._scaled_grouped_mm``;
+torchao's auto filter skips other linears): ``nam_check_config`` refuses a selected projection or an expert
+width that is not, before the run, and ``linears.convert`` refuses it again."""
 
 LINEARS_TOLERANCE = 0.10
 """Largest ``||fp8 - ref|| / ||ref||`` of a ``Float8Linear``'s output, input gradient and weight gradient against

@@ -1,0 +1,32 @@
+# The time budget of a GPU round, one copy for every gpu/*.sh: source it, then set (before the first step)
+#   BUDGET    the seconds the whole script may run (under the device's limit per command)
+#   STEP_MIN  the fewest seconds a step is worth starting with; with less left it is skipped
+#   STEP_EXT  the ending of a step's output file in $OUT (.log or .txt)
+# and, optionally, STEP_TAIL (lines of a step's output shown after it) and SUMMARY (a file in $OUT that
+# every log line is appended to as well). Time is bash's SECONDS: the seconds since the script started.
+
+left() { echo $(( BUDGET - SECONDS )); }
+
+limit() {  # limit SECONDS_WANTED: the smaller of what a step wants and what is left
+  local t; t=$(left)
+  (( $1 < t )) && t=$1
+  echo "$t"
+}
+
+log() {  # log MESSAGE...: one line with the time since the start, on stdout and in $OUT/$SUMMARY when set
+  if [[ -n ${SUMMARY:-} ]]; then
+    echo "== $* (t=${SECONDS} s)" | tee -a "$OUT/$SUMMARY"
+  else
+    echo "== $* (t=${SECONDS} s)"
+  fi
+}
+
+step() {  # step SECONDS_WANTED NAME CMD...: CMD under `limit SECONDS_WANTED`, its output in $OUT/NAME$STEP_EXT
+  local name=$2 t; t=$(limit "$1"); shift 2
+  if (( t < STEP_MIN )); then log "$name: skipped, out of time (limit ${t}s)"; return; fi
+  log "$name (limit ${t}s)"
+  timeout -k 5 "$t" "$@" > "$OUT/$name$STEP_EXT" 2>&1
+  local r=$?
+  (( ${STEP_TAIL:-0} > 0 )) && tail -n "$STEP_TAIL" "$OUT/$name$STEP_EXT"
+  log "$name rc=$r"
+}

@@ -307,8 +307,11 @@ def test_both_engines_refuse_an_unreadable_manifest_with_the_same_words(tmp_path
     (tmp_path / "step-00000004").mkdir()
     (tmp_path / "step-00000004" / "manifest.json").write_text("{not json")
     _megatron_checkpoint(tmp_path / ".step-00000006.tmp", 6)
-    expected = {"step-00000002": "no manifest.json (the save did not finish)",
+    (tmp_path / "step-00000008").mkdir()
+    (tmp_path / "step-00000008" / "manifest.json").write_text("[8]")  # JSON, but no manifest (the local engine's
+    expected = {"step-00000002": "no manifest.json (the save did not finish)",  # inspect used to crash on it)
                 "step-00000004": "manifest.json is not valid JSON (",
+                "step-00000008": "manifest.json holds a JSON list, not an object",
                 ".step-00000006.tmp": "a save in progress or interrupted (hidden folder)"}
     for name, words in expected.items():
         for inspect in (local.inspect, checkpoint.inspect):

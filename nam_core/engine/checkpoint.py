@@ -287,7 +287,7 @@ def verify(folder: Path) -> dict | None:
 
 def read_manifest(folder: Path) -> tuple[dict | None, str]:
     """``(manifest, "")`` as a checkpoint folder's manifest.json holds it (parsed JSON, not yet checked), or
-    ``(None, why not)``, ``why`` never empty: a hidden folder, no manifest, or one that is not JSON. Both
+    ``(None, why not)``, ``why`` never empty: a hidden folder, no manifest, or one that is not a JSON object. Both
     engines' ``inspect`` start here; what a manifest must list is each format's own."""
     if folder.name.startswith("."):
         return None, "a save in progress or interrupted (hidden folder)"
@@ -295,9 +295,12 @@ def read_manifest(folder: Path) -> tuple[dict | None, str]:
     if not path.is_file():
         return None, "no manifest.json (the save did not finish)"
     try:
-        return json.loads(path.read_text()), ""
+        manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, f"manifest.json is not valid JSON ({e})"
+    if not isinstance(manifest, dict):
+        return None, f"manifest.json holds a JSON {type(manifest).__name__}, not an object"
+    return manifest, ""
 
 
 def inspect(folder: Path) -> tuple[dict | None, str]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nam56r.projections import count_by_part, dense_projections, refuse_misaligned
-from nam_plugin_float8.plugin import MULTIPLE
+from nam_plugin_float8.shapes import MULTIPLE
 
 RECIPES = ("tensorwise", "rowwise")
 """``torchao.float8.Float8LinearRecipeName`` values offered: per-tensor scales (cuBLAS) and per-row scales

@@ -19,16 +19,13 @@ from nam_core import Check, PluginInfo, Requirement, hookimpl
 from nam_core.checks import LaunchCheck, ShapeCheck
 from nam_core.options import Option
 from nam_core.requirements import FAIL, PASS, SKIP
+from nam_plugin_float8.shapes import MULTIPLE
 
 NAME = "float8"
 BACKEND = "float8-grouped"
 GPU_HINT = "pip install 'nam-plugin-float8[gpu]'"
 LINEAR_RECIPES = ("none", "tensorwise", "rowwise")  # "none" + linears.RECIPES
 EXPERT_RECIPES = ("off", "rowwise")
-MULTIPLE = 16
-"""FP8 GEMM operands need both dims divisible by 16 (``torch._scaled_mm``, ``torch._scaled_grouped_mm``;
-torchao's auto filter skips other linears): ``nam_check_config`` refuses a selected projection or an expert
-width that is not, before the run, and ``linears.convert`` refuses it again."""
 
 LINEARS_TOLERANCE = 0.10
 """Largest ``||fp8 - ref|| / ||ref||`` of a ``Float8Linear``'s output, input gradient and weight gradient against

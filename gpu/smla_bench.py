@@ -93,35 +93,55 @@ dense_row, _ = attn_timing(lambda: dense_attention(q, kv, scale=SCALE, d_v=DV))
 sparse["sdpa dense"] = dense_row
 old_row, old_out = attn_timing(lambda: kernel_before.sparse_mla(q, kv, idx, scale=SCALE, d_v=DV)[0])
 sparse["before"] = old_row
-VARIANTS = {  # name: (block_n, value from key fwd, bwd, warps fwd, bwd)
-    "default": (64, True, True, 4, 8),
-    "value_tile": (64, False, False, 4, 8),
-    "bn128_w8": (128, True, True, 8, 8),
-    "w8_w4": (64, True, True, 8, 4),
-    "bn32_w4": (32, True, True, 4, 4),
-    "bn128_fw4_bw8": (128, True, True, 4, 8),
-}
-default_out = None
-for name, (bn, vf, vb, wf, wb) in list(VARIANTS.items())[:2 if SMOKE else None]:
-    if time.time() - T0 > 40:
-        sparse[name] = {"skipped": "time"}
-        continue
-    kernel.VALUE_FROM_KEY.update(fwd=vf, bwd=vb)
-    kernel.NUM_WARPS.update(fwd=wf, bwd=wb)
-    try:
-        row, outs = attn_timing(lambda: kernel.sparse_mla(q, kv, idx, scale=SCALE, d_v=DV, block_n=bn)[0])
-    except Exception as e:  # a variant that does not compile (shared memory, registers) is recorded, not fatal
-        sparse[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        continue
-    if default_out is None:
-        default_out = outs
-        row["vs_before"] = dict(zip(("out", "dq", "dkv"), (rel(a, b) for a, b in zip(outs, old_out))))
-    else:
+FWD = [  # (block_n, warps, stages, value from key); the first is kernel.TILES' default
+    (64, 4, 3, True), (64, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True), (256, 8, 2, True),
+    (64, 8, 3, True), (64, 4, 2, True), (32, 4, 3, True)]
+BWD = [(64, 8, 3, True), (64, 8, 3, False), (32, 4, 3, True), (64, 4, 3, True), (128, 8, 2, True),
+       (32, 8, 3, True), (64, 8, 2, True)]
+DEFAULT = {kind: dict(kernel.TILES[kind]) for kind in ("fwd", "bwd")}
+
+
+def set_tile(kind, tile):
+    bn, warps, stages, vfk = tile
+    kernel.TILES[kind].update(block_n=bn, num_warps=warps, num_stages=stages, value_from_key=vfk)
+
+
+def new_sparse():
+    return kernel.sparse_mla(q, kv, idx, scale=SCALE, d_v=DV)[0]
+
+
+default_row, default_out = attn_timing(new_sparse)
+default_row["vs_before"] = dict(zip(("out", "dq", "dkv"), (rel(a, b) for a, b in zip(default_out, old_out))))
+sparse["after (default tiles)"] = default_row
+save()
+best = {"fwd": (default_row["fwd_ms"], FWD[0]), "bwd": (default_row["bwd_ms"], BWD[0])}
+for kind, tiles in (("fwd", FWD[1:2 if SMOKE else None]), ("bwd", BWD[1:2 if SMOKE else None])):
+    for tile in tiles:
+        name = f"{kind} {tile}"
+        if time.time() - T0 > 40:
+            sparse[name] = {"skipped": "time"}
+            continue
+        set_tile(kind, tile)
+        try:
+            row, outs = attn_timing(new_sparse)
+        except Exception as e:  # a variant that does not compile (shared memory, registers) is recorded, not fatal
+            sparse[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        finally:
+            kernel.TILES[kind].update(DEFAULT[kind])
         row["vs_default"] = dict(zip(("out", "dq", "dkv"), (rel(a, b) for a, b in zip(outs, default_out))))
-    sparse[name] = row
-    save()
-kernel.VALUE_FROM_KEY.update(fwd=True, bwd=True)
-kernel.NUM_WARPS.update(fwd=4, bwd=8)
+        sparse[name] = row
+        if row[f"{kind}_ms"] < best[kind][0]:
+            best[kind] = (row[f"{kind}_ms"], tile)
+        save()
+set_tile("fwd", best["fwd"][1])
+set_tile("bwd", best["bwd"][1])
+row, outs = attn_timing(new_sparse)
+row["tiles"] = {"fwd": best["fwd"][1], "bwd": best["bwd"][1]}
+row["vs_before"] = dict(zip(("out", "dq", "dkv"), (rel(a, b) for a, b in zip(outs, old_out))))
+sparse["after (best tiles)"] = row
+kernel.TILES["fwd"].update(DEFAULT["fwd"])
+kernel.TILES["bwd"].update(DEFAULT["bwd"])
 for row in sparse.values():
     if "fwd_bwd_ms" in row:
         row["time_vs_sdpa"] = row["fwd_bwd_ms"] / dense_row["fwd_bwd_ms"]

@@ -45,9 +45,11 @@ cases = {
     "h20_dk32_dv32": compare(1, 30, 20, 32, 32, 24, dtype=torch.float16, device="cpu", block_n=16),
 }
 from nam_plugin_sparse_mla import kernel
-kernel.VALUE_FROM_KEY.update(fwd=False, bwd=False)  # the value gathered as its own dv-wide tile
+for tile in kernel.TILES.values():
+    tile["value_from_key"] = False  # the value gathered as its own dv-wide tile
 cases["s40_topk16_value_tile"] = compare(2, 40, 4, 32, 16, 16, dtype=torch.float16, device="cpu")
-kernel.VALUE_FROM_KEY.update(fwd=True, bwd=True)
+for tile in kernel.TILES.values():
+    tile["value_from_key"] = True
 q, kv, idx = random_inputs(1, 24, 4, 32, 8, dtype=torch.float16, device="cpu", seed=5)
 a, _ = sparse_mla(q, kv, idx, scale=0.2, d_v=16)
 b, _ = sparse_mla(q, kv, idx.int(), scale=0.2, d_v=16)
@@ -101,7 +103,8 @@ cases = {"split_dot": ((c.double() - ref).abs().max() / ref.abs().max()).item(),
          "s40_topk16": compare(2, 40, 4, 32, 16, 16, dtype=torch.bfloat16, device="cpu"),
          "s20_topk48": compare(2, 20, 4, 32, 16, 48, dtype=torch.bfloat16, device="cpu", block_n=16,
                                future_slots=True, empty_rows=2)}
-kernel.VALUE_FROM_KEY.update(fwd=False, bwd=False)  # the value gathered as its own dv-wide tile
+for tile in kernel.TILES.values():
+    tile["value_from_key"] = False  # the value gathered as its own dv-wide tile
 cases["s40_topk16_value_tile"] = compare(2, 40, 4, 32, 16, 16, dtype=torch.bfloat16, device="cpu")
 print(json.dumps(cases))
 """

@@ -63,7 +63,7 @@ takes all 32 of NAM56R's heads in a group (4 tokens x 32 heads: G read once), dk
 heads; 4 groups x 64 key blocks x b programs, 4 fp32 partial dk buffers). A starting point for the sweep of
 ``gpu/smla.sh``, not yet a measurement."""
 TEACHER_BLOCK_N = 64
-"""Top-k slots per teacher loop step, as the sparse MLA kernels' BLOCK_N."""
+"""Top-k slots per teacher loop step, as the sparse MLA forward's default ``block_n``."""
 
 
 # --- index scores: forward ------------------------------------------------------------------------

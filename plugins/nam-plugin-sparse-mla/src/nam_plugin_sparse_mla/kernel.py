@@ -14,7 +14,7 @@ of a token, so the token's ``h`` heads are the M side of every ``tl.dot`` (padde
 it gathers those key rows of ``kv`` once for all heads (masked slots read nothing, so an index of -1 or
 beyond ``t`` never touches memory), scores them against every head, and keeps an online softmax.
 
-The value is the first ``dv`` channels of the gathered key row. With ``DA == DK`` (``VALUE_FROM_KEY``) the
+The value is the first ``dv`` channels of the gathered key row. With ``DA == DK`` (``TILES[..]['value_from_key']``) the
 kernels gather only the key row and use it as the value too: P @ V runs over all dk channels into a
 ``[HP, dk]`` accumulator of which the first dv columns are stored (the rest is never read), and in the
 backward dO is zero-padded to dk columns, so dP = dO . v and the value gradient P^T @ dO come from the same
@@ -58,14 +58,14 @@ import triton.language as tl
 
 from nam_plugin_sparse_mla.shape import head_block, shape_problem
 
-BLOCK_N = 64
-"""Top-k slots per loop step (upstream TileLang sparse_mla_fwd's block_I is 64 too); >= 16 for tl.dot."""
+TILES = {"fwd": {"block_n": 64, "num_warps": 4, "num_stages": 3, "value_from_key": True},
+         "bwd": {"block_n": 64, "num_warps": 8, "num_stages": 3, "value_from_key": True}}
+"""Per kernel: top-k slots per loop step (a power of two >= 16, tl.dot's smallest side), warps (64+ heads
+take 8 whatever this says), pipeline stages, and whether the value comes from the gathered key tile (module
+docstring). A starting point for the sweep of ``gpu/smla.sh``, not yet a measurement. A caller's
+``block_n`` replaces both kernels' (the tests take 16 to walk several blocks)."""
 PRECISION = "tf32x3"
 """tl.dot input precision of the dots with an fp32 operand when the inputs are fp16 (bf16 splits instead)."""
-VALUE_FROM_KEY = {"fwd": True, "bwd": True}
-"""Per kernel: True gathers only the key row and takes the value from it (module docstring)."""
-NUM_WARPS = {"fwd": 4, "bwd": 8}
-"""Warps per program for NAM56R's 32 heads; 64+ heads take 8 in both."""
 
 
 # --- the dots with one fp32 operand ----------------------------------------------------------------
@@ -184,16 +184,19 @@ def _sparse_mla_bwd(Q, KV, IDX, O, DO, LSE, DQ, DKV, s, h, topk, scale,
 
 
 # --- autograd --------------------------------------------------------------------------------------
-def _launch_options(kind: str, hp: int, dk: int, dv: int) -> dict:
-    """Constexprs and warps of one kernel: ``DA`` (dk when the value comes from the key tile) and warps."""
-    return {"DA": dk if VALUE_FROM_KEY[kind] else dv, "num_warps": 8 if hp > 32 else NUM_WARPS[kind]}
+def _launch_options(kind: str, hp: int, dk: int, dv: int, block_n: int | None) -> dict:
+    """Tile constexprs and launch options of one kernel from ``TILES``: ``BN`` (``block_n`` if given), ``DA``
+    (dk when the value comes from the key tile, else dv), warps and stages."""
+    tile = TILES[kind]
+    return {"BN": block_n or tile["block_n"], "DA": dk if tile["value_from_key"] else dv,
+            "num_warps": max(8 if hp > 32 else 1, tile["num_warps"]), "num_stages": tile["num_stages"]}
 
 
 class SparseMLAFunction(torch.autograd.Function):
     """``(q, kv, indices) -> (o, lse)``; see the module docstring. ``lse`` is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, scale: float, d_v: int, block_n: int):
+    def forward(ctx, q, kv, indices, scale: float, d_v: int, block_n: int | None):
         b, s, h, dk = q.shape
         topk = indices.shape[-1]
         q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
@@ -201,9 +204,9 @@ class SparseMLAFunction(torch.autograd.Function):
         lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
         hp = head_block(h)
         if b * s > 0:
-            _sparse_mla_fwd[(b * s,)](q, kv, indices, o, lse, s, h, topk, scale, DK=dk, DV=d_v, HP=hp, BN=block_n,
+            _sparse_mla_fwd[(b * s,)](q, kv, indices, o, lse, s, h, topk, scale, DK=dk, DV=d_v, HP=hp,
                                       SPLIT=q.dtype == torch.bfloat16, PREC=PRECISION,
-                                      **_launch_options("fwd", hp, dk, d_v))
+                                      **_launch_options("fwd", hp, dk, d_v, block_n))
         ctx.save_for_backward(q, kv, indices, o, lse)
         ctx.scale, ctx.d_v, ctx.block_n = scale, d_v, block_n
         ctx.mark_non_differentiable(lse)
@@ -223,8 +226,8 @@ class SparseMLAFunction(torch.autograd.Function):
         dkv32 = torch.zeros(b * s, dk, dtype=torch.float32, device=q.device)  # fp32 scatter target
         if b * s > 0:
             _sparse_mla_bwd[(b * s,)](q, kv, indices, o, do, lse, dq, dkv32, s, h, topk, ctx.scale, DK=dk,
-                                      DV=ctx.d_v, HP=hp, BN=ctx.block_n, SPLIT=q.dtype == torch.bfloat16,
-                                      PREC=PRECISION, **_launch_options("bwd", hp, dk, ctx.d_v))
+                                      DV=ctx.d_v, HP=hp, SPLIT=q.dtype == torch.bfloat16, PREC=PRECISION,
+                                      **_launch_options("bwd", hp, dk, ctx.d_v, ctx.block_n))
         return dq, dkv32.view(b, s, dk).to(kv.dtype), None, None, None, None
 
 
@@ -251,7 +254,8 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: 
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, d_v: int,
-               block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor]:
-    """``o [b, s, h, d_v]`` (q's dtype) and ``lse [b, s, h]`` fp32 of sparse attention over ``indices``."""
-    check_inputs(q, kv, indices, d_v, block_n)
-    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(d_v), int(block_n))
+               block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o [b, s, h, d_v]`` (q's dtype) and ``lse [b, s, h]`` fp32 of sparse attention over ``indices``.
+    ``block_n``: top-k slots per loop step of both kernels; None: each kernel's ``TILES`` entry."""
+    check_inputs(q, kv, indices, d_v, block_n or TILES["fwd"]["block_n"])
+    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(d_v), block_n and int(block_n))

@@ -68,7 +68,7 @@ def compare(b: int, s: int, h: int, dk: int, dv: int, topk: int, *, dtype=torch.
     """Relative errors of ``out``, ``dq``, ``dkv`` of the kernel vs ``ReferenceAttention().sparse``, plus
     ``seed``; with ``empty_rows``, also ``empty_row_out``: the largest |output| on those rows (must be 0)."""
     from nam56r.reference.attention import ReferenceAttention
-    from nam_plugin_sparse_mla.kernel import BLOCK_N, sparse_mla
+    from nam_plugin_sparse_mla.kernel import sparse_mla
 
     seed = new_seed() if seed is None else seed
     q, kv, indices = random_inputs(b, s, h, dk, topk, dtype=dtype, device=device, seed=seed,
@@ -79,7 +79,7 @@ def compare(b: int, s: int, h: int, dk: int, dv: int, topk: int, *, dtype=torch.
     outputs = []
 
     def kernel(q, kv, indices):
-        out, _lse = sparse_mla(q, kv, indices, scale=scale, d_v=dv, block_n=block_n or BLOCK_N)
+        out, _lse = sparse_mla(q, kv, indices, scale=scale, d_v=dv, block_n=block_n)
         outputs.append(out)
         return out
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent / "smla_before"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
@@ -142,6 +143,38 @@ row["vs_before"] = dict(zip(("out", "dq", "dkv"), (rel(a, b) for a, b in zip(out
 sparse["after (best tiles)"] = row
 kernel.TILES["fwd"].update(DEFAULT["fwd"])
 kernel.TILES["bwd"].update(DEFAULT["bwd"])
+
+
+@triton.jit
+def _scatter_probe(KV, IDX, DKV, s, topk, DK: tl.constexpr, BN: tl.constexpr, GATHER: tl.constexpr):
+    """The backward's memory traffic alone: per token, its slots' key rows gathered (GATHER) and / or an fp32
+    [BN, DK] tile atomically added at them; no dots. A floor for the backward, and what the atomics cost."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // s
+    t = row % s
+    offs_dk = tl.arange(0, DK)
+    acc = tl.zeros([BN, DK], tl.float32)
+    for start in range(0, topk, BN):
+        offs_n = start + tl.arange(0, BN)
+        idx = tl.load(IDX + row * topk + offs_n, mask=offs_n < topk, other=-1)
+        live = (idx >= 0) & (idx <= t)
+        rows = b * s + tl.where(live, idx, 0).to(tl.int64)
+        if GATHER:
+            acc += tl.load(KV + rows[:, None] * DK + offs_dk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        else:
+            acc += 1.0
+        tl.atomic_add(DKV + rows[:, None] * DK + offs_dk[None, :], acc, mask=live[:, None], sem="relaxed")
+
+
+if not SMOKE and time.time() - T0 < 40:
+    dkv32 = torch.zeros(B * S, DK, device=DEV)
+    for gather in (False, True):
+        def probe(gather=gather):
+            _scatter_probe[(B * S,)](kv, idx, dkv32, S, TOPK, DK=DK, BN=64, GATHER=gather, num_warps=4)
+        probe()
+        sparse[f"probe: {'gather + ' if gather else ''}atomic scatter only"] = {
+            "bwd_ms": median_ms(probe, warmup=2, iters=10)}
+
 for row in sparse.values():
     if "fwd_bwd_ms" in row:
         row["time_vs_sdpa"] = row["fwd_bwd_ms"] / dense_row["fwd_bwd_ms"]

@@ -21,13 +21,26 @@ read only where ``u <= t`` (the causal fill's backward is zero above the diagona
     dw[t, j] = sum_u G[t, u] relu(L_j[t, u])      dL_j = G * w[:, j] * (L_j > 0)
     dq[t, j] = sum_u dL_j[t, u] k[u]              dk[u] = sum_{t, j} dL_j[t, u] q[t, j]
 
-``_scores_bwd_dq`` runs one program per (head, query block, batch) over the key blocks up to the diagonal
-and owns its dq and dw rows. ``_scores_bwd_dk`` runs one program per (key block, head group, batch) over the
-query blocks from the diagonal down, looping over its group's heads; each group writes its own fp32 partial
-dk, summed after (deterministic, no atomics). Each logit is thus recomputed twice in backward (once per
-kernel); on one H200 at NAM56R's shape the backward takes ~3 ms against the forward's 0.13 ms, so a fused
-backward is where more speed would come from. dL is fp32; the dots that take it run with
-``input_precision=PRECISION`` ("tf32x3", ~fp32 accuracy), as the sparse MLA backward does.
+Both backward kernels tile (token, head) PAIRS as the rows of their dots: one token's ``HG`` heads are
+neighbouring rows of q (``q`` viewed as ``[b*s*H, d]``), so ``BT`` tokens x ``HG`` heads form one
+``[BT*HG, d]`` tile and every head's logits of a key block come out of ONE dot ``[BT*HG, d] @ [d, BN]``
+(the old kernels looped over heads with one small dot each). ``G`` is per token: each row reads its token's
+row of G (the heads of one token read the same addresses, served by L1).
+
+``_scores_bwd_dq``: one program per (``BT`` tokens, group of ``HG`` heads, batch), NAM56R: 4 tokens x all 32
+heads, so G is read once; it walks the key blocks up to the diagonal and accumulates ``R = sum_u G (L > 0)
+k[u]`` (``dq = w * R``, w factored out of the loop) and ``dw`` lane by lane (``G * relu(L)``, summed once
+at the end). ``_scores_bwd_dk``: one program per (key block, head group, batch), NAM56R: 16 tokens x 8
+heads per step, 4 groups; it walks the query blocks from the diagonal down and accumulates ``dk += dL^T @
+q`` with dL = G * w * (L > 0) for all rows at once, a dot whose reduction runs over tokens and heads
+together; each group writes its own fp32 partial dk, summed after (deterministic, no atomics). Not fused
+into one kernel: a program owns either query rows (dq) or key rows (dk), and the other gradient would need
+fp32 atomics over every (query block, key block, head) ``[rows, d]`` tile, ~0.5 G atomics at NAM56R's
+shape, more than the recomputed logits cost (one dot of the three in each kernel).
+
+dL is fp32; the dots that take it use ``kernel.dot_f32``: on bf16 inputs dL splits into a high and a low
+bf16 part (~2^-17 relative) and runs two bf16 tensor-core dots, against ``tf32x3``'s three TF32 ones (fp16
+inputs keep tf32x3). dw never goes through a split dot: it is summed in fp32 registers.
 
 **Sparse teacher** (``sparse_teacher``, no autograd)::
 

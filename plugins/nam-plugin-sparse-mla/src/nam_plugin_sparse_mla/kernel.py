@@ -31,7 +31,7 @@ dot runs twice on bf16 tensor cores, hi @ y + lo @ y, accumulating in fp32; hi +
 relative (16 of fp32's 24 mantissa bits; bf16 has fp32's exponent range, so nothing underflows that fp32
 keeps). That is two bf16 products where ``input_precision="tf32x3"`` takes three TF32 ones at half the bf16
 rate (one of them multiplies by the zero low part of the exact operand), ~3x less tensor-core time, at an
-error ~60x below the output's own bf16 rounding (2^-9). fp16 inputs keep tf32x3 (fp16's range would
+error ~2^8 below the output's own bf16 rounding (2^-9). fp16 inputs keep tf32x3 (fp16's range would
 flush the low part of small gradients to zero). The upstream TileLang kernels round P and dP to bf16
 instead (~2^-9 per element); NAM56R keeps them fp32.
 

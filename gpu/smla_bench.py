@@ -294,4 +294,28 @@ if time.time() - T0 < 74:
     table = prof.key_averages().table(sort_by="cpu_time_total" if SMOKE else "cuda_time_total", row_limit=15)
     (OUT / "smla_profile.txt").write_text(table + "\n")
     print(table)
+
+
+def compiled(fn) -> list:
+    """Registers, spills, shared memory, warps and stages of every compiled variant of a Triton kernel."""
+    try:
+        rows = []
+        for entry in fn.device_caches.values():
+            for key, k in entry[0].items():
+                rows.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
+                             "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
+                             "key": str(key)[-160:]})
+        return rows
+    except Exception as e:  # the cache layout differs between Triton releases: record, do not fail
+        return [{"error": f"{type(e).__name__}: {e}"}]
+
+
+RESULTS["compiled"] = {name: compiled(fn) for name, fn in (
+    ("sparse fwd", kernel._sparse_mla_fwd), ("sparse bwd", kernel._sparse_mla_bwd),
+    ("before sparse fwd", kernel_before._sparse_mla_fwd), ("before sparse bwd", kernel_before._sparse_mla_bwd),
+    ("index dq", indexer._scores_bwd_dq), ("index dk", indexer._scores_bwd_dk),
+    ("before index dq", indexer_before._scores_bwd_dq), ("before index dk", indexer_before._scores_bwd_dk))}
+save()
+for name, rows in RESULTS["compiled"].items():
+    print(name, [{k: v for k, v in r.items() if k != "key"} for r in rows])
 print(f"total {time.time() - T0:.0f} s")

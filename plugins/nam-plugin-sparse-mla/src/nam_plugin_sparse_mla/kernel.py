@@ -28,8 +28,8 @@ two bf16 are exact in fp32). Softmax, P, dP and dS stay fp32. A dot that takes o
 dS^T @ Q, P^T @ dO) has a bf16/fp16 input on the other side, exact in fp32, so only the fp32 side needs
 care. bf16 inputs (``SPLIT``): the fp32 operand x is split into hi = bf16(x) and lo = bf16(x - hi) and the
 dot runs twice on bf16 tensor cores, hi @ y + lo @ y, accumulating in fp32; hi + lo carries x to ~2^-17
-relative (16 of fp32's 24 mantissa bits; bf16 has fp32's exponent range, so nothing underflows that fp32
-keeps). That is two bf16 products where ``input_precision="tf32x3"`` takes three TF32 ones at half the bf16
+relative (16 of fp32's 24 mantissa bits; bf16 has fp32's exponent range, so small gradients keep their
+low part). That is two bf16 products where ``input_precision="tf32x3"`` takes three TF32 ones at half the bf16
 rate (one of them multiplies by the zero low part of the exact operand), ~3x less tensor-core time, at an
 error ~2^8 below the output's own bf16 rounding (2^-9). fp16 inputs keep tf32x3 (fp16's range would
 flush the low part of small gradients to zero). The upstream TileLang kernels round P and dP to bf16

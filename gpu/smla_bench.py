@@ -119,7 +119,7 @@ best = {"fwd": (default_row["fwd_ms"], FWD[0]), "bwd": (default_row["bwd_ms"], B
 for kind, tiles in (("fwd", FWD[1:2 if SMOKE else None]), ("bwd", BWD[1:2 if SMOKE else None])):
     for tile in tiles:
         name = f"{kind} {tile}"
-        if time.time() - T0 > 40:
+        if time.time() - T0 > 36:
             sparse[name] = {"skipped": "time"}
             continue
         set_tile(kind, tile)
@@ -256,7 +256,7 @@ DK_TILES = [indexer.BWD_TILES["dk"], (128, 32, 64, 8, 3), (64, 8, 64, 4, 3), (12
             (128, 16, 64, 8, 3), (128, 4, 64, 8, 3)]
 for kind, tiles, launch in (("dq", DQ_TILES, new_dq), ("dk", DK_TILES, new_dk)):
     for tile in tiles:
-        if time.time() - T0 > 68:
+        if time.time() - T0 > 62:
             index[f"{kind} {tile}"] = {"skipped": "time"}
             continue
         try:
@@ -279,7 +279,7 @@ for name, row in index.items():
     print(f"  {name:<28} {row}")
 
 # --- 3. profile ---------------------------------------------------------------------------------------
-if time.time() - T0 < 74:
+if time.time() - T0 < 68:
     from torch.profiler import ProfilerActivity, profile
 
     q, kv, idx = random_inputs(B, S, H, DK, TOPK, dtype=torch.bfloat16, device=DEV, seed=0)

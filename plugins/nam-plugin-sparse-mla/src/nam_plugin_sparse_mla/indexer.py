@@ -29,14 +29,14 @@ row of G (the heads of one token read the same addresses, served by L1).
 
 ``_scores_bwd_dq``: one program per (``BT`` tokens, group of ``HG`` heads, batch), NAM56R: 4 tokens x all 32
 heads, so G is read once; it walks the key blocks up to the diagonal and accumulates ``R = sum_u G (L > 0)
-k[u]`` (``dq = w * R``, w factored out of the loop) and ``dw`` lane by lane (``G * relu(L)``, summed once
-at the end). ``_scores_bwd_dk``: one program per (key block, head group, batch), NAM56R: 16 tokens x 8
-heads per step, 4 groups; it walks the query blocks from the diagonal down and accumulates ``dk += dL^T @
-q`` with dL = G * w * (L > 0) for all rows at once, a dot whose reduction runs over tokens and heads
-together; each group writes its own fp32 partial dk, summed after (deterministic, no atomics). Not fused
-into one kernel: a program owns either query rows (dq) or key rows (dk), and the other gradient would need
-fp32 atomics over every (query block, key block, head) ``[rows, d]`` tile, ~0.5 G atomics at NAM56R's
-shape, more than the recomputed logits cost (one dot of the three in each kernel).
+k[u]`` (``dq = w * R``, w factored out of the loop) and ``dw = sum_u G relu(L)`` in fp32. ``_scores_bwd_dk``:
+one program per (key block, head group, batch), NAM56R: 16 tokens x 8 heads per step, 4 groups; it walks the
+query blocks from the diagonal down and accumulates ``dk += dL^T @ q`` with dL = G * w * (L > 0) for all
+rows at once, a dot whose reduction runs over tokens and heads together; each group writes its own fp32
+partial dk, summed after (deterministic, no atomics). Not fused into one kernel: a program owns either query
+rows (dq) or key rows (dk), and the other gradient would need fp32 atomics over every (query block, key
+block, head) ``[rows, d]`` tile, ~0.5 G atomics at NAM56R's shape, more than the recomputed logits cost (one
+dot of the three in each kernel).
 
 dL is fp32; the dots that take it use ``kernel.dot_f32``: on bf16 inputs dL splits into a high and a low
 bf16 part (~2^-17 relative) and runs two bf16 tensor-core dots, against ``tf32x3``'s three TF32 ones (fp16
@@ -133,7 +133,7 @@ def _scores_bwd_dq(Q, K, W, G, DQ, DW, s, H, D: tl.constexpr, BT: tl.constexpr, 
     w = tl.load(W + qrow, mask=ok, other=0.0)  # [R] fp32
     g_rows = G + b * s * s + t.to(tl.int64) * s  # [R]: each row reads its token's row of G
     acc = tl.zeros([BT * HG, D], tl.float32)  # sum_u G * (L > 0) * k[u]; dq = w * acc
-    dw = tl.zeros([BT * HG, BN], tl.float32)  # G * relu(L) per key lane, summed over the lanes at the end
+    dw = tl.zeros([BT * HG], tl.float32)  # sum_u G relu(L), in fp32 registers (no split dot on its path)
     for n0 in range(0, tl.minimum(t0 + BT, s), BN):  # key blocks up to the diagonal
         offs_n = n0 + tl.arange(0, BN)
         k = tl.load(K + (b * s + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :], mask=(offs_n < s)[:, None],
@@ -141,11 +141,11 @@ def _scores_bwd_dq(Q, K, W, G, DQ, DW, s, H, D: tl.constexpr, BT: tl.constexpr, 
         live = ok[:, None] & (offs_n[None, :] <= t[:, None])  # causal (and so < s)
         g = tl.load(g_rows[:, None] + offs_n[None, :], mask=live, other=0.0)  # [R, BN] fp32
         logits = tl.dot(q, tl.trans(k))  # [R, BN] fp32, recomputed
-        dw += g * tl.maximum(logits, 0.0)
+        dw += tl.sum(g * tl.maximum(logits, 0.0), 1)
         acc = dot_f32(tl.where(logits > 0.0, g, 0.0), k, acc, SPLIT, PREC)
     tl.store(DQ + qrow[:, None] * D + offs_d[None, :], (acc * w[:, None]).to(DQ.dtype.element_ty),
              mask=ok[:, None])
-    tl.store(DW + qrow, tl.sum(dw, 1), mask=ok)
+    tl.store(DW + qrow, dw, mask=ok)
 
 
 @triton.jit

@@ -19,8 +19,9 @@ from nam_core.testing import max_rel_error, model_parity, new_seed, worst
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Max relative-to-max error per tensor. The kernel's own arithmetic is ~fp32 (fp32 operands of the bf16 dots
-carried to ~2^-17 by a high/low split; module docstring of kernel.py); what remains is the output's and the gradients' final rounding to the input dtype (bf16: 8 mantissa bits,
-~4e-3 per rounding; fp16: 11 bits, ~5e-4) and fp32 summation order."""
+carried to ~2^-17 by a high/low split; module docstring of kernel.py); what remains is the output's and the
+gradients' final rounding to the input dtype (bf16: 8 mantissa bits, ~4e-3 per rounding; fp16: 11 bits, ~5e-4)
+and fp32 summation order."""
 
 
 

@@ -90,8 +90,12 @@ INTERPRETED_BF16 = """
 import json, torch
 from nam_plugin_sparse_mla.selftest import compare_index_scores
 bf16 = dict(dtype=torch.bfloat16, device="cpu")
-print(json.dumps({"scores_s40_block16": compare_index_scores(2, 40, 4, 16, block=16, **bf16),
-                  "scores_h12_tuned": compare_index_scores(1, 24, 12, 16, **bf16)}))
+from nam_plugin_sparse_mla import indexer
+cases = {"scores_s40_block16": compare_index_scores(2, 40, 4, 16, block=16, **bf16),
+         "scores_h12_tuned": compare_index_scores(1, 24, 12, 16, **bf16)}
+indexer.DK_KEYS_AS_ROWS = not indexer.DK_KEYS_AS_ROWS  # the dk kernel's other tile orientation
+cases["scores_s40_other_orientation"] = compare_index_scores(2, 40, 4, 16, block=16, **bf16)
+print(json.dumps(cases))
 """
 BF16_TOLERANCE = 2e-2  # selftest.TOLERANCE[torch.bfloat16]: bf16 rounding of dq and dk
 
@@ -101,10 +105,11 @@ def interpreted_bf16(run_interpreted_bf16):
     return run_interpreted_bf16(INTERPRETED_BF16)
 
 
-@pytest.mark.parametrize("case", ["scores_s40_block16", "scores_h12_tuned"])
+@pytest.mark.parametrize("case", ["scores_s40_block16", "scores_h12_tuned", "scores_s40_other_orientation"])
 def test_index_scores_match_the_reference_in_bf16_under_the_interpreter(interpreted_bf16, case):
-    """The bf16 backward (dL split into two bf16 parts per dot): dq, dk within bf16 rounding; scores and dw
-    (fp32 outputs, no split on their path) within the fp32 tolerance."""
+    """The bf16 backward (dL split into two bf16 parts per dot), both orientations of the dk kernel's tiles:
+    dq, dk within bf16 rounding; scores and dw (fp32 outputs, no split on their path) within the fp32
+    tolerance."""
     errors = dict(interpreted_bf16[case])
     seed = errors.pop("seed")
     print(case, seed, errors)

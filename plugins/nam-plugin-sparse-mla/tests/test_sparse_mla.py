@@ -103,6 +103,9 @@ cases = {"split_dot": ((c.double() - ref).abs().max() / ref.abs().max()).item(),
          "s40_topk16": compare(2, 40, 4, 32, 16, 16, dtype=torch.bfloat16, device="cpu"),
          "s20_topk48": compare(2, 20, 4, 32, 16, 48, dtype=torch.bfloat16, device="cpu", block_n=16,
                                future_slots=True, empty_rows=2)}
+kernel.TILES["bwd"]["keys_as_rows"] = not kernel.TILES["bwd"]["keys_as_rows"]  # the other orientation
+cases["s20_topk48_other_orientation"] = compare(2, 20, 4, 32, 16, 48, dtype=torch.bfloat16, device="cpu",
+                                                block_n=16, future_slots=True, empty_rows=2)
 for tile in kernel.TILES.values():
     tile["value_from_key"] = False  # the value gathered as its own dv-wide tile
 cases["s40_topk16_value_tile"] = compare(2, 40, 4, 32, 16, 16, dtype=torch.bfloat16, device="cpu")
@@ -123,10 +126,12 @@ def test_the_split_dot_carries_fp32_operands_to_1e_5(interpreted_bf16):
     assert interpreted_bf16["split_dot"] < 3e-5 < interpreted_bf16["hi_only_dot"]
 
 
-@pytest.mark.parametrize("case", ["s40_topk16", "s20_topk48", "s40_topk16_value_tile"])
+@pytest.mark.parametrize("case", ["s40_topk16", "s20_topk48", "s20_topk48_other_orientation",
+                                  "s40_topk16_value_tile"])
 def test_kernels_match_the_reference_in_bf16_under_the_interpreter(interpreted_bf16, case):
-    """The bf16 path (split dots) of forward and backward, with the value from the key tile (default) and as
-    its own tile; bf16 tolerance (inputs, dO and outputs rounded to bf16)."""
+    """The bf16 path (split dots) of forward and backward: the default tiles, the backward's other score-tile
+    orientation (``keys_as_rows``), then the value as its own tile in that orientation (fp16 covers the
+    other); bf16 tolerance (inputs, dO and outputs rounded to bf16)."""
     errors = dict(interpreted_bf16[case])
     seed = errors.pop("seed")
     empty = errors.pop("empty_row_out", 0.0)

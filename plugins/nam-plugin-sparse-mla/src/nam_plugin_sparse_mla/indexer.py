@@ -70,11 +70,15 @@ from nam_plugin_sparse_mla.shape import head_block, index_shape_problem
 SCORE_TILES = {"fwd": (64, 64, 4)}
 """(query rows, key rows, warps) of the forward. Picked from a small sweep on one H200 at NAM56R's shape (b=1,
 s=4096, 32 heads of 64; 2026-11, Triton 3.6): 0.13 ms."""
-BWD_TILES = {"dq": (128, 32, 64, 8, 3), "dk": (128, 8, 64, 8, 3)}
+BWD_TILES = {"dq": (128, 32, 32, 4, 3), "dk": (128, 8, 128, 8, 2)}
 """(rows = tokens x heads, most heads per group, keys, warps, stages) per backward kernel (``bwd_tile``). dq
 takes all 32 of NAM56R's heads in a group (4 tokens x 32 heads: G read once), dk groups of 8 (16 tokens x 8
-heads; 4 groups x 64 key blocks x b programs, 4 fp32 partial dk buffers). A starting point for the sweep of
-``gpu/smla.sh``, not yet a measurement."""
+heads; 4 groups x 32 key blocks x b programs, 4 fp32 partial dk buffers). The fastest of ``gpu/smla.sh``'s
+sweep on one H200 at NAM56R's shape (b=2, s=4096, 32 heads of 64; Triton 3.6): dq 0.89 ms, dk 1.90 ms,
+against 2.60 and 3.08 ms for the kernels before (heads looped one dot each, tf32x3)."""
+DK_KEYS_AS_ROWS = False
+"""Orientation of the dk kernel's tiles: ``[keys, rows]`` (dL^T straight out of the logits dot) or
+``[rows, keys]`` (transposed for the dk dot)."""
 TEACHER_BLOCK_N = 64
 """Top-k slots per teacher loop step, as the sparse MLA forward's default ``block_n``."""
 
@@ -150,7 +154,7 @@ def _scores_bwd_dq(Q, K, W, G, DQ, DW, s, H, D: tl.constexpr, BT: tl.constexpr, 
 
 @triton.jit
 def _scores_bwd_dk(Q, K, W, G, DK_PART, s, H, D: tl.constexpr, BT: tl.constexpr, HG: tl.constexpr,
-                   BN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+                   BN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     n0 = tl.program_id(0) * BN  # key block 0 has the most query blocks; it goes first
     group = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -164,11 +168,18 @@ def _scores_bwd_dk(Q, K, W, G, DK_PART, s, H, D: tl.constexpr, BT: tl.constexpr,
         t, ok, qrow = _head_rows(t0, group * HG, b, s, H, BT, HG)
         q = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)  # [R, D]
         w = tl.load(W + qrow, mask=ok, other=0.0)
-        live = ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= t[:, None])
-        g = tl.load(G + b * s * s + t.to(tl.int64)[:, None] * s + offs_n[None, :], mask=live, other=0.0)
-        logits = tl.dot(q, tl.trans(k))  # [R, BN] fp32, recomputed
-        dl = tl.where(logits > 0.0, g * w[:, None], 0.0)  # [R, BN] fp32: dL for every (token, head) row
-        dk = dot_f32(tl.trans(dl), q, dk, SPLIT, PREC)  # [BN, D], summed over tokens and heads at once
+        if KEYS_AS_ROWS:  # [BN, R] tiles: dL^T comes out of the dot as the next dot's left operand
+            live = col_ok[:, None] & ok[None, :] & (offs_n[:, None] <= t[None, :])
+            g = tl.load(G + b * s * s + t.to(tl.int64)[None, :] * s + offs_n[:, None], mask=live, other=0.0)
+            logits = tl.dot(k, tl.trans(q))  # [BN, R] fp32, recomputed
+            dl = tl.where(logits > 0.0, g * w[None, :], 0.0)  # [BN, R] fp32: dL^T
+            dk = dot_f32(dl, q, dk, SPLIT, PREC)  # [BN, D], summed over tokens and heads at once
+        else:  # [R, BN] tiles, transposed for the dk dot
+            live = ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= t[:, None])
+            g = tl.load(G + b * s * s + t.to(tl.int64)[:, None] * s + offs_n[None, :], mask=live, other=0.0)
+            logits = tl.dot(q, tl.trans(k))  # [R, BN] fp32, recomputed
+            dl = tl.where(logits > 0.0, g * w[:, None], 0.0)  # [R, BN] fp32: dL for every (token, head) row
+            dk = dot_f32(tl.trans(dl), q, dk, SPLIT, PREC)
     tl.store(DK_PART + (group * tl.num_programs(2) * s + cols[:, None]) * D + offs_d[None, :], dk,
              mask=col_ok[:, None])
 
@@ -211,7 +222,8 @@ class IndexScoresFunction(torch.autograd.Function):
         dk_part = torch.empty(groups, b, s, d, dtype=torch.float32, device=q.device)
         if b * s > 0:
             _scores_bwd_dk[(triton.cdiv(s, bn), groups, b)](q, k, w, grad, dk_part, s, h, D=d, BT=bt, HG=hg, BN=bn,
-                                                            SPLIT=split, PREC=PRECISION, num_warps=warps,
+                                                            SPLIT=split, PREC=PRECISION,
+                                                            KEYS_AS_ROWS=DK_KEYS_AS_ROWS, num_warps=warps,
                                                             num_stages=stages)
             bt, hg, bn, warps, stages = bwd_tile(ctx.tiles["dq"], h)
             _scores_bwd_dq[(triton.cdiv(s, bt), triton.cdiv(h, hg), b)](q, k, w, grad, dq, dw, s, h, D=d, BT=bt,

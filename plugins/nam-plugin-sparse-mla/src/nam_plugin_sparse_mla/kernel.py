@@ -58,12 +58,15 @@ import triton.language as tl
 
 from nam_plugin_sparse_mla.shape import head_block, shape_problem
 
-TILES = {"fwd": {"block_n": 64, "num_warps": 4, "num_stages": 3, "value_from_key": True},
-         "bwd": {"block_n": 64, "num_warps": 8, "num_stages": 3, "value_from_key": True}}
+TILES = {"fwd": {"block_n": 128, "num_warps": 4, "num_stages": 3, "value_from_key": True},
+         "bwd": {"block_n": 64, "num_warps": 4, "num_stages": 3, "value_from_key": True, "keys_as_rows": False}}
 """Per kernel: top-k slots per loop step (a power of two >= 16, tl.dot's smallest side), warps (64+ heads
-take 8 whatever this says), pipeline stages, and whether the value comes from the gathered key tile (module
-docstring). A starting point for the sweep of ``gpu/smla.sh``, not yet a measurement. A caller's
-``block_n`` replaces both kernels' (the tests take 16 to walk several blocks)."""
+take 8 whatever this says), pipeline stages, whether the value comes from the gathered key tile (module
+docstring), and for the backward the orientation of its score tiles (``[slots, heads]`` when
+``keys_as_rows``, else ``[heads, slots]``). The fastest of ``gpu/smla.sh``'s sweep on one H200 at NAM56R's
+shape (b=2, s=4096, top-k 256; Triton 3.6): forward 0.36 ms (0.47 at 64 slots), backward 0.70 ms (1.36
+at 64 slots and 8 warps). A caller's ``block_n`` replaces both kernels' (the tests take 16 to walk several
+blocks)."""
 PRECISION = "tf32x3"
 """tl.dot input precision of the dots with an fp32 operand when the inputs are fp16 (bf16 splits instead)."""
 
@@ -149,7 +152,7 @@ def _sparse_mla_fwd(Q, KV, IDX, O, LSE, s, h, topk, scale,
 @triton.jit
 def _sparse_mla_bwd(Q, KV, IDX, O, DO, LSE, DQ, DKV, s, h, topk, scale,
                     DK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
-                    SPLIT: tl.constexpr, PREC: tl.constexpr):
+                    SPLIT: tl.constexpr, PREC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * s + t
     b = row // s
     t = row % s
@@ -167,17 +170,26 @@ def _sparse_mla_bwd(Q, KV, IDX, O, DO, LSE, DQ, DKV, s, h, topk, scale,
     dq = tl.zeros([HP, DK], tl.float32)
     for start in range(0, topk, BN):
         k, v, live, key_rows = _gather_rows(KV, IDX, row, b, t, s, topk, start, DK, DA, BN)
-        logits = tl.dot(q, tl.trans(k)) * scale
         # Padded heads and dead slots get p = 0, so they add nothing to dq or to the scatter below.
-        p = tl.where(head_ok[:, None] & live[None, :], tl.exp(logits - lse[:, None]), 0.0)  # [HP, BN] fp32
-        dp = tl.dot(do, tl.trans(v))  # [HP, BN] fp32 (dO's zero columns past DV add nothing)
-        ds = p * (dp - delta[:, None]) * scale  # [HP, BN] fp32: d (q . k)
-        dq = dot_f32(ds, k, dq, SPLIT, PREC)
-        dkv = dot_f32(tl.trans(ds), q, tl.zeros([BN, DK], tl.float32), SPLIT, PREC)  # [BN, DK] key gradient
+        if KEYS_AS_ROWS:  # [BN, HP] tiles: the slots are the dots' M side, the key gradient needs no transpose
+            logits = tl.dot(k, tl.trans(q)) * scale
+            p = tl.where(live[:, None] & head_ok[None, :], tl.exp(logits - lse[None, :]), 0.0)  # [BN, HP] fp32
+            dp = tl.dot(v, tl.trans(do))  # [BN, HP] fp32 (dO's zero columns past DV add nothing)
+            ds = p * (dp - delta[None, :]) * scale  # [BN, HP] fp32: d (q . k)
+            dq = dot_f32(tl.trans(ds), k, dq, SPLIT, PREC)
+            ds_rows, p_rows = ds, p
+        else:  # [HP, BN] tiles: the heads are the M side
+            logits = tl.dot(q, tl.trans(k)) * scale
+            p = tl.where(head_ok[:, None] & live[None, :], tl.exp(logits - lse[:, None]), 0.0)  # [HP, BN] fp32
+            dp = tl.dot(do, tl.trans(v))  # [HP, BN] fp32
+            ds = p * (dp - delta[:, None]) * scale  # [HP, BN] fp32
+            dq = dot_f32(ds, k, dq, SPLIT, PREC)
+            ds_rows, p_rows = tl.trans(ds), tl.trans(p)
+        dkv = dot_f32(ds_rows, q, tl.zeros([BN, DK], tl.float32), SPLIT, PREC)  # [BN, DK] key gradient
         if DA == DK:  # the value gradient joins the key gradient's tile: one scatter
-            dkv = dot_f32(tl.trans(p), do, dkv, SPLIT, PREC)
+            dkv = dot_f32(p_rows, do, dkv, SPLIT, PREC)
         else:
-            dv = dot_f32(tl.trans(p), do, tl.zeros([BN, DA], tl.float32), SPLIT, PREC)  # [BN, DV]
+            dv = dot_f32(p_rows, do, tl.zeros([BN, DA], tl.float32), SPLIT, PREC)  # [BN, DV]
             tl.atomic_add(DKV + key_rows[:, None] * DK + offs_da[None, :], dv, mask=live[:, None], sem="relaxed")
         tl.atomic_add(DKV + key_rows[:, None] * DK + offs_dk[None, :], dkv, mask=live[:, None], sem="relaxed")
     tl.store(DQ + heads[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty), mask=head_ok[:, None])
@@ -188,8 +200,9 @@ def _launch_options(kind: str, hp: int, dk: int, dv: int, block_n: int | None) -
     """Tile constexprs and launch options of one kernel from ``TILES``: ``BN`` (``block_n`` if given), ``DA``
     (dk when the value comes from the key tile, else dv), warps and stages."""
     tile = TILES[kind]
+    extra = {"KEYS_AS_ROWS": tile["keys_as_rows"]} if kind == "bwd" else {}
     return {"BN": block_n or tile["block_n"], "DA": dk if tile["value_from_key"] else dv,
-            "num_warps": max(8 if hp > 32 else 1, tile["num_warps"]), "num_stages": tile["num_stages"]}
+            "num_warps": max(8 if hp > 32 else 1, tile["num_warps"]), "num_stages": tile["num_stages"], **extra}
 
 
 class SparseMLAFunction(torch.autograd.Function):

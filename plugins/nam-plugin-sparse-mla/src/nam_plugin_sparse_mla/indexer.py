@@ -80,7 +80,7 @@ DK_KEYS_AS_ROWS = False
 """Orientation of the dk kernel's tiles: ``[keys, rows]`` (dL^T straight out of the logits dot) or
 ``[rows, keys]`` (transposed for the dk dot)."""
 TEACHER_BLOCK_N = 64
-"""Top-k slots per teacher loop step, as the sparse MLA forward's default ``block_n``."""
+"""Top-k slots per teacher loop step (not swept; the sparse MLA kernels' are in ``kernel.TILES``)."""
 
 
 # --- index scores: forward ------------------------------------------------------------------------

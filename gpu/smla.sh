@@ -4,6 +4,7 @@
 # 1. before/after and tile variants of both kernels, dense SDPA, a profile (gpu/smla_bench.py -> smla_bench.json)
 # 2. the plugin's GPU tests (bf16 parity at NAM56R's shapes, no host syncs, capture, preflight)
 # 3. bench/sparse_mla.py (sparse-mla vs dense SDPA, same run), bench/indexer.py at b=2 (reference vs Triton)
+# 4. the GPU tests' tiny model step (nam56r-tiny on the kernels against the reference core)
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -34,4 +35,7 @@ step 22 bench-sparse-mla python bench/sparse_mla.py --warmup 2 --iters 10 --json
 tail -n 6 "$OUT/bench-sparse-mla.log"
 step 18 bench-indexer python bench/indexer.py --batch 2 --warmup 2 --iters 10 --json "$OUT/indexer.json"
 tail -n 6 "$OUT/bench-indexer.log"
+step 40 gpu-tests-model python -m pytest -m gpu plugins/nam-plugin-sparse-mla/tests -q -s -p no:cacheprovider \
+  -k "tiny_model_step"
+tail -n 3 "$OUT/gpu-tests-model.log"
 echo "== done at ${SECONDS}s"

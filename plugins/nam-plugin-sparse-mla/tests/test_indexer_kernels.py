@@ -30,13 +30,18 @@ from nam_plugin_sparse_mla.selftest import compare_index_scores, compare_teacher
 f16 = dict(dtype=torch.float16, device="cpu")
 cases = {
     # 16-row tiles, s = 40 = 2 x 16 + 8: ragged last tiles, 3 tiles above the diagonal written -inf
+    # 16-row tiles, s = 40 = 2 x 16 + 8: ragged last tiles, 3 tiles above the diagonal written -inf;
+    # backward rows of 4 tokens x 4 heads
     "scores_s40_block16": compare_index_scores(2, 40, 4, 16, block=16, **f16),
-    # the tuned tiles (64 x 64 forward and dk, 128 x 64 dq), larger than the sequence (s = 37), 3 heads, d 32
+    # the tuned tiles (64 x 64 forward; backward 128 rows of 32 tokens x 3 heads padded to 4), all larger
+    # than the sequence (s = 37), d 32
     "scores_s37_tuned": compare_index_scores(2, 37, 3, 32, **f16),
-    # one head; the dk kernel's head groups collapse to one
+    # one head: backward rows of 16 tokens x 1 head
     "scores_h1": compare_index_scores(1, 33, 1, 16, block=16, **f16),
-    # 12 heads: the dk kernel's 8 groups become 6 groups of 2
+    # 12 heads padded to 16 in one group: backward rows of 1 token x 16 heads, 4 of them masked
     "scores_h12": compare_index_scores(2, 21, 12, 16, block=16, **f16),
+    # 12 heads with the tuned tiles: dk in 2 groups of 8 (the second half masked), dq in one group of 16
+    "scores_h12_tuned": compare_index_scores(1, 24, 12, 16, **f16),
     # top-k 16 in one 64-slot block; rows 0..14 with -1 slots
     "teacher_s40_topk16": compare_teacher(2, 40, 4, 32, 16, **f16),
     # top-k 48 > s 20: 3 blocks of 16, -1s rewritten to future keys, 2 rows with no live slot at all
@@ -56,7 +61,8 @@ def interpreted(run_interpreted):
     return run_interpreted(INTERPRETED)
 
 
-@pytest.mark.parametrize("case", ["scores_s40_block16", "scores_s37_tuned", "scores_h1", "scores_h12"])
+@pytest.mark.parametrize("case", ["scores_s40_block16", "scores_s37_tuned", "scores_h1", "scores_h12",
+                                  "scores_h12_tuned"])
 def test_index_scores_match_the_reference_under_the_interpreter(interpreted, case):
     """Forward (fp32, -inf exactly above the diagonal) and dq, dk (fp16) and dw (fp32), fp32 reference on the
     same fp16 values; the incoming gradient is random above the diagonal too and must be ignored there."""
@@ -78,6 +84,37 @@ def test_sparse_teacher_matches_the_reference_under_the_interpreter(interpreted,
 
 def test_teacher_int32_indices_give_the_same_output(interpreted):
     assert interpreted["teacher_int32_equals_int64"] is True
+
+
+INTERPRETED_BF16 = """
+import json, torch
+from nam_plugin_sparse_mla.selftest import compare_index_scores
+bf16 = dict(dtype=torch.bfloat16, device="cpu")
+from nam_plugin_sparse_mla import indexer
+cases = {"scores_s40_block16": compare_index_scores(2, 40, 4, 16, block=16, **bf16),
+         "scores_h12_tuned": compare_index_scores(1, 24, 12, 16, **bf16)}
+indexer.DK_KEYS_AS_ROWS = not indexer.DK_KEYS_AS_ROWS  # the dk kernel's other tile orientation
+cases["scores_s40_other_orientation"] = compare_index_scores(2, 40, 4, 16, block=16, **bf16)
+print(json.dumps(cases))
+"""
+BF16_TOLERANCE = 2e-2  # selftest.TOLERANCE[torch.bfloat16]: bf16 rounding of dq and dk
+
+
+@pytest.fixture(scope="module")
+def interpreted_bf16(run_interpreted_bf16):
+    return run_interpreted_bf16(INTERPRETED_BF16)
+
+
+@pytest.mark.parametrize("case", ["scores_s40_block16", "scores_h12_tuned", "scores_s40_other_orientation"])
+def test_index_scores_match_the_reference_in_bf16_under_the_interpreter(interpreted_bf16, case):
+    """The bf16 backward (dL split into two bf16 parts per dot), both orientations of the dk kernel's tiles:
+    dq, dk within bf16 rounding; scores and dw (fp32 outputs, no split on their path) within the fp32
+    tolerance."""
+    errors = dict(interpreted_bf16[case])
+    seed = errors.pop("seed")
+    print(case, seed, errors)
+    assert errors["scores"] < FP32_TOLERANCE and errors["dw"] < FP32_TOLERANCE, (seed, errors)
+    assert errors["dq"] < BF16_TOLERANCE and errors["dk"] < BF16_TOLERANCE, (seed, errors)
 
 
 DSA_LAYER = """

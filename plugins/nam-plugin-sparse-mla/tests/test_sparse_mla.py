@@ -44,6 +44,12 @@ cases = {
     # 20 heads padded to 32 rows, dk == dv, ragged last block (24 = 16 + 8)
     "h20_dk32_dv32": compare(1, 30, 20, 32, 32, 24, dtype=torch.float16, device="cpu", block_n=16),
 }
+from nam_plugin_sparse_mla import kernel
+for tile in kernel.TILES.values():
+    tile["value_from_key"] = False  # the value gathered as its own dv-wide tile
+cases["s40_topk16_value_tile"] = compare(2, 40, 4, 32, 16, 16, dtype=torch.float16, device="cpu")
+for tile in kernel.TILES.values():
+    tile["value_from_key"] = True
 q, kv, idx = random_inputs(1, 24, 4, 32, 8, dtype=torch.float16, device="cpu", seed=5)
 a, _ = sparse_mla(q, kv, idx, scale=0.2, d_v=16)
 b, _ = sparse_mla(q, kv, idx.int(), scale=0.2, d_v=16)
@@ -57,7 +63,7 @@ def interpreted(run_interpreted):
     return run_interpreted(INTERPRETED)
 
 
-@pytest.mark.parametrize("case", ["s40_topk16", "s20_topk48", "h20_dk32_dv32"])
+@pytest.mark.parametrize("case", ["s40_topk16", "s20_topk48", "h20_dk32_dv32", "s40_topk16_value_tile"])
 def test_kernels_match_the_reference_under_the_interpreter(interpreted, case):
     """Forward and backward (dq, and dkv through the atomic scatter), fp16 inputs, fp32 reference."""
     errors = dict(interpreted[case])
@@ -71,6 +77,68 @@ def test_kernels_match_the_reference_under_the_interpreter(interpreted, case):
 
 def test_int32_indices_give_the_same_output(interpreted):
     assert interpreted["int32_equals_int64"] is True
+
+
+INTERPRETED_BF16 = """
+import json, torch, triton, triton.language as tl
+from nam_plugin_sparse_mla import kernel
+from nam_plugin_sparse_mla.kernel import dot_f32
+from nam_plugin_sparse_mla.selftest import compare
+
+@triton.jit
+def product(A, B, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(A + m[:, None] * K + k[None, :])
+    b = tl.load(B + k[:, None] * N + n[None, :])
+    tl.store(C + m[:, None] * N + n[None, :], dot_f32(a, b, tl.zeros([M, N], tl.float32), True, "tf32x3"))
+
+g = torch.Generator().manual_seed(torch.seed() % 2**31)
+a = torch.randn(16, 32, generator=g) * 1e-6  # fp32, small like a gradient
+b = torch.randn(32, 16, generator=g).bfloat16()
+c = torch.empty(16, 16)
+product[(1,)](a, b, c, M=16, K=32, N=16)
+ref = a.double() @ b.double()
+cases = {"split_dot": ((c.double() - ref).abs().max() / ref.abs().max()).item(),
+         "hi_only_dot": ((a.bfloat16().double() @ b.double() - ref).abs().max() / ref.abs().max()).item(),
+         "s40_topk16": compare(2, 40, 4, 32, 16, 16, dtype=torch.bfloat16, device="cpu"),
+         "s20_topk48": compare(2, 20, 4, 32, 16, 48, dtype=torch.bfloat16, device="cpu", block_n=16,
+                               future_slots=True, empty_rows=2)}
+kernel.TILES["bwd"]["keys_as_rows"] = not kernel.TILES["bwd"]["keys_as_rows"]  # the other orientation
+cases["s20_topk48_other_orientation"] = compare(2, 20, 4, 32, 16, 48, dtype=torch.bfloat16, device="cpu",
+                                                block_n=16, future_slots=True, empty_rows=2)
+for tile in kernel.TILES.values():
+    tile["value_from_key"] = False  # the value gathered as its own dv-wide tile
+cases["s40_topk16_value_tile"] = compare(2, 40, 4, 32, 16, 16, dtype=torch.bfloat16, device="cpu")
+print(json.dumps(cases))
+"""
+BF16_TOLERANCE = 2e-2  # selftest.TOLERANCE[torch.bfloat16]; the reference gets dO in fp32, the kernel in bf16
+
+
+@pytest.fixture(scope="module")
+def interpreted_bf16(run_interpreted_bf16):
+    return run_interpreted_bf16(INTERPRETED_BF16)
+
+
+def test_the_split_dot_carries_fp32_operands_to_1e_5(interpreted_bf16):
+    """``dot_f32``'s bf16 path (hi + lo parts of the fp32 side) against a float64 product: ~2^-17 of the
+    operand, where rounding the fp32 side to bf16 alone is off by ~2^-9 (so this fails if lo is lost)."""
+    print(interpreted_bf16["split_dot"], interpreted_bf16["hi_only_dot"])
+    assert interpreted_bf16["split_dot"] < 3e-5 < interpreted_bf16["hi_only_dot"]
+
+
+@pytest.mark.parametrize("case", ["s40_topk16", "s20_topk48", "s20_topk48_other_orientation",
+                                  "s40_topk16_value_tile"])
+def test_kernels_match_the_reference_in_bf16_under_the_interpreter(interpreted_bf16, case):
+    """The bf16 path (split dots) of forward and backward: the default tiles, the backward's other score-tile
+    orientation (``keys_as_rows``), then the value as its own tile in that orientation (fp16 covers the
+    other); bf16 tolerance (inputs, dO and outputs rounded to bf16)."""
+    errors = dict(interpreted_bf16[case])
+    seed = errors.pop("seed")
+    empty = errors.pop("empty_row_out", 0.0)
+    print(case, seed, errors)
+    assert set(errors) == {"out", "dq", "dkv"}
+    assert all(v < BF16_TOLERANCE for v in errors.values()), (seed, errors)
+    assert empty == 0.0, (seed, empty)
 
 
 MODEL_STEP = """

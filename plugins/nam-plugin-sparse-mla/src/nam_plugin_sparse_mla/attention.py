@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nam_plugin_sparse_mla import indexer
-from nam_plugin_sparse_mla.kernel import BLOCK_N, sparse_mla
+from nam_plugin_sparse_mla.kernel import sparse_mla
 
 FUSED_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 """SDPA backends ``dense`` may use: torch's fused kernels only, never the math path."""
@@ -55,7 +55,7 @@ class SparseMLA:
     """``AttentionCore`` whose sparse path is the sparse-mla Triton kernel and whose dense path is torch's fused
     SDPA."""
 
-    def __init__(self, block_n: int = BLOCK_N):
+    def __init__(self, block_n: int | None = None):  # None: kernel.TILES
         self.block_n = block_n
 
     def dense(self, q: torch.Tensor, kv: torch.Tensor, *, scale: float, d_v: int) -> torch.Tensor:

@@ -21,13 +21,26 @@ read only where ``u <= t`` (the causal fill's backward is zero above the diagona
     dw[t, j] = sum_u G[t, u] relu(L_j[t, u])      dL_j = G * w[:, j] * (L_j > 0)
     dq[t, j] = sum_u dL_j[t, u] k[u]              dk[u] = sum_{t, j} dL_j[t, u] q[t, j]
 
-``_scores_bwd_dq`` runs one program per (head, query block, batch) over the key blocks up to the diagonal
-and owns its dq and dw rows. ``_scores_bwd_dk`` runs one program per (key block, head group, batch) over the
-query blocks from the diagonal down, looping over its group's heads; each group writes its own fp32 partial
-dk, summed after (deterministic, no atomics). Each logit is thus recomputed twice in backward (once per
-kernel); on one H200 at NAM56R's shape the backward takes ~3 ms against the forward's 0.13 ms, so a fused
-backward is where more speed would come from. dL is fp32; the dots that take it run with
-``input_precision=PRECISION`` ("tf32x3", ~fp32 accuracy), as the sparse MLA backward does.
+Both backward kernels tile (token, head) PAIRS as the rows of their dots: one token's ``HG`` heads are
+neighbouring rows of q (``q`` viewed as ``[b*s*H, d]``), so ``BT`` tokens x ``HG`` heads form one
+``[BT*HG, d]`` tile and every head's logits of a key block come out of ONE dot ``[BT*HG, d] @ [d, BN]``
+(the old kernels looped over heads with one small dot each). ``G`` is per token: each row reads its token's
+row of G (the heads of one token read the same addresses, served by L1).
+
+``_scores_bwd_dq``: one program per (``BT`` tokens, group of ``HG`` heads, batch), NAM56R: 4 tokens x all 32
+heads, so G is read once; it walks the key blocks up to the diagonal and accumulates ``R = sum_u G (L > 0)
+k[u]`` (``dq = w * R``, w factored out of the loop) and ``dw = sum_u G relu(L)`` in fp32. ``_scores_bwd_dk``:
+one program per (key block, head group, batch), NAM56R: 16 tokens x 8 heads per step, 4 groups; it walks the
+query blocks from the diagonal down and accumulates ``dk += dL^T @ q`` with dL = G * w * (L > 0) for all
+rows at once, a dot whose reduction runs over tokens and heads together; each group writes its own fp32
+partial dk, summed after (deterministic, no atomics). Not fused into one kernel: a program owns either query
+rows (dq) or key rows (dk), and the other gradient would need fp32 atomics over every (query block, key
+block, head) ``[rows, d]`` tile, ~0.5 G atomics at NAM56R's shape, more than the recomputed logits cost (one
+dot of the three in each kernel).
+
+dL is fp32; the dots that take it use ``kernel.dot_f32``: on bf16 inputs dL splits into a high and a low
+bf16 part (~2^-17 relative) and runs two bf16 tensor-core dots, against ``tf32x3``'s three TF32 ones (fp16
+inputs keep tf32x3). dw never goes through a split dot: it is summed in fp32 registers.
 
 **Sparse teacher** (``sparse_teacher``, no autograd)::
 
@@ -51,17 +64,23 @@ import torch
 import triton
 import triton.language as tl
 
-from nam_plugin_sparse_mla.kernel import PRECISION, check_inputs
+from nam_plugin_sparse_mla.kernel import PRECISION, check_inputs, dot_f32
 from nam_plugin_sparse_mla.shape import head_block, index_shape_problem
 
-SCORE_TILES = {"fwd": (64, 64, 4), "dq": (128, 64, 8), "dk": (64, 64, 4)}
-"""(query rows, key rows, warps) per index-score kernel. Picked from a small sweep on one H200 at NAM56R's
-shape (b=1, s=4096, 32 heads of 64; 2026-11, Triton 3.6): fwd 0.13 ms; dq 1.27 ms (1.53 at 64/64/4); dk 1.93 ms
-with 8 head groups (2.49 with 4). 128 x 128 tiles exceed Hopper's 227 KiB of shared memory."""
-DK_HEAD_GROUPS = 8
-"""Head groups of the dk backward: more programs (s / 64 key blocks x 8 x b), 8 partial fp32 dk buffers."""
+SCORE_TILES = {"fwd": (64, 64, 4)}
+"""(query rows, key rows, warps) of the forward. Picked from a small sweep on one H200 at NAM56R's shape (b=1,
+s=4096, 32 heads of 64; 2026-11, Triton 3.6): 0.13 ms."""
+BWD_TILES = {"dq": (128, 32, 32, 4, 3), "dk": (128, 8, 128, 8, 2)}
+"""(rows = tokens x heads, most heads per group, keys, warps, stages) per backward kernel (``bwd_tile``). dq
+takes all 32 of NAM56R's heads in a group (4 tokens x 32 heads: G read once), dk groups of 8 (16 tokens x 8
+heads; 4 groups x 32 key blocks x b programs, 4 fp32 partial dk buffers). The fastest of ``gpu/smla.sh``'s
+sweep on one H200 at NAM56R's shape (b=2, s=4096, 32 heads of 64; Triton 3.6): dq 0.89 ms, dk 1.90 ms,
+against 2.60 and 3.08 ms for the kernels before (heads looped one dot each, tf32x3)."""
+DK_KEYS_AS_ROWS = False
+"""Orientation of the dk kernel's tiles: ``[keys, rows]`` (dL^T straight out of the logits dot) or
+``[rows, keys]`` (transposed for the dk dot)."""
 TEACHER_BLOCK_N = 64
-"""Top-k slots per teacher loop step, as the sparse MLA kernels' BLOCK_N."""
+"""Top-k slots per teacher loop step (not swept; the sparse MLA kernels' are in ``kernel.TILES``)."""
 
 
 # --- index scores: forward ------------------------------------------------------------------------
@@ -95,37 +114,47 @@ def _scores_fwd(Q, K, W, OUT, s, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.co
 
 # --- index scores: backward -----------------------------------------------------------------------
 @triton.jit
-def _scores_bwd_dq(Q, K, W, G, DQ, DW, s, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   PREC: tl.constexpr):
-    j = tl.program_id(0)  # heads fastest: the programs of one query block share its G rows in L2
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM  # longest rows (most key blocks) first
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = m0 + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_m < s
-    rows = b * s + offs_m.to(tl.int64)
-    q = tl.load(Q + (rows[:, None] * H + j) * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BM, D]
-    wj = tl.load(W + rows * H + j, mask=row_ok, other=0.0)  # [BM]
-    dq = tl.zeros([BM, D], tl.float32)
-    dw = tl.zeros([BM], tl.float32)
-    for n0 in range(0, tl.minimum(m0 + BM, s), BN):  # key blocks up to the diagonal
-        offs_n = n0 + tl.arange(0, BN)
-        col_ok = offs_n < s
-        cols = b * s + offs_n.to(tl.int64)
-        k = tl.load(K + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # [BN, D]
-        live = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        g = tl.load(G + b * s * s + offs_m[:, None].to(tl.int64) * s + offs_n[None, :], mask=live, other=0.0)
-        logits = tl.dot(q, tl.trans(k))  # [BM, BN] fp32, recomputed
-        dw += tl.sum(g * tl.maximum(logits, 0.0), 1)
-        dl = tl.where(logits > 0.0, g * wj[:, None], 0.0)  # [BM, BN] fp32
-        dq += tl.dot(dl, k.to(tl.float32), input_precision=PREC)
-    tl.store(DQ + (rows[:, None] * H + j) * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(DW + rows * H + j, dw, mask=row_ok)
+def _head_rows(t0, j0, b, s, H, BT: tl.constexpr, HG: tl.constexpr):
+    """Rows ``r = token * HG + head`` of a (``BT`` tokens from ``t0``) x (``HG`` heads from ``j0``) tile: each
+    row's token ``[R]``, whether it exists (token < s, head < H), and its row of q / w viewed as
+    ``[b*s*H, .]``. One token's heads are neighbours in q, so a token's rows are one contiguous run."""
+    r = tl.arange(0, BT * HG)
+    t = t0 + r // HG
+    j = j0 + r % HG
+    ok = (t < s) & (j < H)
+    return t, ok, (b * s + t.to(tl.int64)) * H + j
 
 
 @triton.jit
-def _scores_bwd_dk(Q, K, W, G, DK_PART, s, H, heads_per_group, D: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, PREC: tl.constexpr):
+def _scores_bwd_dq(Q, K, W, G, DQ, DW, s, H, D: tl.constexpr, BT: tl.constexpr, HG: tl.constexpr,
+                   BN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    t0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BT  # longest rows (most key blocks) first
+    j0 = tl.program_id(1) * HG
+    b = tl.program_id(2).to(tl.int64)
+    t, ok, qrow = _head_rows(t0, j0, b, s, H, BT, HG)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)  # [R, D]
+    w = tl.load(W + qrow, mask=ok, other=0.0)  # [R] fp32
+    g_rows = G + b * s * s + t.to(tl.int64) * s  # [R]: each row reads its token's row of G
+    acc = tl.zeros([BT * HG, D], tl.float32)  # sum_u G * (L > 0) * k[u]; dq = w * acc
+    dw = tl.zeros([BT * HG], tl.float32)  # sum_u G relu(L), in fp32 registers (no split dot on its path)
+    for n0 in range(0, tl.minimum(t0 + BT, s), BN):  # key blocks up to the diagonal
+        offs_n = n0 + tl.arange(0, BN)
+        k = tl.load(K + (b * s + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :], mask=(offs_n < s)[:, None],
+                    other=0.0)  # [BN, D]
+        live = ok[:, None] & (offs_n[None, :] <= t[:, None])  # causal (and so < s)
+        g = tl.load(g_rows[:, None] + offs_n[None, :], mask=live, other=0.0)  # [R, BN] fp32
+        logits = tl.dot(q, tl.trans(k))  # [R, BN] fp32, recomputed
+        dw += tl.sum(g * tl.maximum(logits, 0.0), 1)
+        acc = dot_f32(tl.where(logits > 0.0, g, 0.0), k, acc, SPLIT, PREC)
+    tl.store(DQ + qrow[:, None] * D + offs_d[None, :], (acc * w[:, None]).to(DQ.dtype.element_ty),
+             mask=ok[:, None])
+    tl.store(DW + qrow, dw, mask=ok)
+
+
+@triton.jit
+def _scores_bwd_dk(Q, K, W, G, DK_PART, s, H, D: tl.constexpr, BT: tl.constexpr, HG: tl.constexpr,
+                   BN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     n0 = tl.program_id(0) * BN  # key block 0 has the most query blocks; it goes first
     group = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -134,23 +163,34 @@ def _scores_bwd_dk(Q, K, W, G, DK_PART, s, H, heads_per_group, D: tl.constexpr, 
     col_ok = offs_n < s
     cols = b * s + offs_n.to(tl.int64)
     k = tl.load(K + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # [BN, D]
-    j0 = group * heads_per_group
-    j1 = tl.minimum(j0 + heads_per_group, H)
     dk = tl.zeros([BN, D], tl.float32)
-    for m0 in range((n0 // BM) * BM, s, BM):  # query blocks from the diagonal down
-        offs_m = m0 + tl.arange(0, BM)
-        row_ok = offs_m < s
-        rows = b * s + offs_m.to(tl.int64)
-        live = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        g = tl.load(G + b * s * s + offs_m[:, None].to(tl.int64) * s + offs_n[None, :], mask=live, other=0.0)
-        for j in range(j0, j1):
-            q = tl.load(Q + (rows[:, None] * H + j) * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            wj = tl.load(W + rows * H + j, mask=row_ok, other=0.0)
-            logits = tl.dot(q, tl.trans(k))  # [BM, BN] fp32, recomputed
-            dl = tl.where(logits > 0.0, g * wj[:, None], 0.0)
-            dk += tl.dot(tl.trans(dl), q.to(tl.float32), input_precision=PREC)  # [BN, D]
-    part = DK_PART + (group * tl.num_programs(2) * s + cols[:, None]) * D + offs_d[None, :]
-    tl.store(part, dk, mask=col_ok[:, None])
+    for t0 in range((n0 // BT) * BT, s, BT):  # query blocks from the diagonal down
+        t, ok, qrow = _head_rows(t0, group * HG, b, s, H, BT, HG)
+        q = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)  # [R, D]
+        w = tl.load(W + qrow, mask=ok, other=0.0)
+        if KEYS_AS_ROWS:  # [BN, R] tiles: dL^T comes out of the dot as the next dot's left operand
+            live = col_ok[:, None] & ok[None, :] & (offs_n[:, None] <= t[None, :])
+            g = tl.load(G + b * s * s + t.to(tl.int64)[None, :] * s + offs_n[:, None], mask=live, other=0.0)
+            logits = tl.dot(k, tl.trans(q))  # [BN, R] fp32, recomputed
+            dl = tl.where(logits > 0.0, g * w[None, :], 0.0)  # [BN, R] fp32: dL^T
+            dk = dot_f32(dl, q, dk, SPLIT, PREC)  # [BN, D], summed over tokens and heads at once
+        else:  # [R, BN] tiles, transposed for the dk dot
+            live = ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= t[:, None])
+            g = tl.load(G + b * s * s + t.to(tl.int64)[:, None] * s + offs_n[None, :], mask=live, other=0.0)
+            logits = tl.dot(q, tl.trans(k))  # [R, BN] fp32, recomputed
+            dl = tl.where(logits > 0.0, g * w[:, None], 0.0)  # [R, BN] fp32: dL for every (token, head) row
+            dk = dot_f32(tl.trans(dl), q, dk, SPLIT, PREC)
+    tl.store(DK_PART + (group * tl.num_programs(2) * s + cols[:, None]) * D + offs_d[None, :], dk,
+             mask=col_ok[:, None])
+
+
+def bwd_tile(tile: tuple, h: int) -> tuple[int, int, int, int, int]:
+    """``(tokens BT, heads per group HG, keys BN, warps, stages)`` of a backward kernel from its ``BWD_TILES``
+    entry ``(rows, most heads per group, keys, warps, stages)``: HG = the head count rounded up to a power of
+    two, capped; BT = rows / HG (rows = BT * HG stays the dot's M side)."""
+    rows, max_heads, bn, warps, stages = tile
+    hg = min(head_block(h, least=1), max_heads, rows)
+    return rows // hg, hg, bn, warps, stages
 
 
 class IndexScoresFunction(torch.autograd.Function):
@@ -176,17 +216,19 @@ class IndexScoresFunction(torch.autograd.Function):
         b, s, h, d = q.shape
         grad = grad.contiguous().float()
         dq, dw = torch.empty_like(q), torch.empty_like(w)
-        groups = min(DK_HEAD_GROUPS, h)
-        per_group = triton.cdiv(h, groups)
-        groups = triton.cdiv(h, per_group)  # no empty group: each writes its whole partial buffer
+        split = q.dtype == torch.bfloat16
+        bt, hg, bn, warps, stages = bwd_tile(ctx.tiles["dk"], h)
+        groups = triton.cdiv(h, hg)
         dk_part = torch.empty(groups, b, s, d, dtype=torch.float32, device=q.device)
         if b * s > 0:
-            bm, bn, warps = ctx.tiles["dq"]
-            _scores_bwd_dq[(h, triton.cdiv(s, bm), b)](q, k, w, grad, dq, dw, s, h, D=d, BM=bm, BN=bn,
-                                                       PREC=PRECISION, num_warps=warps)
-            bm, bn, warps = ctx.tiles["dk"]
-            _scores_bwd_dk[(triton.cdiv(s, bn), groups, b)](q, k, w, grad, dk_part, s, h, per_group, D=d, BM=bm,
-                                                            BN=bn, PREC=PRECISION, num_warps=warps)
+            _scores_bwd_dk[(triton.cdiv(s, bn), groups, b)](q, k, w, grad, dk_part, s, h, D=d, BT=bt, HG=hg, BN=bn,
+                                                            SPLIT=split, PREC=PRECISION,
+                                                            KEYS_AS_ROWS=DK_KEYS_AS_ROWS, num_warps=warps,
+                                                            num_stages=stages)
+            bt, hg, bn, warps, stages = bwd_tile(ctx.tiles["dq"], h)
+            _scores_bwd_dq[(triton.cdiv(s, bt), triton.cdiv(h, hg), b)](q, k, w, grad, dq, dw, s, h, D=d, BT=bt,
+                                                                        HG=hg, BN=bn, SPLIT=split, PREC=PRECISION,
+                                                                        num_warps=warps, num_stages=stages)
         return dq, dk_part.sum(0).to(k.dtype), dw, None
 
 
@@ -214,9 +256,13 @@ def check_score_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, block:
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
     """Causal-masked index scores ``[b, s, s]`` fp32 of ``q [b, s, H, d]``, ``k [b, s, d]``, ``w [b, s, H]``.
 
-    ``block``: one square tile for all three kernels (tests use 16 for ragged edges); None: ``SCORE_TILES``.
+    ``block``: one square tile for all three kernels (tests use 16 for ragged edges: 16 query rows and keys
+    forward, 16 (token, head) rows and 16 keys backward); None: ``SCORE_TILES`` and ``BWD_TILES``.
     """
-    tiles = SCORE_TILES if block is None else {name: (block, block, 4) for name in SCORE_TILES}
+    if block is None:
+        tiles = {**SCORE_TILES, **BWD_TILES}
+    else:
+        tiles = {"fwd": (block, block, 4), "dq": (block, block, block, 4, 2), "dk": (block, block, block, 4, 2)}
     check_score_inputs(q, k, w, 16 if block is None else block)
     return IndexScoresFunction.apply(q, k, w, tiles)
 

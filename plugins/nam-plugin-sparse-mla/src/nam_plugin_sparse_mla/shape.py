@@ -15,9 +15,10 @@ MAX_HEADS = 128
 """Query heads per token: 128 = DeepSeek-V3's head count; NAM56R has 32, the tiny recipe 4."""
 
 
-def head_block(h: int) -> int:
-    """Rows the kernels give the heads of one token: the next power of two >= max(h, 16)."""
-    return max(16, 1 << (max(h, 1) - 1).bit_length())
+def head_block(h: int, *, least: int = 16) -> int:
+    """Rows the kernels give the heads of one token: the next power of two >= max(h, least) (16: tl.dot's
+    smallest side, for kernels whose dot has one token's heads alone as its M side)."""
+    return max(least, 1 << (max(h, 1) - 1).bit_length())
 
 
 def _pow2(d: int) -> bool:

@@ -1,10 +1,11 @@
-"""``nam export``: a checkpoint -> safetensors + config JSON + tokenizer, loadable with nam56r alone
-(``nam56r.export.load``; the folder's layout is described there).
+"""``nam export``: a checkpoint of either engine -> safetensors + config JSON + tokenizer, loadable with nam56r
+alone (``nam56r.export.load``; the folder's layout is described there).
 
-Local-engine checkpoints (``checkpoints/step-N``, any format ``nam_core.engine.checkpoint`` loads) are exported,
-their model state read through ``checkpoint.model_state`` without an optimizer. Megatron-engine checkpoints
-(dist-checkpointing shards) are refused with the way round: their tensors are sharded over ranks under
-Megatron's names, and reading them back into nam56r's names is not built yet.
+Local-engine checkpoints (``checkpoints/step-N``, any format ``nam_core.engine.checkpoint`` loads) are read through
+``checkpoint.model_state``; megatron-engine checkpoints (dist-checkpointing shards of any parallel layout) through
+``nam_core.engine.megatron.checkpoint.model_tensors``, in this one process, and renamed to nam56r's names by
+``nam56r.megatron.weights.megatron_state_to_nam``. Either way the export holds the model's weights bit for bit, in
+the dtype they were trained in; ``nam train --init-from`` starts either engine from it.
 """
 
 from __future__ import annotations
@@ -22,15 +23,46 @@ from nam_cli.options import JsonOpt
 def _checkpoint_folder(path: Path) -> Path:
     """``path`` itself when it is a checkpoint folder; the newest good one when it is a run folder."""
     from nam_core.engine import checkpoint
+    from nam_core.engine.megatron import checkpoint as megatron
     from nam_core.errors import NamError
 
     if (path / "manifest.json").is_file():
         return path
-    good = checkpoint.good_checkpoints(path / "checkpoints")
+    good = sorted(checkpoint.good_checkpoints(path / "checkpoints") + megatron.good_checkpoints(path / "checkpoints"))
     if good:
         return good[-1]
     raise NamError(f"{path} is neither a checkpoint folder (no manifest.json) nor a run folder with a good "
                    "checkpoint", hint=f"point at a checkpoint: ls {path / 'checkpoints'}")
+
+
+def _model_state(folder: Path) -> tuple[dict, dict, str]:
+    """The checkpoint's model weights under nam56r's names, its manifest, and the engine that wrote it."""
+    from nam_core.engine import checkpoint as local
+    from nam_core.engine.megatron import checkpoint as megatron
+
+    try:
+        fmt = json.loads((folder / "manifest.json").read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    if fmt == megatron.CHECKPOINT_FORMAT:
+        from nam56r.megatron.weights import megatron_state_to_nam
+
+        tensors, manifest = megatron.model_tensors(folder)
+        return megatron_state_to_nam(tensors, _model_config(folder, manifest)), manifest, "megatron"
+    state, manifest = local.model_state(folder)  # refuses what is not a good local checkpoint, with the reason
+    return state, manifest, "local"
+
+
+def _model_config(folder: Path, manifest: dict):
+    """The NAM56RConfig the run record of a checkpoint's manifest holds."""
+    from nam56r.config import NAM56RConfig
+    from nam_core.errors import NamError
+
+    record = manifest.get("record", {})
+    if "model" not in record:
+        raise NamError(f"{folder / 'manifest.json'} records no model config (a checkpoint from before run records)",
+                       hint="export a checkpoint written by this nam")
+    return NAM56RConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["model"].items()})
 
 
 def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
@@ -42,8 +74,8 @@ def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
     if spec is not None:
         tok = load_tokenizer(spec)
     else:
-        manifest = Path(record.get("data", "")) / "dataset.json"
-        if not manifest.is_file():
+        manifest = Path(record.get("data") or "") / "dataset.json"
+        if not record.get("data") or not manifest.is_file():  # no corpus recorded: rows a test or bench made
             raise NamError(f"the run's dataset ({record.get('data')}) is not there to read its tokenizer from",
                            hint="name it: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
         tok = tokenizer_from_description(json.loads(manifest.read_text())["tokenizer"])
@@ -63,38 +95,23 @@ def export(
     """Export a checkpoint's weights as safetensors + config.json + tokenizer (load: nam56r.export.load)."""
     from nam56r import export as exported
     from nam56r.export import read_config
-    from nam_core.engine import checkpoint as local
-    from nam_core.errors import NamError
-
     exported.safetensors_torch()  # fail before reading gigabytes
     folder = _checkpoint_folder(checkpoint)
-    manifest_path = folder / "manifest.json"
-    try:
-        fmt = json.loads(manifest_path.read_text()).get("format")
-    except ValueError:
-        fmt = None
-    if isinstance(fmt, str) and fmt.startswith("megatron-dist"):  # every format the megatron engine has written
-        raise NamError(f"{folder} is a megatron-engine checkpoint (dist-checkpointing shards under Megatron's "
-                       "names); nam export reads local-engine checkpoints only for now",
-                       hint="export a local-engine checkpoint of the run, or train with --engine local")
-    state, manifest = local.model_state(folder)
+    state, manifest, engine = _model_state(folder)
     record = manifest.get("record", {})
-    if "model" not in record:
-        raise NamError(f"{manifest_path} records no model config (a checkpoint from before run records)",
-                       hint="export a checkpoint written by this nam")
-    from nam56r.config import NAM56RConfig
-
-    cfg = NAM56RConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["model"].items()})
+    cfg = _model_config(folder, manifest)
     desc, tok_file = _tokenizer(record, tokenizer)
+    source = {"checkpoint": str(folder.resolve()), "recipe": record.get("recipe"), "engine": engine}
+    if "layout" in manifest:
+        source["layout"] = manifest["layout"]
     written = exported.write(out_dir, state, cfg, step=manifest["step"], tokenizer=desc, tokenizer_file=tok_file,
-                             source={"checkpoint": str(folder.resolve()), "recipe": record.get("recipe"),
-                                     "engine": "local"}, overwrite=overwrite)
+                             source=source, overwrite=overwrite)
     _, config = read_config(written)
-    info = {"out": str(written), "step": config["step"], "tensors": len(state), "dtypes": config["dtypes"],
-            "tokenizer": desc.get("name"), "sha256": config["sha256"]}
+    info = {"out": str(written), "step": config["step"], "engine": engine, "tensors": len(state),
+            "dtypes": config["dtypes"], "tokenizer": desc.get("name"), "sha256": config["sha256"]}
     if json_out:
         print_json(info)
         return
-    out.print(f"exported {folder} (step {info['step']}) to {written}: {info['tensors']} tensors "
+    out.print(f"exported {folder} ({engine} engine, step {info['step']}) to {written}: {info['tensors']} tensors "
               f"({', '.join(info['dtypes'])}), tokenizer {info['tokenizer']}")
     out.print(f"load it: python -c \"from nam56r.export import load; model = load('{written}')\"")

@@ -1,6 +1,7 @@
 """``nam export`` (cli/export.py) and ``nam56r.export``: a local-engine checkpoint -> safetensors + config.json +
-tokenizer, loaded back with nam56r alone, bit for bit; fail-closed without safetensors, on a changed file, and for
-a megatron-engine checkpoint."""
+tokenizer, loaded back with nam56r alone, bit for bit; fail-closed without safetensors, on a changed file, for a
+torn megatron-engine checkpoint and for a folder that is none. (A megatron-engine export continued by the local
+engine: tests/test_megatron_engine_gloo.py.)"""
 
 import json
 import sys
@@ -33,7 +34,7 @@ def test_export_loads_back_bit_exact(trained, tmp_path, capsys):
 
     out = tmp_path / "export"
     assert run(["export", str(trained), "--out", str(out)]) == 0  # a run folder: its newest good checkpoint
-    assert f"(step 2) to {out}" in capsys.readouterr().out
+    assert f"(local engine, step 2) to {out}" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["step"] == 2 and config["model"]["seq_len"] == 32 and config["dtypes"] == ["float32"]
     assert json.loads((out / "tokenizer" / "nam.json").read_text())["name"] == "byte"
@@ -94,14 +95,26 @@ def test_without_safetensors_nothing_is_written(trained, tmp_path, monkeypatch, 
     assert not (tmp_path / "export").exists()
 
 
-def test_a_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+def test_a_torn_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+    """A megatron-engine checkpoint folder whose manifest lists no dist-checkpointing index (a save cut short, or
+    not one at all): refused before anything is written, with what is wrong and where to look. (A good one is
+    exported in tests/test_megatron_engine_gloo.py, which trains the megatron engine.)"""
     folder = tmp_path / "step-00000004"
     folder.mkdir()
     from nam_core.engine.megatron.checkpoint import CHECKPOINT_FORMAT
 
-    (folder / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4}))
-    assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 1
-    assert "is a megatron-engine checkpoint" in capsys.readouterr().err
+    (folder / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4, "sha256": {}}))
+    assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 6
+    err = capsys.readouterr().err
+    assert "is not a complete megatron-engine checkpoint (the manifest lists no .metadata" in err, err
+    assert f"ls {tmp_path}" in err
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
+    assert run(["export", str(tmp_path), "--out", str(tmp_path / "export")]) != 0
+    err = capsys.readouterr().err
+    assert "is neither a checkpoint folder (no manifest.json) nor a run folder" in err and "hint: " in err
     assert not (tmp_path / "export").exists()
 
 

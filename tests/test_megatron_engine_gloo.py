@@ -293,6 +293,27 @@ def test_weights_exported_from_a_local_run_start_the_megatron_engine(tmp_path):
     assert "weights from" in (tmp_path / "megatron" / "run.log").read_text()
 
 
+def test_a_megatron_checkpoint_exported_continues_in_the_local_engine(tmp_path, ep2):
+    """Changing engines the other way (issue 31): ep2's checkpoint at step 2 (EP 2 on 2 ranks: each rank's experts
+    in its own shards), exported by `nam export` (each tensor put together, renamed to nam56r's names), starts
+    the local engine through --init-from on step 3's rows. Its step 1, before any update, is the megatron run's
+    step 3 to summation order: loss within 1e-6 and gradient norm within 1e-5, relative (fp32; bf16's rounding
+    alone is 4e-3), so every weight crossed, experts of both ranks included."""
+    from nam_cli.main import run
+
+    run_dir, full = ep2
+    out = tmp_path / "export"
+    assert run(["export", str(run_dir / "checkpoints" / "step-00000002"), "--out", str(out), "--tokenizer",
+                "byte"]) == 0
+    source = json.loads((out / "config.json").read_text())["source"]
+    assert source["engine"] == "megatron" and source["layout"]["ep"] == 2
+    local = _run(tmp_path, "local", "local", "--grad-accum", "4", "--init-from", str(out), "--first-batch", "8",
+                 steps=1)
+    step3 = next(m for m in full if m["step"] == 3)
+    assert _rel(local[0]["loss"], step3["loss"]) <= 1e-6, (local[0], step3)
+    assert _rel(local[0]["grad_norm"], step3["grad_norm"]) <= 1e-5, (local[0], step3)
+
+
 def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):
     """train.async_checkpoints=false at EP 2: Megatron's synchronous save (with its integrity.json) instead of
     the background one; the same losses, and the resume from step 2 continues bit for bit, as from ep2's

@@ -23,9 +23,11 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import is_dataclass
 from pathlib import Path
 
@@ -315,6 +317,52 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
     rng = _rng_file(folder, torch.distributed.get_rank())
     files.set_rng_state(files.load_tensors(rng), source=rng)
     return manifest
+
+
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+"""The distributed optimizer's items in a checkpoint's index (``chained_<i>.optimizer.distributed...`` when the
+model has expert and dense parameters, ``optimizer....`` otherwise); every other tensor is the model's."""
+
+
+def model_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's tensors of a good megatron-engine checkpoint, each whole (every rank's shards put together:
+    dist-checkpointing stores a tensor under one key with its global shape, experts of every EP rank and layers
+    of every pipeline stage under their global numbers), under Megatron's names, and the manifest. Read in this
+    one process, without Megatron or a process group (``nam export``); Megatron's ``_extra_state`` bytes are
+    not read. A torn or altered folder is refused as ``load_checkpoint`` refuses it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    manifest, why = inspect(folder)
+    if manifest is None:
+        raise RunFolderError(f"{folder} is not a complete megatron-engine checkpoint ({why})",
+                             hint=f"export a good one: ls {folder.parent}")
+    refuse_unsafe_pickles(folder)
+    reader = _reader(folder)
+    index = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in index.items()
+             if isinstance(v, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(k)}
+    with warnings.catch_warnings():  # one process without a process group, by design
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=_reader(folder), no_dist=True)
+    return state, manifest
+
+
+def _reader(folder: Path):
+    """torch's file reader for a dist-checkpointing folder, its ``.metadata`` read by ``_MetadataUnpickler``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(folder / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(str(folder))
 
 
 # --- what Megatron's loader unpickles, read first under restricted unpicklers ---------------------------

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
 import typer
 
 from nam_cli.console import out, print_json
@@ -65,6 +66,47 @@ def _model_config(folder: Path, manifest: dict):
     return NAM56RConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["model"].items()})
 
 
+def _optimizer(folder: Path, manifest: dict, engine: str, state: dict, cfg):
+    """AdamW's state of a local-engine checkpoint under nam56r's parameter names (``nam export --with-optimizer``);
+    a megatron-engine checkpoint's is refused with the reason."""
+    from nam56r.export import ExportedOptimizer
+    from nam56r.model import build_model
+    from nam_core.engine import checkpoint as local
+    from nam_core.engine.numerics import MASTER_KEY, state_order
+    from nam_core.errors import ConfigError, NamError
+
+    if engine != "local":
+        raise ConfigError(f"{folder} is a megatron-engine checkpoint: --with-optimizer reads a local-engine "
+                       "checkpoint's optimizer only (the distributed optimizer keeps its state in flat per-bucket "
+                       "shards whose parameter offsets the checkpoint does not record)",
+                       hint=f"export its weights: nam export {folder} --out DIR, then --init-from DIR (the "
+                            "optimizer starts afresh)")
+    train = manifest.get("record", {}).get("train", {})
+    named = list(build_model(cfg, device="meta").named_parameters())
+    order = state_order(named)
+    saved = local.optimizer_state(folder)
+    moments = saved["state"]
+    shapes = dict((n, p.shape) for n, p in named)
+    if len(moments) != len(order) or any(moments[i]["exp_avg"].shape != shapes[n] for i, n in enumerate(order)):
+        raise NamError(f"{folder}: the optimizer holds {len(moments)} parameters' state in an order nam56r's "
+                       f"{len(order)} parameters do not fill (a model changed by a plugin's transform?)",
+                       hint=f"export its weights alone: nam export {folder} --out DIR")
+    steps = {float(m["step"]) for m in moments.values()}
+    if len(steps) != 1:
+        raise NamError(f"{folder}: AdamW's step counts differ between parameters ({sorted(steps)[:4]})",
+                       hint=f"export its weights alone: nam export {folder} --out DIR")
+    out = {n: {k: moments[i][k] for k in ("exp_avg", "exp_avg_sq")} for i, n in enumerate(order)}
+    masters = saved.get(MASTER_KEY) or []
+    mastered = [n for n, _ in named if state[n].dtype != torch.float32]  # numerics.make_optimizer's pairs
+    if masters and len(masters) != len(mastered):
+        raise NamError(f"{folder}: {len(masters)} fp32 masters for {len(mastered)} bf16 parameters",
+                       hint=f"export its weights alone: nam export {folder} --out DIR")
+    for name, master in zip(mastered, masters):
+        out[name]["master"] = master
+    return ExportedOptimizer(step=int(steps.pop()), numerics=train.get("optimizer_numerics", "fp32-master"),
+                             dtype=train.get("dtype", "float32"), state=out)
+
+
 def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
     """The tokenizer's description and its tokenizer.json (None for the byte tokenizer): ``--tokenizer`` when
     given, else what the run's dataset was prepared with."""
@@ -90,6 +132,9 @@ def export(
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="'byte' or a tokenizer.json; default: "
                                                      "the one the run's dataset was prepared with.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it is not empty.")] = False,
+    with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Also AdamW's state (moments, fp32 "
+                                                 "masters, step; local-engine checkpoints): --init-from then "
+                                                 "continues the run at its step, on either engine.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export a checkpoint's weights as safetensors + config.json + tokenizer (load: nam56r.export.load)."""
@@ -104,14 +149,19 @@ def export(
     source = {"checkpoint": str(folder.resolve()), "recipe": record.get("recipe"), "engine": engine}
     if "layout" in manifest:
         source["layout"] = manifest["layout"]
+    optimizer = _optimizer(folder, manifest, engine, state, cfg) if with_optimizer else None
     written = exported.write(out_dir, state, cfg, step=manifest["step"], tokenizer=desc, tokenizer_file=tok_file,
-                             source=source, overwrite=overwrite)
+                             source=source, overwrite=overwrite, optimizer=optimizer)
     _, config = read_config(written)
     info = {"out": str(written), "step": config["step"], "engine": engine, "tensors": len(state),
-            "dtypes": config["dtypes"], "tokenizer": desc.get("name"), "sha256": config["sha256"]}
+            "dtypes": config["dtypes"], "tokenizer": desc.get("name"), "optimizer": config.get("optimizer"),
+            "sha256": config["sha256"]}
     if json_out:
         print_json(info)
         return
     out.print(f"exported {folder} ({engine} engine, step {info['step']}) to {written}: {info['tensors']} tensors "
               f"({', '.join(info['dtypes'])}), tokenizer {info['tokenizer']}")
+    if optimizer is not None:
+        out.print(f"with the optimizer ({optimizer.describe()}): nam train --init-from {written} continues at step "
+                  f"{optimizer.step + 1}")
     out.print(f"load it: python -c \"from nam56r.export import load; model = load('{written}')\"")

@@ -129,6 +129,39 @@ def test_init_from_refuses_another_models_export_with_the_fields(trained, tmp_pa
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
+def test_an_export_with_its_optimizer_continues_the_run(tmp_path_factory, tmp_path, capsys):
+    """`nam export --with-optimizer` of step 2 and `nam train --init-from` it: the run goes on at step 3 with the
+    checkpoint's AdamW moments, step count and lr schedule, on the same rows, and its steps 3 and 4 are the
+    original run's (fp32, 1e-6 relative: the same arithmetic; only the RNG state is this run's own)."""
+    corpus = prepare_corpus(tmp_path_factory, (textwrap,), chars=4000)
+    sets = ["--data", str(corpus), "--set", "seq_len=32", "--set", "train.micro_batch_size=2", "-q"]
+    first = tmp_path / "first"
+    assert run(["train", "--run-dir", str(first), "--max-steps", "4", "--set", "train.checkpoint_every=2",
+                *sets]) == 0
+    out = tmp_path / "export"
+    assert run(["export", str(first / "checkpoints" / "step-00000002"), "--out", str(out), "--with-optimizer",
+                "--tokenizer", "byte"]) == 0
+    assert "continues at step 3" in capsys.readouterr().out
+    assert run(["train", "--run-dir", str(tmp_path / "next"), "--max-steps", "4", "--init-from", str(out),
+                *sets]) == 0
+    from nam_core.engine.metrics import read_metrics
+
+    original, carried = read_metrics(first)[2:], read_metrics(tmp_path / "next")
+    assert [m["step"] for m in carried] == [3, 4]
+    for m, o in zip(carried, original):
+        assert m["lr"] == o["lr"] and abs(m["loss"] - o["loss"]) <= 1e-6 * abs(o["loss"]), (m, o)
+        assert abs(m["grad_norm"] - o["grad_norm"]) <= 1e-6 * o["grad_norm"], (m, o)
+    assert "weights and optimizer state (AdamW step 2" in (tmp_path / "next" / "run.log").read_text()
+
+    # another optimizer_numerics or dtype than the export's: refused before a step, with both and the way out
+    code = run(["train", "--run-dir", str(tmp_path / "bf16"), "--max-steps", "3", "--init-from", str(out),
+                "--set", "train.dtype=bfloat16", *sets])
+    err = capsys.readouterr().err
+    assert code != 0 and "carries optimizer state of train.optimizer_numerics=fp32-master and train.dtype=float32" \
+        in err and "without --with-optimizer" in err, err
+    assert not (tmp_path / "bf16" / "metrics.jsonl").exists()
+
+
 def test_init_from_and_resume_together_are_refused(tmp_path, capsys):
     code = run(["train", "--run-dir", str(tmp_path / "r"), "--init-from", str(tmp_path), "--resume", "auto"])
     assert code == 2 and "--init-from and --resume" in capsys.readouterr().err

@@ -67,44 +67,63 @@ def _model_config(folder: Path, manifest: dict):
 
 
 def _optimizer(folder: Path, manifest: dict, engine: str, state: dict, cfg):
-    """AdamW's state of a local-engine checkpoint under nam56r's parameter names (``nam export --with-optimizer``);
-    a megatron-engine checkpoint's is refused with the reason."""
+    """AdamW's state of a checkpoint under nam56r's parameter names (``nam export --with-optimizer``)."""
     from nam56r.export import ExportedOptimizer
     from nam56r.model import build_model
     from nam_core.engine import checkpoint as local
     from nam_core.engine.numerics import MASTER_KEY, state_order
-    from nam_core.errors import ConfigError, NamError
+    from nam_core.errors import RunFolderError
 
-    if engine != "local":
-        raise ConfigError(f"{folder} is a megatron-engine checkpoint: --with-optimizer reads a local-engine "
-                       "checkpoint's optimizer only (the distributed optimizer keeps its state in flat per-bucket "
-                       "shards whose parameter offsets the checkpoint does not record)",
-                       hint=f"export its weights: nam export {folder} --out DIR, then --init-from DIR (the "
-                            "optimizer starts afresh)")
     train = manifest.get("record", {}).get("train", {})
     named = list(build_model(cfg, device="meta").named_parameters())
+    numerics, dtype = train.get("optimizer_numerics", "fp32-master"), train.get("dtype", "float32")
+    if engine != "local":
+        return _megatron_optimizer(folder, named, state, cfg, numerics, dtype)
     order = state_order(named)
     saved = local.optimizer_state(folder)
     moments = saved["state"]
     shapes = dict((n, p.shape) for n, p in named)
     if len(moments) != len(order) or any(moments[i]["exp_avg"].shape != shapes[n] for i, n in enumerate(order)):
-        raise NamError(f"{folder}: the optimizer holds {len(moments)} parameters' state in an order nam56r's "
-                       f"{len(order)} parameters do not fill (a model changed by a plugin's transform?)",
-                       hint=f"export its weights alone: nam export {folder} --out DIR")
+        raise RunFolderError(f"{folder}: the optimizer holds {len(moments)} parameters' state in an order nam56r's "
+                             f"{len(order)} parameters do not fill (a model changed by a plugin's transform?)",
+                             hint=f"export its weights alone: nam export {folder} --out DIR")
     steps = {float(m["step"]) for m in moments.values()}
     if len(steps) != 1:
-        raise NamError(f"{folder}: AdamW's step counts differ between parameters ({sorted(steps)[:4]})",
-                       hint=f"export its weights alone: nam export {folder} --out DIR")
+        raise RunFolderError(f"{folder}: AdamW's step counts differ between parameters ({sorted(steps)[:4]})",
+                             hint=f"export its weights alone: nam export {folder} --out DIR")
     out = {n: {k: moments[i][k] for k in ("exp_avg", "exp_avg_sq")} for i, n in enumerate(order)}
     masters = saved.get(MASTER_KEY) or []
     mastered = [n for n, _ in named if state[n].dtype != torch.float32]  # numerics.make_optimizer's pairs
     if masters and len(masters) != len(mastered):
-        raise NamError(f"{folder}: {len(masters)} fp32 masters for {len(mastered)} bf16 parameters",
-                       hint=f"export its weights alone: nam export {folder} --out DIR")
+        raise RunFolderError(f"{folder}: {len(masters)} fp32 masters for {len(mastered)} bf16 parameters",
+                             hint=f"export its weights alone: nam export {folder} --out DIR")
     for name, master in zip(mastered, masters):
         out[name]["master"] = master
-    return ExportedOptimizer(step=int(steps.pop()), numerics=train.get("optimizer_numerics", "fp32-master"),
-                             dtype=train.get("dtype", "float32"), state=out)
+    return ExportedOptimizer(step=int(steps.pop()), numerics=numerics, dtype=dtype, state=out)
+
+
+def _megatron_optimizer(folder: Path, named: list, state: dict, cfg, numerics: str, dtype: str):
+    """A megatron-engine checkpoint's AdamW state under nam56r's names: the distributed optimizer's shards put
+    together per parameter (``optimizer_tensors``), renamed as the weights are; its fp32 main weights are the
+    masters of the parameters the model keeps in bf16 (the others' are the weights themselves)."""
+    from nam56r.export import ExportedOptimizer
+    from nam56r.megatron.weights import megatron_state_to_nam
+    from nam_core.engine.megatron import checkpoint as megatron
+    from nam_core.errors import RunFolderError
+
+    tensors, step = megatron.optimizer_tensors(folder)
+    names = [n for n, p in named if p.requires_grad]
+    kinds = {k: megatron_state_to_nam({key: v[k] for key, v in tensors.items()}, cfg, names=names)
+             for k in ("param", "exp_avg", "exp_avg_sq")}
+    out = {n: {"exp_avg": kinds["exp_avg"][n], "exp_avg_sq": kinds["exp_avg_sq"][n]} for n in names}
+    for n in names:
+        if state[n].dtype != torch.float32:
+            out[n]["master"] = kinds["param"][n]
+        elif not torch.equal(kinds["param"][n], state[n]):  # an fp32 weight is its own main param: the map's check
+            raise RunFolderError(f"{folder}: the optimizer's main weights of {n} differ from the model's (the "
+                                       "optimizer map places its shards wrongly)",
+                                       hint=f"export its weights alone: nam export {folder} --out DIR; and report this")
+    return ExportedOptimizer(step=int(step), numerics=numerics, dtype=dtype, state=out)
 
 
 def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
@@ -133,7 +152,7 @@ def export(
                                                      "the one the run's dataset was prepared with.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it is not empty.")] = False,
     with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Also AdamW's state (moments, fp32 "
-                                                 "masters, step; local-engine checkpoints): --init-from then "
+                                                 "masters, step): --init-from then "
                                                  "continues the run at its step, on either engine.")] = False,
     json_out: JsonOpt = False,
 ) -> None:

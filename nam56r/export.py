@@ -164,7 +164,7 @@ def initial_optimizer(path: Path, *, numerics: str, dtype: str) -> ExportedOptim
     if meta is None:
         return None
     if (meta.get("numerics"), meta.get("dtype")) != (numerics, dtype):
-        raise NamError(f"{path} carries optimizer state of train.optimizer_numerics={meta.get('numerics')} and "
+        raise ConfigError(f"{path} carries optimizer state of train.optimizer_numerics={meta.get('numerics')} and "
                        f"train.dtype={meta.get('dtype')}; this run has {numerics} and {dtype}",
                        hint=f"--set train.optimizer_numerics={meta.get('numerics')} --set train.dtype="
                             f"{meta.get('dtype')}, or start from its weights alone: nam export CKPT --out DIR "

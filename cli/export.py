@@ -25,15 +25,19 @@ def _checkpoint_folder(path: Path) -> Path:
     """``path`` itself when it is a checkpoint folder; the newest good one when it is a run folder."""
     from nam_core.engine import checkpoint
     from nam_core.engine.megatron import checkpoint as megatron
-    from nam_core.errors import NamError
+    from nam_core.errors import ConfigError
 
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such folder", hint="nam export RUN_DIR (its newest good checkpoint) or "
+                                                           "nam export RUN_DIR/checkpoints/step-N")
     if (path / "manifest.json").is_file():
         return path
     good = sorted(checkpoint.good_checkpoints(path / "checkpoints") + megatron.good_checkpoints(path / "checkpoints"))
     if good:
         return good[-1]
-    raise NamError(f"{path} is neither a checkpoint folder (no manifest.json) nor a run folder with a good "
-                   "checkpoint", hint=f"point at a checkpoint: ls {path / 'checkpoints'}")
+    where = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    raise ConfigError(f"{path} is neither a checkpoint folder (no manifest.json) nor a run folder with a good "
+                      "checkpoint", hint=f"point at a checkpoint: ls {where}")
 
 
 def _model_state(folder: Path) -> tuple[dict, dict, str]:
@@ -156,7 +160,8 @@ def export(
                                                  "continues the run at its step, on either engine.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Export a checkpoint's weights as safetensors + config.json + tokenizer (load: nam56r.export.load)."""
+    """Export a checkpoint of either engine (megatron: saved at any pp/ep) as safetensors + config.json +
+    tokenizer (load: nam56r.export.load; start a run from it: nam train --init-from)."""
     from nam56r import export as exported
     from nam56r.export import read_config
     exported.safetensors_torch()  # fail before reading gigabytes

@@ -112,9 +112,11 @@ def test_a_torn_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys)
 
 
 def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
-    assert run(["export", str(tmp_path), "--out", str(tmp_path / "export")]) != 0
+    assert run(["export", str(tmp_path), "--out", str(tmp_path / "export")]) == 2
     err = capsys.readouterr().err
-    assert "is neither a checkpoint folder (no manifest.json) nor a run folder" in err and "hint: " in err
+    assert "is neither a checkpoint folder (no manifest.json) nor a run folder" in err and f"ls {tmp_path}" in err
+    assert run(["export", str(tmp_path / "none"), "--out", str(tmp_path / "export")]) == 2
+    assert "none: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "export").exists()
 
 

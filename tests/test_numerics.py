@@ -131,6 +131,52 @@ def test_resume_through_a_checkpoint_is_bit_exact(tmp_path, name):
     assert moments == {torch.float32 if name == "fp32-master" else torch.bfloat16}
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_state_filled_by_name_continues_bit_exact(dtype):
+    """``fill_state`` (``nam train --init-from`` an export with its optimizer): AdamW's moments, the fp32 masters
+    of a bf16 model and the step count, handed over by parameter name as an export holds them, into a fresh
+    fp32-master optimizer over a model given the exported weights; 3 more steps equal the original's 3 bit for bit.
+    A missing parameter or a master where this optimizer keeps none is a ValueError."""
+    cfg = TrainConfig(dtype=dtype, optimizer_numerics="fp32-master", lr=LR, warmup_steps=2, total_steps=6)
+    torch_dtype = getattr(torch, dtype)
+
+    def steps(model, opt, first):
+        for step in range(first, first + 3):
+            _loss(model, step, cast=lambda p: p.to(torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    model = _mlp(0, torch_dtype)
+    opt = make_optimizer(model, cfg)
+    steps(model, opt, 0)
+    masters = dict(getattr(opt, "nam_masters", []))
+    updated = [p for group in opt.param_groups for p in group["params"]]
+    names = numerics.state_order(model.named_parameters())
+    by_name = dict(model.named_parameters())
+    state = {n: {k: opt.state[m][k].clone() for k in ("exp_avg", "exp_avg_sq")} for n, m in zip(names, updated)}
+    for n in names:
+        if by_name[n] in masters:
+            state[n]["master"] = masters[by_name[n]].clone()
+    assert all(("master" in state[n]) == (dtype == "bfloat16") for n in names)
+
+    again = _mlp(1, torch_dtype)
+    again.load_state_dict(model.state_dict())  # the export's weights
+    opt2 = make_optimizer(again, cfg)
+    numerics.fill_state(opt2, again.named_parameters(), state, step=3)
+    steps(model, opt, 3)
+    steps(again, opt2, 3)
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"missing \['0.bias'\]"):
+        numerics.fill_state(make_optimizer(_mlp(2, torch_dtype), cfg), again.named_parameters(),
+                            {n: v for n, v in state.items() if n != "0.bias"}, step=3)
+    if dtype == "float32":
+        with pytest.raises(ValueError, match=r"optimizer state of 0.weight: \['exp_avg', 'exp_avg_sq', 'master'\]"):
+            numerics.fill_state(opt2, again.named_parameters(),
+                                {**state, "0.weight": {**state["0.weight"], "master": state["0.weight"]["exp_avg"]}},
+                                step=3)
+
+
 def test_state_bytes_match_what_the_optimizer_allocates():
     """``STATE_BYTES`` (the memory plan's optimizer bytes per bf16 parameter) against the tensors each
     choice really holds after a step."""

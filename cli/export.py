@@ -123,7 +123,8 @@ def _megatron_optimizer(folder: Path, named: list, state: dict, cfg, numerics: s
     for n in names:
         if state[n].dtype != torch.float32:
             out[n]["master"] = kinds["param"][n]
-        elif not torch.equal(kinds["param"][n], state[n]):  # an fp32 weight is its own main param: the map's check
+        # the map's check: an fp32 weight is its own main param, a bf16 one its master rounded to nearest
+        if not torch.equal(kinds["param"][n].to(state[n].dtype), state[n]):
             raise RunFolderError(f"{folder}: the optimizer's main weights of {n} differ from the model's (the "
                                        "optimizer map places its shards wrongly)",
                                        hint=f"export its weights alone: nam export {folder} --out DIR; and report this")

@@ -74,7 +74,7 @@ class ExportedOptimizer:
     step: int
     numerics: str
     dtype: str
-    state: dict[str, dict[str, torch.Tensor]]
+    state: Mapping[str, dict[str, torch.Tensor]]
 
     def describe(self) -> str:
         return f"AdamW step {self.step}, {self.numerics}, {self.dtype}"
@@ -173,11 +173,34 @@ def initial_optimizer(path: Path, *, numerics: str, dtype: str) -> ExportedOptim
     if not file.is_file() or _sha256(file) != config.get("sha256", {}).get(OPTIMIZER):
         raise NamError(f"{file} is missing or its sha256 differs from {CONFIG}'s (the file changed after the "
                        "export)", hint="export the checkpoint again")
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in safetensors_torch().load_file(str(file)).items():
-        kind, _, name = key.partition("/")
-        state.setdefault(name, {})[kind] = value
-    return ExportedOptimizer(step=int(meta["step"]), numerics=numerics, dtype=dtype, state=state)
+    return ExportedOptimizer(step=int(meta["step"]), numerics=numerics, dtype=dtype, state=_OnDemand(file))
+
+
+class _OnDemand(Mapping):
+    """An export's optimizer state by parameter name, each parameter's tensors read from the file when asked for
+    (safetensors reads one tensor at a time): a megatron rank takes its slices of one parameter after another
+    instead of holding the whole state of the model, three times the weights in fp32."""
+
+    def __init__(self, file: Path):
+        safetensors_torch()
+        from safetensors import safe_open
+
+        self.file, self._open = file, safe_open
+        self.kinds: dict[str, list[str]] = {}
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                kind, _, name = key.partition("/")
+                self.kinds.setdefault(name, []).append(kind)
+
+    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+        with self._open(str(self.file), framework="pt") as f:
+            return {kind: f.get_tensor(f"{kind}/{name}") for kind in self.kinds[name]}
+
+    def __iter__(self):
+        return iter(self.kinds)
+
+    def __len__(self) -> int:
+        return len(self.kinds)
 
 
 def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:

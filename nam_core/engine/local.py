@@ -119,7 +119,7 @@ def _continue_from(run: EngineRun, module, optimizer, scheduler) -> int:
     """``run.optimizer_from``: the optimizer's state and the LR schedule at its step, where the run goes on."""
     exported = run.optimizer_from
     try:
-        numerics.fill_state(optimizer, module.named_parameters(), exported.state, exported.step)
+        numerics.fill_state(optimizer, module.named_parameters(), dict(exported.state), exported.step)
     except ValueError as e:  # a model a plugin's transform changed, or an export of another layout
         raise NamError(f"--init-from: {e}", hint="start from the weights alone (an export without "
                                                   "--with-optimizer)") from None

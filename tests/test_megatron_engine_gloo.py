@@ -387,11 +387,15 @@ def test_optimizer_state_of_an_expert_parallel_run_continues_on_the_local_engine
     assert run(["export", str(older), "--out", str(tmp_path / "weights"), "--tokenizer", "byte"]) == 0
 
 
-def test_optimizer_state_of_a_pipelined_run_continues_on_the_local_engine(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_optimizer_state_of_a_pipelined_run_continues_on_the_local_engine(tmp_path, schedule):
     """The same from PP 2 (each stage's layers and optimizer shards on their own rank, the token embedding on both
-    the first stage and the last, for MTP): steps 3 and 4 continued by the local engine are the megatron run's."""
-    full = _run(tmp_path, "pp2", "megatron", "--pp", "2", nproc=2)
-    _assert_continues(_continued(tmp_path, tmp_path / "pp2" / "checkpoints" / "step-00000002", 2), full)
+    the first stage and the last, for MTP), under 1F1B and under dualpipev (two model chunks per rank, 4
+    micro-batches a step): steps 3 and 4 continued by the local engine are the megatron run's."""
+    accum = 2 if schedule == "1f1b" else 4
+    full = _run(tmp_path, "pp2", "megatron", "--pp", "2", "--grad-accum", str(accum), "--schedule", schedule,
+                nproc=2)
+    _assert_continues(_continued(tmp_path, tmp_path / "pp2" / "checkpoints" / "step-00000002", accum), full)
 
 
 def test_a_bf16_runs_export_with_masters_continues_bit_for_bit(tmp_path):

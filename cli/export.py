@@ -75,7 +75,7 @@ def _optimizer(folder: Path, manifest: dict, engine: str, state: dict, cfg):
     from nam56r.export import ExportedOptimizer
     from nam56r.model import build_model
     from nam_core.engine import checkpoint as local
-    from nam_core.engine.numerics import MASTER_KEY, state_order
+    from nam_core.engine.numerics import state_by_name
     from nam_core.errors import RunFolderError
 
     train = manifest.get("record", {}).get("train", {})
@@ -83,27 +83,13 @@ def _optimizer(folder: Path, manifest: dict, engine: str, state: dict, cfg):
     numerics, dtype = train.get("optimizer_numerics", "fp32-master"), train.get("dtype", "float32")
     if engine != "local":
         return _megatron_optimizer(folder, named, state, cfg, numerics, dtype)
-    order = state_order(named)
-    saved = local.optimizer_state(folder)
-    moments = saved["state"]
-    shapes = dict((n, p.shape) for n, p in named)
-    if len(moments) != len(order) or any(moments[i]["exp_avg"].shape != shapes[n] for i, n in enumerate(order)):
-        raise RunFolderError(f"{folder}: the optimizer holds {len(moments)} parameters' state in an order nam56r's "
-                             f"{len(order)} parameters do not fill (a model changed by a plugin's transform?)",
-                             hint=f"export its weights alone: nam export {folder} --out DIR")
-    steps = {float(m["step"]) for m in moments.values()}
-    if len(steps) != 1:
-        raise RunFolderError(f"{folder}: AdamW's step counts differ between parameters ({sorted(steps)[:4]})",
-                             hint=f"export its weights alone: nam export {folder} --out DIR")
-    out = {n: {k: moments[i][k] for k in ("exp_avg", "exp_avg_sq")} for i, n in enumerate(order)}
-    masters = saved.get(MASTER_KEY) or []
-    mastered = [n for n, _ in named if state[n].dtype != torch.float32]  # numerics.make_optimizer's pairs
-    if masters and len(masters) != len(mastered):
-        raise RunFolderError(f"{folder}: {len(masters)} fp32 masters for {len(mastered)} bf16 parameters",
-                             hint=f"export its weights alone: nam export {folder} --out DIR")
-    for name, master in zip(mastered, masters):
-        out[name]["master"] = master
-    return ExportedOptimizer(step=int(steps.pop()), numerics=numerics, dtype=dtype, state=out)
+    try:
+        by_name, step = state_by_name(local.optimizer_state(folder), named, {n: v.dtype for n, v in state.items()},
+                                      numerics)
+    except ValueError as e:
+        raise RunFolderError(f"{folder}: {e}",
+                             hint=f"export its weights alone: nam export {folder} --out DIR") from None
+    return ExportedOptimizer(step=step, numerics=numerics, dtype=dtype, state=by_name)
 
 
 def _megatron_optimizer(folder: Path, named: list, state: dict, cfg, numerics: str, dtype: str):

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from nam_core.engine import checkpoint, numerics
+from nam_core.engine import async_checkpoint, checkpoint, numerics
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.local import lr_lambda, make_optimizer, resume_schedule
 from nam_core.errors import CannotRunHere
@@ -132,11 +132,12 @@ def test_resume_through_a_checkpoint_is_bit_exact(tmp_path, name):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_state_filled_by_name_continues_bit_exact(dtype):
-    """``fill_state`` (``nam train --init-from`` an export with its optimizer): AdamW's moments, the fp32 masters
-    of a bf16 model and the step count, handed over by parameter name as an export holds them, into a fresh
-    fp32-master optimizer over a model given the exported weights; 3 more steps equal the original's 3 bit for bit.
-    A missing parameter or a master where this optimizer keeps none is a ValueError."""
+def test_state_filled_by_name_continues_bit_exact(tmp_path, dtype):
+    """``nam export --with-optimizer`` and ``nam train --init-from`` it, at the optimizer: a format-3 checkpoint's
+    optimizer read back by parameter name (``state_by_name``: AdamW's moments, the fp32 masters of a bf16 model, the
+    step count), then ``fill_state`` into a fresh fp32-master optimizer over a model given the exported weights;
+    3 more steps equal the original's 3 bit for bit. A missing parameter or a master where this optimizer keeps
+    none is a ValueError."""
     cfg = TrainConfig(dtype=dtype, optimizer_numerics="fp32-master", lr=LR, warmup_steps=2, total_steps=6)
     torch_dtype = getattr(torch, dtype)
 
@@ -149,15 +150,16 @@ def test_state_filled_by_name_continues_bit_exact(dtype):
     model = _mlp(0, torch_dtype)
     opt = make_optimizer(model, cfg)
     steps(model, opt, 0)
+    saver = async_checkpoint.AsyncSaver(pinned=False)  # a format-3 checkpoint, as the local engine writes
+    checkpoint.start_save(tmp_path, 3, saver=saver, model=model, optimizer=opt, extra={}, keep=1,
+                          scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))  # lr stays LR
+    folder = checkpoint.finish_save(saver, tmp_path, model, opt)
+    state, step = numerics.state_by_name(checkpoint.optimizer_state(folder), model.named_parameters(),
+                                         {n: p.dtype for n, p in model.named_parameters()}, "fp32-master")
+    assert step == 3 and all(("master" in v) == (dtype == "bfloat16") for v in state.values())
     masters = dict(getattr(opt, "nam_masters", []))
-    updated = [p for group in opt.param_groups for p in group["params"]]
-    names = numerics.state_order(model.named_parameters())
-    by_name = dict(model.named_parameters())
-    state = {n: {k: opt.state[m][k].clone() for k in ("exp_avg", "exp_avg_sq")} for n, m in zip(names, updated)}
-    for n in names:
-        if by_name[n] in masters:
-            state[n]["master"] = masters[by_name[n]].clone()
-    assert all(("master" in state[n]) == (dtype == "bfloat16") for n in names)
+    for n, p in model.named_parameters():
+        assert "master" not in state[n] or torch.equal(state[n]["master"], masters[p])
 
     again = _mlp(1, torch_dtype)
     again.load_state_dict(model.state_dict())  # the export's weights

@@ -400,11 +400,16 @@ def optimizer_state(folder: Path) -> dict:
 
     flat = dcp.read_flat(folder, "optimizer.")
     state: dict = {}
+    masters: dict[int, torch.Tensor] = {}
     for key, value in flat.items():
-        parts = key.split(".")  # optimizer.state.<index>.<name>
+        parts = key.split(".")  # optimizer.state.<index>.<name>; optimizer.nam_master_weights.<i> (a list: by item)
         if parts[1] == "state":
             state.setdefault(int(parts[2]), {})[".".join(parts[3:])] = value
+        elif parts[1] == MASTER_KEY and len(parts) == 3:
+            masters[int(parts[2])] = value
     out = {"state": state}
-    if f"optimizer.{MASTER_KEY}" in flat:
+    if masters:
+        out[MASTER_KEY] = [masters[i] for i in range(len(masters))]
+    elif isinstance(flat.get(f"optimizer.{MASTER_KEY}"), list):  # an empty list is stored whole
         out[MASTER_KEY] = flat[f"optimizer.{MASTER_KEY}"]
     return out

@@ -123,6 +123,32 @@ def state_order(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
     return [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
 
 
+def state_by_name(saved: dict, named: Iterable[tuple[str, torch.Tensor]], dtypes: dict,
+                  numerics: str) -> tuple[dict, int]:
+    """A ``make_optimizer`` optimizer's saved state dict (``checkpoint.optimizer_state``) by parameter name, as
+    ``fill_state`` takes it, and AdamW's step count. ``named``: the model's ``named_parameters()`` (a meta build
+    will do: shapes only); ``dtypes``: each parameter's trained dtype (the checkpoint's model state), which says
+    which ones had an fp32 master under ``numerics``. ValueError when the saved state does not fit the parameters
+    (a model a plugin's transform changed) or its step counts differ."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    order, shapes = state_order(named), {n: p.shape for n, p in named}
+    moments = saved["state"]
+    if len(moments) != len(order) or any(moments[i]["exp_avg"].shape != shapes[n] for i, n in enumerate(order)):
+        raise ValueError(f"the optimizer holds {len(moments)} parameters' state in an order the model's "
+                         f"{len(order)} parameters do not fill (a model changed by a plugin's transform?)")
+    steps = {float(m["step"]) for m in moments.values()}
+    if len(steps) != 1:
+        raise ValueError(f"AdamW's step counts differ between parameters ({sorted(steps)[:4]})")
+    out = {n: {k: moments[i][k] for k in ("exp_avg", "exp_avg_sq")} for i, n in enumerate(order)}
+    mastered = [n for n, _ in named if MASTER[numerics] and dtypes[n] != torch.float32]  # make_optimizer's pairs
+    masters = saved.get(MASTER_KEY) or []
+    if len(masters) != len(mastered):
+        raise ValueError(f"{len(masters)} fp32 masters for {len(mastered)} {numerics} parameters kept in bf16")
+    for name, master in zip(mastered, masters):
+        out[name]["master"] = master
+    return out, int(steps.pop())
+
+
 @torch.no_grad()
 def fill_state(optimizer: torch.optim.Optimizer, named: Iterable[tuple[str, torch.nn.Parameter]], state: dict,
                step: int) -> None:

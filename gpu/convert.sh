@@ -30,16 +30,16 @@ COMMON=(--recipe nam56r-tiny --device cuda --seed 1234 --data "$R/data" --set tr
         --set train.checkpoint_every=2 --set train.micro_batch_size=2 --set train.grad_accum=2 -q)
 MEG=(--engine megatron --nproc 1)
 
-step 30 data nam data prepare nam56r --out "$R/data"
-step 45 local nam train "${COMMON[@]}" --run-dir "$R/local" --max-steps 4
-step 20 local-export nam export "$R/local/checkpoints/step-00000002" --out "$R/local-export" --tokenizer byte \
+step 30 data python -m nam_cli data prepare nam56r --out "$R/data"
+step 45 local python -m nam_cli train "${COMMON[@]}" --run-dir "$R/local" --max-steps 4
+step 20 local-export python -m nam_cli export "$R/local/checkpoints/step-00000002" --out "$R/local-export" --tokenizer byte \
   --with-optimizer --json
-step 60 megatron-from-local nam train "${COMMON[@]}" "${MEG[@]}" --run-dir "$R/megatron-from-local" \
+step 60 megatron-from-local python -m nam_cli train "${COMMON[@]}" "${MEG[@]}" --run-dir "$R/megatron-from-local" \
   --init-from "$R/local-export" --max-steps 4
-step 60 megatron nam train "${COMMON[@]}" "${MEG[@]}" --run-dir "$R/megatron" --max-steps 4
-step 20 megatron-export nam export "$R/megatron/checkpoints/step-00000002" --out "$R/megatron-export" \
+step 60 megatron python -m nam_cli train "${COMMON[@]}" "${MEG[@]}" --run-dir "$R/megatron" --max-steps 4
+step 20 megatron-export python -m nam_cli export "$R/megatron/checkpoints/step-00000002" --out "$R/megatron-export" \
   --tokenizer byte --with-optimizer --json
-step 45 local-from-megatron nam train "${COMMON[@]}" --run-dir "$R/local-from-megatron" \
+step 45 local-from-megatron python -m nam_cli train "${COMMON[@]}" --run-dir "$R/local-from-megatron" \
   --init-from "$R/megatron-export" --max-steps 4
 
 for d in local megatron-from-local megatron local-from-megatron; do

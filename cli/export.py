@@ -112,8 +112,8 @@ def _megatron_optimizer(folder: Path, named: list, state: dict, cfg, numerics: s
         # the map's check: an fp32 weight is its own main param, a bf16 one its master rounded to nearest
         if not torch.equal(kinds["param"][n].to(state[n].dtype), state[n]):
             raise RunFolderError(f"{folder}: the optimizer's main weights of {n} differ from the model's (the "
-                                       "optimizer map places its shards wrongly)",
-                                       hint=f"export its weights alone: nam export {folder} --out DIR; and report this")
+                                 "optimizer map places its shards wrongly)",
+                                 hint=f"export its weights alone: nam export {folder} --out DIR; and report this")
     return ExportedOptimizer(step=int(step), numerics=numerics, dtype=dtype, state=out)
 
 
@@ -121,15 +121,15 @@ def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
     """The tokenizer's description and its tokenizer.json (None for the byte tokenizer): ``--tokenizer`` when
     given, else what the run's dataset was prepared with."""
     from nam_core.data.tokenizer import load_tokenizer, tokenizer_from_description
-    from nam_core.errors import NamError
+    from nam_core.errors import ConfigError
 
     if spec is not None:
         tok = load_tokenizer(spec)
     else:
         manifest = Path(record.get("data") or "") / "dataset.json"
         if not record.get("data") or not manifest.is_file():  # no corpus recorded: rows a test or bench made
-            raise NamError(f"the run's dataset ({record.get('data')}) is not there to read its tokenizer from",
-                           hint="name it: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
+            raise ConfigError(f"the run's dataset ({record.get('data')}) is not there to read its tokenizer from",
+                              hint="name it: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
         tok = tokenizer_from_description(json.loads(manifest.read_text())["tokenizer"])
     desc = tok.describe()
     return desc, Path(desc["path"]) if desc.get("kind") == "huggingface" else None

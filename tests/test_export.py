@@ -163,6 +163,14 @@ def test_an_export_with_its_optimizer_continues_the_run(tmp_path_factory, tmp_pa
         in err and "without --with-optimizer" in err, err
     assert not (tmp_path / "bf16" / "metrics.jsonl").exists()
 
+    # the optimizer's file changed after the export: refused before a step
+    data = bytearray((out / "optimizer.safetensors").read_bytes())
+    data[-1] ^= 1
+    (out / "optimizer.safetensors").write_bytes(bytes(data))
+    code = run(["train", "--run-dir", str(tmp_path / "changed"), "--max-steps", "3", "--init-from", str(out), *sets])
+    assert code != 0 and "optimizer.safetensors is missing or its sha256 differs" in capsys.readouterr().err
+    assert not (tmp_path / "changed" / "metrics.jsonl").exists()
+
 
 def test_init_from_and_resume_together_are_refused(tmp_path, capsys):
     code = run(["train", "--run-dir", str(tmp_path / "r"), "--init-from", str(tmp_path), "--resume", "auto"])

@@ -104,7 +104,7 @@ def write(out: Path, state: Mapping[str, torch.Tensor], cfg: NAM56RConfig, *, st
         config = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(cfg), "dtypes": dtypes,
                   "step": step, "source": source, "sha256": {WEIGHTS: _sha256(tmp / WEIGHTS)}}
         if optimizer is not None:
-            flat = {f"{kind}/{name}": t.detach().to("cpu").contiguous().clone()
+            flat = {f"{kind}/{name}": t.detach().to("cpu").contiguous()  # no copy: the export owns these
                     for name, kinds in optimizer.state.items() for kind, t in kinds.items()}
             st.save_file(flat, str(tmp / OPTIMIZER), metadata={"format": FORMAT})
             config["optimizer"] = {"step": optimizer.step, "numerics": optimizer.numerics, "dtype": optimizer.dtype}

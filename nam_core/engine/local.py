@@ -27,7 +27,7 @@ from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
 from nam_core.engine.validation import mean_loss
-from nam_core.errors import Interrupted, NamError, TrainingGuardError
+from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 
 
 @dataclass
@@ -121,8 +121,8 @@ def _continue_from(run: EngineRun, module, optimizer, scheduler) -> int:
     try:
         numerics.fill_state(optimizer, module.named_parameters(), dict(exported.state), exported.step)
     except ValueError as e:  # a model a plugin's transform changed, or an export of another layout
-        raise NamError(f"--init-from: {e}", hint="start from the weights alone (an export without "
-                                                  "--with-optimizer)") from None
+        raise ConfigError(f"--init-from: {e}", hint="start from the weights alone (an export without "
+                                                     "--with-optimizer)") from None
     scheduler.last_epoch = exported.step
     resume_schedule(optimizer, scheduler, run.train)
     return exported.step

@@ -80,10 +80,12 @@ def _root(
 
 
 def report(error: NamError) -> None:
+    from rich.markup import escape  # a message or hint is text: pip install -e '.[export]' keeps its brackets
+
     label = "stopped" if isinstance(error, Interrupted) else "error"  # a stop asked for is not a failure
-    err.print(f"[bold red]{label}:[/bold red] {error.message}", markup=True, highlight=False)
+    err.print(f"[bold red]{label}:[/bold red] {escape(error.message)}", markup=True, highlight=False)
     if error.hint:
-        err.print(f"[bold]hint:[/bold] {error.hint}", highlight=False)
+        err.print(f"[bold]hint:[/bold] {escape(error.hint)}", highlight=False)
     if error.exit_code == 1:  # a failure nobody expected (a bug); the others are expected and say what to do
         err.print("set NAM_DEBUG=1 for the full traceback", style="dim")
 

@@ -48,7 +48,8 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Resolve, activate, b
                       "print the plan; train nothing, write nothing.")]
 InitFromOpt = Annotated[Optional[Path], typer.Option("--init-from", help="Start from these weights instead of "
                         "nam's initialisation: an export folder (`nam export`) of the same model, from either "
-                        "engine's run. Weights only: the optimizer, the lr schedule and the data start afresh "
+                        "engine's run. Weights only: the optimizer, the lr schedule and the data start afresh; "
+                        "an export made with --with-optimizer continues that run at its step on either engine "
                         "(to continue a run in place, use --resume).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Prepared dataset folder to evaluate on "

@@ -6,6 +6,11 @@ An export folder (``nam export``, cli/export.py)::
                            trained in (float32 or bfloat16; D and dt_bias stay float32)
     config.json            {"format": "nam56r-export", "version": 1, "model": <NAM56RConfig fields>,
                             "dtype": ..., "step": ..., "source": {...}, "sha256": {"model.safetensors": ...}}
+    optimizer.safetensors  only with ``nam export --with-optimizer``: AdamW's state under nam56r's parameter names,
+                           ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` (each in the dtype it was kept in) and,
+                           for a bf16 model with fp32 masters, ``master/<name>`` (fp32); config.json's
+                           "optimizer" then holds {"step": AdamW's step count, "numerics": train.optimizer_numerics,
+                           "dtype": train.dtype} and its sha256 the file's
     tokenizer/             nam.json, the tokenizer's description (``nam_core.data.tokenizer``: kind, vocabulary
                            size, eod id), and tokenizer.json, the Hugging Face file itself when the data was
                            prepared with one (byte-level data needs no file: ids 0..255 are the bytes, 256 is eod)
@@ -35,7 +40,8 @@ from nam56r.config import NAM56RConfig
 from nam_core.errors import ConfigError, NamError
 
 FORMAT, VERSION = "nam56r-export", 1
-WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer"
+WEIGHTS, CONFIG, TOKENIZER, OPTIMIZER = "model.safetensors", "config.json", "tokenizer", "optimizer.safetensors"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def safetensors_torch():
@@ -57,11 +63,29 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@dataclasses.dataclass
+class ExportedOptimizer:
+    """AdamW's state as an export carries it: ``state[name]`` holds ``exp_avg``, ``exp_avg_sq`` and, for a bf16
+    model with fp32 masters, ``master`` (fp32), for every trainable parameter of nam56r by its name; ``step``:
+    AdamW's step count (the checkpoint's training step: every step of either engine steps every parameter);
+    ``numerics``/``dtype``: the run's ``train.optimizer_numerics`` and ``train.dtype``, which a run that takes
+    the state must have."""
+
+    step: int
+    numerics: str
+    dtype: str
+    state: Mapping[str, dict[str, torch.Tensor]]
+
+    def describe(self) -> str:
+        return f"AdamW step {self.step}, {self.numerics}, {self.dtype}"
+
+
 def write(out: Path, state: Mapping[str, torch.Tensor], cfg: NAM56RConfig, *, step: int, source: dict,
-          tokenizer: dict | None = None, tokenizer_file: Path | None = None, overwrite: bool = False) -> Path:
+          tokenizer: dict | None = None, tokenizer_file: Path | None = None, overwrite: bool = False,
+          optimizer: ExportedOptimizer | None = None) -> Path:
     """Write an export folder at ``out`` (beside it as ``.<name>.tmp-<pid>``, renamed into place: a folder
     named ``out`` with a config.json is complete). ``state``: the model's state dict (tied or shared tensors
-    are written as separate copies: safetensors stores no aliasing)."""
+    are written as separate copies: safetensors stores no aliasing); ``optimizer``: AdamW's state too."""
     st = safetensors_torch()
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -79,6 +103,12 @@ def write(out: Path, state: Mapping[str, torch.Tensor], cfg: NAM56RConfig, *, st
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER / "tokenizer.json")
         config = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(cfg), "dtypes": dtypes,
                   "step": step, "source": source, "sha256": {WEIGHTS: _sha256(tmp / WEIGHTS)}}
+        if optimizer is not None:
+            flat = {f"{kind}/{name}": t.detach().to("cpu").contiguous()  # no copy: the export owns these
+                    for name, kinds in optimizer.state.items() for kind, t in kinds.items()}
+            st.save_file(flat, str(tmp / OPTIMIZER), metadata={"format": FORMAT})
+            config["optimizer"] = {"step": optimizer.step, "numerics": optimizer.numerics, "dtype": optimizer.dtype}
+            config["sha256"][OPTIMIZER] = _sha256(tmp / OPTIMIZER)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -119,6 +149,58 @@ def load_state(folder: Path) -> dict[str, torch.Tensor]:
         raise NamError(f"{weights} is missing or its sha256 differs from {CONFIG}'s (the file changed after the "
                        "export)", hint="export the checkpoint again")
     return st.load_file(str(weights))
+
+
+def initial_optimizer(path: Path, *, numerics: str, dtype: str) -> ExportedOptimizer | None:
+    """AdamW's state an export folder carries (``nam export --with-optimizer``), for a run of ``numerics`` and
+    ``dtype``; None when it carries none (weights only) or ``path`` is a bare weights file. Refused: another
+    optimizer_numerics or dtype than the run's (moments kept in other dtypes, or masters where the run has none,
+    would not continue the same training), and a file whose sha256 differs from config.json's."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    _, config = read_config(path)
+    meta = config.get("optimizer")
+    if meta is None:
+        return None
+    if (meta.get("numerics"), meta.get("dtype")) != (numerics, dtype):
+        raise ConfigError(f"{path} carries optimizer state of train.optimizer_numerics={meta.get('numerics')} and "
+                       f"train.dtype={meta.get('dtype')}; this run has {numerics} and {dtype}",
+                       hint=f"--set train.optimizer_numerics={meta.get('numerics')} --set train.dtype="
+                            f"{meta.get('dtype')}, or start from its weights alone: nam export CKPT --out DIR "
+                            "(without --with-optimizer), then --init-from DIR")
+    file = path / OPTIMIZER
+    if not file.is_file() or _sha256(file) != config.get("sha256", {}).get(OPTIMIZER):
+        raise NamError(f"{file} is missing or its sha256 differs from {CONFIG}'s (the file changed after the "
+                       "export)", hint="export the checkpoint again")
+    return ExportedOptimizer(step=int(meta["step"]), numerics=numerics, dtype=dtype, state=_OnDemand(file))
+
+
+class _OnDemand(Mapping):
+    """An export's optimizer state by parameter name, each parameter's tensors read from the file when asked for
+    (safetensors reads one tensor at a time): a megatron rank takes its slices of one parameter after another
+    instead of holding the whole state of the model, three times the weights in fp32."""
+
+    def __init__(self, file: Path):
+        safetensors_torch()
+        from safetensors import safe_open
+
+        self.file, self._open = file, safe_open
+        self.kinds: dict[str, list[str]] = {}
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                kind, _, name = key.partition("/")
+                self.kinds.setdefault(name, []).append(kind)
+
+    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+        with self._open(str(self.file), framework="pt") as f:
+            return {kind: f.get_tensor(f"{kind}/{name}") for kind in self.kinds[name]}
+
+    def __iter__(self):
+        return iter(self.kinds)
+
+    def __len__(self) -> int:
+        return len(self.kinds)
 
 
 def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:

@@ -214,6 +214,8 @@ class Session:
     """The validation rows (``HeldOut``) when ``train.eval_every`` asks for them."""
     say: Callable[[str], None] = lambda line: None
     init_from: Path | None = None
+    optimizer_from: Any = None
+    """AdamW's state the export at ``init_from`` carries (``nam56r.export.ExportedOptimizer``), or None."""
 
     def trainable(self):
         """The model the engine trains (the local engine's is built here, once, on first use)."""
@@ -279,7 +281,7 @@ class Session:
             max_steps=self.run.max_steps, flops_per_token=self.flops_per_token,
             backends=self.backends.as_mapping(), schedules={n: schedules.get(n) for n in schedules.names()},
             held_out=self.held_out, record=record if record is not None else self.record(), resume_from=resume_from, quiet=quiet, notes=self.notes, again=again,
-            checkpoints=checkpoints)
+            checkpoints=checkpoints, optimizer_from=self.optimizer_from)
 
 
 def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *, data: Path | None = None,
@@ -312,7 +314,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
                       backends=backends, flops_per_token=flops_per_token(spec.model).total, model=None,
                       notes=list(spec.notes), say=say, init_from=init_from)
     if init_from is not None:
-        session.notes.append(f"weights from {init_from}; the optimizer, lr schedule and data start at step 0")
+        _init_notes(session, init_from)
     if dry_run:
         session.model = build_model(spec.model, backends, device="meta")  # it builds with these backends
         return session
@@ -344,6 +346,22 @@ def _announce(say: Callable[[str], None], session: Session) -> None:
         f"{session.flops_per_token / 1e9:.3g} GFLOPs/token), engine {spec.engine}{layout}, device {session.device.label}")
     say(f"plugins: {', '.join(spec.plugins)}; backends: "
         + ", ".join(f"{kind} {name}" for kind, name in spec.backends.items()))
+
+
+def _init_notes(session: Session, init_from: Path) -> None:
+    """``--init-from``: the optimizer state the export carries (refused for other numerics), and what the run
+    says it takes from it."""
+    from nam56r.export import initial_optimizer
+
+    train = session.spec.train
+    session.optimizer_from = initial_optimizer(init_from, numerics=train.optimizer_numerics, dtype=train.dtype)
+    if session.optimizer_from is None:
+        session.notes.append(f"weights from {init_from}; the optimizer, lr schedule and data start at step 0")
+        return
+    step = session.optimizer_from.step
+    session.notes.append(f"weights and optimizer state ({session.optimizer_from.describe()}) from {init_from}: the "
+                         f"run goes on at step {step + 1}, the lr schedule and the data at that step's place; not "
+                         "carried: the RNG state (this run's seed) and the metrics before it")
 
 
 def _local_model(spec: RunSpec, backends, notes: list[str], init_from: Path | None):

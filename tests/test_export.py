@@ -1,6 +1,7 @@
 """``nam export`` (cli/export.py) and ``nam56r.export``: a local-engine checkpoint -> safetensors + config.json +
-tokenizer, loaded back with nam56r alone, bit for bit; fail-closed without safetensors, on a changed file, and for
-a megatron-engine checkpoint."""
+tokenizer, loaded back with nam56r alone, bit for bit; fail-closed without safetensors, on a changed file, for a
+torn megatron-engine checkpoint and for a folder that is none. (A megatron-engine export continued by the local
+engine: tests/test_megatron_engine_gloo.py.)"""
 
 import json
 import sys
@@ -33,7 +34,7 @@ def test_export_loads_back_bit_exact(trained, tmp_path, capsys):
 
     out = tmp_path / "export"
     assert run(["export", str(trained), "--out", str(out)]) == 0  # a run folder: its newest good checkpoint
-    assert f"(step 2) to {out}" in capsys.readouterr().out
+    assert f"(local engine, step 2) to {out}" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["step"] == 2 and config["model"]["seq_len"] == 32 and config["dtypes"] == ["float32"]
     assert json.loads((out / "tokenizer" / "nam.json").read_text())["name"] == "byte"
@@ -94,14 +95,28 @@ def test_without_safetensors_nothing_is_written(trained, tmp_path, monkeypatch, 
     assert not (tmp_path / "export").exists()
 
 
-def test_a_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+def test_a_torn_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+    """A megatron-engine checkpoint folder whose manifest lists no dist-checkpointing index (a save cut short, or
+    not one at all): refused before anything is written, with what is wrong and where to look. (A good one is
+    exported in tests/test_megatron_engine_gloo.py, which trains the megatron engine.)"""
     folder = tmp_path / "step-00000004"
     folder.mkdir()
     from nam_core.engine.megatron.checkpoint import CHECKPOINT_FORMAT
 
-    (folder / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4}))
-    assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 1
-    assert "is a megatron-engine checkpoint" in capsys.readouterr().err
+    (folder / "manifest.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4, "sha256": {}}))
+    assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 6
+    err = capsys.readouterr().err
+    assert "is not a complete megatron-engine checkpoint (the manifest lists no .metadata" in err, err
+    assert f"ls {tmp_path}" in err
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
+    assert run(["export", str(tmp_path), "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert "is neither a checkpoint folder (no manifest.json) nor a run folder" in err and f"ls {tmp_path}" in err
+    assert run(["export", str(tmp_path / "none"), "--out", str(tmp_path / "export")]) == 2
+    assert "none: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "export").exists()
 
 
@@ -114,6 +129,47 @@ def test_init_from_refuses_another_models_export_with_the_fields(trained, tmp_pa
     err = capsys.readouterr().err
     assert code != 0 and "seq_len: 32 there, 64 here" in err, err
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+def test_an_export_with_its_optimizer_continues_the_run(tmp_path_factory, tmp_path, capsys):
+    """`nam export --with-optimizer` of step 2 and `nam train --init-from` it: the run goes on at step 3 with the
+    checkpoint's AdamW moments, step count and lr schedule, on the same rows, and its steps 3 and 4 are the
+    original run's (fp32, 1e-6 relative: the same arithmetic; only the RNG state is this run's own)."""
+    corpus = prepare_corpus(tmp_path_factory, (textwrap,), chars=4000)
+    sets = ["--data", str(corpus), "--set", "seq_len=32", "--set", "train.micro_batch_size=2", "-q"]
+    first = tmp_path / "first"
+    assert run(["train", "--run-dir", str(first), "--max-steps", "4", "--set", "train.checkpoint_every=2",
+                *sets]) == 0
+    out = tmp_path / "export"
+    assert run(["export", str(first / "checkpoints" / "step-00000002"), "--out", str(out), "--with-optimizer",
+                "--tokenizer", "byte"]) == 0
+    assert "continues at step 3" in capsys.readouterr().out
+    assert run(["train", "--run-dir", str(tmp_path / "next"), "--max-steps", "4", "--init-from", str(out),
+                *sets]) == 0
+    from nam_core.engine.metrics import read_metrics
+
+    original, carried = read_metrics(first)[2:], read_metrics(tmp_path / "next")
+    assert [m["step"] for m in carried] == [3, 4]
+    for m, o in zip(carried, original):
+        assert m["lr"] == o["lr"] and abs(m["loss"] - o["loss"]) <= 1e-6 * abs(o["loss"]), (m, o)
+        assert abs(m["grad_norm"] - o["grad_norm"]) <= 1e-6 * o["grad_norm"], (m, o)
+    assert "weights and optimizer state (AdamW step 2" in (tmp_path / "next" / "run.log").read_text()
+
+    # another optimizer_numerics or dtype than the export's: refused before a step, with both and the way out
+    code = run(["train", "--run-dir", str(tmp_path / "bf16"), "--max-steps", "3", "--init-from", str(out),
+                "--set", "train.dtype=bfloat16", *sets])
+    err = capsys.readouterr().err
+    assert code != 0 and "carries optimizer state of train.optimizer_numerics=fp32-master and train.dtype=float32" \
+        in err and "without --with-optimizer" in err, err
+    assert not (tmp_path / "bf16" / "metrics.jsonl").exists()
+
+    # the optimizer's file changed after the export: refused before a step
+    data = bytearray((out / "optimizer.safetensors").read_bytes())
+    data[-1] ^= 1
+    (out / "optimizer.safetensors").write_bytes(bytes(data))
+    code = run(["train", "--run-dir", str(tmp_path / "changed"), "--max-steps", "3", "--init-from", str(out), *sets])
+    assert code != 0 and "optimizer.safetensors is missing or its sha256 differs" in capsys.readouterr().err
+    assert not (tmp_path / "changed" / "metrics.jsonl").exists()
 
 
 def test_init_from_and_resume_together_are_refused(tmp_path, capsys):

@@ -130,6 +130,28 @@ def test_weight_map_refuses_unknown_keys(tiny, tiny_state):
         weights.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)), mtp_pattern="+*")
 
 
+def test_weight_map_read_back_gives_nams_state_bit_for_bit(tiny, tiny_state):
+    """``megatron_state_to_nam`` (nam export of a megatron checkpoint, whose tensors are whole) inverts the map:
+    every nam tensor back under its name, bit for bit, the MTP projection's halves swapped back."""
+    megatron = weights.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)))
+    back = weights.megatron_state_to_nam(megatron, tiny)
+    assert back.keys() == tiny_state.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tiny_state.items())
+
+
+def test_weight_map_read_back_refuses_a_missing_or_an_extra_tensor(tiny, tiny_state):
+    megatron = weights.nam_state_to_megatron(tiny_state, _kinds(lower(tiny)))
+    with pytest.raises(NamError, match=r"has no 'output_layer.weight' \(nam's 'head'\)"):
+        weights.megatron_state_to_nam({k: v for k, v in megatron.items() if k != "output_layer.weight"}, tiny)
+    grouped = {k: v for k, v in megatron.items() if not k.endswith("experts.w_down")}
+    with pytest.raises(NamError, match=r"has no 'decoder.layers.\d+.mlp.experts.w_down'") as e:
+        weights.megatron_state_to_nam(grouped, tiny)
+    assert "grouped experts" in e.value.hint
+    with pytest.raises(NamError, match=r"tensors nam56r has no place for: \['lora.A'\]"):
+        weights.megatron_state_to_nam({**megatron, "lora.A": torch.zeros(1), "head._extra_state/shard_0_1": None},
+                                      tiny)
+
+
 # --- adapters (no megatron needed for the Mamba slot) -----------------------------------------------------
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from nam_core.engine import checkpoint, numerics
+from nam_core.engine import async_checkpoint, checkpoint, numerics
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.local import lr_lambda, make_optimizer, resume_schedule
 from nam_core.errors import CannotRunHere
@@ -129,6 +129,54 @@ def test_resume_through_a_checkpoint_is_bit_exact(tmp_path, name):
             assert a.dtype == torch.float32 and torch.equal(a, b)
     moments = {s["exp_avg"].dtype for s in opt.state.values()}
     assert moments == {torch.float32 if name == "fp32-master" else torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_state_filled_by_name_continues_bit_exact(tmp_path, dtype):
+    """``nam export --with-optimizer`` and ``nam train --init-from`` it, at the optimizer: a format-3 checkpoint's
+    optimizer read back by parameter name (``state_by_name``: AdamW's moments, the fp32 masters of a bf16 model, the
+    step count), then ``fill_state`` into a fresh fp32-master optimizer over a model given the exported weights;
+    3 more steps equal the original's 3 bit for bit. A missing parameter or a master where this optimizer keeps
+    none is a ValueError."""
+    cfg = TrainConfig(dtype=dtype, optimizer_numerics="fp32-master", lr=LR, warmup_steps=2, total_steps=6)
+    torch_dtype = getattr(torch, dtype)
+
+    def steps(model, opt, first):
+        for step in range(first, first + 3):
+            _loss(model, step, cast=lambda p: p.to(torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    model = _mlp(0, torch_dtype)
+    opt = make_optimizer(model, cfg)
+    steps(model, opt, 0)
+    saver = async_checkpoint.AsyncSaver(pinned=False)  # a format-3 checkpoint, as the local engine writes
+    checkpoint.start_save(tmp_path, 3, saver=saver, model=model, optimizer=opt, extra={}, keep=1,
+                          scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))  # lr stays LR
+    folder = checkpoint.finish_save(saver, tmp_path, model, opt)
+    state, step = numerics.state_by_name(checkpoint.optimizer_state(folder), model.named_parameters(),
+                                         {n: p.dtype for n, p in model.named_parameters()}, "fp32-master")
+    assert step == 3 and all(("master" in v) == (dtype == "bfloat16") for v in state.values())
+    masters = dict(getattr(opt, "nam_masters", []))
+    for n, p in model.named_parameters():
+        assert "master" not in state[n] or torch.equal(state[n]["master"], masters[p])
+
+    again = _mlp(1, torch_dtype)
+    again.load_state_dict(model.state_dict())  # the export's weights
+    opt2 = make_optimizer(again, cfg)
+    numerics.fill_state(opt2, again.named_parameters(), state, step=3)
+    steps(model, opt, 3)
+    steps(again, opt2, 3)
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"missing \['0.bias'\]"):
+        numerics.fill_state(make_optimizer(_mlp(2, torch_dtype), cfg), again.named_parameters(),
+                            {n: v for n, v in state.items() if n != "0.bias"}, step=3)
+    if dtype == "float32":
+        with pytest.raises(ValueError, match=r"optimizer state of 0.weight: \['exp_avg', 'exp_avg_sq', 'master'\]"):
+            numerics.fill_state(opt2, again.named_parameters(),
+                                {**state, "0.weight": {**state["0.weight"], "master": state["0.weight"]["exp_avg"]}},
+                                step=3)
 
 
 def test_state_bytes_match_what_the_optimizer_allocates():

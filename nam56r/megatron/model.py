@@ -33,7 +33,7 @@ from nam56r.megatron import patches
 from nam56r.megatron.lowering import Lowering, check_lowering
 from nam56r.megatron.slots import Slots
 from nam56r.megatron.spec import hybrid_stack_spec, slot_class, transformer_config
-from nam56r.megatron.weights import load_nam_weights
+from nam56r.megatron.weights import for_this_rank, load_nam_weights
 from nam_core.engine.megatron.schedule import resolve_schedule
 from nam_core.errors import ConfigError
 from nam_core.patches import applied
@@ -205,6 +205,10 @@ class NamMegatronModel:
             state = build_nam_model(self.cfg, self.backends, device=device).state_dict()
         load_nam_weights(model, state, lowering, pg_collection)
         return model
+
+    def rank_tensors(self, model: nn.Module, tensors, pg_collection) -> dict:
+        """``tensors`` by nam56r's parameter names (an export's optimizer state) for this rank's chunk ``model``."""
+        return for_this_rank(model, tensors, self.lowering, pg_collection)
 
     def forward_step(self, data_iterator, model):
         """Megatron's ``forward_step_func``: the batches are ``(index, {tokens, labels, loss_mask, ...})``."""

@@ -111,6 +111,42 @@ def _mtp_weights(depth: int, name: str, value: torch.Tensor, attn_pos: int, mlp_
                    hint="nam_state_to_megatron must learn it (nam56r/megatron/weights.py)")
 
 
+def megatron_state_to_nam(tensors: Mapping[str, torch.Tensor], cfg, *,
+                          names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """A megatron-engine checkpoint's model tensors (whole: every expert, every layer under its global number;
+    ``nam_core.engine.megatron.checkpoint.model_tensors``) under nam56r's names, each the tensor nam56r's
+    ``NAM56R.state_dict()`` holds. The inverse of ``nam_state_to_megatron`` at one rank holding everything: each
+    nam name's Megatron name is found by mapping it forward (a meta tensor, nothing allocated), and the value is
+    mapped forward too, which gives it back: every change the map makes is its own inverse (a rename, or
+    ``eh_proj``'s swap of two equal column halves). Every nam tensor must be found and every Megatron tensor used
+    (``_extra_state`` aside), or NamError names the difference. ``names``: the nam tensors to read (default
+    every one of ``state_dict()``; the trainable parameters for optimizer state, which buffers have none)."""
+    from nam56r.model import build_model
+    from nam56r.pattern import resolve
+
+    from nam56r.megatron.lowering import MTP_DEPTH
+
+    kinds = tuple(KIND[layer.symbol] for layer in resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks).layers)
+    place = dict(kinds=kinds, mtp_pattern=MTP_DEPTH)
+    out, used = {}, set()
+    metas = build_model(cfg, device="meta").state_dict()
+    for name, meta in ((n, metas[n]) for n in (names if names is not None else metas)):
+        (megatron_name,) = nam_state_to_megatron({name: meta}, **place)
+        if megatron_name not in tensors:
+            hint = ("a checkpoint of Transformer Engine's grouped experts (te.experts=grouped) keeps one weight per "
+                    "expert, which this map does not read back" if ".experts." in megatron_name else
+                    "the checkpoint was written by another model or nam version")
+            raise NamError(f"the megatron checkpoint has no {megatron_name!r} (nam's {name!r})", hint=hint)
+        ((_, value),) = nam_state_to_megatron({name: tensors[megatron_name]}, **place).items()
+        out[name] = value.contiguous()
+        used.add(megatron_name)
+    unread = sorted(k for k in tensors if k not in used and not k.rpartition(".")[2].startswith("_extra_state"))
+    if unread:
+        raise NamError(f"the megatron checkpoint has tensors nam56r has no place for: {unread[:6]}",
+                       hint="nam_state_to_megatron must learn them (nam56r/megatron/weights.py)")
+    return out
+
+
 def for_this_rank(model, nam_tensors: Mapping[str, torch.Tensor], lowering, pg_collection) -> dict:
     """``nam_tensors`` (keyed by nam56r parameter names: weights, or their gradients) renamed and sliced for
     one rank's (unwrapped) NamHybridModel: its pipeline stage, its experts."""

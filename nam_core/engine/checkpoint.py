@@ -402,3 +402,33 @@ def model_state(folder: Path) -> tuple[dict, dict]:
 
         return {k[len("model."):]: v for k, v in dcp.read_flat(folder, "model.").items()}, manifest
     return load_tensors(folder / "model.pt"), manifest
+
+
+def optimizer_state(folder: Path) -> dict:
+    """The optimizer's state dict of a verified checkpoint folder (``{"state": {index: {"step", "exp_avg",
+    "exp_avg_sq"}}, ...}``, with the fp32 masters under ``numerics.MASTER_KEY`` when it has them), CPU tensors,
+    without an optimizer to load into (``nam export --with-optimizer``)."""
+    manifest = verify(folder)
+    if manifest is None:
+        raise NamError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
+                       hint=f"export a good one: ls {folder.parent}")
+    if not _dcp_format(manifest):
+        return load_tensors(folder / "optimizer.pt")
+    from nam_core.engine import async_checkpoint as dcp
+    from nam_core.engine.numerics import MASTER_KEY
+
+    flat = dcp.read_flat(folder, "optimizer.")
+    state: dict = {}
+    masters: dict[int, torch.Tensor] = {}
+    for key, value in flat.items():
+        parts = key.split(".")  # optimizer.state.<index>.<name>; optimizer.nam_master_weights.<i> (a list: by item)
+        if parts[1] == "state":
+            state.setdefault(int(parts[2]), {})[".".join(parts[3:])] = value
+        elif parts[1] == MASTER_KEY and len(parts) == 3:
+            masters[int(parts[2])] = value
+    out = {"state": state}
+    if masters:
+        out[MASTER_KEY] = [masters[i] for i in range(len(masters))]
+    elif isinstance(flat.get(f"optimizer.{MASTER_KEY}"), list):  # an empty list is stored whole
+        out[MASTER_KEY] = flat[f"optimizer.{MASTER_KEY}"]
+    return out

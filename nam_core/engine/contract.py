@@ -58,6 +58,10 @@ class EngineRun:
     """False: write none, not even at the end (throughput benchmarks, whose state nobody resumes)."""
     held_out: Any = None
     """Validation rows (``nam_core.engine.validation.HeldOut``, ``train.eval_every``); None: no evaluation."""
+    optimizer_from: Any = None
+    """A run started from another's weights and AdamW state (``nam train --init-from`` an export made with
+    ``--with-optimizer``: ``nam56r.export.ExportedOptimizer``, by the model's parameter names): the engine fills
+    its optimizer with it and starts at its ``step``. None: a fresh optimizer at step 0 (or ``resume_from``'s)."""
 
     @property
     def train(self) -> TrainConfig:

@@ -27,7 +27,7 @@ from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
 from nam_core.engine.validation import mean_loss
-from nam_core.errors import Interrupted, TrainingGuardError
+from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 
 
 @dataclass
@@ -115,6 +115,19 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfi
     scheduler._last_lr = [float(group["lr"]) for group in optimizer.param_groups]
 
 
+def _continue_from(run: EngineRun, module, optimizer, scheduler) -> int:
+    """``run.optimizer_from``: the optimizer's state and the LR schedule at its step, where the run goes on."""
+    exported = run.optimizer_from
+    try:
+        numerics.fill_state(optimizer, module.named_parameters(), dict(exported.state), exported.step)
+    except ValueError as e:  # a model a plugin's transform changed, or an export of another layout
+        raise ConfigError(f"--init-from: {e}", hint="start from the weights alone (an export without "
+                                                     "--with-optimizer)") from None
+    scheduler.last_epoch = exported.step
+    resume_schedule(optimizer, scheduler, run.train)
+    return exported.step
+
+
 def _start(run: EngineRun) -> _State:
     """Optimizer, schedule and log; the checkpoint's state when resuming."""
     cfg, module = run.train, run.model.module
@@ -130,6 +143,8 @@ def _start(run: EngineRun) -> _State:
         resume_schedule(optimizer, scheduler, cfg)
         start = manifest["step"]
         cut = folder.truncate_metrics(start)
+    elif run.optimizer_from is not None:
+        start = _continue_from(run, module, optimizer, scheduler)
     state = _State(optimizer, scheduler, folder.metrics_log(start_step=start, total_steps=run.max_steps,
                                                              quiet=run.quiet), start)
     if run.resume_from is not None:

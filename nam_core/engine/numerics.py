@@ -116,6 +116,74 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], *, numerics: str, weigh
     return opt
 
 
+def state_order(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
+    """The parameter names in the order ``make_optimizer`` numbers them in its state dict (``named``: the model's
+    ``named_parameters()``): its decayed group (matrices), then the rest, each in the model's order."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    return [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
+
+
+def state_by_name(saved: dict, named: Iterable[tuple[str, torch.Tensor]], dtypes: dict,
+                  numerics: str) -> tuple[dict, int]:
+    """A ``make_optimizer`` optimizer's saved state dict (``checkpoint.optimizer_state``) by parameter name, as
+    ``fill_state`` takes it, and AdamW's step count. ``named``: the model's ``named_parameters()`` (a meta build
+    will do: shapes only); ``dtypes``: each parameter's trained dtype (the checkpoint's model state), which says
+    which ones had an fp32 master under ``numerics``. ValueError when the saved state does not fit the parameters
+    (a model a plugin's transform changed) or its step counts differ."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    order, shapes = state_order(named), {n: p.shape for n, p in named}
+    moments = saved["state"]
+    if len(moments) != len(order) or any(moments[i]["exp_avg"].shape != shapes[n] for i, n in enumerate(order)):
+        raise ValueError(f"the optimizer holds {len(moments)} parameters' state in an order the model's "
+                         f"{len(order)} parameters do not fill (a model changed by a plugin's transform?)")
+    steps = {float(m["step"]) for m in moments.values()}
+    if len(steps) != 1:
+        raise ValueError(f"AdamW's step counts differ between parameters ({sorted(steps)[:4]})")
+    out = {n: {k: moments[i][k] for k in ("exp_avg", "exp_avg_sq")} for i, n in enumerate(order)}
+    mastered = [n for n, _ in named if MASTER[numerics] and dtypes[n] != torch.float32]  # make_optimizer's pairs
+    masters = saved.get(MASTER_KEY) or []
+    if len(masters) != len(mastered):
+        raise ValueError(f"{len(masters)} fp32 masters for {len(mastered)} {numerics} parameters kept in bf16")
+    for name, master in zip(mastered, masters):
+        out[name]["master"] = master
+    return out, int(steps.pop())
+
+
+@torch.no_grad()
+def fill_state(optimizer: torch.optim.Optimizer, named: Iterable[tuple[str, torch.nn.Parameter]], state: dict,
+               step: int) -> None:
+    """Give a fresh ``make_optimizer`` optimizer AdamW's state from elsewhere (``nam train --init-from`` an export
+    with its optimizer): ``state[name]`` holds ``exp_avg``, ``exp_avg_sq`` and, where this optimizer updates an
+    fp32 master, ``master``, for every parameter in ``named`` (the model's ``named_parameters()``); each parameter's
+    ``step`` becomes ``step``. Copied, in each state tensor's own dtype (bf16 moments stay bf16); a missing or
+    extra name or another shape is a ValueError before anything changes."""
+    from nam_core.engine.async_checkpoint import _materialize
+
+    named = list(named)
+    names = state_order(named)
+    if set(names) != set(state):
+        raise ValueError(f"optimizer state for {len(state)} parameters, this model trains {len(names)} (missing "
+                         f"{sorted(set(names) - set(state))[:4]}, extra {sorted(set(state) - set(names))[:4]})")
+    masters = dict(getattr(optimizer, "nam_masters", []))  # parameter -> its fp32 master
+    by_name = dict(named)
+    for name in names:
+        have = {"exp_avg", "exp_avg_sq", *(("master",) if by_name[name] in masters else ())}
+        if set(state[name]) != have or state[name]["exp_avg"].shape != by_name[name].shape:
+            raise ValueError(f"optimizer state of {name}: {sorted(state[name])} of shape "
+                             f"{tuple(state[name]['exp_avg'].shape)}; this optimizer keeps {sorted(have)} of "
+                             f"shape {tuple(by_name[name].shape)}")
+    _materialize(optimizer)
+    updated = [p for group in optimizer.param_groups for p in group["params"]]  # masters where there are
+    for name, p in zip(names, updated):
+        own = optimizer.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            own[key].copy_(state[name][key])
+        own["step"] = torch.full_like(own["step"], float(step))
+        if "master" in state[name]:
+            p.copy_(state[name]["master"])
+            by_name[name].copy_(p)  # the model's bf16 weight: rounded to nearest, as after every step
+
+
 @torch.no_grad()
 def _moments_back_to_bf16(optimizer: torch.optim.Optimizer) -> None:
     """torch's ``Optimizer.load_state_dict`` casts every state tensor to its parameter's dtype (fp32 for a

@@ -4,7 +4,7 @@ rows (micro-batch ``i`` is a pure function of ``i``).
 
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
-    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6] [--eval]
+    python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6] [--eval] [--init-from EXPORT --first-batch 8]
     torchrun --nproc-per-node 2 worker.py cli RUN_DIR STEPS -- train --engine megatron --ep 2 --plugins ...
 
 ``cli`` runs ``nam train`` itself in each rank (the CLI's whole path: plugin activation on an H100 profile,
@@ -102,7 +102,7 @@ def megatron_run(args, recipe) -> None:
                              max_steps=args.steps, env_plugins=False), host)
     engine = engine_for("megatron")
     session = build(run, host, engine, engine.start(run.spec, dry_run=False), device=DeviceInfo.profile("h100"),
-                    quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model))
+                    quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model), init_from=args.init_from)
     session.held_out = held_out(run.spec.model) if args.eval else None
     engine.train(session.engine_run(args.run_dir, resume_from=args.resume, quiet=True))
     engine.finish()  # after success only: on an error the other ranks may sit in a collective
@@ -140,12 +140,13 @@ def local_run(args, recipe) -> None:
     from nam_core.host import PluginHost
 
     overrides = ["train.dtype=float32", f"train.micro_batch_size={MICRO_BATCH}", f"train.grad_accum={args.grad_accum}",
-                 "train.checkpoint_every=100", "train.total_steps=20", *(EVAL if args.eval else [])]
+                 "train.checkpoint_every=100", "train.total_steps=20", *(EVAL if args.eval else []), *args.set]
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe.name, overrides=overrides, device="cpu", max_steps=args.steps,
                              env_plugins=False), host)
     engine = engine_for("local")
-    session = build(run, host, engine, quiet=True, batches=lambda i, b: batch_at(i, b, run.spec.model))
+    session = build(run, host, engine, quiet=True, init_from=args.init_from,
+                    batches=lambda i, b: batch_at(args.first_batch + i, b, run.spec.model))
     if args.perturb:  # the floor: the same run from weights moved at rounding level
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
@@ -182,8 +183,11 @@ def main() -> None:
     ap.add_argument("--schedule", default=None, help="train.schedule (default: single at pp 1, else 1f1b)")
     ap.add_argument("--grad-accum", type=int, default=PER_RANK_ACCUM)
     ap.add_argument("--perturb", type=float, default=0.0)
+    ap.add_argument("--init-from", type=Path, default=None, help="megatron and local runs: the export to start from")
+    ap.add_argument("--first-batch", type=int, default=0,
+                    help="local runs: the index of step 1's first micro-batch (another run's later step)")
     ap.add_argument("--eval", action="store_true", help="megatron and local runs: evaluate (EVAL)")
-    ap.add_argument("--set", action="append", default=[], help="megatron runs: one more override, KEY=VALUE")
+    ap.add_argument("--set", action="append", default=[], help="megatron and local runs: one more override, KEY=VALUE")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

@@ -23,9 +23,11 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import is_dataclass
 from pathlib import Path
 
@@ -58,6 +60,60 @@ def _sharded_state(models: list, optimizer, *, is_loading: bool) -> dict:
 
 def _rng_file(folder: Path, rank: int) -> Path:
     return folder / "rng" / f"rank-{rank:05d}.pt"
+
+
+OPTIMIZER_MAP = "optimizer-map"
+"""``optimizer-map/rank-NNNNN.json``: where each rank's distributed-optimizer shards sit, for reading a
+checkpoint's optimizer state back per parameter without Megatron (``optimizer_tensors``: ``nam export
+--with-optimizer``). Megatron's ``dp_reshardable`` state keeps each bucket of parameters as one flat tensor per
+state (``param``, ``exp_avg``, ``exp_avg_sq``) and does not record which range is which parameter."""
+
+
+def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
+    """This rank's part of the optimizer map (``OPTIMIZER_MAP``), from the sharded state about to be saved: for
+    every parameter range this rank's optimizer owns, the flat bucket tensor it sits in (``bucket``: the key
+    without ``.exp_avg``), where (``at``) and how long (``numel``), and the model tensor it belongs to (``param``:
+    its checkpoint key, ``offset`` and ``prepend`` its place in the global tensor, ``shape`` this rank's local
+    shape, ``start`` the range's first element in it). ``step``: AdamW's step counts on this rank. A range whose
+    shards the sharded state does not hold as tensors (Transformer Engine's fused optimizer keeps its own) makes
+    the map ``{"complete": false, "why": ...}``, which the export reports."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def index(tree, kinds=(ShardedTensor,)) -> dict:
+        return {(t.data.data_ptr(), t.data.numel(), t.data.dtype): t for t in nested_values(tree)
+                if isinstance(t, kinds)}
+
+    # a factory (Megatron's gated MLP weights) is read back whole only: "offset" None, checked when read
+    model, moments = index(state["model"], (ShardedTensor, ShardedTensorFactory)), index(state["optimizer"])
+    entries, steps, why = [], set(), None
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param in getattr(inner, "model_param_group_index_map", {}):
+            states = inner._get_main_param_and_optimizer_states(param)
+            if "exp_avg" not in states:
+                why = "AdamW has no state yet (a checkpoint before the first step)"
+                continue
+            span = inner._get_model_param_range_map(param)["param"]
+            held = moments.get((states["exp_avg"].data_ptr(), states["exp_avg"].numel(), states["exp_avg"].dtype))
+            owner = model.get((param.data_ptr(), param.numel(), param.dtype))
+            factory = isinstance(owner, ShardedTensorFactory)
+            if held is None or owner is None or (not factory and tuple(owner.local_shape) != tuple(param.shape)):
+                why = f"a parameter of shape {tuple(param.shape)} has no plain sharded tensor in the checkpoint"
+                continue
+            if "step" in states:
+                steps.add(float(states["step"]))
+            entries.append({"bucket": held.key.rpartition(".")[0], "at": int(held.global_offset[0]),
+                            "numel": int(span.end - span.start), "param": owner.key, "start": int(span.start),
+                            "shape": list(param.shape),
+                            "offset": None if factory else [int(o) for o in owner.global_offset],
+                            "prepend": 0 if factory else int(owner.prepend_axis_num)})
+    body = {"complete": why is None, "why": why, "steps": sorted(steps), "entries": entries}
+    path = tmp / OPTIMIZER_MAP / f"rank-{rank:05d}.json"
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "w") as f:
+        f.write(json.dumps(body))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -187,9 +243,10 @@ class BackgroundSaves:
         final = self.ckpt_root / f"step-{step:08d}"
         tmp = self.ckpt_root / f".{final.name}.tmp"
         try:
-            _aside(tmp, rank)  # the RNG files are small: written here
-            request = dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp),
-                                              async_sharded_save=True, async_strategy="mcore")
+            _aside(tmp, rank)  # the RNG files are small: written here, and so are the optimizer maps
+            state = _sharded_state(models, optimizer, is_loading=False)
+            _write_optimizer_map(tmp, state, optimizer, rank)
+            request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True, async_strategy="mcore")
             request.add_finalize_fn(lambda: self._written(tmp, final, step, manifest))
             self.queue.schedule_async_request(request)
         except BaseException as exc:
@@ -251,7 +308,9 @@ def _save_aside(tmp: Path, models: list, optimizer, rank: int) -> None:
     from megatron.core import dist_checkpointing
 
     _aside(tmp, rank)
-    dist_checkpointing.save(_sharded_state(models, optimizer, is_loading=False), str(tmp), verify_integrity=True)
+    state = _sharded_state(models, optimizer, is_loading=False)
+    _write_optimizer_map(tmp, state, optimizer, rank)
+    dist_checkpointing.save(state, str(tmp), verify_integrity=True)
     torch.distributed.barrier()
 
 
@@ -262,6 +321,8 @@ def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, 
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     files.fsync_dir(tmp / "rng")
+    if (tmp / OPTIMIZER_MAP).is_dir():
+        files.fsync_dir(tmp / OPTIMIZER_MAP)
     body = {"format": CHECKPOINT_FORMAT, "step": step, **manifest, "sha256": _digests(tmp)}
     with open(tmp / "manifest.json", "w") as f:
         f.write(json.dumps(body, indent=2))
@@ -309,6 +370,120 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
     rng = _rng_file(folder, torch.distributed.get_rank())
     files.set_rng_state(files.load_tensors(rng), source=rng)
     return manifest
+
+
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+"""The distributed optimizer's items in a checkpoint's index (``chained_<i>.optimizer.distributed...`` when the
+model has expert and dense parameters, ``optimizer....`` otherwise); every other tensor is the model's."""
+
+
+def model_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's tensors of a good megatron-engine checkpoint, each whole (every rank's shards put together:
+    dist-checkpointing stores a tensor under one key with its global shape, experts of every EP rank and layers
+    of every pipeline stage under their global numbers), under Megatron's names, and the manifest. Read in this
+    one process, without Megatron or a process group (``nam export``); Megatron's ``_extra_state`` bytes are
+    not read. A torn or altered folder is refused as ``load_checkpoint`` refuses it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    manifest, why = inspect(folder)
+    if manifest is None:
+        raise RunFolderError(f"{folder} is not a complete megatron-engine checkpoint ({why})",
+                             hint=f"export a good one: ls {folder.parent}")
+    refuse_unsafe_pickles(folder)
+    reader = _reader(folder)
+    index = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in index.items()
+             if isinstance(v, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(k)}
+    with warnings.catch_warnings():  # one process without a process group, by design
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=_reader(folder), no_dist=True)
+    return state, manifest
+
+
+def optimizer_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    """AdamW's state of a good megatron-engine checkpoint per model tensor, each whole, under Megatron's checkpoint
+    keys: ``{key: {"param": fp32 main weights, "exp_avg": ..., "exp_avg_sq": ...}}``, and AdamW's step count.
+    Read in this one process from the flat bucket tensors with the ranks' ``OPTIMIZER_MAP``; refused (NamError)
+    for a checkpoint without a complete map (saved by an earlier nam, or with an optimizer whose shards are not
+    plain tensors), and if any element of a parameter is not covered."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    manifest, why = inspect(folder)
+    if manifest is None:
+        raise RunFolderError(f"{folder} is not a complete megatron-engine checkpoint ({why})",
+                             hint=f"export a good one: ls {folder.parent}")
+    maps = [json.loads(p.read_text()) for p in sorted((folder / OPTIMIZER_MAP).glob("rank-*.json"))]
+    world = manifest.get("layout", {}).get("world_size")
+    again = (f"resume it with this nam (--resume {folder}) and let it checkpoint once, or export its weights "
+             f"alone: nam export {folder} --out DIR")
+    if len(maps) != world or not all(m["complete"] for m in maps):
+        found = next((m["why"] for m in maps if not m["complete"]), f"{len(maps)} of {world} ranks' maps")
+        raise RunFolderError(f"{folder}: its optimizer state cannot be read per parameter ({found} in "
+                             f"{OPTIMIZER_MAP}/; checkpoints saved by an earlier nam have none)", hint=again)
+    steps = {s for m in maps for s in m["steps"]}
+    if len(steps) != 1:
+        raise RunFolderError(f"{folder}: AdamW's step counts differ between parameters ({sorted(steps)[:4]})",
+                             hint=again)
+    refuse_unsafe_pickles(folder)
+    index = _reader(folder).read_metadata().state_dict_metadata
+    kinds = ("param", "exp_avg", "exp_avg_sq")
+    buckets = {f"{e['bucket']}.{k}" for m in maps for e in m["entries"] for k in kinds}
+    missing = sorted(k for k in buckets if not isinstance(index.get(k), TensorStorageMetadata))
+    if missing:
+        raise RunFolderError(f"{folder}: the optimizer map names bucket tensors the checkpoint lacks: {missing[:3]}",
+                             hint=again)
+    flat = {k: torch.empty(index[k].size, dtype=index[k].properties.dtype) for k in buckets}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=_reader(folder), no_dist=True)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for entry in (e for m in maps for e in m["entries"]):
+        key, shape = entry["param"], index[entry["param"]].size
+        if entry["offset"] is None:  # a factory's tensor: this rank held it whole, or it cannot be placed here
+            if tuple(shape) != tuple(entry["shape"]):
+                raise RunFolderError(f"{folder}: {key} is split over ranks by a Megatron factory "
+                                     f"({tuple(entry['shape'])} of {tuple(shape)}), which this reader does not "
+                                     "place", hint=again)
+            entry = {**entry, "offset": [0] * len(shape)}
+        if key not in out:
+            out[key] = {k: torch.zeros(shape, dtype=flat[f"{entry['bucket']}.{k}"].dtype) for k in kinds}
+            covered[key] = torch.zeros(shape, dtype=torch.bool)
+        pre = entry["prepend"]
+        place = tuple(entry["offset"][:pre]) + tuple(slice(o, o + n) for o, n in
+                                                      zip(entry["offset"][pre:], entry["shape"]))
+        span = slice(entry["start"], entry["start"] + entry["numel"])
+        for k in kinds:
+            local = out[key][k][place].clone().reshape(-1)
+            local[span] = flat[f"{entry['bucket']}.{k}"][entry["at"]:entry["at"] + entry["numel"]]
+            out[key][k][place] = local.reshape(entry["shape"])
+        local = covered[key][place].clone().reshape(-1)
+        local[span] = True
+        covered[key][place] = local.reshape(entry["shape"])
+    partial = sorted(k for k, c in covered.items() if not bool(c.all()))
+    if partial:
+        raise RunFolderError(f"{folder}: the optimizer state of {partial[:3]} is not covered by the ranks' maps",
+                             hint=again)
+    return out, steps.pop()
+
+
+def _reader(folder: Path):
+    """torch's file reader for a dist-checkpointing folder, its ``.metadata`` read by ``_MetadataUnpickler``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(folder / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(str(folder))
 
 
 # --- what Megatron's loader unpickles, read first under restricted unpicklers ---------------------------

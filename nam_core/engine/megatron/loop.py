@@ -216,6 +216,9 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
     start = 0
     if run.resume_from is not None:
         start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
+    elif run.optimizer_from is not None:
+        start = optimizer.fill_state(opt, models, lambda chunk, tensors: provider.rank_tensors(chunk, tensors, pg),
+                                     run.optimizer_from)
     log = None
     if torch.distributed.get_rank() == 0:
         folder = run.folder

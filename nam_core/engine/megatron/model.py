@@ -40,6 +40,10 @@ class MegatronModel(Protocol):
     def end_step(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         """This step's extra loss sums (logged, already in the loss) and log lines, from the unwrapped model."""
 
+    def rank_tensors(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], pg_collection) -> dict:
+        """``tensors`` keyed by the model's own parameter names (an export's optimizer state) renamed and sliced
+        for one unwrapped chunk of this rank (``EngineRun.optimizer_from``)."""
+
 
 def build_ddp(provider: MegatronModel, train: TrainConfig, pg_collection, *, distributed_optimizer: bool,
               schedule: PipelineSchedule | None = None, transform: Callable[[nn.Module], None] | None = None):

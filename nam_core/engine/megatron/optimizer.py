@@ -79,3 +79,50 @@ def set_lr(optimizer, lr: float, weight_decay: float) -> None:
         else:
             group["lr"] = group_lr
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+@torch.no_grad()
+def fill_state(opt, models: list, rank_tensors, exported) -> int:
+    """Give Megatron's fresh distributed optimizer AdamW's state from elsewhere (``nam train --init-from`` an
+    export with its optimizer, ``EngineRun.optimizer_from``): every rank copies, for each parameter range it
+    owns, that range of the full ``exp_avg``/``exp_avg_sq`` (and of the fp32 ``master`` into its main param, for
+    a bf16 model) into its shards, one parameter's tensors at a time (``exported.state`` reads them when asked);
+    every ``step`` becomes the export's. ``rank_tensors(chunk, tensors)`` renames and slices tensors keyed by the
+    model's parameter names for one unwrapped chunk of this rank (its stage, its experts). Returns the step the
+    run goes on at. Built for torch's AdamW (Megatron without Transformer Engine or Apex, the patch lane's case);
+    another inner optimizer is refused, and so is a range the export has no state for."""
+    from nam_core.engine.megatron import patches
+    from nam_core.engine.megatron.model import unwrap
+
+    inners = getattr(opt, "chained_optimizers", [opt])
+    if len(patches._inner_adams(opt)) != len(inners):
+        raise ConfigError("--init-from an export with optimizer state: filling Megatron's optimizer is built for "
+                          "torch's AdamW, this run's is " + ", ".join(type(o.optimizer).__name__ for o in inners),
+                          hint="start from the weights alone (an export without --with-optimizer)")
+    patches.materialise_adam_state(opt)
+    for chunk in models:
+        module = unwrap(chunk)
+        owned = {}  # Megatron name -> (its distributed optimizer, the parameter): the ranges this rank updates
+        for name, param in module.named_parameters():
+            owner = next((o for o in inners if param in o.model_param_group_index_map), None)
+            if owner is not None:  # else another data-parallel rank owns all of it
+                owned[name] = (owner, param)
+        filled = set()
+        for nam_name in exported.state:
+            for kind, value in exported.state[nam_name].items():
+                for name, local in rank_tensors(module, {nam_name: value}).items():
+                    if name not in owned:
+                        continue
+                    owner, param = owned[name]
+                    span = owner._get_model_param_range_map(param)["param"]
+                    states = owner._get_main_param_and_optimizer_states(param)
+                    states["param" if kind == "master" else kind].copy_(local.reshape(-1)[span.start:span.end])
+                    filled.add((name, kind))
+        needed = {n: ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
+                  for n, (_, p) in owned.items()}  # a bf16 parameter's fp32 main weights are its master
+        missing = [n for n, kinds in needed.items() if any((n, k) not in filled for k in kinds)]
+        if missing:
+            raise ConfigError(f"--init-from: the export's optimizer state has nothing for Megatron's {missing[:4]}",
+                              hint="start from the weights alone (an export without --with-optimizer)")
+    patches.own_adam_steps(opt, exported.step)
+    return exported.step

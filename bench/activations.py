@@ -82,6 +82,9 @@ class Parts:
         with torch.device(device):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
             nn.init.normal_(self.embed.weight, std=cfg.init_std)
+            self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+            if self.head is not None:
+                nn.init.normal_(self.head, std=cfg.init_std)
             self.ngram = NgramHashEmbedding(cfg) if plan.ngram_head else None
             self.final_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
             self.layers = {part: Layer(first[kind], cfg, backends) for part, kind in LAYER_PARTS.items()
@@ -90,6 +93,17 @@ class Parts:
         for m in (self.embed, self.ngram, self.final_norm, self.mtp, *self.layers.values()):
             if m is not None:
                 m.to(dtype=dtype)
+        if self.head is not None:
+            self.head.data = self.head.data.to(dtype)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.head is None else self.head
+
+    def shared(self) -> list[torch.Tensor]:
+        """The parameters several parts use (the embedding table, the output head), whose gradients the model
+        allocates once: a row's ``grad_bytes`` leaves them out, ``shared_grad_bytes`` counts them."""
+        return [self.embed.weight] + ([self.head] if self.head is not None else [])
 
     def available(self) -> list[str]:
         return [p for p in PARTS if p in self.layers or (p == "mtp" and self.mtp is not None)
@@ -98,8 +112,7 @@ class Parts:
     def modules(self, part: str) -> list:
         if part in self.layers:
             return [self.layers[part]]
-        return {"mtp": [self.mtp, self.embed], "head": [self.final_norm, self.embed],
-                "embedding": [self.embed, self.ngram]}[part]
+        return {"mtp": [self.mtp], "head": [self.final_norm], "embedding": [self.ngram]}[part]
 
     def mark(self, kinds: tuple[str, ...]) -> None:
         from nam56r import recompute
@@ -111,7 +124,7 @@ class Parts:
     def _ce(self, h, labels):
         flat = labels.flatten()
         mask = torch.ones_like(flat, dtype=torch.float32)
-        return self.backends.ce(h.flatten(0, 1), self.embed.weight, flat, mask) / flat.numel()
+        return self.backends.ce(h.flatten(0, 1), self.head_weight, flat, mask) / flat.numel()
 
     def runner(self, part: str, batch: int, device: str, dtype: torch.dtype):
         """(inputs, forward): the tensors made before the measured forward, and the forward, which returns the
@@ -205,7 +218,9 @@ def measure(parts: Parts, part: str, choice: str, batch: int, *, device: str, dt
     """One row: warm-up forward + backward, then the measured one (see the module docstring)."""
     parts.mark(CHOICES[choice])
     inputs, forward = parts.runner(part, batch, device, dtype)
-    params = [p for m in parts.modules(part) if m is not None for p in m.parameters()]
+    own = [p for m in parts.modules(part) if m is not None for p in m.parameters()]
+    shared = parts.shared()
+    params = own + shared
     row = {}
     for measured in (False, True):
         for t in (*params, inputs["x"]):
@@ -218,15 +233,18 @@ def measure(parts: Parts, part: str, choice: str, batch: int, *, device: str, dt
         torch.autograd.backward(outs, grads)
         extra = meter.backward_extra()
         if measured:
-            grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
             row = {"part": part, "choice": choice, "batch": batch, "kept_bytes": kept,
                    "kept_bytes_per_token": kept / (batch * parts.cfg.seq_len), "backward_extra_bytes": extra,
-                   "grad_bytes": grad_bytes}
+                   "grad_bytes": _grad_bytes(own), "shared_grad_bytes": _grad_bytes(shared)}
         del outs, grads
     for t in (*params, inputs["x"]):
         t.grad = None
     parts.mark(())
     return row
+
+
+def _grad_bytes(params) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
 
 def run_all(parts: Parts, batches, *, device: str, dtype: torch.dtype, choices=tuple(CHOICES), say=print,
@@ -242,8 +260,8 @@ def run_all(parts: Parts, batches, *, device: str, dtype: torch.dtype, choices=t
                 row = measure(parts, part, choice, batch, device=device, dtype=dtype, meter=meter)
                 rows.append(row)
                 extra = row["backward_extra_bytes"]
-                say(f"b{batch} {part:9s} {choice:10s} kept {row['kept_bytes'] / 2**30:8.3f} GiB"
-                    + (f", backward +{extra / 2**30:.3f} GiB" if extra is not None else "")
+                say(f"b{batch} {part:9s} {choice:10s} kept {row['kept_bytes'] / 2**20:9.1f} MiB"
+                    + (f", backward +{extra / 2**20:.1f} MiB" if extra is not None else "")
                     + f"  ({time.perf_counter() - t0:.1f} s)")
                 if device == "cuda":
                     torch.cuda.empty_cache()

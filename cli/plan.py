@@ -142,9 +142,10 @@ def model_section(cfg) -> dict:
 
 
 def memory_section(spec, device) -> dict:
-    """Per-device memory under the run's optimizer numerics and activation recompute: the static part counted
-    exactly, activations where they were measured, split by block kind (estimates under recompute until
-    measured; nam56r/memory.py says what is counted, measured and estimated)."""
+    """Per-device memory under the run's optimizer numerics and activation recompute, in total and per part
+    (``by_part``: each layer kind, the MTP depths, the head, the embedding): weights, gradients and optimizer
+    states counted exactly, activations from the constants measured per part and recompute choice at NAM56R's
+    shape, the peak by replaying the backward, and the largest micro-batch whose plan fits (nam56r/memory.py)."""
     import torch
 
     from nam56r import memory

@@ -272,6 +272,29 @@ def run_all(parts: Parts, batches, *, device: str, dtype: torch.dtype, choices=t
     return rows
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """Markdown: MiB per sequence each part keeps at the largest micro-batch measured, per choice (``=``: the
+    same as without recompute, within 0.5%), and the backward's peak above what it keeps (no recompute)."""
+    batch = max(r["batch"] for r in rows)
+    at = {(r["part"], r["choice"]): r for r in rows if r["batch"] == batch}
+    choices = [c for c in CHOICES if any(k[1] == c for k in at)]
+    out = [f"| part (MiB per sequence, MBS {batch}) | " + " | ".join(choices) + " | backward peak above, none |",
+           "|---|" + "---|" * (len(choices) + 1)]
+    for part in PARTS:
+        if (part, "none") not in at:
+            continue
+        none = at[part, "none"]["kept_bytes"]
+        cells = []
+        for c in choices:
+            kept = at.get((part, c), {}).get("kept_bytes")
+            same = kept is not None and c != "none" and abs(kept - none) <= 0.005 * max(none, 1)
+            cells.append("" if kept is None else "=" if same else f"{kept / batch / 2**20:,.1f}")
+        extra = at[part, "none"]["backward_extra_bytes"]
+        cells.append("" if extra is None else f"{extra / batch / 2**20:,.1f}")
+        out.append(f"| {part} | " + " | ".join(cells) + " |")
+    return out
+
+
 def meta(cfg, spec, batches, device: str) -> dict:
     import importlib.metadata as md
 
@@ -301,7 +324,14 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override, as nam train --set takes it (e.g. mamba_compile_prelude=false)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--show", type=Path, default=None, metavar="JSON", help="print the table of a written JSON")
     args = ap.parse_args()
+    if args.show:
+        data = json.loads(args.show.read_text())
+        m = data["meta"]
+        print(f"{m['recipe']} on {m['gpu']}, {m['date']}, {m['dtype']}, meter {m['meter']}\n")
+        print("\n".join(summary(data["rows"])))
+        return 0
 
     t0 = time.perf_counter()
     built = session(args.recipe, args.batch[0], args.device, args.overrides)
@@ -322,6 +352,7 @@ def main() -> int:
     parts.available = lambda: keep
     rows = run_all(parts, args.batch, device=args.device, dtype=dtype, choices=tuple(args.choices),
                    say=lambda line: print(line, flush=True), on_part=write)
+    print("\n" + "\n".join(summary(rows)))
     print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.1f} s" + (f"; wrote {args.json}" if args.json else ""))
     return 0
 

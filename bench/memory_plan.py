@@ -5,8 +5,6 @@ says it fits. CPU only: the plan counts parameters on the meta device and reads 
     python bench/memory_plan.py --json bench/results/plan_vs_measured.json
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import json

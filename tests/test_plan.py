@@ -125,6 +125,10 @@ def test_the_plan_shows_numerics_recompute_and_activations_by_kind(capsys, no_cu
     assert mem["one_gpu_check"] == ("python bench/megatron.py memory --world 8 --ep 8 --mbs 8 --recompute mamba,moe "
                                     "--numerics fp32-master")
     assert none["total_gib"] > mem["total_gib"]
+    assert mem["fits"] is True and none["fits"] is False  # the 8x H200 target: MBS 8 with mamba,moe
+    scan = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--set", "train.micro_batch_size=4",
+                     "--set", "train.recompute=mamba-scan")["memory"]
+    assert scan["fits"] is True  # it ran on one H200 (bench/results/profiles); the earlier estimate said it did not
     local = plan_json(capsys, "--recipe", "nam56r", "--device-profile", "h200", "--set", "train.micro_batch_size=4",
                       "--set", "train.recompute=mamba")["memory"]
     assert local["optimizer_gib"] == pytest.approx(12 / 2 * local["weights_gib"])  # fp32 masters + fp32 moments

@@ -247,8 +247,18 @@ def constants_from(data: dict) -> Constants:
 
 @functools.lru_cache(maxsize=None)
 def load_constants(path: Path = ACTIVATIONS) -> Constants:
-    """The checked-in constants (``ACTIVATIONS``)."""
-    return constants_from(json.loads(Path(path).read_text()))
+    """The checked-in constants (``ACTIVATIONS``); a ``NamError`` (exit 1) naming the file and how to remake it
+    when it is missing or not a GPU's measurement at ``MEASURED_SHAPE``."""
+    from nam_core.errors import NamError
+
+    remake = "on one GPU: python bench/activations.py --batch 4 --json nam56r/activations.json (bench/README.md)"
+    try:
+        return constants_from(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise NamError(f"the memory plan's activation constants: expected {path}, found no such file (an install "
+                       "without nam56r's package data?)", hint=f"reinstall nam-train, or remake it {remake}") from None
+    except (ValueError, KeyError) as e:
+        raise NamError(f"the memory plan's activation constants in {path}: {e}", hint=f"remake them {remake}") from e
 
 
 def part_counts(cfg) -> dict[str, int]:

@@ -150,6 +150,18 @@ def test_constants_refuse_cpu_rows_and_other_shapes():
         constants_from({"meta": good, "rows": [row]}).get("moe", "none")
 
 
+def test_a_missing_or_cpu_constants_file_is_one_error_with_the_command(tmp_path):
+    from nam_core.errors import NamError
+
+    with pytest.raises(NamError, match="found no such file") as e:
+        memory.load_constants(tmp_path / "activations.json")
+    assert "python bench/activations.py --batch 4" in str(e.value)
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text('{"meta": {"meter": "saved tensors (a lower count)"}, "rows": []}')
+    with pytest.raises(NamError, match="must be measured on a GPU"):
+        memory.load_constants(cpu)
+
+
 # --- the checked-in constants ---------------------------------------------------------------------------------
 
 

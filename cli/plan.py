@@ -224,15 +224,11 @@ def _with_activations(by_part: dict, rows: dict) -> None:
 
 
 def _activations_note() -> str:
-    meta = memory_constants_meta()
-    return (f"measured per block and recompute choice on {meta['gpu']}, {meta['date']} (nam56r/activations.json, "
-            "bench/activations.py); the peak replays the backward (nam56r/memory.py backward_peak)")
-
-
-def memory_constants_meta() -> dict:
     from nam56r import memory
 
-    return memory.load_constants().meta
+    meta = memory.load_constants().meta
+    return (f"measured per block and recompute choice on {meta['gpu']}, {meta['date']} (nam56r/activations.json, "
+            "bench/activations.py); the peak replays the backward (nam56r/memory.py backward_peak)")
 
 
 def backend_providers(spec, host) -> dict[str, dict]:
@@ -351,16 +347,13 @@ def _memory(plan: dict) -> list[str]:
         return ["", *head, f"memory: {m['activations']}"]
     lines = ["", *head, f"memory ({m['scope']}): weights {_gib(m['weights_gib'])} + gradients {_gib(m['grads_gib'])} "
                         f"+ optimizer {_gib(m['optimizer_gib'])} = {_gib(m['static_gib'])} static"]
-    if m.get("outside_allocator_gib") is None:
-        lines.append(f"  activations: {m['activations']}")
-    else:
+    measured = m.get("outside_allocator_gib") is not None
+    kept = f"; activations: kept at micro-batch {m['micro_batch']} under the recompute shown" if measured else ""
+    lines.append(f"  by part{kept}:")
+    lines += [_part_line(part, r, measured) for part, r in (m.get("by_part") or {}).items()]
+    lines.append(f"  activations: {m['activations']}")
+    if measured:
         need = m["total_gib"] + m["outside_allocator_gib"]
-        lines.append(f"  by part (GiB; activations: kept at micro-batch {m['micro_batch']} under the recompute shown) "
-                     f"[{m['activations']}]:")
-        lines += [f"    {part:9s} x{r['layers']:<2d} {_count(r['parameters']):>7s} params: weights {r['weights_gib']:6.2f}"
-                  f"  grads {r['grads_gib']:6.2f}  optimizer {r['optimizer_gib']:6.2f}  activations "
-                  f"{r['activations_gib']:6.2f}" + (f" (recompute {r['recompute']})" if r["recompute"] != "none" else "")
-                  for part, r in m["by_part"].items()]
         at = f" (at the {m['peak_at']})" if m.get("peak_at") else ""
         held = m["total_gib"] - m["other_gib"]
         lines.append(f"  peak {m['total_gib']:.1f} GiB{at} = {held:.1f} held + {m['other_gib']:.1f} activations, "
@@ -375,6 +368,16 @@ def _memory(plan: dict) -> list[str]:
     if m.get("one_gpu_check"):
         lines.append(f"  measured on one GPU at these per-GPU shapes by: {m['one_gpu_check']}")
     return lines
+
+
+def _part_line(part: str, r: dict, measured: bool) -> str:
+    """One part's row of the memory section: its parameters, their three static parts, what it keeps."""
+    line = (f"    {part:9s} {_count(r['parameters']):>7s} params: weights {_gib(r['weights_gib']):>9s}, grads "
+            f"{_gib(r['grads_gib']):>9s}, optimizer {_gib(r['optimizer_gib']):>9s}")
+    if not measured:
+        return line
+    recompute = f" (recompute {r['recompute']})" if r["recompute"] != "none" else ""
+    return line + f", activations {_gib(r['activations_gib']):>9s} in {r['layers']}{recompute}"
 
 
 def _plugins(plan: dict) -> list[str]:

@@ -63,6 +63,9 @@ def test_nam56r_planned_against_h200_without_a_gpu(capsys, no_cuda, tmp_path):
            "hardware" in text
     assert "parameters: 4.73B total" in text and "memory (one process holds everything, in bfloat16)" in text
     assert "ssm: mamba-ssm (plugin mamba-ssm)" in text
+    assert "  by part; activations: kept at micro-batch 1 under the recompute shown:" in text
+    assert "    mamba       2.31B params: weights   4.3 GiB, grads   4.3 GiB, optimizer  25.9 GiB, activations" in text
+    assert "fits in 139.8 GiB; largest micro-batch that fits: 3" in text  # fp32-master, no recompute
     assert not (tmp_path / "run").exists()
 
 

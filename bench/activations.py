@@ -20,7 +20,7 @@ caching allocator (``memory_allocated``, ``max_memory_allocated``). On the CPU (
 width) it counts the distinct tensors autograd saves plus the outputs (``saved_tensors_hooks``): a checkpoint
 keeps its inputs outside autograd, so CPU numbers are a lower count and never constants.
 
-    python bench/activations.py --batch 4 2 --json nam56r/activations.json           # one GPU, nam56r
+    python bench/activations.py --batch 4 --json nam56r/activations.json             # one GPU, nam56r
     python bench/activations.py --recipe nam56r-tiny --device cpu --batch 2          # the path, toy width
 """
 
@@ -317,8 +317,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="nam56r")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--batch", type=int, nargs="+", default=[4, 2],
-                    help="micro-batches, largest first (the run is built at the first: its kernels are built)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[4],
+                    help="micro-batches, largest first (the run is built at the first: its kernels are built); two "
+                         "or more give each constant an intercept (nam56r.memory.Line), one a line through 0")
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     ap.add_argument("--choices", nargs="+", default=list(CHOICES), choices=list(CHOICES))
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

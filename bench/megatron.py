@@ -1016,8 +1016,7 @@ def per_gpu_memory(spec: dict, train, *, world: int, ep: int, steps: int, say=pr
     plan, rows = (memory.megatron_estimate(cfg, world=world, ep=ep, mbs=mbs,
                                            kinds=recompute_kinds(train), numerics=numerics, split=(dense, routed))
                   if memory.activations_measured(cfg) else (memory.megatron_plan(
-                      dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics,
-                      other_gib_per_sequence=0.0, other_gib_fixed=0.0), None))
+                      dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics), None))
     peaks, losses = [], []
     for step in range(steps):
         t0 = time.perf_counter()

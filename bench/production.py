@@ -38,21 +38,23 @@ PUBLISHED = {"tflops_per_gpu": 289.0, "tokens_per_s_per_gpu": 9250.0, "flop_per_
 
 
 def plan(args) -> int:
-    from nam56r.memory import (H200_GIB, OTHER_GIB_FIXED, OTHER_GIB_PER_SEQUENCE, OUTSIDE_ALLOCATOR_GIB,
-                                largest_mbs, megatron_plan, parameter_split)
+    from nam56r.memory import (H200_GIB, OUTSIDE_ALLOCATOR_GIB, largest_mbs, load_constants, megatron_estimate,
+                                parameter_split)
     from nam56r.recipes import get_recipe
 
-    dense, routed = parameter_split(get_recipe("nam56r").model)
+    cfg = get_recipe("nam56r").model
+    dense, routed = split = parameter_split(cfg)
     rows = []
     for gpus, ep in ((4, 4), (8, 8), (8, 4)):
-        fit = largest_mbs(dense, routed, world=gpus, ep=ep)
+        fit = largest_mbs(cfg, world=gpus, ep=ep, split=split)
         for mbs in sorted({1, 2, 4, 8, fit} - {0}):
-            p = megatron_plan(dense, routed, world=gpus, ep=ep, mbs=mbs)
+            p, _ = megatron_estimate(cfg, world=gpus, ep=ep, mbs=mbs, kinds=(), split=split)
             rows.append({**p.to_dict(), "fits_h200": p.fits(), "largest_mbs": fit})
-    print(f"\nNAM56R megatron-engine memory per GPU, PP 1, sequence 4096 ({dense / 1e9:.2f}B dense + "
-          f"{routed / 1e9:.2f}B routed-expert parameters); 'other' = {OTHER_GIB_FIXED} + {OTHER_GIB_PER_SEQUENCE} GiB "
-          f"per sequence (fitted at EP 4, MBS 1-3, 4x H200); fits = total + {OUTSIDE_ALLOCATOR_GIB} GiB outside the "
-          f"allocator <= H200's {H200_GIB} GiB\n")
+    measured = load_constants().meta
+    print(f"\nNAM56R megatron-engine memory per GPU, PP 1, sequence 4096, no recompute ({dense / 1e9:.2f}B dense + "
+          f"{routed / 1e9:.2f}B routed-expert parameters); 'other' = the activations measured per block "
+          f"(nam56r/activations.json, {measured['gpu']}, {measured['date']}) replayed through the backward; fits = "
+          f"total + {OUTSIDE_ALLOCATOR_GIB} GiB outside the allocator <= H200's {H200_GIB} GiB\n")
     print("| GPUs | EP | MBS | bf16 weights GiB | fp32 grads GiB | optimizer shard GiB | other GiB | total GiB | fits |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -61,8 +63,7 @@ def plan(args) -> int:
               f"| {'yes' if r['fits_h200'] else 'no'} |")
     if args.json:
         _write(args.json, {"meta": {"date": datetime.date.today().isoformat(), "h200_gib": H200_GIB,
-                                    "other_gib_per_sequence": OTHER_GIB_PER_SEQUENCE,
-                                    "other_gib_fixed": OTHER_GIB_FIXED,
+                                    "activation_constants": {k: measured[k] for k in ("date", "gpu", "command")},
                                     "outside_allocator_gib": OUTSIDE_ALLOCATOR_GIB}, "rows": rows})
     return 0
 
@@ -109,9 +110,9 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     if args.mbs is None:
-        from nam56r.memory import largest_mbs, parameter_split
+        from nam56r.memory import largest_mbs
 
-        args.mbs = largest_mbs(*parameter_split(get_recipe("nam56r").model), world=args.gpus, ep=args.ep)
+        args.mbs = largest_mbs(get_recipe("nam56r").model, world=args.gpus, ep=args.ep)
         if args.mbs < 1:
             print(f"error: by nam56r/memory.py not even MBS 1 fits an H200 at {args.gpus} GPUs, EP {args.ep}",
                   file=sys.stderr)

@@ -142,9 +142,10 @@ def model_section(cfg) -> dict:
 
 
 def memory_section(spec, device) -> dict:
-    """Per-device memory under the run's optimizer numerics and activation recompute: the static part counted
-    exactly, activations where they were measured, split by block kind (estimates under recompute until
-    measured; nam56r/memory.py says what is counted, measured and estimated)."""
+    """Per-device memory under the run's optimizer numerics and activation recompute, in total and per part
+    (``by_part``: each layer kind, the MTP depths, the head, the embedding): weights, gradients and optimizer
+    states counted exactly, activations from the constants measured per part and recompute choice at NAM56R's
+    shape, the peak by replaying the backward, and the largest micro-batch whose plan fits (nam56r/memory.py)."""
     import torch
 
     from nam56r import memory
@@ -152,33 +153,36 @@ def memory_section(spec, device) -> dict:
     from nam_core.engine.numerics import describe
 
     cfg, train, lay = spec.model, spec.train, spec.layout
-    dense, routed = memory.parameter_split(cfg)
+    split = memory.parameters_by_part(cfg)
+    dense, routed = sum(d for d, _ in split.values()), sum(r for _, r in split.values())
     capacity = device.memory_bytes / memory.GIB if device.memory_bytes else None
     kinds = recompute_kinds(train)
     section = {"capacity_gib": capacity, "outside_allocator_gib": None, "activations": None, "fits": None,
                "numerics": describe(train.optimizer_numerics, train.dtype), "recompute": list(kinds),
-               "activations_by_kind": None}
+               "micro_batch": train.micro_batch_size, "activations_by_kind": None, "by_part": None}
     measured = memory.activations_measured(cfg)
     if spec.engine == "local":
         nbytes = torch.empty((), dtype=getattr(torch, train.dtype)).element_size()
         section.update(scope="one process holds everything, in " + train.dtype,
-                       **memory.local_static_gib(dense + routed, nbytes, train.optimizer_numerics))
+                       **memory.local_static_gib(dense + routed, nbytes, train.optimizer_numerics),
+                       by_part=memory.static_by_part(split, engine="local", numerics=train.optimizer_numerics,
+                                                     dtype_bytes=nbytes))
         if not measured or nbytes != 2:
             section["activations"] = ("not estimated: the local engine's were measured only in bfloat16 at "
                                       + ", ".join(f"{k} {v}" for k, v in memory.MEASURED_SHAPE.items()))
             return section
-        rows = memory.activations_by_kind(cfg, kinds, per_sequence=memory.LOCAL_GIB_PER_SEQUENCE)
-        per_seq = memory.per_sequence_gib(rows)
-        plan = memory.local_plan(dense + routed, nbytes, numerics=train.optimizer_numerics,
-                                 mbs=train.micro_batch_size, per_sequence=per_seq)
-        section.update(plan, activations=_activations_note(kinds), activations_by_kind=rows,
+        mbs = train.micro_batch_size
+        plan = memory.local_plan(dense + routed, nbytes, numerics=train.optimizer_numerics, mbs=mbs, cfg=cfg,
+                                 kinds=kinds)
+        rows = plan.pop("rows")
+        section.update(plan, activations=_activations_note(), activations_by_kind=rows,
                        outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB)
+        _with_activations(section["by_part"], rows)
         if capacity is not None:
-            fits = lambda mbs: memory.local_plan(dense + routed, nbytes, numerics=train.optimizer_numerics, mbs=mbs,
-                                                 per_sequence=per_seq)["total_gib"] + memory.OUTSIDE_ALLOCATOR_GIB \
+            fits = lambda m: memory.local_plan(dense + routed, nbytes, numerics=train.optimizer_numerics, mbs=m,
+                                               cfg=cfg, kinds=kinds)["total_gib"] + memory.OUTSIDE_ALLOCATOR_GIB \
                 <= capacity
-            section.update(fits=fits(train.micro_batch_size),
-                           largest_micro_batch=max([m for m in range(1, 65) if fits(m)], default=0))
+            section.update(fits=fits(mbs), largest_micro_batch=memory.largest_fitting(fits))
         return section
     if lay.pp > 1 or lay.tp > 1:
         section.update(scope="per GPU", activations=f"not estimated: the model is for pp 1 and tp 1 (found pp "
@@ -188,33 +192,43 @@ def memory_section(spec, device) -> dict:
     if measured:  # the estimate bench/megatron.py memory measures at these per-GPU shapes on one GPU
         plan, rows = memory.megatron_estimate(cfg, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
                                               kinds=kinds, numerics=numerics, split=(dense, routed))
-        per_seq = memory.per_sequence_gib(rows)
     else:
         plan = memory.megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                                    numerics=numerics, other_gib_per_sequence=0.0, other_gib_fixed=0.0)
+                                    numerics=numerics)
     section.update(scope=f"per GPU, {lay.world_size} GPUs at ep {lay.ep}, micro-batch {train.micro_batch_size}",
-                   **plan.to_dict())
+                   **plan.to_dict(), by_part=memory.static_by_part(split, engine="megatron", numerics=numerics,
+                                                                   world=lay.world_size, ep=lay.ep))
     if not measured:
         section["activations"] = ("not estimated: measured only at " + ", ".join(
             f"{k} {v}" for k, v in memory.MEASURED_SHAPE.items()))
         return section
-    section.update(activations=_activations_note(kinds), activations_by_kind=rows,
+    _with_activations(section["by_part"], rows)
+    section.update(activations=_activations_note(), activations_by_kind=rows,
                    outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB,
                    one_gpu_check=(f"python bench/megatron.py memory --world {lay.world_size} --ep {lay.ep} --mbs "
                                   f"{train.micro_batch_size} --recompute {','.join(kinds) or 'none'} --numerics "
                                   f"{numerics}"))
     if capacity is not None:
         section.update(fits=plan.fits(capacity), largest_micro_batch=memory.largest_mbs(
-            dense, routed, world=lay.world_size, ep=lay.ep, capacity_gib=capacity, per_sequence=per_seq,
-            numerics=numerics))
+            cfg, world=lay.world_size, ep=lay.ep, kinds=kinds, capacity_gib=capacity, numerics=numerics,
+            split=(dense, routed)))
     return section
 
 
-def _activations_note(kinds) -> str:
-    if not kinds:
-        return "measured (nam56r/memory.py); split by kind: an estimate"
-    return (f"measured without recompute; under recompute of {', '.join(kinds)}: an ESTIMATE until measured "
-            "(nam56r/memory.py activations_by_kind; bench/megatron.py throughput --recompute measures it)")
+def _with_activations(by_part: dict, rows: dict) -> None:
+    """Each part's static row gets what its forward keeps at the run's micro-batch and the recompute choice."""
+    for part, row in by_part.items():
+        act = rows.get(part)
+        row.update(layers=act["layers"] if act else 0, activations_gib=act["gib"] if act else 0.0,
+                   recompute=act["choice"] if act else "none")
+
+
+def _activations_note() -> str:
+    from nam56r import memory
+
+    meta = memory.load_constants().meta
+    return (f"measured per block and recompute choice on {meta['gpu']}, {meta['date']} (nam56r/activations.json, "
+            "bench/activations.py); the peak replays the backward (nam56r/memory.py backward_peak)")
 
 
 def backend_providers(spec, host) -> dict[str, dict]:
@@ -333,16 +347,17 @@ def _memory(plan: dict) -> list[str]:
         return ["", *head, f"memory: {m['activations']}"]
     lines = ["", *head, f"memory ({m['scope']}): weights {_gib(m['weights_gib'])} + gradients {_gib(m['grads_gib'])} "
                         f"+ optimizer {_gib(m['optimizer_gib'])} = {_gib(m['static_gib'])} static"]
-    if m.get("outside_allocator_gib") is None:
-        lines.append(f"  activations: {m['activations']}")
-    else:
+    measured = m.get("outside_allocator_gib") is not None
+    kept = f"; activations: kept at micro-batch {m['micro_batch']} under the recompute shown" if measured else ""
+    lines.append(f"  by part{kept}:")
+    lines += [_part_line(part, r, measured) for part, r in (m.get("by_part") or {}).items()]
+    lines.append(f"  activations: {m['activations']}")
+    if measured:
         need = m["total_gib"] + m["outside_allocator_gib"]
-        rows = m.get("activations_by_kind") or {}
-        by_kind = ", ".join(f"{k} {r['gib']:.2f}" + (" (recomputed)" if r["recomputed"] else "")
-                            for k, r in rows.items() if r["layers"])
-        lines.append(f"  activations per sequence by kind, GiB: {by_kind}  [{m['activations']}]")
         at = f" (at the {m['peak_at']})" if m.get("peak_at") else ""
-        lines.append(f"  + activations and temporaries {m['other_gib']:.1f} GiB = peak {m['total_gib']:.1f} GiB{at}; "
+        held = m["total_gib"] - m["other_gib"]
+        lines.append(f"  peak {m['total_gib']:.1f} GiB{at} = {held:.1f} held + {m['other_gib']:.1f} activations, "
+                     f"temporaries{' and gradients made by the backward' if m.get('peak_at') else ''}; "
                      f"+ {m['outside_allocator_gib']:.1f} GiB outside the allocator = {need:.1f} GiB")
     if m.get("fits") is not None:
         verdict = "fits" if m["fits"] else "does NOT fit"
@@ -353,6 +368,16 @@ def _memory(plan: dict) -> list[str]:
     if m.get("one_gpu_check"):
         lines.append(f"  measured on one GPU at these per-GPU shapes by: {m['one_gpu_check']}")
     return lines
+
+
+def _part_line(part: str, r: dict, measured: bool) -> str:
+    """One part's row of the memory section: its parameters, their three static parts, what it keeps."""
+    line = (f"    {part:9s} {_count(r['parameters']):>7s} params: weights {_gib(r['weights_gib']):>9s}, grads "
+            f"{_gib(r['grads_gib']):>9s}, optimizer {_gib(r['optimizer_gib']):>9s}")
+    if not measured:
+        return line
+    recompute = f" (recompute {r['recompute']})" if r["recompute"] != "none" else ""
+    return line + f", activations {_gib(r['activations_gib']):>9s} in {r['layers']}{recompute}"
 
 
 def _plugins(plan: dict) -> list[str]:

@@ -1,26 +1,39 @@
-"""Per-GPU memory of NAM56R under the megatron engine: the static part counted exactly, the rest measured.
+"""Per-device memory of NAM56R in either engine: the static part counted exactly, the activations from measured
+per-block constants under the run's activation recompute.
 
-The megatron engine (nam_core/engine/megatron.py) keeps, on each rank, this rank's parameters in bf16, their
-gradients in fp32 buffers (``grad_reduce_in_fp32``), and its shard of the distributed optimizer's fp32 main
-parameters and two Adam moments. With pipeline size 1 and ``world`` ranks at expert parallelism ``ep``:
+Static (counted on the meta device). The megatron engine keeps, on each rank, this rank's parameters in bf16,
+their gradients in fp32 buffers (``grad_reduce_in_fp32``), and its shard of the distributed optimizer's fp32
+main parameters and two Adam moments. With pipeline size 1 and ``world`` ranks at expert parallelism ``ep``:
 
 * dense parameters (everything but the routed experts) sit on every rank; the optimizer shards them over all
   ``world`` ranks;
 * routed experts are split ``ep`` ways; the optimizer shards each rank's experts over the ``world / ep``
   ranks that hold the same experts.
 
-Everything else (activations, the optimizer step's temporaries, the allocator's slack) is not modelled. It is
-measured, as a fixed part plus a part per sequence of the micro-batch (``OTHER_GIB_FIXED``,
-``OTHER_GIB_PER_SEQUENCE``), fitted to real runs' peaks (``torch.cuda.max_memory_allocated``) minus their
-static part. ``total_gib`` is that peak. A GPU must also hold what the process keeps outside PyTorch's
-allocator (``OUTSIDE_ALLOCATOR_GIB``), which the peak does not see; ``fits`` and ``largest_mbs`` count it.
+The local engine holds everything in one process: weights, the optimizer states of ``train.optimizer_numerics``,
+and gradients in the parameter dtype that exist only from the backward to the step (``set_to_none``).
+
+Activations (measured). ``bench/activations.py`` builds ONE block of each part (a Mamba-3, MoE, DSA and MLA
+layer, an MTP depth, the CE head, the embedding) at NAM56R's width on a GPU and measures, per recompute choice
+and micro-batch, the bytes its forward keeps for backward, the backward's peak above that and the gradients it
+leaves; its JSON is ``nam56r/activations.json`` (its ``meta`` says date, GPU, versions and the command).
+``activations_by_kind`` sums the parts over the model's layers; ``backward_peak`` replays the backward in the
+model's order (MTP depths, head, layers last to first, embedding): at each part the kept activations of the parts
+not yet done, the gradients made so far (local engine) and that part's backward peak. The estimate of the
+allocator's peak (``torch.cuda.max_memory_allocated``, what the engines log as ``mem_gib``) is the static part
+plus that replay's peak; ``bench/memory_plan.py`` compares it with every measured peak. A GPU must also hold
+what the process keeps outside PyTorch's allocator (``OUTSIDE_ALLOCATOR_GIB``), which the peak does not see;
+``fits`` and the largest micro-batch count it.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 GIB = 2**30
 BF16_WEIGHT, FP32_GRAD, FP32_OPTIMIZER = 2, 4, 12
@@ -29,14 +42,6 @@ MEGATRON_OPTIMIZER = {"fp32-master": FP32_OPTIMIZER, "bf16-moments": 4 + 2 + 2}
 """The distributed optimizer's bytes per parameter under ``train.optimizer_numerics`` (fp32 main weights; two
 fp32 or two bf16 moments). The megatron engine refuses the other numerics."""
 
-OTHER_GIB_PER_SEQUENCE = 22.95
-OTHER_GIB_FIXED = 2.8
-"""Measured 2026-11-22 on 4x H200, NAM56R at sequence 4096, megatron engine, PP 1, EP 4
-(bench/results/megatron_throughput_x4.json and megatron_throughput_x4_mbs.json): peaks 62.5, 85.3 and
-108.4 GiB at MBS 1, 2 and 3 over a static part of 36.7 GiB, so 22.95 GiB per sequence and 2.8 GiB fixed.
-Fitted at EP 4 only; the 1-GPU (EP 1) and 2-GPU (EP 2, MBS 1 and 2) peaks of the same session are
-predictions it meets within 1 GiB (tests/test_memory.py)."""
-
 OUTSIDE_ALLOCATOR_GIB = 9.5
 """Memory a rank holds outside PyTorch's caching allocator: the CUDA context, NCCL's buffers, library
 workspaces. Measured at the one out-of-memory seen, 4x H200, EP 4, MBS 4: the process held 139.40 GiB, of
@@ -44,6 +49,9 @@ which PyTorch had allocated 129.80 GiB and reserved 0.08 GiB more."""
 
 H200_GIB = 139.8
 """An H200's memory as CUDA reports it (``total capacity of 139.80 GiB`` in that out-of-memory error)."""
+
+MAX_MBS = 64
+"""The largest micro-batch the plan searches (``largest_fitting``)."""
 
 
 def parameter_split(cfg) -> tuple[int, int]:
@@ -89,18 +97,17 @@ class MemoryPlan:
                 "static_gib": self.static_gib, "other_gib": self.other_gib, "total_gib": self.total_gib}
 
 
-def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int,
-                  other_gib_per_sequence: float = OTHER_GIB_PER_SEQUENCE,
-                  other_gib_fixed: float = OTHER_GIB_FIXED, numerics: str = "fp32-master") -> MemoryPlan:
-    """Peak memory per GPU at pipeline size 1 (see the module docstring for what is counted and what measured).
-    ``other_gib_per_sequence``: the activations of one sequence (``activations_by_kind`` under recompute)."""
+def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int, other_gib: float = 0.0,
+                  numerics: str = "fp32-master") -> MemoryPlan:
+    """Peak memory per GPU at pipeline size 1: the static part (see the module docstring) and ``other_gib``,
+    the activations and temporaries at the peak (``backward_peak``)."""
     if world < 1 or ep < 1 or world % ep or mbs < 1:
         raise ValueError(f"world={world}, ep={ep}, mbs={mbs}: need world, ep, mbs >= 1 and ep dividing world")
     local = dense + routed / ep
     sharded = dense / world + routed / world  # experts: routed/ep over world/ep ranks
     return MemoryPlan(world=world, ep=ep, mbs=mbs, local_params=local, weights_gib=BF16_WEIGHT * local / GIB,
                       grads_gib=FP32_GRAD * local / GIB, optimizer_gib=MEGATRON_OPTIMIZER[numerics] * sharded / GIB,
-                      other_gib=other_gib_fixed + other_gib_per_sequence * mbs)
+                      other_gib=other_gib)
 
 
 def megatron_estimate(cfg, *, world: int, ep: int, mbs: int, kinds: tuple[str, ...], numerics: str = "fp32-master",
@@ -108,26 +115,37 @@ def megatron_estimate(cfg, *, world: int, ep: int, mbs: int, kinds: tuple[str, .
     """The megatron engine's per-GPU plan of ``cfg`` at ``world`` ranks, expert parallelism ``ep``, micro-batch
     ``mbs`` and the recompute ``kinds`` (expanded), with its activation rows (``activations_by_kind``): what
     ``--dry-run`` prints for that layout (cli/plan.py) and what ``bench/megatron.py memory`` measures against on
-    one GPU at the same per-GPU shapes. ``cfg`` must have ``MEASURED_SHAPE``."""
+    one GPU at the same per-GPU shapes. The gradients are fp32 buffers, static: none are made in the backward.
+    ``cfg`` must have ``MEASURED_SHAPE``."""
     dense, routed = split or parameter_split(cfg)
-    rows = activations_by_kind(cfg, kinds, per_sequence=OTHER_GIB_PER_SEQUENCE)
-    plan = megatron_plan(dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics,
-                         other_gib_per_sequence=per_sequence_gib(rows))
-    return plan, rows
+    peak = backward_peak(cfg, kinds, mbs, grads=False)
+    plan = megatron_plan(dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics, other_gib=peak["peak_gib"])
+    return plan, peak["rows"]
 
 
-def largest_mbs(dense: int, routed: int, *, world: int, ep: int, capacity_gib: float = H200_GIB,
-                per_sequence: float = OTHER_GIB_PER_SEQUENCE, numerics: str = "fp32-master") -> int:
-    """The largest micro-batch whose plan ``fits`` a GPU of ``capacity_gib`` (0 if not even MBS 1 fits)."""
-    base = megatron_plan(dense, routed, world=world, ep=ep, mbs=1, other_gib_per_sequence=0,
-                         numerics=numerics).total_gib
-    return max(0, math.floor((capacity_gib - OUTSIDE_ALLOCATOR_GIB - base) / per_sequence))
+def largest_mbs(cfg, *, world: int, ep: int, kinds: tuple[str, ...] = (), capacity_gib: float = H200_GIB,
+                numerics: str = "fp32-master", split: tuple[int, int] | None = None) -> int:
+    """The largest micro-batch whose megatron plan (``megatron_estimate``) ``fits`` a GPU of ``capacity_gib``."""
+    split = split or parameter_split(cfg)
+    return largest_fitting(lambda m: megatron_estimate(cfg, world=world, ep=ep, mbs=m, kinds=kinds, numerics=numerics,
+                                                       split=split)[0].fits(capacity_gib))
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int = MAX_MBS) -> int:
+    """The largest micro-batch ``m <= limit`` with ``fits(m)`` (0 if not even 1 fits): memory grows with ``m``,
+    so the search stops at the first that does not fit."""
+    best = 0
+    for m in range(1, limit + 1):
+        if not fits(m):
+            break
+        best = m
+    return best
 
 
 MEASURED_SHAPE = {"hidden": 4096, "seq_len": 4096, "num_layers": 52}
-"""The model shape ``OTHER_GIB_FIXED`` and ``OTHER_GIB_PER_SEQUENCE`` were measured at (the ``nam56r`` recipe).
-Activations grow with width, length and depth, so at any other shape they are not estimated: only the static
-part is, which is counted exactly."""
+"""The model shape the activation constants were measured at (the ``nam56r`` recipe; ``activations.json``'s
+``meta.shape`` must say the same). Activations grow with width, length and depth, so at any other shape they are
+not estimated: only the static part is, which is counted exactly."""
 
 
 def activations_measured(cfg) -> bool:
@@ -148,96 +166,218 @@ def local_static_gib(params: int, dtype_bytes: int, numerics: str = "bf16") -> d
             "static_gib": 2 * weights + optimizer}
 
 
-LOCAL_GIB_PER_SEQUENCE = 21.27
-LOCAL_GIB_FIXED = 4.4
-"""The local engine's activations at NAM56R's shape (``MEASURED_SHAPE``), one H200: peaks 72.2 and 114.8 GiB at
-MBS 2 and 4 (bench/results/megatron_throughput_h200_1gpu.json, megatron_throughput_h200_local_mbs4.json; bf16
-parameters and moments) over weights and moments of 26.4 GiB: 21.27 GiB per sequence, 4.4 GiB fixed. The
-gradients are not in that peak's static part: the backward allocates them as it frees activations."""
+# --- activations by part, measured per recompute choice (bench/activations.py) ----------------------------
+
+ACTIVATIONS = Path(__file__).with_name("activations.json")
+"""``bench/activations.py``'s JSON from one GPU at ``MEASURED_SHAPE``: the constants the plan reads (its ``meta``
+has the date, GPU, versions and command; bench/README.md has the table)."""
+
+PARTS = ("mamba", "moe", "dsa", "mla", "mtp", "head", "embedding")
+"""What the plan sums: a layer of each kind (``LayerSpec.kind``), an MTP depth, the CE head, the embedding."""
+
+RECOMPUTED_BY = {"mamba": ("mamba", "mamba-scan", "layer"), "moe": ("moe", "layer"), "dsa": ("attention", "layer"),
+                 "mla": ("attention", "layer"), "mtp": ("attention", "layer"), "head": (), "embedding": ()}
+"""The recompute kinds that change what a part keeps (``nam56r.recompute.apply``: an MTP depth's attention layer
+is marked too; the head and the embedding never are). tests/test_memory.py checks it against the bench's rows."""
 
 
-# --- activations by block kind, under activation recompute (estimates until measured) ---------------------
+@dataclass(frozen=True)
+class Line:
+    """Bytes as ``fixed + per_sequence * mbs``: fitted through the micro-batches measured (one: through 0)."""
 
-KINDS = ("mamba", "moe", "attention")
-"""Recompute kinds by layer kind (nam56r/recompute.py ``KIND_OF_LAYER``)."""
+    fixed: float
+    per_sequence: float
 
+    def at(self, mbs: int) -> float:
+        return self.fixed + self.per_sequence * mbs
 
-def kept_bytes_per_token(cfg) -> dict[str, tuple[int, float]]:
-    """Kind -> (layers, bytes per token one layer keeps for backward without recompute), by an analytic model:
-    every matrix keeps its input and its output for backward (bf16, 2 bytes each); a routed expert matrix
-    ``[E, a, b]`` does so for each of the ``moe_topk`` experts a token visits. It counts what sizes the layers
-    in proportion to one another; ``activations_by_kind`` scales it to the measured total."""
-    from nam56r.model import build_model
-    from nam56r.recompute import KIND_OF_LAYER
-
-    totals: dict[str, list] = {}
-    for layer in build_model(cfg, device="meta").layers:
-        per_token = 0
-        for p in layer.parameters():
-            if p.ndim == 2:
-                per_token += p.shape[0] + p.shape[1]
-            elif p.ndim == 3:
-                per_token += cfg.moe_topk * (p.shape[1] + p.shape[2])
-        row = totals.setdefault(KIND_OF_LAYER[layer.spec.kind], [0, 0])
-        row[0] += 1
-        row[1] += 2 * per_token
-    return {k: (n, total / n) for k, (n, total) in totals.items()}
+    @staticmethod
+    def fit(points: list[tuple[int, float]]) -> "Line":
+        if len({b for b, _ in points}) < 2:
+            return Line(0.0, sum(v / b for b, v in points) / len(points))
+        n = len(points)
+        mb, mv = sum(b for b, _ in points) / n, sum(v for _, v in points) / n
+        slope = sum((b - mb) * (v - mv) for b, v in points) / sum((b - mb) ** 2 for b, _ in points)
+        return Line(mv - slope * mb, slope)
 
 
-def activations_by_kind(cfg, kinds: tuple[str, ...], *, per_sequence: float) -> dict[str, dict]:
-    """GiB of activations per sequence by recompute kind (``mamba``, ``moe``, ``attention``) under the recompute
-    ``kinds``, and ``replay``: the one layer a recompute rebuilds at a time in backward. ESTIMATES until measured
-    per kind (``bench/megatron.py throughput --recompute``):
+@dataclass(frozen=True)
+class Measured:
+    """One part under one recompute choice (``bench/activations.py`` rows, fitted over the micro-batches)."""
 
-    * without recompute, the measured ``per_sequence`` (everything the run keeps for one sequence, the MTP depths
-      and the CE head included) is split among the kinds in proportion to ``kept_bytes_per_token``;
-    * a recomputed mixer keeps its input and its norm's input (2 x hidden bf16 per token and layer); a recomputed
-      whole layer (``layer``) keeps its input (1 x hidden); a Mamba mixer under ``mamba-scan`` keeps those two,
-      its in_proj output and out_proj's input (``mamba_scan_extra_per_token``);
-    * the replay holds one layer of the largest recomputed kind's activations, as without recompute.
-    """
-    kept = kept_bytes_per_token(cfg)
-    modelled = sum(n * b for n, b in kept.values()) * cfg.seq_len / GIB
-    scale = per_sequence / modelled
-    rows, replay = {}, 0.0
-    for kind, (n, per_layer) in kept.items():
-        full = n * per_layer * cfg.seq_len * scale / GIB
-        scan = kind == "mamba" and "mamba-scan" in kinds and "layer" not in kinds
-        recomputed = "layer" in kinds or kind in kinds or scan
-        inputs = (1 if "layer" in kinds else 2) * cfg.hidden * 2 + (mamba_scan_extra_per_token(cfg) if scan else 0)
-        rows[kind] = {"layers": n, "gib": n * inputs * cfg.seq_len / GIB if recomputed else full,
-                      "recomputed": recomputed, "without_recompute_gib": full}
-        if recomputed:
-            replay = max(replay, full / n)
-    rows["replay"] = {"layers": 1 if replay else 0, "gib": replay, "recomputed": False, "without_recompute_gib": 0.0}
+    kept: Line
+    backward_extra: Line
+    grad_bytes: float
+    shared_grad_bytes: float
+
+
+@dataclass(frozen=True)
+class Constants:
+    meta: dict
+    parts: dict[tuple[str, str], Measured]
+    """(part, choice) -> what it keeps (choice: ``none`` or one recompute kind)."""
+
+    def get(self, part: str, choice: str) -> Measured:
+        if (part, choice) not in self.parts:
+            raise KeyError(f"{ACTIVATIONS.name} has no row for part {part!r} under recompute {choice!r}; measured: "
+                           f"{sorted(self.parts)}; rerun: {self.meta.get('command', 'python bench/activations.py')}")
+        return self.parts[part, choice]
+
+
+def constants_from(data: dict) -> Constants:
+    """``Constants`` of a ``bench/activations.py`` JSON (its ``meta`` and ``rows``). Refuses CPU rows (a lower
+    count, not constants) and a shape other than ``MEASURED_SHAPE``."""
+    meta = data["meta"]
+    if not str(meta.get("meter", "")).startswith("torch.cuda"):
+        raise ValueError(f"activation constants must be measured on a GPU (torch.cuda.memory_allocated); found "
+                         f"meter {meta.get('meter')!r}")
+    if meta.get("shape") != MEASURED_SHAPE:
+        raise ValueError(f"activation constants measured at {meta.get('shape')}, expected {MEASURED_SHAPE}")
+    grouped: dict[tuple[str, str], list[dict]] = {}
+    for row in data["rows"]:
+        grouped.setdefault((row["part"], row["choice"]), []).append(row)
+    parts = {key: Measured(kept=Line.fit([(r["batch"], r["kept_bytes"]) for r in rows]),
+                           backward_extra=Line.fit([(r["batch"], r["backward_extra_bytes"]) for r in rows]),
+                           grad_bytes=max(r["grad_bytes"] for r in rows),
+                           shared_grad_bytes=max(r["shared_grad_bytes"] for r in rows))
+             for key, rows in grouped.items()}
+    return Constants(meta=meta, parts=parts)
+
+
+@functools.lru_cache(maxsize=None)
+def load_constants(path: Path = ACTIVATIONS) -> Constants:
+    """The checked-in constants (``ACTIVATIONS``); a ``NamError`` (exit 1) naming the file and how to remake it
+    when it is missing or not a GPU's measurement at ``MEASURED_SHAPE``."""
+    from nam_core.errors import NamError
+
+    remake = "on one GPU: python bench/activations.py --batch 4 --json nam56r/activations.json (bench/README.md)"
+    try:
+        return constants_from(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise NamError(f"the memory plan's activation constants: expected {path}, found no such file (an install "
+                       "without nam56r's package data?)", hint=f"reinstall nam-train, or remake it {remake}") from None
+    except (ValueError, KeyError) as e:
+        raise NamError(f"the memory plan's activation constants in {path}: {e}", hint=f"remake them {remake}") from e
+
+
+def part_counts(cfg) -> dict[str, int]:
+    """How many of each part ``cfg``'s model has: its layers by kind, its MTP depths, one head, one embedding."""
+    from nam56r.pattern import resolve
+
+    layers = resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks).counts()
+    return {**{k: layers.get(k, 0) for k in ("mamba", "moe", "dsa", "mla")}, "mtp": cfg.mtp_depths, "head": 1,
+            "embedding": 1}
+
+
+def choice_for(part: str, kinds: tuple[str, ...]) -> str:
+    """The recompute choice that decides what ``part`` keeps under the recompute ``kinds`` (expanded): the one
+    kind of ``kinds`` that reaches it (``RECOMPUTED_BY``; the config allows no two), else ``none``."""
+    reaching = [k for k in kinds if k in RECOMPUTED_BY[part]]
+    return reaching[0] if reaching else "none"
+
+
+def activations_by_kind(cfg, kinds: tuple[str, ...], mbs: int, *, constants: Constants | None = None) -> dict:
+    """Part -> what its forward keeps at micro-batch ``mbs`` under the recompute ``kinds``: ``layers`` (how many
+    in the model), ``choice`` (the measured row it uses), ``recomputed``, ``gib`` (all of them), ``gib_per_layer``
+    and ``without_recompute_gib`` (all of them, no recompute)."""
+    c = constants or load_constants()
+    rows = {}
+    for part, n in part_counts(cfg).items():
+        if not n:
+            continue
+        choice = choice_for(part, kinds)
+        one = c.get(part, choice).kept.at(mbs) / GIB
+        rows[part] = {"layers": n, "choice": choice, "recomputed": choice != "none", "gib": n * one,
+                      "gib_per_layer": one, "without_recompute_gib": n * c.get(part, "none").kept.at(mbs) / GIB}
     return rows
 
 
-def mamba_scan_extra_per_token(cfg) -> int:
-    """Bytes per token a Mamba-3 layer keeps under ``mamba-scan`` beyond a whole recomputed mixer's two hidden
-    vectors: the in_proj output (bf16; z, x, B, C, dt, A, trap and the angles: 24,992 wide at NAM56R's width)
-    and out_proj's input (d_inner), the two ends of the checkpointed part (``nam56r.blocks.mamba3``)."""
-    bc = cfg.d_state * cfg.mamba_ngroups * cfg.mamba_mimo_rank
-    angles = int(cfg.d_state * cfg.mamba_rope_fraction) // 2 * 2 // 2
-    return 2 * (2 * cfg.d_inner + 2 * bc + 3 * cfg.mamba_heads + angles) + 2 * cfg.d_inner
+def parameters_by_part(cfg) -> dict[str, tuple[int, int]]:
+    """Part -> (dense, routed-expert) parameters, from the model on the meta device: the layers by kind, the MTP
+    depths, the head (with the final norm), the embedding (with the n-gram hash and structure embeddings). The
+    parts add up to ``parameter_split``."""
+    from nam56r.model import build_model
+
+    model = build_model(cfg, device="meta")
+    out = {p: [0, 0] for p in PARTS}
+    for layer in model.layers:
+        for name, p in layer.named_parameters():
+            out[layer.spec.kind][1 if name in ("mixer.w_gate_up", "mixer.w_down") else 0] += p.numel()
+    out["mtp"][0] = sum(p.numel() for p in model.mtp.parameters())
+    out["head"][0] = model.final_norm.weight.numel() + (model.head.numel() if model.head is not None else 0)
+    out["embedding"][0] = sum(p.numel() for m in (model.embed, model.ngram, model.structure) if m is not None
+                              for p in m.parameters())
+    return {k: (d, r) for k, (d, r) in out.items()}
 
 
-def per_sequence_gib(rows: dict[str, dict]) -> float:
-    """One sequence's activations under a recompute choice (``activations_by_kind``)."""
-    return sum(r["gib"] for r in rows.values())
+def static_by_part(split: dict[str, tuple[int, int]], *, engine: str, numerics: str, dtype_bytes: int = 2,
+                   world: int = 1, ep: int = 1) -> dict[str, dict]:
+    """Part -> parameters on this device and GiB of weights, gradients and optimizer states, as the engine keeps
+    them (the module docstring): the megatron engine per rank (experts split ``ep`` ways, the optimizer sharded),
+    the local engine whole (its gradients exist from the backward to the step)."""
+    from nam_core.engine.numerics import STATE_BYTES
+
+    rows = {}
+    for part, (dense, routed) in split.items():
+        if engine == "megatron":
+            local = dense + routed / ep
+            rows[part] = {"parameters": local, "weights_gib": BF16_WEIGHT * local / GIB,
+                          "grads_gib": FP32_GRAD * local / GIB,
+                          "optimizer_gib": MEGATRON_OPTIMIZER[numerics] * (dense + routed) / world / GIB}
+        else:
+            n = dense + routed
+            state = STATE_BYTES[numerics] if dtype_bytes == 2 else 8
+            rows[part] = {"parameters": n, "weights_gib": dtype_bytes * n / GIB, "grads_gib": dtype_bytes * n / GIB,
+                          "optimizer_gib": state * n / GIB}
+    return rows
 
 
-def local_plan(params: int, dtype_bytes: int, *, numerics: str, mbs: int, per_sequence: float) -> dict:
-    """The local engine's peak: the larger of the backward's (weights, optimizer states, activations; the
-    gradients replace freed activations, ``LOCAL_GIB_FIXED``) and the optimizer step's (weights, optimizer
-    states, the gradients it reads: fp32 with fp32 masters)."""
+def backward_order(cfg) -> list[str]:
+    """The parts in the order the backward reaches them: the MTP depths (last first), the head, the layers last
+    to first, the embedding."""
+    from nam56r.pattern import resolve
+
+    layers = [spec.kind for spec in resolve(cfg.pattern, cfg.num_layers, cfg.mla_attention_ranks).layers]
+    return ["mtp"] * cfg.mtp_depths + ["head"] + layers[::-1] + ["embedding"]
+
+
+def backward_peak(cfg, kinds: tuple[str, ...], mbs: int, *, grads: bool, constants: Constants | None = None) -> dict:
+    """The activations' and temporaries' peak of one step at micro-batch ``mbs`` (GiB; what the allocator holds
+    on top of the static part), by replaying the backward (``backward_order``): at each part, the kept bytes of
+    every part not yet done, the gradients made so far when ``grads`` (the local engine; the megatron engine's
+    are static fp32 buffers), and the part's own backward peak (its measured ``backward_extra``, less the shared
+    embedding and head gradients once they exist). ``peak_gib`` and the part it is at (``peak_at``),
+    ``activations_gib`` (all kept at the end of the forward) and ``rows`` (``activations_by_kind``)."""
+    c = constants or load_constants()
+    rows = activations_by_kind(cfg, kinds, mbs, constants=c)
+    live = sum(r["gib"] for r in rows.values()) * GIB
+    made, shared_made, peak, at = 0.0, False, 0.0, None
+    for part in backward_order(cfg):
+        m = c.get(part, rows[part]["choice"])
+        extra = m.backward_extra.at(mbs) - (m.shared_grad_bytes if shared_made else 0.0)
+        here = live + (made if grads else 0.0) + extra
+        if here > peak:
+            peak, at = here, part
+        live -= m.kept.at(mbs)
+        made += m.grad_bytes + (0.0 if shared_made else m.shared_grad_bytes)
+        shared_made = shared_made or m.shared_grad_bytes > 0
+    return {"peak_gib": peak / GIB, "peak_at": at, "activations_gib": sum(r["gib"] for r in rows.values()),
+            "rows": rows}
+
+
+def local_plan(params: int, dtype_bytes: int, *, numerics: str, mbs: int, cfg, kinds: tuple[str, ...],
+               constants: Constants | None = None) -> dict:
+    """The local engine's peak: the larger of the backward's (weights and optimizer states held, plus
+    ``backward_peak`` with the gradients it makes) and the optimizer step's (weights, optimizer states and the
+    gradients it reads: fp32 with fp32 masters)."""
     static = local_static_gib(params, dtype_bytes, numerics)
     held = static["weights_gib"] + static["optimizer_gib"]
-    grads = params * (4 if dtype_bytes == 4 or numerics in ("fp32-master", "bf16-moments") else 2) / GIB
-    backward = held + LOCAL_GIB_FIXED + per_sequence * mbs
-    step = held + grads
-    return {**static, "other_gib": per_sequence * mbs + LOCAL_GIB_FIXED, "total_gib": max(backward, step),
-            "peak_at": "backward" if backward >= step else "optimizer step"}
+    peak = backward_peak(cfg, kinds, mbs, grads=True, constants=constants)
+    backward = held + peak["peak_gib"]
+    step = held + params * (4 if dtype_bytes == 4 or numerics in ("fp32-master", "bf16-moments") else 2) / GIB
+    return {**static, "other_gib": max(backward, step) - held, "total_gib": max(backward, step),
+            "activations_gib": peak["activations_gib"], "rows": peak["rows"],
+            "peak_at": f"backward, at the {peak['peak_at']} part" if backward >= step else "optimizer step"}
 
 
 # --- before anything is allocated or written: can this run fit at all? ----------------------------------
@@ -306,7 +446,6 @@ def check_fits(spec, device) -> dict:
                           hint=_smaller(cfg, train)) from e
     if megatron:
         static = megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                               other_gib_per_sequence=0.0, other_gib_fixed=0.0,
                                numerics=train.optimizer_numerics).static_gib
     else:
         static = local_static_gib(dense + routed, DTYPE_BYTES.get(train.dtype, 4),

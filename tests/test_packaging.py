@@ -69,3 +69,12 @@ def test_the_plugin_list_reads_the_folder(tmp_path):
     (tmp_path / "plugins" / "_template").mkdir()
     (tmp_path / "plugins" / "_template" / "pyproject.toml").write_text('[project]\nname = "x"\n')
     assert ci.editable_args(tmp_path) == ["-e", '"./plugins/nam-plugin-a[test]"', "-e", "./plugins/nam-plugin-b"]
+
+
+def test_the_memory_plans_constants_ship_in_the_wheel():
+    """``nam train --dry-run`` of a NAM56R-shaped run reads nam56r/activations.json (nam56r/memory.py): it is
+    package data of nam56r, so a wheel install plans as the checkout does (.ci/wheels.sh runs that plan)."""
+    from nam56r.memory import ACTIVATIONS
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert ACTIVATIONS.name in data["nam56r"] and ACTIVATIONS.parent == ROOT / "nam56r" and ACTIVATIONS.is_file()

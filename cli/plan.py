@@ -191,13 +191,15 @@ def memory_section(spec, device) -> dict:
     numerics = train.optimizer_numerics if train.optimizer_numerics in memory.MEGATRON_OPTIMIZER else "fp32-master"
     if measured:  # the estimate bench/megatron.py memory measures at these per-GPU shapes on one GPU
         plan, rows = memory.megatron_estimate(cfg, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                                              kinds=kinds, numerics=numerics, split=(dense, routed))
+                                              kinds=kinds, numerics=numerics, split=(dense, routed),
+                                              grad_bytes=memory.grad_bytes(train))
     else:
         plan = memory.megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                                    numerics=numerics)
+                                    numerics=numerics, grad_bytes=memory.grad_bytes(train))
     section.update(scope=f"per GPU, {lay.world_size} GPUs at ep {lay.ep}, micro-batch {train.micro_batch_size}",
                    **plan.to_dict(), by_part=memory.static_by_part(split, engine="megatron", numerics=numerics,
-                                                                   world=lay.world_size, ep=lay.ep))
+                                                                   world=lay.world_size, ep=lay.ep,
+                                                                   grad_bytes=memory.grad_bytes(train)))
     if not measured:
         section["activations"] = ("not estimated: measured only at " + ", ".join(
             f"{k} {v}" for k, v in memory.MEASURED_SHAPE.items()))
@@ -211,7 +213,7 @@ def memory_section(spec, device) -> dict:
     if capacity is not None:
         section.update(fits=plan.fits(capacity), largest_micro_batch=memory.largest_mbs(
             cfg, world=lay.world_size, ep=lay.ep, kinds=kinds, capacity_gib=capacity, numerics=numerics,
-            split=(dense, routed)))
+            split=(dense, routed), grad_bytes=memory.grad_bytes(train)))
     return section
 
 

@@ -97,21 +97,29 @@ class MemoryPlan:
                 "static_gib": self.static_gib, "other_gib": self.other_gib, "total_gib": self.total_gib}
 
 
+def grad_bytes(train) -> int:
+    """Bytes per parameter of the megatron engine's gradient buffers: fp32 unless ``train.grad_reduce_in_fp32``
+    is off (then the parameters' dtype, bf16)."""
+    return FP32_GRAD if train.grad_reduce_in_fp32 else BF16_WEIGHT
+
+
 def megatron_plan(dense: int, routed: int, *, world: int, ep: int, mbs: int, other_gib: float = 0.0,
-                  numerics: str = "fp32-master") -> MemoryPlan:
+                  numerics: str = "fp32-master", grad_bytes: int = FP32_GRAD) -> MemoryPlan:
     """Peak memory per GPU at pipeline size 1: the static part (see the module docstring) and ``other_gib``,
-    the activations and temporaries at the peak (``backward_peak``)."""
+    the activations and temporaries at the peak (``backward_peak``); ``grad_bytes``: the gradient buffers'
+    bytes per parameter (``grad_bytes(train)``)."""
     if world < 1 or ep < 1 or world % ep or mbs < 1:
         raise ValueError(f"world={world}, ep={ep}, mbs={mbs}: need world, ep, mbs >= 1 and ep dividing world")
     local = dense + routed / ep
     sharded = dense / world + routed / world  # experts: routed/ep over world/ep ranks
     return MemoryPlan(world=world, ep=ep, mbs=mbs, local_params=local, weights_gib=BF16_WEIGHT * local / GIB,
-                      grads_gib=FP32_GRAD * local / GIB, optimizer_gib=MEGATRON_OPTIMIZER[numerics] * sharded / GIB,
+                      grads_gib=grad_bytes * local / GIB, optimizer_gib=MEGATRON_OPTIMIZER[numerics] * sharded / GIB,
                       other_gib=other_gib)
 
 
 def megatron_estimate(cfg, *, world: int, ep: int, mbs: int, kinds: tuple[str, ...], numerics: str = "fp32-master",
-                      split: tuple[int, int] | None = None) -> tuple[MemoryPlan, dict[str, dict]]:
+                      split: tuple[int, int] | None = None,
+                      grad_bytes: int = FP32_GRAD) -> tuple[MemoryPlan, dict[str, dict]]:
     """The megatron engine's per-GPU plan of ``cfg`` at ``world`` ranks, expert parallelism ``ep``, micro-batch
     ``mbs`` and the recompute ``kinds`` (expanded), with its activation rows (``activations_by_kind``): what
     ``--dry-run`` prints for that layout (cli/plan.py) and what ``bench/megatron.py memory`` measures against on
@@ -119,16 +127,18 @@ def megatron_estimate(cfg, *, world: int, ep: int, mbs: int, kinds: tuple[str, .
     ``cfg`` must have ``MEASURED_SHAPE``."""
     dense, routed = split or parameter_split(cfg)
     peak = backward_peak(cfg, kinds, mbs, grads=False)
-    plan = megatron_plan(dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics, other_gib=peak["peak_gib"])
+    plan = megatron_plan(dense, routed, world=world, ep=ep, mbs=mbs, numerics=numerics, other_gib=peak["peak_gib"],
+                         grad_bytes=grad_bytes)
     return plan, peak["rows"]
 
 
 def largest_mbs(cfg, *, world: int, ep: int, kinds: tuple[str, ...] = (), capacity_gib: float = H200_GIB,
-                numerics: str = "fp32-master", split: tuple[int, int] | None = None) -> int:
+                numerics: str = "fp32-master", split: tuple[int, int] | None = None,
+                grad_bytes: int = FP32_GRAD) -> int:
     """The largest micro-batch whose megatron plan (``megatron_estimate``) ``fits`` a GPU of ``capacity_gib``."""
     split = split or parameter_split(cfg)
     return largest_fitting(lambda m: megatron_estimate(cfg, world=world, ep=ep, mbs=m, kinds=kinds, numerics=numerics,
-                                                       split=split)[0].fits(capacity_gib))
+                                                       split=split, grad_bytes=grad_bytes)[0].fits(capacity_gib))
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = MAX_MBS) -> int:
@@ -311,7 +321,7 @@ def parameters_by_part(cfg) -> dict[str, tuple[int, int]]:
 
 
 def static_by_part(split: dict[str, tuple[int, int]], *, engine: str, numerics: str, dtype_bytes: int = 2,
-                   world: int = 1, ep: int = 1) -> dict[str, dict]:
+                   world: int = 1, ep: int = 1, grad_bytes: int = FP32_GRAD) -> dict[str, dict]:
     """Part -> parameters on this device and GiB of weights, gradients and optimizer states, as the engine keeps
     them (the module docstring): the megatron engine per rank (experts split ``ep`` ways, the optimizer sharded),
     the local engine whole (its gradients exist from the backward to the step)."""
@@ -322,7 +332,7 @@ def static_by_part(split: dict[str, tuple[int, int]], *, engine: str, numerics: 
         if engine == "megatron":
             local = dense + routed / ep
             rows[part] = {"parameters": local, "weights_gib": BF16_WEIGHT * local / GIB,
-                          "grads_gib": FP32_GRAD * local / GIB,
+                          "grads_gib": grad_bytes * local / GIB,
                           "optimizer_gib": MEGATRON_OPTIMIZER[numerics] * (dense + routed) / world / GIB}
         else:
             n = dense + routed

@@ -49,6 +49,20 @@ def test_static_part_by_hand():
     assert (rows["moe"]["weights_gib"] * GIB, rows["moe"]["optimizer_gib"] * GIB) == (2000, 12000)
 
 
+def test_bf16_gradient_buffers_halve_the_gradients_part(tmp_path):
+    """train.grad_reduce_in_fp32=false: 2 bytes per parameter of gradients, in the plan, per part, and in the
+    dry-run of the megatron engine (the weights and the optimizer unchanged)."""
+    from nam_core.engine.config import TrainConfig
+
+    assert memory.grad_bytes(TrainConfig()) == 4 and memory.grad_bytes(TrainConfig(grad_reduce_in_fp32=False)) == 2
+    fp32, bf16 = (megatron_plan(800, 200, world=4, ep=2, mbs=1, grad_bytes=b) for b in (4, 2))
+    assert bf16.grads_gib * GIB == pytest.approx(2 * (800 + 100)) and bf16.grads_gib == pytest.approx(fp32.grads_gib / 2)
+    assert (bf16.weights_gib, bf16.optimizer_gib) == (fp32.weights_gib, fp32.optimizer_gib)
+    rows = memory.static_by_part({"moe": (800, 200)}, engine="megatron", numerics="fp32-master", world=4, ep=2,
+                                 grad_bytes=2)
+    assert rows["moe"]["grads_gib"] * GIB == pytest.approx(2 * 900)
+
+
 def test_numerics_change_the_optimizer_bytes(split):
     fp32 = megatron_plan(*split, world=8, ep=8, mbs=1)
     moments = megatron_plan(*split, world=8, ep=8, mbs=1, numerics="bf16-moments")

@@ -43,9 +43,8 @@ PEAKS = (
     Peak("numerics_local_mbs4_h200.json", {"numerics": "bf16"}, "local", "bf16"),
     Peak("numerics_local_mbs4_h200.json", {"numerics": "stochastic-rounding"}, "local", "stochastic-rounding"),
     Peak("numerics_recompute_local_mbs4_h200.json", {"recompute": "mamba"}, "local", "fp32-master", ("mamba",)),
-    Peak("", {}, "local", "fp32-master", ("mamba-scan",), mbs=4, ran=True,
-         note="ran 6 steps (profiles/local-1gpu-h200-mbs4-fp32-master-recompute-mamba-scan.txt), cut by the round's "
-              "time limit before its peak was written"),
+    Peak("megatron_throughput_h200_local_mbs4_fp32_master_mamba_scan.json", {"recompute": "mamba-scan"}, "local",
+         "fp32-master", ("mamba-scan",)),
     Peak("megatron_throughput_x4.json", {"engine": "megatron", "gpus": 1}, "megatron", "fp32-master"),
     Peak("megatron_throughput_h200_1gpu.json", {"engine": "megatron"}, "megatron", "fp32-master"),
     Peak("megatron_throughput_x4.json", {"engine": "megatron", "gpus": 2}, "megatron", "fp32-master", world=2, ep=2),

@@ -205,9 +205,9 @@ def test_the_plan_is_within_ten_percent_of_every_measured_peak(load_bench):
     full NAM56R on an H200, both engines, each numerics and recompute measured; the issue's target is 10%."""
     rows = load_bench("memory_plan").table()
     measured = [r for r in rows if r["measured_gib"] is not None]
-    assert len(measured) >= 14 and {r["engine"] for r in measured} == {"local", "megatron"}
+    assert len(measured) >= 15 and {r["engine"] for r in measured} == {"local", "megatron"}
     for r in measured:
         assert abs(r["error"]) <= 0.10, r
         assert r["fits"]  # every one of them ran
     scan = next(r for r in rows if r["recompute"] == ["mamba-scan"])
-    assert scan["measured_gib"] is None and scan["fits"]  # ran at MBS 4 (a profile, no peak written): it fits
+    assert scan["measured_gib"] is not None and scan["fits"]  # MBS 4 at fp32-master: 129.5 GiB, it fits

@@ -13,17 +13,9 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site}
 export PYTHONUNBUFFERED=1
-BUDGET=175
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # left, limit, log, step
+BUDGET=175 STEP_MIN=15 STEP_EXT=.log
 R=$(mktemp -d)
-left() { echo $((BUDGET - SECONDS)); }
-step() {  # step SECONDS_WANTED LOGNAME CMD...: runs CMD under the smaller of what it wants and what is left
-  local want=$1 name=$2; shift 2
-  local t; t=$(left); [ "$want" -lt "$t" ] && t=$want
-  if [ "$t" -lt 15 ]; then echo "== $name: skipped (${t}s left)"; return; fi
-  echo "== $name (limit ${t}s, at ${SECONDS}s)"
-  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: rc $? at ${SECONDS}s"
-}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 COMMON=(--recipe nam56r-tiny --device cuda --seed 1234 --data "$R/data" --set train.dtype=bfloat16
         --set train.optimizer_numerics=fp32-master --set attention_backend=reference

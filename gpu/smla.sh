@@ -10,16 +10,8 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site}
 export PYTHONUNBUFFERED=1
-BUDGET=170
-left() { echo $((BUDGET - SECONDS)); }
-step() {  # step SECONDS_WANTED LOGNAME CMD...: runs CMD under the smaller of what it wants and what is left
-  local want=$1 name=$2; shift 2
-  local t; t=$(left); [ "$want" -lt "$t" ] && t=$want
-  if [ "$t" -lt 10 ]; then echo "== $name: skipped (${t}s left)"; return; fi
-  echo "== $name (limit ${t}s, at ${SECONDS}s)"
-  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: rc $? at ${SECONDS}s"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # left, limit, log, step
+BUDGET=170 STEP_MIN=10 STEP_EXT=.log
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 

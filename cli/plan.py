@@ -188,7 +188,8 @@ def memory_section(spec, device) -> dict:
         section.update(scope="per GPU", activations=f"not estimated: the model is for pp 1 and tp 1 (found pp "
                                                     f"{lay.pp}, tp {lay.tp})")
         return section
-    numerics = train.optimizer_numerics if train.optimizer_numerics in memory.MEGATRON_OPTIMIZER else "fp32-master"
+    numerics = memory.megatron_numerics(train)
+    numerics = numerics if numerics in memory.MEGATRON_OPTIMIZER else "fp32-master"
     if measured:  # the estimate bench/megatron.py memory measures at these per-GPU shapes on one GPU
         plan, rows = memory.megatron_estimate(cfg, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
                                               kinds=kinds, numerics=numerics, split=(dense, routed),
@@ -209,7 +210,7 @@ def memory_section(spec, device) -> dict:
                    outside_allocator_gib=memory.OUTSIDE_ALLOCATOR_GIB,
                    one_gpu_check=(f"python bench/megatron.py memory --world {lay.world_size} --ep {lay.ep} --mbs "
                                   f"{train.micro_batch_size} --recompute {','.join(kinds) or 'none'} --numerics "
-                                  f"{numerics}"))
+                                  f"{train.optimizer_numerics}"))
     if capacity is not None:
         section.update(fits=plan.fits(capacity), largest_micro_batch=memory.largest_mbs(
             cfg, world=lay.world_size, ep=lay.ep, kinds=kinds, capacity_gib=capacity, numerics=numerics,

@@ -43,18 +43,20 @@ def preflight(
                                            engine=engine, device=device, tp=tp, pp=pp, ep=ep, nproc=nproc), host)
         dev = root.run_device(run.spec, profile=device_profile)
         spec, ev = root.evaluate(run, host, dev)
+        from nam_core.engine.megatron.optimizer import precision_aware
+
         names, notes, dispatcher = list(spec.plugins), list(spec.notes), spec.train.moe_dispatcher
-        numerics = spec.train.optimizer_numerics
+        aware = precision_aware(spec.train)
     else:
         dev = resolve_device(device_profile)
         names = requested_plugins(plugins)
         ev = host.evaluate(names, dev)
-        notes, dispatcher, numerics = [], "alltoall", "fp32-master"
+        notes, dispatcher, aware = [], "alltoall", False
     engine_rows = []
     if engine == "megatron":  # facts of this process, never of a --device-profile fake
         from nam_core.engine.megatron import runtime_checks, runtime_facts
 
-        engine_rows = runtime_checks(runtime_facts(), dispatcher=dispatcher, launched=False, numerics=numerics)
+        engine_rows = runtime_checks(runtime_facts(), dispatcher=dispatcher, launched=False, precision_aware=aware)
     ok = ev.ok and all(c.ok for c in engine_rows)
     if json_out:
         print_json({"device": dev.to_dict(), "plugins": names, "ok": ok, "selected_by_plugins": notes,

@@ -37,10 +37,14 @@ from typing import Callable
 
 GIB = 2**30
 BF16_WEIGHT, FP32_GRAD, FP32_OPTIMIZER = 2, 4, 12
+FUSED_FP32_MASTER = "fp32-master, fused"
+"""The megatron engine's key for ``fp32-master`` with ``train.fused_master_weights``."""
 """Bytes per parameter: bf16 weights; fp32 gradient buffers; fp32 main weights plus Adam's two moments."""
-MEGATRON_OPTIMIZER = {"fp32-master": FP32_OPTIMIZER, "bf16-moments": 4 + 2 + 2}
-"""The distributed optimizer's bytes per parameter under ``train.optimizer_numerics`` (fp32 main weights; two
-fp32 or two bf16 moments). The megatron engine refuses the other numerics."""
+MEGATRON_OPTIMIZER = {"fp32-master": FP32_OPTIMIZER, FUSED_FP32_MASTER: 2 + 4 + 4, "bf16-moments": 2 + 2 + 2}
+"""The distributed optimizer's bytes per parameter (``megatron_numerics``): Megatron's fp32 main weights and two
+fp32 moments; Transformer Engine's FusedAdam (the precision-aware optimizer: ``train.fused_master_weights``, and
+always for ``bf16-moments``) keeps each fp32 master as the 16 bits its bf16 weight lacks, with two fp32 or two
+bf16 moments. The megatron engine refuses the other numerics."""
 
 OUTSIDE_ALLOCATOR_GIB = 9.5
 """Memory a rank holds outside PyTorch's caching allocator: the CUDA context, NCCL's buffers, library
@@ -95,6 +99,12 @@ class MemoryPlan:
         return {"world": self.world, "ep": self.ep, "mbs": self.mbs, "local_params": self.local_params,
                 "weights_gib": self.weights_gib, "grads_gib": self.grads_gib, "optimizer_gib": self.optimizer_gib,
                 "static_gib": self.static_gib, "other_gib": self.other_gib, "total_gib": self.total_gib}
+
+
+def megatron_numerics(train) -> str:
+    """``MEGATRON_OPTIMIZER``'s key for ``train``: its numerics, told apart by who holds the fp32 masters."""
+    fused = train.fused_master_weights and train.optimizer_numerics == "fp32-master"
+    return FUSED_FP32_MASTER if fused else train.optimizer_numerics
 
 
 def grad_bytes(train) -> int:
@@ -456,7 +466,7 @@ def check_fits(spec, device) -> dict:
                           hint=_smaller(cfg, train)) from e
     if megatron:
         static = megatron_plan(dense, routed, world=lay.world_size, ep=lay.ep, mbs=train.micro_batch_size,
-                               numerics=train.optimizer_numerics).static_gib
+                               numerics=megatron_numerics(train), grad_bytes=grad_bytes(train)).static_gib
     else:
         static = local_static_gib(dense + routed, DTYPE_BYTES.get(train.dtype, 4),
                                   train.optimizer_numerics)["static_gib"]

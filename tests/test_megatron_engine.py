@@ -660,13 +660,41 @@ def test_numerics_through_megatrons_options_and_the_refused_ones_say_why():
     assert numerics_options(bf16) == {}
     assert numerics_options(bf16.replace(optimizer_numerics="bf16-moments")) == {
         "use_precision_aware_optimizer": True, "main_params_dtype": torch.float32,
-        "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+        "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16, "store_param_remainders": True}
     for name, why in (("stochastic-rounding", "none updates bf16 parameters with stochastic rounding"),
                       ("bf16", "always builds fp32 main params")):
         with pytest.raises(ConfigError, match=why):
             engine.check_layout(world_size=1, tp=1, pp=1, ep=1, train=bf16.replace(optimizer_numerics=name),
                                 registered_schedules={"1f1b": None})
     with pytest.raises(NamError, match=r"Transformer Engine \(precision-aware optimizer\): needs transformer_engine"):
-        engine.check_runtime(READY, numerics="bf16-moments")
-    engine.check_runtime({**READY, "fused_adam": "transformer_engine"}, numerics="bf16-moments")
+        engine.check_runtime(READY, precision_aware=True)
+    engine.check_runtime({**READY, "fused_adam": "transformer_engine"}, precision_aware=True)
     assert "Transformer Engine (precision-aware optimizer)" not in {c.name for c in engine.runtime_checks(READY)}
+
+
+def test_fused_master_weights_are_the_precision_aware_optimizer_at_fp32():
+    """train.fused_master_weights: Megatron's precision-aware optimizer with fp32 masters (as remainders) and
+    fp32 moments, which needs TE's FusedAdam; it belongs to fp32-master in bf16 (bf16-moments already is it, a
+    float32 model has no bf16 weight to hold a remainder), and its log line says who holds the masters."""
+    import torch
+
+    from nam_core.engine.config import TrainConfig
+    from nam_core.engine.megatron.optimizer import describe, numerics_options, precision_aware
+    from nam_core.errors import ConfigError
+
+    bf16 = TrainConfig(dtype="bfloat16", device="cuda")
+    fused = bf16.replace(fused_master_weights=True)
+    assert numerics_options(fused) == {"use_precision_aware_optimizer": True, "main_params_dtype": torch.float32,
+                                       "exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32,
+                                       "store_param_remainders": True}
+    assert (precision_aware(bf16), precision_aware(fused)) == (False, True)
+    assert precision_aware(bf16.replace(optimizer_numerics="bf16-moments"))
+    assert "fp32 moments" in describe(fused) and "copied to fp32" in describe(bf16)
+    with pytest.raises(ConfigError, match="bf16-moments already runs there"):
+        numerics_options(fused.replace(optimizer_numerics="bf16-moments"))
+    from nam_core.bounds import broken_rules
+
+    problems = [p.line for p in broken_rules(TrainConfig(dtype="float32", fused_master_weights=True))]
+    assert problems and "fused_master_weights with dtype=bfloat16 only" in problems[0]
+    with pytest.raises(NamError, match=r"Transformer Engine \(precision-aware optimizer\)"):
+        engine.check_runtime(READY, precision_aware=precision_aware(fused))

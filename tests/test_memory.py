@@ -44,7 +44,7 @@ def test_static_part_by_hand():
     with pytest.raises(ValueError, match="ep dividing world"):
         megatron_plan(800, 200, world=4, ep=3, mbs=1)
     rows = memory.static_by_part({"moe": (800, 200)}, engine="megatron", numerics="bf16-moments", world=4, ep=2)
-    assert rows["moe"]["optimizer_gib"] * GIB == pytest.approx(8 * (800 + 200) / 4)
+    assert rows["moe"]["optimizer_gib"] * GIB == pytest.approx(6 * (800 + 200) / 4)  # int16 remainders, bf16 moments
     rows = memory.static_by_part({"moe": (800, 200)}, engine="local", numerics="fp32-master", dtype_bytes=2)
     assert (rows["moe"]["weights_gib"] * GIB, rows["moe"]["optimizer_gib"] * GIB) == (2000, 12000)
 
@@ -66,7 +66,9 @@ def test_bf16_gradient_buffers_halve_the_gradients_part(tmp_path):
 def test_numerics_change_the_optimizer_bytes(split):
     fp32 = megatron_plan(*split, world=8, ep=8, mbs=1)
     moments = megatron_plan(*split, world=8, ep=8, mbs=1, numerics="bf16-moments")
-    assert moments.optimizer_gib == pytest.approx(fp32.optimizer_gib * 8 / 12)
+    assert moments.optimizer_gib == pytest.approx(fp32.optimizer_gib * 6 / 12)
+    fused = megatron_plan(*split, world=8, ep=8, mbs=1, numerics=memory.FUSED_FP32_MASTER)
+    assert fused.optimizer_gib == pytest.approx(fp32.optimizer_gib * 10 / 12)
     local = memory.local_static_gib(1000, 2, "fp32-master")
     assert local["optimizer_gib"] * GIB == pytest.approx(12_000) and local["static_gib"] * GIB == pytest.approx(16_000)
     assert memory.local_static_gib(1000, 2, "stochastic-rounding")["static_gib"] * GIB == pytest.approx(8_000)
@@ -211,3 +213,18 @@ def test_the_plan_is_within_ten_percent_of_every_measured_peak(load_bench):
         assert r["fits"]  # every one of them ran
     scan = next(r for r in rows if r["recompute"] == ["mamba-scan"])
     assert scan["measured_gib"] is not None and scan["fits"]  # MBS 4 at fp32-master: 129.5 GiB, it fits
+
+
+def test_fused_master_weights_keep_the_masters_as_remainders():
+    """train.fused_master_weights (fp32-master on TE's FusedAdam): the plan's key, 2 bytes per parameter fewer
+    than Megatron's own fp32 masters in the optimizer part of the dry-run; other numerics keep their key."""
+    from nam_core.engine.config import TrainConfig
+
+    bf16 = TrainConfig(dtype="bfloat16", device="cuda")
+    assert memory.megatron_numerics(bf16) == "fp32-master"
+    assert memory.megatron_numerics(bf16.replace(fused_master_weights=True)) == memory.FUSED_FP32_MASTER
+    assert memory.megatron_numerics(bf16.replace(optimizer_numerics="bf16-moments")) == "bf16-moments"
+    rows = {fused: memory.static_by_part({"moe": (800, 200)}, engine="megatron", world=1, ep=1,
+                                         numerics=memory.megatron_numerics(bf16.replace(fused_master_weights=fused)))
+            for fused in (False, True)}
+    assert (rows[False]["moe"]["optimizer_gib"] - rows[True]["moe"]["optimizer_gib"]) * GIB == pytest.approx(2 * 1000)

@@ -142,6 +142,14 @@ class TrainConfig:
     gradients, which its fp32-master AdamW reads in fp32), saving 2 bytes per parameter (8.8 GiB for NAM56R on one
     GPU); bf16 sums are rounded at each micro-batch and each reduction. Not part of the checkpoint (Megatron saves
     no gradient buffers): a resume may change it."""
+    fused_master_weights: bool = False
+    """Megatron engine, ``optimizer_numerics=fp32-master``, bf16: Megatron's precision-aware optimizer at fp32
+    (``use_precision_aware_optimizer`` with fp32 main params and moments, ``store_param_remainders``). Transformer
+    Engine's FusedAdam keeps each bf16 weight's fp32 master as the 16 low bits the weight lacks (weight + remainder
+    = the fp32 master, exactly), reads the gradient buffers where they lie and writes the bf16 weights itself: the
+    same numerics as Megatron's default path, 2 bytes per parameter fewer (8.8 GiB for NAM56R on one GPU), and no
+    per-step fp32 gradient copy or master-to-weight copy. Needs Transformer Engine (``nam preflight --engine
+    megatron`` has the row); ``bf16-moments`` always runs this way. A resume keeps the checkpoint's choice."""
     overlap_param_gather: bool = False
     """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
     of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Refused by
@@ -157,6 +165,9 @@ class TrainConfig:
              lambda c: len(c.recompute) <= 1 or not {"layer", "full", "none"} & set(c.recompute)),
         Rule(("recompute",), "mamba or mamba-scan, not both: mamba-scan is the part of the Mamba mixer past its "
              "in_proj", lambda c: not {"mamba", "mamba-scan"} <= set(c.recompute)),
+        Rule(("fused_master_weights", "dtype"), "fused_master_weights with dtype=bfloat16 only (the master is the "
+             "bf16 weight plus its 16 low bits; float32 parameters are their own masters)",
+             lambda c: not c.fused_master_weights or c.dtype == "bfloat16"),
         Rule(("optimizer_numerics", "dtype"), "optimizer_numerics=fp32-master unless dtype=bfloat16 (float32 "
              "parameters are their own masters)", lambda c: c.optimizer_numerics == "fp32-master"
              or c.dtype == "bfloat16"),

@@ -109,16 +109,19 @@ def check_dispatcher(dispatcher: str, plugins) -> None:
 
 TE_FUSED_ADAM = Requirement.package(
     "transformer_engine", label="Transformer Engine (precision-aware optimizer)",
-    install_hint="install transformer-engine, or --set train.optimizer_numerics=fp32-master",
-    reason="for train.optimizer_numerics=bf16-moments: Megatron's precision-aware optimizer runs only in its FusedAdam")
+    install_hint="install transformer-engine, or --set train.optimizer_numerics=fp32-master "
+                 "train.fused_master_weights=false",
+    reason="for train.optimizer_numerics=bf16-moments or train.fused_master_weights: Megatron's precision-aware "
+           "optimizer runs only in its FusedAdam")
 
 
 def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bool = True,
-                   numerics: str = "fp32-master") -> list[Check]:
+                   precision_aware: bool = False) -> list[Check]:
     """One ``Check`` per thing the megatron engine needs from this process: the requirements above evaluated
     against ``facts`` (``runtime_facts``: this process's, or a test's). ``nam preflight --engine megatron``
     prints them; ``check_runtime`` raises on the failed ones. ``launched=False`` skips the torchrun row
-    (preflight runs outside torchrun)."""
+    (preflight runs outside torchrun). ``precision_aware``: the run's optimizer is Megatron's precision-aware one
+    (``optimizer.precision_aware``), which needs Transformer Engine."""
     version = facts["megatron"]
     rows = [
         MEGATRON_CORE.check_installed(WHO, None if version is None else ".".join(map(str, version)),
@@ -132,7 +135,7 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
         rows.append(TORCHRUN.check_fact(WHO, world is not None, "not set" if world is None else f"WORLD_SIZE={world}"))
     if dispatcher not in MOE_DISPATCHERS:  # flex: DeepEP's rows are the deepep plugin's (check_dispatcher)
         rows.append(DISPATCHER.check_fact(WHO, False, dispatcher))
-    if numerics == "bf16-moments":
+    if precision_aware:
         te = "installed" if facts.get("fused_adam") == "transformer_engine" else None
         rows.append(TE_FUSED_ADAM.check_installed(WHO, te))
     fused = facts.get("fused_adam")  # a report, not a requirement: Megatron falls back on its own
@@ -145,9 +148,9 @@ def runtime_checks(facts: Mapping, *, dispatcher: str = "alltoall", launched: bo
     return rows
 
 
-def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall", numerics: str = "fp32-master") -> None:
+def check_runtime(facts: Mapping, *, dispatcher: str = "alltoall", precision_aware: bool = False) -> None:
     """One ``CannotRunHere`` (exit 3) listing everything this process lacks for the megatron engine, or nothing."""
-    failed = [c for c in runtime_checks(facts, dispatcher=dispatcher, numerics=numerics) if not c.ok]
+    failed = [c for c in runtime_checks(facts, dispatcher=dispatcher, precision_aware=precision_aware) if not c.ok]
     if failed:
         raise CannotRunHere("the megatron engine cannot run here; missing: "
                             + "; ".join(f"{c.name}: needs {c.needed}, found {c.found}" for c in failed),

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from nam_core.engine.contract import EngineRun, Ranks
-from nam_core.engine.megatron import checkpoint, checks, loop, parallel
+from nam_core.engine.megatron import checkpoint, checks, loop, optimizer, parallel
 
 
 class MegatronEngine:
@@ -26,7 +26,7 @@ class MegatronEngine:
 
         checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
         checks.check_runtime(checks.runtime_facts(), dispatcher=spec.train.moe_dispatcher,
-                             numerics=spec.train.optimizer_numerics)
+                             precision_aware=optimizer.precision_aware(spec.train))
         parallel.init_distributed()
         return Ranks(torch.distributed.get_rank(), lay.world_size)
 

@@ -81,7 +81,7 @@ def train(run: EngineRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
     checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
     checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher,
-                         numerics=run.train.optimizer_numerics)
+                         precision_aware=optimizer.precision_aware(run.train))
     tc, provider, lr_at = run.train, run.model, lr_lambda(run.train)
     with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)
@@ -226,7 +226,7 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         log = folder.metrics_log(start_step=start, total_steps=run.max_steps, quiet=run.quiet)
         resumed = [f"resumed from {run.resume_from} at step {start}"] if run.resume_from is not None else []
         lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
-        for line in [*resumed, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config)]:
+        for line in [*resumed, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config), optimizer.describe(tc)]:
             log.note(line)
         run.notes.clear()
     good = checkpoint.good_checkpoints(run.folder.checkpoints)

@@ -16,11 +16,16 @@ from nam_core.errors import ConfigError
 NUMERICS_OPTIONS = {
     "fp32-master": {},  # Megatron's default: fp32 main params and fp32 moments, sharded by the distributed optimizer
     "bf16-moments": {"use_precision_aware_optimizer": True, "main_params_dtype": "float32",
-                     "exp_avg_dtype": "bfloat16", "exp_avg_sq_dtype": "bfloat16"},
+                     "exp_avg_dtype": "bfloat16", "exp_avg_sq_dtype": "bfloat16", "store_param_remainders": True},
 }
 """``train.optimizer_numerics`` -> Megatron's ``OptimizerConfig`` fields (megatron-core 0.19). bf16 moments are
 its precision-aware optimizer, which only Transformer Engine's FusedAdam runs (``OptimizerConfig.__post_init__``
-raises without it; ``checks.runtime_checks`` refuses it first)."""
+raises without it; ``checks.runtime_checks`` refuses it first). ``store_param_remainders`` is Megatron's default,
+written out because the memory plan counts on it: a bf16 weight's fp32 master is kept as its 16 low bits."""
+FUSED_FP32_MASTER = {"use_precision_aware_optimizer": True, "main_params_dtype": "float32",
+                     "exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32", "store_param_remainders": True}
+"""``train.fused_master_weights`` with ``fp32-master``: the same fp32 masters and moments, kept and updated by
+Transformer Engine's FusedAdam (Megatron's precision-aware optimizer) instead of Megatron's own fp32 copies."""
 NUMERICS_REFUSED = {
     "stochastic-rounding": "Megatron-Core 0.19's optimizers update fp32 main params (fp16 ones with the "
                            "precision-aware optimizer) and copy them into the bf16 model; none updates bf16 "
@@ -38,8 +43,29 @@ def numerics_options(train: TrainConfig) -> dict:
                           f"with it: {NUMERICS_REFUSED[train.optimizer_numerics]}",
                           hint="--set train.optimizer_numerics=fp32-master (or bf16-moments, with Transformer "
                                "Engine), or --engine local")
-    return {k: getattr(torch, v) if k.endswith("dtype") else v
-            for k, v in NUMERICS_OPTIONS[train.optimizer_numerics].items()}
+    if train.fused_master_weights and train.optimizer_numerics != "fp32-master":
+        raise ConfigError(f"train.fused_master_weights with train.optimizer_numerics={train.optimizer_numerics}: it is "
+                          "the fp32-master path on Transformer Engine's FusedAdam (bf16-moments already runs there)",
+                          hint="--set train.fused_master_weights=false")
+    fields = FUSED_FP32_MASTER if train.fused_master_weights else NUMERICS_OPTIONS[train.optimizer_numerics]
+    return {k: getattr(torch, v) if k.endswith("dtype") else v for k, v in fields.items()}
+
+
+def precision_aware(train: TrainConfig) -> bool:
+    """Whether the run's optimizer is Megatron's precision-aware one (Transformer Engine's FusedAdam holding the
+    masters): ``bf16-moments``, or ``fp32-master`` with ``train.fused_master_weights``."""
+    return train.optimizer_numerics == "bf16-moments" or train.fused_master_weights
+
+
+def describe(train: TrainConfig) -> str:
+    """The run log's line on who keeps the master weights and where the update runs."""
+    if not precision_aware(train):
+        return ("optimizer: Megatron's distributed optimizer, fp32 main weights and moments in its own buffers, "
+                "gradients copied to fp32 and weights copied back each step (train.fused_master_weights=false)")
+    moments = "bf16" if train.optimizer_numerics == "bf16-moments" else "fp32"
+    return (f"optimizer: Megatron's precision-aware optimizer on Transformer Engine's FusedAdam: fp32 masters as the "
+            f"bf16 weights plus their 16 low bits, {moments} moments, gradients read in place, weights written by "
+            "the update")
 
 
 def build_optimizer(models: list, train: TrainConfig, config):

@@ -225,6 +225,14 @@ def test_fp8_param_gather_needs_the_megatron_engine_and_an_fp8_recipe():
         spec_for("nam56r-tiny", "te.fp8_param_gather=true", plugins=["te"], device="cuda", engine="megatron")
 
 
+def test_fp8_param_gather_is_refused_with_fused_master_weights():
+    """TE's FusedAdam holding the masters of FP8 weights is not offered: the row names both settings."""
+    rows = _rows("te.fp8=current", "te.fp8_param_gather=true", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16)
+    row = rows["fused_master_weights"]
+    assert row.status == "fail" and "fused_master_weights=false" in row.hint, row
+    assert "fused_master_weights" not in _rows("te.fp8=current", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16)
+
+
 def test_grouped_experts_are_refused_on_the_local_engine():
     row = _rows("te.experts=grouped", *CUDA_BF16)["experts"]
     assert row.status == "fail" and row.hint.startswith("--engine megatron"), row

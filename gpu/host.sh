@@ -1,0 +1,25 @@
+# source gpu/host.sh -- from the project root on the GPU host, at the start of a round:
+#  - the stack bundle (.device-wheels, ../shared/device/README.md) unpacked into /tmp/site, on PYTHONPATH, with the
+#    package metadata mamba-ssm's sources lack (the plugin's requirement check reads its version from it);
+#  - Transformer Engine when .device-te is taken along, its torch extension restored from .te-cache (a copy of
+#    ../shared/device/te-cache) or built there;
+#  - nam and every plugin installed editable, no index;
+#  - the kernel caches of earlier rounds: NAM_CACHE_DIR=$PWD/.kcache/nam (TileLang's and Triton's caches live
+#    under it, nam_core/cache.py), restored from .kcache/kcache.tgz when taken along; `kcache_pack` writes the
+#    caches back to $OUT/kcache.tgz for the next round;
+#  - `python` on PATH (the host has python3 only).
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site NAM_CACHE_DIR=$PWD/.kcache/nam
+_t0=$SECONDS
+bash .device-wheels/install.sh >/dev/null
+_meta=/tmp/site/mamba_ssm-2.3.2.post1.dist-info
+mkdir -p "$_meta" && printf 'Metadata-Version: 2.1\nName: mamba_ssm\nVersion: 2.3.2.post1\n' > "$_meta/METADATA"
+if [[ -d .device-te ]]; then
+  mkdir -p .te-cache && bash .device-te/install-te.sh "$PWD/.te-cache" >/dev/null
+fi
+python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . $(ls -d plugins/nam-plugin-*) >/dev/null
+mkdir -p /tmp/bin "$NAM_CACHE_DIR"
+printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python && chmod +x /tmp/bin/python
+export PATH=/tmp/bin:$PATH
+[[ -f .kcache/kcache.tgz ]] && tar -C .kcache -xzf .kcache/kcache.tgz
+kcache_pack() { tar -C .kcache -czf "$OUT/kcache.tgz" nam && ls -la "$OUT/kcache.tgz"; }
+echo "== host ready in $((SECONDS - _t0)) s: $(python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'), TE: $(python -c 'import transformer_engine as t; print(t.__version__)' 2>&1 | tail -1)"

@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    from nam_plugin_te.linears import te_linear_from  # first: points TE at torch's cuDNN (nam_plugin_te.cudnn)
+    from nam_plugin_te.linears import te_linear_from  # first: points TE at torch's cuDNN (nam_core.cudnn)
 
     import transformer_engine.pytorch as te
     from nam_plugin_te.recipes import te_recipe

@@ -20,7 +20,7 @@ BUDGET=235 STEP_MIN=10 STEP_EXT=.txt STEP_TAIL=25 SUMMARY=summary.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 git log --oneline -1 | tee -a "$OUT/gpu.txt"
-python3 -c "from nam_plugin_te.cudnn import torch_cudnn_dir; print('torch cuDNN', torch_cudnn_dir())" | tee -a "$OUT/gpu.txt"
+python3 -c "from nam_core.cudnn import torch_cudnn_dir; print('torch cuDNN', torch_cudnn_dir())" | tee -a "$OUT/gpu.txt"
 TINY=(--recipe nam56r-tiny --device cuda --set train.dtype=bfloat16 --set mamba_rope_fraction=1.0 --max-steps 3
       --set attention_backend=reference --plugins te)
 # The smokes are tiny models: they run in the background, side by side with the preflight and the tests (torchrun

@@ -3,7 +3,11 @@
 It knows nothing of NAM56R; the model package (``nam56r``) and plugins build on it.
 """
 
-from nam_core.device import DeviceInfo
+from nam_core.cudnn import when_te_installed
+
+when_te_installed()  # before anything imports Transformer Engine: torch's cuDNN, not the system's (cudnn.py)
+
+from nam_core.device import DeviceInfo  # noqa: E402
 from nam_core.errors import NamError, PluginActivationError
 from nam_core.hookspecs import hookimpl
 from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, Patch

@@ -360,7 +360,7 @@ def test_fp8_parity_row_passes_an_fp8_rounding_and_fails_a_linear_that_did_not_q
 
 
 def test_te_is_pointed_at_torchs_bundled_cudnn_unless_the_user_chose(tmp_path, monkeypatch):
-    from nam_plugin_te import cudnn
+    from nam_core import cudnn
 
     lib = tmp_path / "nvidia" / "cu13" / "lib"
     lib.mkdir(parents=True)
@@ -390,7 +390,7 @@ def test_te_is_pointed_at_torchs_bundled_cudnn_unless_the_user_chose(tmp_path, m
 
 
 def test_a_failed_preload_is_kept_for_the_preflight_row(tmp_path, monkeypatch):
-    from nam_plugin_te import cudnn
+    from nam_core import cudnn
 
     (tmp_path / "libcudnn.so.9").write_bytes(b"")  # not a library: the real loader refuses it
     monkeypatch.setattr(cudnn, "PRELOAD_ERROR", None)
@@ -401,7 +401,7 @@ def test_a_failed_preload_is_kept_for_the_preflight_row(tmp_path, monkeypatch):
 def test_the_cudnn_row_refuses_a_second_cudnn_with_the_fix(tmp_path, monkeypatch):
     """The GPU host's case (2026-11-25): TE loaded the toolkit's cuDNN 9.14, torch was built with 9.19 and its
     check raises; the row fails and names torch's folder. One cuDNN, torch's: the row passes."""
-    from nam_plugin_te import cudnn
+    from nam_core import cudnn
 
     bundled = "/site/nvidia/cu13/lib"
     fake = types.SimpleNamespace(get_cudnn_version=lambda: (9, 14, 0))
@@ -428,7 +428,7 @@ def test_the_cudnn_row_refuses_a_second_cudnn_with_the_fix(tmp_path, monkeypatch
 
 
 def test_loaded_cudnn_files_reads_the_process_maps(tmp_path):
-    from nam_plugin_te.cudnn import loaded_cudnn_files
+    from nam_core.cudnn import loaded_cudnn_files
 
     maps = tmp_path / "maps"
     maps.write_text("7f0-7f1 r-xp 0 08:01 1 /site/nvidia/cu13/lib/libcudnn.so.9\n"
@@ -438,3 +438,17 @@ def test_loaded_cudnn_files_reads_the_process_maps(tmp_path):
     assert loaded_cudnn_files(str(maps)) == ["/site/nvidia/cu13/lib/libcudnn.so.9",
                                              "/site/nvidia/cu13/lib/libcudnn_graph.so.9"]
     assert loaded_cudnn_files(str(tmp_path / "absent")) == []
+
+
+def test_nam_core_prefers_torchs_cudnn_only_where_te_is_installed(monkeypatch):
+    """``import nam_core`` runs ``when_te_installed``: nothing on a host without Transformer Engine (CUDNN_HOME
+    untouched, nothing loaded); with TE installed, the same preference as above."""
+    from nam_core import cudnn
+
+    calls = []
+    monkeypatch.setattr(cudnn, "prefer_torch_cudnn", lambda: calls.append(1) or "/torch/cudnn")
+    monkeypatch.setattr(cudnn.importlib.util, "find_spec", lambda name: None)
+    assert cudnn.when_te_installed() is None and calls == []
+    monkeypatch.setattr(cudnn.importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(origin="/x") if name == "transformer_engine" else None)
+    assert cudnn.when_te_installed() == "/torch/cudnn" and calls == [1]

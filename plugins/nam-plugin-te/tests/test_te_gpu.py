@@ -26,7 +26,7 @@ def test_bf16_te_linear_matches_torch(d_in, d_out):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("d_in, d_out", [(1024, 2048), (4096, 24992)])
 def test_fp8_te_linear_within_bounds_of_fp32(recipe, d_in, d_out):
-    from nam_plugin_te.parity import linear_errors  # first: points TE at torch's cuDNN (nam_plugin_te.cudnn)
+    from nam_plugin_te.parity import linear_errors  # first: points TE at torch's cuDNN (nam_core.cudnn)
     from nam_plugin_te.plugin import FP8_FLOOR, FP8_TOLERANCE
     from nam_plugin_te.selftest import _support
 

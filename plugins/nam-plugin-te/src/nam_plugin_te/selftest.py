@@ -39,7 +39,7 @@ def cudnn(spec) -> Measured:
     torch's own version check raises on a mismatch; that is this row failing, with the fix."""
     import torch
 
-    from nam_plugin_te import cudnn as which
+    from nam_core import cudnn as which
 
     te, _ = _import_te()
     if te is None:

@@ -10,13 +10,18 @@ pulled in the system's ``libcudnn_graph.so.9``, torch's ``libcudnn.so.9`` then f
 ``torch.backends.cudnn`` refused ("cuDNN version incompatibility: ... found runtime version (9, 14, 0)") or a
 cuDNN symbol was missing. Setting ``CUDNN_HOME`` alone did not help (measured: the same refusal).
 
+TE is imported by more than nam-plugin-te: Megatron-Core imports it wherever it is installed, and nam imports
+Megatron-Core in both engines (its indexed datasets, the megatron engine). On the same host a local-engine run
+without the te plugin died in liger's launch check (2026-11-28, H200: ``libcudnn_cnn.so.9: undefined symbol
+..., version libcudnn_graph.so.9``): the process held torch's cuDNN and the system's at once.
+
 So before TE is first imported, ``prefer_torch_cudnn`` points ``CUDNN_HOME`` at torch's bundled folder and loads
 each of that folder's cuDNN libraries with ``RTLD_GLOBAL``: every soname TE's core asks for is then already
-torch's. ``nam_plugin_te`` calls it when it is imported, which in ``nam train`` and ``nam preflight`` is before
-anything imports TE. The megatron engine's ranks import Megatron, which imports TE, before any plugin: they get
-torch's folder first on ``LD_LIBRARY_PATH``, which this sets for the processes it starts (measured: without it
-the ranks loaded the system's sub-libraries and the row refused the run). Whatever went wrong, the
-``cuDNN`` preflight row compares what the process mapped with torch's folder and refuses with the fix.
+torch's. ``import nam_core`` calls it when Transformer Engine is installed (``when_te_installed``), which is
+before anything nam runs imports TE; the processes it starts (the megatron engine's ranks, a benchmark's
+workers) get torch's folder first on ``LD_LIBRARY_PATH``, which this sets (measured: without it the ranks loaded
+the system's sub-libraries and the row refused the run). Whatever went wrong, nam-plugin-te's ``cuDNN``
+preflight row compares what the process mapped with torch's folder and refuses with the fix.
 """
 
 from __future__ import annotations
@@ -101,3 +106,11 @@ def loaded_cudnn_files(maps: str = "/proc/self/maps") -> list[str]:
         return []
     paths = [line.split()[-1] for line in text.splitlines() if "/libcudnn" in line and ".so" in line]
     return list(dict.fromkeys(paths))
+
+
+def when_te_installed() -> str | None:
+    """``prefer_torch_cudnn`` on a host where Transformer Engine is installed (found without importing it); on
+    others nothing happens. The folder, or None."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    return prefer_torch_cudnn()

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site}
 export PYTHONUNBUFFERED=1
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # left, limit, log, step
-BUDGET=170 STEP_MIN=10 STEP_EXT=.log
+BUDGET=${BUDGET:-170} STEP_MIN=10 STEP_EXT=.log
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 

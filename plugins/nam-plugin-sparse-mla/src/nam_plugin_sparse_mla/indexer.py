@@ -70,15 +70,16 @@ from nam_plugin_sparse_mla.shape import head_block, index_shape_problem
 SCORE_TILES = {"fwd": (64, 64, 4)}
 """(query rows, key rows, warps) of the forward. Picked from a small sweep on one H200 at NAM56R's shape (b=1,
 s=4096, 32 heads of 64; 2026-11, Triton 3.6): 0.13 ms."""
-BWD_TILES = {"dq": (128, 32, 32, 4, 3), "dk": (128, 8, 128, 8, 2)}
+BWD_TILES = {"dq": (64, 32, 32, 4, 3), "dk": (64, 8, 64, 4, 3)}
 """(rows = tokens x heads, most heads per group, keys, warps, stages) per backward kernel (``bwd_tile``). dq
-takes all 32 of NAM56R's heads in a group (4 tokens x 32 heads: G read once), dk groups of 8 (16 tokens x 8
-heads; 4 groups x 32 key blocks x b programs, 4 fp32 partial dk buffers). The fastest of ``gpu/smla.sh``'s
-sweep on one H200 at NAM56R's shape (b=2, s=4096, 32 heads of 64; Triton 3.6): dq 0.89 ms, dk 1.90 ms,
-against 2.60 and 3.08 ms for the kernels before (heads looped one dot each, tf32x3)."""
-DK_KEYS_AS_ROWS = False
+takes all 32 of NAM56R's heads in a group (2 tokens x 32 heads: G read once), dk groups of 8 (8 tokens x 8
+heads; 4 groups x 64 key blocks x b programs, 4 fp32 partial dk buffers). The fastest of ``gpu/smla.sh``'s
+sweep on one H200 at NAM56R's shape (b=2, s=4096, 32 heads of 64; Triton 3.6; 2026-11-28): dq 0.81 ms, dk
+1.75 ms (with ``DK_KEYS_AS_ROWS``), against 2.52 and 3.04 ms for the kernels before (heads looped one dot
+each, tf32x3) in the same run."""
+DK_KEYS_AS_ROWS = True
 """Orientation of the dk kernel's tiles: ``[keys, rows]`` (dL^T straight out of the logits dot) or
-``[rows, keys]`` (transposed for the dk dot)."""
+``[rows, keys]`` (transposed for the dk dot); keys as rows measured faster at the tiles above."""
 TEACHER_BLOCK_N = 64
 """Top-k slots per teacher loop step (not swept; the sparse MLA kernels' are in ``kernel.TILES``)."""
 

@@ -58,14 +58,15 @@ import triton.language as tl
 
 from nam_plugin_sparse_mla.shape import head_block, shape_problem
 
-TILES = {"fwd": {"block_n": 128, "num_warps": 4, "num_stages": 3, "value_from_key": True},
-         "bwd": {"block_n": 64, "num_warps": 4, "num_stages": 3, "value_from_key": True, "keys_as_rows": False}}
+TILES = {"fwd": {"block_n": 128, "num_warps": 4, "num_stages": 2, "value_from_key": True},
+         "bwd": {"block_n": 64, "num_warps": 4, "num_stages": 2, "value_from_key": True, "keys_as_rows": True}}
 """Per kernel: top-k slots per loop step (a power of two >= 16, tl.dot's smallest side), warps (64+ heads
 take 8 whatever this says), pipeline stages, whether the value comes from the gathered key tile (module
 docstring), and for the backward the orientation of its score tiles (``[slots, heads]`` when
 ``keys_as_rows``, else ``[heads, slots]``). The fastest of ``gpu/smla.sh``'s sweep on one H200 at NAM56R's
-shape (b=2, s=4096, top-k 256; Triton 3.6): forward 0.36 ms (0.47 at 64 slots), backward 0.70 ms (1.36
-at 64 slots and 8 warps). A caller's ``block_n`` replaces both kernels' (the tests take 16 to walk several
+shape (b=2, s=4096, top-k 256; Triton 3.6; 2026-11-28): forward 0.34 ms (0.38 with 3 stages), backward 0.67 ms
+with the slots as rows (0.77 with the heads as rows, 0.96 with 3 stages); fwd+bwd 1.04 ms, 0.485x dense SDPA's
+2.16 in the same run. A caller's ``block_n`` replaces both kernels' (the tests take 16 to walk several
 blocks)."""
 PRECISION = "tf32x3"
 """tl.dot input precision of the dots with an fp32 operand when the inputs are fp16 (bf16 splits instead)."""

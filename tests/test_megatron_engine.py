@@ -690,6 +690,10 @@ def test_fused_master_weights_are_the_precision_aware_optimizer_at_fp32():
     assert (precision_aware(bf16), precision_aware(fused)) == (False, True)
     assert precision_aware(bf16.replace(optimizer_numerics="bf16-moments"))
     assert "fp32 moments" in describe(fused) and "copied to fp32" in describe(bf16)
+    for aware in (fused, bf16.replace(optimizer_numerics="bf16-moments")):
+        with pytest.raises(ConfigError, match="non-finite with bf16 gradient buffers"):
+            numerics_options(aware.replace(grad_reduce_in_fp32=False))
+    assert numerics_options(bf16.replace(grad_reduce_in_fp32=False)) == {}
     with pytest.raises(ConfigError, match="bf16-moments already runs there"):
         numerics_options(fused.replace(optimizer_numerics="bf16-moments"))
     from nam_core.bounds import broken_rules

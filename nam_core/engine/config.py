@@ -149,7 +149,9 @@ class TrainConfig:
     = the fp32 master, exactly), reads the gradient buffers where they lie and writes the bf16 weights itself: the
     same numerics as Megatron's default path, 2 bytes per parameter fewer (8.8 GiB for NAM56R on one GPU), and no
     per-step fp32 gradient copy or master-to-weight copy. Needs Transformer Engine (``nam preflight --engine
-    megatron`` has the row); ``bf16-moments`` always runs this way. A resume keeps the checkpoint's choice."""
+    megatron`` has the row); ``bf16-moments`` always runs this way. Refused with ``grad_reduce_in_fp32=false``
+    (the first update of full NAM56R came out non-finite, nam_core/engine/megatron/optimizer.py). A resume keeps
+    the checkpoint's choice."""
     overlap_param_gather: bool = False
     """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
     of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Refused by

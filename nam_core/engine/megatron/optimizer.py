@@ -43,6 +43,14 @@ def numerics_options(train: TrainConfig) -> dict:
                           f"with it: {NUMERICS_REFUSED[train.optimizer_numerics]}",
                           hint="--set train.optimizer_numerics=fp32-master (or bf16-moments, with Transformer "
                                "Engine), or --engine local")
+    if precision_aware(train) and not train.grad_reduce_in_fp32:
+        # one H200, full NAM56R, MBS 4, TE 2.20.2 (gpu/mbs4.sh, 2026-11-28): with bf16 gradient buffers the first
+        # update left Mamba's fp32 dt_bias non-finite; the same run with fp32 buffers, and Megatron's own masters
+        # with bf16 buffers, trained (8,549 and 8,573 tokens/s)
+        raise ConfigError("Megatron's precision-aware optimizer (train.fused_master_weights or bf16-moments) with "
+                          "train.grad_reduce_in_fp32=false: Transformer Engine 2.20's FusedAdam made NAM56R's first "
+                          "update non-finite with bf16 gradient buffers (H200, full size, MBS 4)",
+                          hint="--set train.grad_reduce_in_fp32=true, or --set train.fused_master_weights=false")
     if train.fused_master_weights and train.optimizer_numerics != "fp32-master":
         raise ConfigError(f"train.fused_master_weights with train.optimizer_numerics={train.optimizer_numerics}: it is "
                           "the fp32-master path on Transformer Engine's FusedAdam (bf16-moments already runs there)",

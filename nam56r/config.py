@@ -96,6 +96,13 @@ class NAM56RConfig:
     mamba_compile_prelude: bool = False
     """True: the mixer's elementwise region between in_proj and the scan (dt, A*dt, B/C RMSNorm, the layout
     changes) runs as one ``torch.compile`` graph shared by every Mamba layer (bench/mamba_ssm.py measures it)."""
+    compile_glue: bool = False
+    """True: the memory-bound steps between kernels that bench/results/glue.md ranks run as compiled regions
+    (``torch.compile``, inductor: nam56r/regions.py): the grouped-moe experts' per-token row sums (the combine's
+    forward, the dispatch's backward) and gated SwiGLU (``nam56r.experts.COMPILED_ROWS``), and the mamba-ssm MIMO
+    backward's per-group sums of dQ and dK (``nam_plugin_mamba_ssm.mimo.reduce_groups``). Off until measured on
+    the full model (``bench/glue.py`` times each region; ``bench/megatron.py throughput --train-set
+    compile_glue=true`` the step). No fall-back: without inductor on the device, one ``CannotRunHere``."""
 
     # --- MoE --------------------------------------------------------------------------------------
     num_experts: int = bounded(16, ge=1, aka=("experts", "n_experts", "n_routed_experts", "num_moe_experts"))

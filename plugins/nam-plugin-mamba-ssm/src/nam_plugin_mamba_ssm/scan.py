@@ -40,6 +40,15 @@ class MambaSSMScan:
     def __init__(self):
         self._siso = self._mimo = None
 
+    @classmethod
+    def build(cls, ctx) -> "MambaSSMScan":
+        """The scan a run builds (``nam56r.backends.build_backend``): the model's ``compile_glue`` makes the MIMO
+        backward reduce dQ/dK per group in a compiled region (``mimo.use_compiled_reduce``)."""
+        from nam_plugin_mamba_ssm import mimo
+
+        mimo.use_compiled_reduce(ctx.model.compile_glue)
+        return cls()
+
     def __call__(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
                  chunk_size: int) -> torch.Tensor:
         if not v.is_cuda:

@@ -360,6 +360,13 @@ def hooks_for(spec: dict):
     return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
 
 
+def model_changes(base, cfg) -> dict:
+    """The model fields ``cfg`` sets differently from ``base`` (``throughput --train-set FIELD=VALUE``), by name:
+    every row's run gets them as ``--set`` overrides (``request_for``)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(base, f.name)}
+
+
 def _setting(value) -> str:
     """A train field's value as ``--set`` takes it (a tuple as a comma list)."""
     return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
@@ -705,8 +712,9 @@ def throughput(args) -> int:
     from nam56r.flops import flops_per_token
     from nam56r.recipes import apply_overrides, get_recipe
 
-    recipe = apply_overrides(get_recipe("nam56r"), args.train_set)  # every row's extra train.<field> settings
-    model = {"num_layers": args.layers}
+    base = get_recipe("nam56r")
+    recipe = apply_overrides(base, args.train_set)  # every row's extra train.<field> and model settings
+    model = {**model_changes(base.model, recipe.model), "num_layers": args.layers}
     cfg = recipe.model.replace(**model)
     packed_rows(cfg.seq_len, recipe.train.seed)
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-bench-", dir=args.work))
@@ -1147,8 +1155,8 @@ def main() -> int:
     t.add_argument("--recompute", type=lambda s: s.split("/"), default=["none"],
                    help=f"train.recompute of each row, '/'-separated, among {' / '.join(RECOMPUTE_CHOICES)}")
     t.add_argument("--train-set", action="append", default=[], metavar="train.FIELD=VALUE",
-                   help="a train setting every row runs with (repeatable; e.g. train.grad_reduce_in_fp32=false); "
-                        "the JSON's meta records them")
+                   help="a train setting or model field every row runs with (repeatable; e.g. "
+                        "train.grad_reduce_in_fp32=false, compile_glue=true); the JSON's meta records them")
     t.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (at least 1: the first "
                    "step builds kernels; its time is the 'first step s' column)")
     t.add_argument("--iters", type=int, default=4)

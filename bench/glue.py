@@ -6,10 +6,13 @@ Rows (the regions bench/results/glue.md ranks; ``calls`` is how many times a 52-
 
 * ``moe gather-sum``: a token's 4 sorted rows summed back (``nam56r.experts.gather_sum``, [65536, 4096] bf16 ->
   [16384, 4096]): the combine's forward and the dispatch's backward, 44 calls. Also timed: torch's
-  ``F.embedding_bag(mode="sum")``, the one eager op that gathers and sums in one kernel (not wired into the model).
+  ``F.embedding_bag(mode="sum")``, the one eager op that gathers and sums in one kernel (its "compiled ms" column;
+  not wired into the model).
 * ``moe gated swiglu``: ``silu(gate) * up * g`` on [65536, 320] bf16, forward + backward, 22 calls.
 * ``mimo reduce-groups``: the mamba-ssm MIMO backward's bias and group sums of one per-head gradient
-  ([4, 4096, 4, 128, 128] bf16, 8 groups; ``nam_plugin_mamba_ssm.mimo.reduce_groups``), 34 calls (dQ and dK).
+  ([4, 4096, 4, 128, 128] bf16, 8 groups; ``nam_plugin_mamba_ssm.mimo.reduce_groups``), 34 calls (dQ and dK);
+  also against the Triton kernel that reads the gradient once (``group_sums.py``, ``mamba-ssm.group_sums=fused``:
+  its "compiled ms" column is that kernel).
 * ``mamba prelude``: the mixer's elementwise region (``nam56r.blocks.mamba3.mamba3_prelude``; the nam56r recipe
   already compiles it, ``mamba_compile_prelude``), forward + backward (17 calls) and forward alone (the
   ``mamba-scan`` replay, 17 calls).
@@ -83,6 +86,10 @@ def mimo_rows(dev):
     g = cfg.mamba_ngroups
     yield ("mimo reduce-groups", 2 * MAMBA_LAYERS, lambda: mimo.reduce_groups(d, g),
            lambda: mimo.COMPILED_REDUCE(d, g))
+    from nam_plugin_mamba_ssm.group_sums import fused_reduce_groups
+
+    yield ("mimo reduce-groups: fused triton", 2 * MAMBA_LAYERS, lambda: mimo.reduce_groups(d, g),
+           lambda: fused_reduce_groups(d, g))
 
 
 def mamba_rows(dev):

@@ -22,10 +22,12 @@ What the drivers change:
   otherwise. ``reduce_groups`` covers every ``h % g == 0``: the bias gradients are per-head sums of those
   unreduced tensors, and dQ/dK sum the heads of each group (head ``i`` reads group ``i // (h / g)``).
 
-* **Group sums as one compiled region** (the model's ``compile_glue``: ``use_compiled_reduce``): ``reduce_groups``
-  reads the per-head dQ and dK ``[b, l, r, h, n]`` twice each (bias sum, group sum); at NAM56R's MBS 4 those
-  four reads are ~39 ms of a 1,763 ms step (bench/results/glue.md). Compiled, inductor builds its own kernels
-  for them; ``bench/glue.py`` times both forms.
+* **Group sums, three forms** (``use_group_sums``: the option ``mamba-ssm.group_sums``, or the model's
+  ``compile_glue``): ``reduce_groups`` reads the per-head dQ and dK ``[b, l, r, h, n]`` twice each (bias sum,
+  group sum); at NAM56R's MBS 4 those four reads are ~39 ms of a 1,763 ms step (bench/results/glue.md).
+  ``compiled`` runs it as one ``torch.compile`` region (still two reads: the sums run over different axes);
+  ``fused`` as one Triton kernel that reads each gradient once (``group_sums.py``). ``bench/glue.py`` times all
+  three.
 
 Allocation, launch order and the Triton post-processing follow upstream's drivers, so the two compute the same
 numbers wherever upstream runs.
@@ -176,15 +178,25 @@ def reduce_groups(d_per_head: torch.Tensor, groups: int) -> tuple[torch.Tensor, 
 
 COMPILED_REDUCE = Region(reduce_groups, "compile_glue")
 """``reduce_groups`` under ``torch.compile`` (nam56r/regions.py): one graph per shape, no eager fall-back."""
+GROUP_SUMS = ("eager", "compiled", "fused")
+"""The forms of ``reduce_groups`` the backward can run (the option ``mamba-ssm.group_sums``)."""
 _reduce = reduce_groups
 
 
-def use_compiled_reduce(on: bool) -> None:
-    """Make ``backward`` reduce the groups with ``COMPILED_REDUCE`` (``on``) or eagerly. Process-wide, set by the
-    scan a run builds (``MambaSSMScan.build``): a choice of speed, not of result (the two differ only in the
-    order of fp32 additions)."""
+def use_group_sums(kind: str) -> None:
+    """Make ``backward`` reduce the groups with ``reduce_groups`` (``eager``), ``COMPILED_REDUCE`` (``compiled``)
+    or ``group_sums.fused_reduce_groups`` (``fused``, Triton). Process-wide, set by the scan a run builds
+    (``MambaSSMScan.build``): a choice of speed, not of result (the forms differ only in the order of fp32
+    additions)."""
     global _reduce
-    _reduce = COMPILED_REDUCE if on else reduce_groups
+    if kind not in GROUP_SUMS:
+        raise ValueError(f"group sums {kind!r}: expected one of {', '.join(GROUP_SUMS)}")
+    if kind == "fused":
+        from nam_plugin_mamba_ssm.group_sums import fused_reduce_groups
+
+        _reduce = fused_reduce_groups
+    else:
+        _reduce = COMPILED_REDUCE if kind == "compiled" else reduce_groups
 
 
 def forward(q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, D, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, segsum,

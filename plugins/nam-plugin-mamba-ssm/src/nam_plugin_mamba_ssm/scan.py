@@ -42,11 +42,15 @@ class MambaSSMScan:
 
     @classmethod
     def build(cls, ctx) -> "MambaSSMScan":
-        """The scan a run builds (``nam56r.backends.build_backend``): the model's ``compile_glue`` makes the MIMO
-        backward reduce dQ/dK per group in a compiled region (``mimo.use_compiled_reduce``)."""
+        """The scan a run builds (``nam56r.backends.build_backend``), and the MIMO backward's group sums it asks
+        for (``mimo.use_group_sums``): the option ``mamba-ssm.group_sums`` when set, else ``compiled`` when the
+        model's ``compile_glue`` is on, else ``eager``."""
         from nam_plugin_mamba_ssm import mimo
+        from nam_plugin_mamba_ssm.plugin import NAME
 
-        mimo.use_compiled_reduce(ctx.model.compile_glue)
+        options = ctx.options.get(NAME)
+        chosen = options.group_sums if options is not None else None
+        mimo.use_group_sums(chosen or ("compiled" if ctx.model.compile_glue else "eager"))
         return cls()
 
     def __call__(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,

@@ -95,12 +95,14 @@ class NAM56RConfig:
     """A is clamped to at most -a_floor (upstream Mamba-3 default)."""
     mamba_compile_prelude: bool = False
     """True: the mixer's elementwise region between in_proj and the scan (dt, A*dt, B/C RMSNorm, the layout
-    changes) runs as one ``torch.compile`` graph shared by every Mamba layer (bench/mamba_ssm.py measures it)."""
+    changes) runs as one compiled region shared by every Mamba layer (nam56r/regions.py; bench/mamba3_layer.py
+    and bench/glue.py measure it)."""
     compile_glue: bool = False
     """True: the memory-bound steps between kernels that bench/results/glue.md ranks run as compiled regions
     (``torch.compile``, inductor: nam56r/regions.py): the grouped-moe experts' per-token row sums (the combine's
     forward, the dispatch's backward) and gated SwiGLU (``nam56r.experts.COMPILED_ROWS``), and the mamba-ssm MIMO
-    backward's per-group sums of dQ and dK (``nam_plugin_mamba_ssm.mimo.reduce_groups``). Off until measured on
+    backward's per-group sums of dQ and dK (``nam_plugin_mamba_ssm.mimo.reduce_groups``; the option
+    ``mamba-ssm.group_sums``, when set, chooses there instead). Off until measured on
     the full model (``bench/glue.py`` times each region; ``bench/megatron.py throughput --train-set
     compile_glue=true`` the step). No fall-back: without inductor on the device, one ``CannotRunHere``."""
 

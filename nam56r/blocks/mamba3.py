@@ -21,6 +21,7 @@ from torch import nn
 from nam56r.backends import SSMScan
 from nam56r.config import NAM56RConfig
 from nam56r.recompute import checkpointed
+from nam56r.regions import Region
 from nam56r.state import ForwardState
 
 DT_INIT_FLOOR = 1e-4  # mamba-ssm Mamba3 dt_init_floor default
@@ -175,9 +176,11 @@ _COMPILED_PRELUDE = None
 
 
 def compiled_prelude():
-    """``mamba3_prelude`` under ``torch.compile`` (built on first use, shared by every layer). Compile errors
-    propagate: there is no fall-back to the eager function."""
+    """``mamba3_prelude`` as a compiled region (nam56r/regions.py: ``torch.compile(fullgraph=True,
+    dynamic=False)``, built on first use, shared by every layer). Without inductor on the device one
+    ``CannotRunHere`` names ``mamba_compile_prelude``; compile errors propagate: no fall-back to the eager
+    function."""
     global _COMPILED_PRELUDE
     if _COMPILED_PRELUDE is None:
-        _COMPILED_PRELUDE = torch.compile(mamba3_prelude, dynamic=False, fullgraph=True)
+        _COMPILED_PRELUDE = Region(mamba3_prelude, "mamba_compile_prelude")
     return _COMPILED_PRELUDE

@@ -97,6 +97,12 @@ class NAM56RConfig:
     """True: the mixer's elementwise region between in_proj and the scan (dt, A*dt, B/C RMSNorm, the layout
     changes) runs as one compiled region shared by every Mamba layer (nam56r/regions.py; bench/mamba3_layer.py
     and bench/glue.py measure it)."""
+    mamba_split_in_proj: bool = False
+    """True: the mixer's in_proj runs as three GEMMs on row slices of its one weight (z, x, the rest), so z and x
+    reach the scan's kernels contiguous, without the two [b, l, d_inner] copies per forward (and per
+    ``mamba-scan`` replay) that slicing one output costs (~22 ms of the MBS 4 step: bench/results/glue.md);
+    the backward sums three input gradients instead of concatenating one. Same parameter, same checkpoints.
+    Refused when a plugin swapped in_proj (float8, te). Off until measured on the full model."""
     compile_glue: bool = False
     """True: the memory-bound steps between kernels that bench/results/glue.md ranks run as compiled regions
     (``torch.compile``, inductor: nam56r/regions.py): the grouped-moe experts' per-token row sums (the combine's

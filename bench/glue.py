@@ -18,6 +18,9 @@ Rows (the regions bench/results/glue.md ranks; ``calls`` is how many times a 52-
   ``mamba-scan`` replay, 17 calls).
 * ``mamba v, z copies``: the contiguous copies of x and z the MIMO kernels read (``kernel_args.mimo_args``), eager
   only: no compiled region removes them (68 calls with the replay).
+* ``mamba in_proj + z, x copies``: in_proj (16384 x 4096 -> 24992) and the two copies, forward + backward, against
+  three GEMMs on row slices of its weight (``mamba_split_in_proj``: its "compiled ms" column), 17 calls; the
+  split also removes the replay's two copies (34 more calls of the row above).
 
 Each row: median CUDA-event ms of eager and compiled, their ratio, the ms a step would save (difference x calls),
 and the compiled output's largest error against eager (max |a - b| / max |b|)::
@@ -114,6 +117,22 @@ def mamba_rows(dev):
            lambda: compiled_prelude()(proj, *params, *const))
     v = proj[..., cfg.d_inner:2 * cfg.d_inner].unflatten(-1, (m.heads, m.headdim))
     yield ("mamba v, z copies (eager only)", 4 * MAMBA_LAYERS, lambda: v.contiguous(), None)
+    # in_proj and the copies of z and x the kernels read: one GEMM then two copies (today), against three GEMMs on
+    # row slices of the weight (mamba_split_in_proj), forward + backward
+    sizes = [cfg.d_inner, cfg.d_inner, sum(m.split_sizes) - 2 * cfg.d_inner]
+
+    def one_gemm(x, w):
+        z, xs, rest = F.linear(x, w).split(sizes, dim=-1)
+        return z.contiguous(), xs.contiguous(), rest
+
+    def three_gemms(x, w):
+        return tuple(F.linear(x, part) for part in w.split(sizes, dim=0))
+
+    x = torch.randn(B, L, cfg.hidden, device=dev, dtype=torch.bfloat16)
+    w = m.in_proj.weight.detach()
+    dys = [torch.randn(B, L, n, device=dev, dtype=torch.bfloat16) for n in sizes]
+    yield ("mamba in_proj + z, x copies fwd+bwd: split in_proj", MAMBA_LAYERS, fwd_bwd(one_gemm, [x, w], dys),
+           fwd_bwd(three_gemms, [x, w], dys))
 
 
 def main() -> int:

@@ -22,8 +22,8 @@ from nam56r.backends import SSMScan
 from nam56r.config import NAM56RConfig
 from nam56r.recompute import checkpointed
 from nam56r.regions import Region
-from nam_core.errors import CannotRunHere
 from nam56r.state import ForwardState
+from nam_core.errors import CannotRunHere
 
 DT_INIT_FLOOR = 1e-4  # mamba-ssm Mamba3 dt_init_floor default
 BC_NORM_EPS = 1e-5  # mamba-ssm Mamba3 B_norm / C_norm eps

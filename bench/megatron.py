@@ -149,6 +149,7 @@ def request_for(spec: dict, train):
     overrides += [f"train.{f.name}={_setting(getattr(train, f.name))}" for f in dataclasses.fields(train)
                   if f.name not in ("engine", "device", "tp", "pp", "ep", "plugin_options")
                   and getattr(train, f.name) != getattr(base, f.name)]
+    overrides += [f"{k}={v}" for k, v in train.plugin_options.items()]  # throughput --train-set PLUGIN.OPTION=V
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
     if spec["backends"] == "fast":
         ssm, moe = spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped")
@@ -358,6 +359,13 @@ def hooks_for(spec: dict):
     if spec.get("profile_step") is None:
         return None
     return ProfileStep(spec["profile_step"], Path(spec["profile_out"]))
+
+
+def model_changes(base, cfg) -> dict:
+    """The model fields ``cfg`` sets differently from ``base`` (``throughput --train-set FIELD=VALUE``), by name:
+    every row's run gets them as ``--set`` overrides (``request_for``)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(base, f.name)}
 
 
 def _setting(value) -> str:
@@ -705,8 +713,10 @@ def throughput(args) -> int:
     from nam56r.flops import flops_per_token
     from nam56r.recipes import apply_overrides, get_recipe
 
-    recipe = apply_overrides(get_recipe("nam56r"), args.train_set)  # every row's extra train.<field> settings
-    model = {"num_layers": args.layers}
+    base = get_recipe("nam56r")
+    # every row's extra train.<field>, model and <plugin>.<option> settings (the recipe's plugins' options)
+    recipe = apply_overrides(base, args.train_set, plugin_names=base.plugins)
+    model = {**model_changes(base.model, recipe.model), "num_layers": args.layers}
     cfg = recipe.model.replace(**model)
     packed_rows(cfg.seq_len, recipe.train.seed)
     work = Path(tempfile.mkdtemp(prefix="nam-megatron-bench-", dir=args.work))
@@ -1147,8 +1157,9 @@ def main() -> int:
     t.add_argument("--recompute", type=lambda s: s.split("/"), default=["none"],
                    help=f"train.recompute of each row, '/'-separated, among {' / '.join(RECOMPUTE_CHOICES)}")
     t.add_argument("--train-set", action="append", default=[], metavar="train.FIELD=VALUE",
-                   help="a train setting every row runs with (repeatable; e.g. train.grad_reduce_in_fp32=false); "
-                        "the JSON's meta records them")
+                   help="a train setting, model field or option of the nam56r recipe's plugins every row runs with "
+                        "(repeatable; e.g. train.grad_reduce_in_fp32=false, compile_glue=true, "
+                        "mamba-ssm.group_sums=fused); the JSON's meta records them")
     t.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (at least 1: the first "
                    "step builds kernels; its time is the 'first step s' column)")
     t.add_argument("--iters", type=int, default=4)

@@ -95,7 +95,22 @@ class NAM56RConfig:
     """A is clamped to at most -a_floor (upstream Mamba-3 default)."""
     mamba_compile_prelude: bool = False
     """True: the mixer's elementwise region between in_proj and the scan (dt, A*dt, B/C RMSNorm, the layout
-    changes) runs as one ``torch.compile`` graph shared by every Mamba layer (bench/mamba_ssm.py measures it)."""
+    changes) runs as one compiled region shared by every Mamba layer (nam56r/regions.py; bench/mamba3_layer.py
+    and bench/glue.py measure it)."""
+    mamba_split_in_proj: bool = False
+    """True: the mixer's in_proj runs as three GEMMs on row slices of its one weight (z, x, the rest), so z and x
+    reach the scan's kernels contiguous, without the two [b, l, d_inner] copies per forward (and per
+    ``mamba-scan`` replay) that slicing one output costs (~22 ms of the MBS 4 step: bench/results/glue.md);
+    the backward sums three input gradients instead of concatenating one. Same parameter, same checkpoints.
+    Refused when a plugin swapped in_proj (float8, te). Off until measured on the full model."""
+    compile_glue: bool = False
+    """True: the memory-bound steps between kernels that bench/results/glue.md ranks run as compiled regions
+    (``torch.compile``, inductor: nam56r/regions.py): the grouped-moe experts' per-token row sums (the combine's
+    forward, the dispatch's backward) and gated SwiGLU (``nam56r.experts.COMPILED_ROWS``), and the mamba-ssm MIMO
+    backward's per-group sums of dQ and dK (``nam_plugin_mamba_ssm.mimo.reduce_groups``; the option
+    ``mamba-ssm.group_sums``, when set, chooses there instead). Off until measured on
+    the full model (``bench/glue.py`` times each region; ``bench/megatron.py throughput --train-set
+    compile_glue=true`` the step). No fall-back: without inductor on the device, one ``CannotRunHere``."""
 
     # --- MoE --------------------------------------------------------------------------------------
     num_experts: int = bounded(16, ge=1, aka=("experts", "n_experts", "n_routed_experts", "num_moe_experts"))

@@ -60,6 +60,25 @@ def test_bench_runs_are_requested_as_nam_train_would_request_them(bench):
     assert run.lowering is not None and run.lowering.moe_dispatcher == train.moe_dispatcher
 
 
+def test_throughput_train_set_carries_model_fields_to_every_run(bench):
+    """``throughput --train-set compile_glue=true``: a model field or a recipe plugin's option set there reaches
+    each run's config (the train fields go through the train dict), so the full model's before/after is one flag."""
+    from nam56r.recipes import apply_overrides, get_recipe
+    from nam56r.run import resolve
+    from nam_core.engine.config import TrainConfig
+
+    base = get_recipe("nam56r")
+    recipe = apply_overrides(base, ["compile_glue=true", "train.lr=1e-4", "mamba-ssm.group_sums=fused"],
+                             plugin_names=base.plugins)
+    changed = bench.model_changes(base.model, recipe.model)
+    assert changed == {"compile_glue": True}
+    spec = {"recipe": "nam56r", "backends": "fast", "steps": 3, "model": {**changed, "num_layers": 52}}
+    train = recipe.train.replace(engine="megatron", device="cuda", micro_batch_size=2)
+    run = resolve(bench.request_for(spec, train))
+    assert run.spec.model.compile_glue is True and base.model.compile_glue is False
+    assert run.spec.options["mamba-ssm"].group_sums == "fused" and run.spec.train.lr == 1e-4
+
+
 def test_te_rows_request_the_te_plugin_and_its_options(bench):
     """``--te``: every row once per entry, the te plugin with its recipe (none: without it); ``--te-experts
     grouped`` adds megatron rows only (TEGroupedMLP is Megatron's)."""

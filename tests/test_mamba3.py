@@ -251,3 +251,59 @@ def test_prelude_traces_as_one_graph_and_matches_eager(rank):
     finally:
         block._COMPILED_PRELUDE = saved
     assert calls == [1]  # the flagged mixer ran the compiled function; the plain one did not
+
+
+class ContiguityLog:
+    """The reference scan, noting whether v and z arrived contiguous (what mamba-ssm's kernels read)."""
+
+    def __init__(self):
+        self.scan, self.seen = ReferenceSSMScan(), []
+
+    def __call__(self, q, k, v, *args, **kwargs):
+        self.seen.append((v.is_contiguous(), args[-4].is_contiguous()))  # args[-4]: z
+        return self.scan(q, k, v, *args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compile_prelude", [False, True])
+def test_split_in_proj_equals_one_in_proj_and_hands_z_and_x_over_contiguous(dtype, compile_prelude):
+    """``mamba_split_in_proj``: three GEMMs on slices of in_proj's weight give the one-GEMM mixer's output and
+    every gradient (fp32 within 1e-5 of the max value: GEMMs of another width may block their sums differently;
+    bf16 within 2**-7 relative L2), eager and with the inductor-compiled prelude, and the scan reads z and x
+    contiguous (no copy left for a kernel to make), where one GEMM hands it strided views."""
+    from nam_core.testing import max_rel_error, new_seed, rel_norm_error
+
+    seed = new_seed()
+    one = tiny_mixer(4, seed=seed % 1000)
+    one.cfg = one.cfg.replace(mamba_compile_prelude=compile_prelude)
+    split = copy.deepcopy(one)
+    split.cfg = one.cfg.replace(mamba_split_in_proj=True)
+    one, split = one.to(dtype), split.to(dtype)
+    one.scan, split.scan = ContiguityLog(), ContiguityLog()
+    x = mixer_input(seed % 1000, dtype)
+
+    def run(m):
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        y.float().square().mean().backward()
+        return [y.detach(), xx.grad, *(p.grad for p in m.parameters())]
+
+    for got, want in zip(run(split), run(one), strict=True):
+        err = max_rel_error(got, want) if dtype == torch.float32 else rel_norm_error(got, want)
+        assert err < (1e-5 if dtype == torch.float32 else 2**-7), (err, seed)
+    assert split.scan.seen == [(True, True)] and one.scan.seen == [(False, False)]
+
+
+def test_split_in_proj_refuses_a_swapped_in_proj():
+    from nam_core.errors import CannotRunHere
+
+    class SwappedLinear(torch.nn.Linear):  # what float8's or te's swap puts in in_proj's place
+        pass
+
+    m = tiny_mixer(4)
+    m.cfg = m.cfg.replace(mamba_split_in_proj=True)
+    old = m.in_proj
+    m.in_proj = SwappedLinear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(CannotRunHere, match="mamba_split_in_proj=true .*SwappedLinear") as err:
+        m(mixer_input())
+    assert err.value.hint == "--set mamba_split_in_proj=false"

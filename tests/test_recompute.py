@@ -176,3 +176,59 @@ def test_recompute_config_presets_and_refusals():
     assert recompute_kinds(TrainConfig(recompute=("moe", "mamba-scan"))) == ("mamba-scan", "moe")
     with pytest.raises(ConfigError, match="expected one of mamba, mamba-scan, moe, attention, layer"):
         resolve(RunRequest(overrides=["train.recompute=experts"], env_plugins=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_scan_replay_of_the_inductor_compiled_prelude_is_bit_exact(dtype):
+    """``mamba_compile_prelude`` (inductor, as the nam56r recipe runs it) with ``compile_glue`` on: the
+    ``mamba-scan`` replay runs the compiled prelude again inside backward, and loss and every gradient equal the
+    run without recompute bit for bit (tolerance 0), fp32 and bf16 (the prelude's dt and A dt stay fp32)."""
+    import copy
+
+    from nam56r.blocks.mamba3 import Mamba3Mixer
+    from nam56r.reference.mamba3 import ReferenceSSMScan
+    from nam_core.testing import new_seed
+
+    seed = new_seed()
+    torch.manual_seed(seed)
+    cfg = get_recipe("nam56r-tiny").model.replace(hidden=32, d_state=16, mamba_headdim=8, mamba_ngroups=2,
+                                                  mamba_chunk=8, mamba_compile_prelude=True, compile_glue=True)
+    plain = Mamba3Mixer(cfg, ReferenceSSMScan()).to(dtype)
+    replayed = copy.deepcopy(plain)
+    replayed.recompute_scan = True
+    x = torch.randn(2, 24, cfg.hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+    def grads(m):
+        xx = x.clone().requires_grad_()
+        m(xx).float().square().mean().backward()
+        return [xx.grad, *(p.grad for p in m.parameters())]
+
+    for got, want in zip(grads(replayed), grads(plain), strict=True):
+        assert torch.equal(got, want), seed
+
+
+def test_mamba_scan_replay_with_a_split_in_proj_is_bit_exact():
+    """``mamba_split_in_proj``: the checkpointed region's inputs are in_proj's three parts; the replay equals the
+    run without recompute bit for bit (tolerance 0)."""
+    import copy
+
+    from nam56r.blocks.mamba3 import Mamba3Mixer
+    from nam56r.reference.mamba3 import ReferenceSSMScan
+    from nam_core.testing import new_seed
+
+    seed = new_seed()
+    torch.manual_seed(seed)
+    cfg = get_recipe("nam56r-tiny").model.replace(hidden=32, d_state=16, mamba_headdim=8, mamba_ngroups=2,
+                                                  mamba_chunk=8, mamba_split_in_proj=True)
+    plain = Mamba3Mixer(cfg, ReferenceSSMScan())
+    replayed = copy.deepcopy(plain)
+    replayed.recompute_scan = True
+    x = torch.randn(2, 24, cfg.hidden, generator=torch.Generator().manual_seed(seed))
+
+    def grads(m):
+        xx = x.clone().requires_grad_()
+        m(xx).square().mean().backward()
+        return [xx.grad, *(p.grad for p in m.parameters())]
+
+    for got, want in zip(grads(replayed), grads(plain), strict=True):
+        assert torch.equal(got, want), seed

@@ -21,7 +21,9 @@ from torch import nn
 from nam56r.backends import SSMScan
 from nam56r.config import NAM56RConfig
 from nam56r.recompute import checkpointed
+from nam56r.regions import Region
 from nam56r.state import ForwardState
+from nam_core.errors import CannotRunHere
 
 DT_INIT_FLOOR = 1e-4  # mamba-ssm Mamba3 dt_init_floor default
 BC_NORM_EPS = 1e-5  # mamba-ssm Mamba3 B_norm / C_norm eps
@@ -114,26 +116,44 @@ class Mamba3Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         """``state`` is accepted for the common block interface; Mamba-3 adds no auxiliary loss."""
-        proj = self.in_proj(x)  # [b, l, sum(split_sizes)]
+        parts = self._project(x)
         if self.recompute_scan:
             passes = []
 
-            def between(proj: torch.Tensor, state: ForwardState | None) -> torch.Tensor:
+            def between(*args) -> torch.Tensor:  # (*parts, state)
                 passes.append(None)
-                return self._between(proj, output_used=len(passes) == 1)  # a replay's output is dropped
+                return self._between(args[:-1], output_used=len(passes) == 1)  # a replay's output is dropped
 
-            y = checkpointed(between, state, proj)
+            y = checkpointed(between, state, *parts)
         else:
-            y = self._between(proj)
+            y = self._between(parts)
         return self.out_proj(y.flatten(2).to(x.dtype))  # y [b, l, H, P]
 
-    def _between(self, proj: torch.Tensor, output_used: bool = True) -> torch.Tensor:
-        """The in_proj output -> the scan's output [b, l, H, P] (prelude, scan). ``output_used`` False: the
-        values of the result are not read (a replay), a backend may leave them unset (``for_backward_only``)."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """in_proj: ``(proj,)`` [b, l, sum(split_sizes)], or with ``mamba_split_in_proj`` ``(z, x, rest)``: three
+        GEMMs on row slices of the same weight, so z and x [b, l, d_inner] come out contiguous and the scan's
+        kernels read them without a copy (bench/results/glue.md, rank 3). The slices bypass whatever module
+        holds the weight, so a swapped in_proj (float8, te) is refused rather than silently run in bf16."""
+        if not self.cfg.mamba_split_in_proj:
+            return (self.in_proj(x),)
+        if type(self.in_proj) is not nn.Linear:
+            raise CannotRunHere(
+                f"mamba_split_in_proj=true runs in_proj as three GEMMs on slices of its weight; this in_proj is "
+                f"{type(self.in_proj).__module__}.{type(self.in_proj).__qualname__} (a plugin swapped it), whose "
+                "own forward the slices would skip", hint="--set mamba_split_in_proj=false")
+        d = self.d_inner
+        w_z, w_x, w_rest = self.in_proj.weight.split([d, d, self.in_proj.out_features - 2 * d], dim=0)
+        return F.linear(x, w_z), F.linear(x, w_x), F.linear(x, w_rest)
+
+    def _between(self, parts: tuple[torch.Tensor, ...], output_used: bool = True) -> torch.Tensor:
+        """The in_proj output (``_project``) -> the scan's output [b, l, H, P] (prelude, scan). ``output_used``
+        False: the values of the result are not read (a replay), a backend may leave them unset
+        (``for_backward_only``)."""
         prelude = compiled_prelude() if self.cfg.mamba_compile_prelude else mamba3_prelude
         scan = self.scan if output_used else getattr(self.scan, "for_backward_only", self.scan)
         scan_inputs = prelude(
-            proj, self.dt_bias, self.B_bias, self.C_bias, self.B_norm.weight, self.C_norm.weight,
+            parts[0] if len(parts) == 1 else tuple(parts), self.dt_bias, self.B_bias, self.C_bias,
+            self.B_norm.weight, self.C_norm.weight,
             self.D, self.split_sizes, (self.rank, self.groups, self.d_state, self.heads, self.headdim),
             self.cfg.mamba_a_floor, BC_NORM_EPS,
         )
@@ -146,12 +166,17 @@ def mamba3_prelude(proj, dt_bias, B_bias, C_bias, B_norm_weight, C_norm_weight, 
 
     A free function of tensors and plain values (no module), so one ``torch.compile`` of it serves every layer
     of the same shape. dt and A dt in fp32 at least, even if a wrapper handed bf16 copies of the fp32
-    parameters. ``dims`` = (R, G, N, H, P).
+    parameters. ``dims`` = (R, G, N, H, P). ``proj``: in_proj's output ``[b, l, sum(split_sizes)]``, or its
+    ``(z, x, rest)`` parts (``mamba_split_in_proj``), which hand z and x over as they are.
     """
     R, G, N, H, P = dims
-    b, l, _ = proj.shape
-    z, xs, B, C, dd_dt, dd_A, trap, angles = torch.split(proj, split_sizes, dim=-1)
-    f32 = torch.promote_types(proj.dtype, torch.float32)
+    if isinstance(proj, torch.Tensor):
+        z, xs, B, C, dd_dt, dd_A, trap, angles = torch.split(proj, split_sizes, dim=-1)
+    else:
+        z, xs, rest = proj
+        B, C, dd_dt, dd_A, trap, angles = torch.split(rest, split_sizes[2:], dim=-1)
+    b, l, _ = z.shape
+    f32 = torch.promote_types(z.dtype, torch.float32)
     dt = F.softplus(dd_dt.to(f32) + dt_bias.to(f32))  # [b, l, H]
     # A = -softplus(dd_A) is mamba-ssm 2.3.2.post1; main (c69aaab) uses a heavy tail instead:
     # x + 1 for x >= 0, 1 / (1 - x) below (kernels-and-math.md section 1.2).
@@ -175,9 +200,11 @@ _COMPILED_PRELUDE = None
 
 
 def compiled_prelude():
-    """``mamba3_prelude`` under ``torch.compile`` (built on first use, shared by every layer). Compile errors
-    propagate: there is no fall-back to the eager function."""
+    """``mamba3_prelude`` as a compiled region (nam56r/regions.py: ``torch.compile(fullgraph=True,
+    dynamic=False)``, built on first use, shared by every layer). Without inductor on the device one
+    ``CannotRunHere`` names ``mamba_compile_prelude``; compile errors propagate: no fall-back to the eager
+    function."""
     global _COMPILED_PRELUDE
     if _COMPILED_PRELUDE is None:
-        _COMPILED_PRELUDE = torch.compile(mamba3_prelude, dynamic=False, fullgraph=True)
+        _COMPILED_PRELUDE = Region(mamba3_prelude, "mamba_compile_prelude")
     return _COMPILED_PRELUDE

@@ -73,3 +73,58 @@ def test_unaligned_expert_widths_are_refused_before_a_run():
     [row] = rows("moe_ffn_hidden=160")
     assert row.status == "pass" and row.found == "hidden=4096, moe_ffn_hidden=160" and row.hint is None, row
     assert rows("moe_ffn_hidden=150", "moe_backend=reference") == []  # not used by the run: not asked
+
+
+# --- compile_glue: the row steps as compiled regions (nam56r/regions.py) ---------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_row_steps_match_the_eager_ones_in_output_and_every_gradient(dtype):
+    """The combine's gather-sum, the dispatch's backward gather-sum and the gated SwiGLU under inductor, against
+    the eager functions on the same inputs: fp32 within 1e-5 (max error over max value), bf16 within 2**-7
+    (relative L2: eager rounds the SwiGLU's intermediates to bf16, inductor once)."""
+    from nam_core.testing import max_rel_error, rel_norm_error
+
+    seed = new_seed()
+    inputs = _inputs(seed, t=40, d=32, e=4, k=2, f=16)
+    y0, g0 = run_experts(GroupedExperts(loop_grouped_mm), inputs, dtype)
+    y1, g1 = run_experts(GroupedExperts(loop_grouped_mm, compile_glue=True), inputs, dtype)
+    for name, got, want in zip(("out", "dx", "dgates", "dw_gate_up", "dw_down"), [y1, *g1], [y0, *g0]):
+        err = max_rel_error(got, want) if dtype == torch.float32 else rel_norm_error(got, want)
+        assert err < (1e-5 if dtype == torch.float32 else 2**-7), (name, err, seed)
+
+
+def test_compiled_row_steps_replay_bit_exact_under_recompute():
+    """``train.recompute=moe`` replays the layer's forward inside backward: with the compiled regions the loss's
+    gradients equal the run without recompute bit for bit (tolerance 0), as the eager ones do."""
+    import copy
+
+    from nam56r.blocks.moe import MoE
+    from nam56r.recipes import get_recipe
+    from nam56r.recompute import checkpointed
+    from nam56r.state import ForwardState
+
+    seed = new_seed()
+    torch.manual_seed(seed)
+    cfg = get_recipe("nam56r-tiny").model.replace(compile_glue=True)
+    plain = MoE(cfg, GroupedExperts(loop_grouped_mm, compile_glue=True))
+    replayed = copy.deepcopy(plain)
+    x = torch.randn(2, 12, cfg.hidden)
+
+    def loss_and_grads(block, recompute):
+        xx = x.clone().requires_grad_()
+        state = ForwardState(seq_layout=(2, 12))
+        y = checkpointed(block, state, xx) if recompute else block(xx, state)
+        (y.square().mean() + sum(torch.stack(v).sum() for v in state.aux_losses.values())).backward()
+        return [xx.grad, *(p.grad for p in block.parameters())]
+
+    for got, want in zip(loss_and_grads(replayed, True), loss_and_grads(plain, False), strict=True):
+        assert torch.equal(got, want), seed
+
+
+def test_the_run_builds_the_rows_the_model_asks_for():
+    from nam56r.backends import BackendContext
+    from nam56r.experts import COMPILED_ROWS, EAGER_ROWS
+    from nam56r.recipes import get_recipe
+
+    cfg = get_recipe("nam56r").model
+    assert GroupedExperts.build(BackendContext(model=cfg)).rows is EAGER_ROWS  # off until measured
+    assert GroupedExperts.build(BackendContext(model=cfg.replace(compile_glue=True))).rows is COMPILED_ROWS

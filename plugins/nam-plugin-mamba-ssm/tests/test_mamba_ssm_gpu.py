@@ -46,6 +46,25 @@ def test_mimo_matches_the_reference(h, g, l):
     check(selftest.compare(MambaSSMScan(), 1, l, h, g, N, P, R, chunk_size=CHUNK), f"mimo h={h} g={g} l={l}")
 
 
+@pytest.mark.parametrize("group_sums", ["compiled", "fused"])
+def test_mimo_matches_the_reference_with_each_form_of_the_group_sums(group_sums):
+    """``mamba-ssm.group_sums``: the backward's dQ/dK group and bias sums as a compiled region and as the Triton
+    kernel (group_sums.py), NAM56R's 128 heads in 8 groups at a ragged length, same tolerance as eager; and the
+    two forms against the eager one on a full-size per-head gradient ([2, 4096, 4, 128, 128] bf16)."""
+    from nam_core.testing import max_rel_error, rel_norm_error
+    from nam_plugin_mamba_ssm import mimo, selftest
+    from nam_plugin_mamba_ssm.scan import MambaSSMScan
+
+    try:
+        mimo.use_group_sums(group_sums)
+        check(selftest.compare(MambaSSMScan(), 1, 200, 128, 8, N, P, R, chunk_size=CHUNK), f"mimo {group_sums}")
+        d = torch.randn(2, 4096, R, 128, N, device="cuda", dtype=torch.bfloat16)
+        (bias, grouped), (want_bias, want_grouped) = mimo._reduce(d, 8), mimo.reduce_groups(d, 8)
+        assert max_rel_error(bias, want_bias) < 1e-5 and rel_norm_error(grouped, want_grouped) < 2**-7
+    finally:
+        mimo.use_group_sums("eager")
+
+
 @pytest.mark.parametrize("h, g, l, chunk", [(128, 8, 512, 64), (128, 1, 200, 64)])
 def test_siso_matches_the_reference(h, g, l, chunk):
     from nam_plugin_mamba_ssm import selftest

@@ -22,6 +22,13 @@ What the drivers change:
   otherwise. ``reduce_groups`` covers every ``h % g == 0``: the bias gradients are per-head sums of those
   unreduced tensors, and dQ/dK sum the heads of each group (head ``i`` reads group ``i // (h / g)``).
 
+* **Group sums, three forms** (``use_group_sums``: the option ``mamba-ssm.group_sums``, or the model's
+  ``compile_glue``): ``reduce_groups`` reads the per-head dQ and dK ``[b, l, r, h, n]`` twice each (bias sum,
+  group sum); at NAM56R's MBS 4 those four reads are ~39 ms of a 1,763 ms step (bench/results/glue.md).
+  ``compiled`` runs it as one ``torch.compile`` region (still two reads: the sums run over different axes);
+  ``fused`` as one Triton kernel that reads each gradient once (``group_sums.py``). ``bench/glue.py`` times all
+  three.
+
 Allocation, launch order and the Triton post-processing follow upstream's drivers, so the two compute the same
 numbers wherever upstream runs.
 """
@@ -37,6 +44,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from nam56r.regions import Region
 from nam_plugin_mamba_ssm import upstream
 
 FWD_THREADS, BWD_FWD_THREADS, BWD_BWD_THREADS = 128, 128, 256
@@ -168,6 +176,29 @@ def reduce_groups(d_per_head: torch.Tensor, groups: int) -> tuple[torch.Tensor, 
     return bias, grouped.to(d_per_head.dtype)
 
 
+COMPILED_REDUCE = Region(reduce_groups, "compile_glue")
+"""``reduce_groups`` under ``torch.compile`` (nam56r/regions.py): one graph per shape, no eager fall-back."""
+GROUP_SUMS = ("eager", "compiled", "fused")
+"""The forms of ``reduce_groups`` the backward can run (the option ``mamba-ssm.group_sums``)."""
+_reduce = reduce_groups
+
+
+def use_group_sums(kind: str) -> None:
+    """Make ``backward`` reduce the groups with ``reduce_groups`` (``eager``), ``COMPILED_REDUCE`` (``compiled``)
+    or ``group_sums.fused_reduce_groups`` (``fused``, Triton). Process-wide, set by the scan a run builds
+    (``MambaSSMScan.build``): a choice of speed, not of result (the forms differ only in the order of fp32
+    additions)."""
+    global _reduce
+    if kind not in GROUP_SUMS:
+        raise ValueError(f"group sums {kind!r}: expected one of {', '.join(GROUP_SUMS)}")
+    if kind == "fused":
+        from nam_plugin_mamba_ssm.group_sums import fused_reduce_groups
+
+        _reduce = fused_reduce_groups
+    else:
+        _reduce = COMPILED_REDUCE if kind == "compiled" else reduce_groups
+
+
 def forward(q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, D, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, segsum,
             chunk_size, rotary_dim_divisor, dtype, return_state=False, threads=FWD_THREADS, num_stages=0):
     """Upstream's ``mamba_mimo_forward`` contract: ``(out, final_state or None, final_k or None)``. The launch
@@ -239,8 +270,8 @@ def backward(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, d
                     states, dq_heads.view(b, s * r, h, n), z, mimo_z, angles, dA_cs, dA_cs_rev, dt, trap, dfactor,
                     dgamma_diag, d_angles, D, dD, qk_dot, d_adt, dSSdA, ddA_cs_rev, ddA_cs, segsum)
 
-    dq_bias, dq = reduce_groups(dq_heads, g)
-    dk_bias, dk = reduce_groups(dk_heads, g)
+    dq_bias, dq = _reduce(dq_heads, g)
+    dk_bias, dk = _reduce(dk_heads, g)
     d_dt, d_trap = utils.bwd_dtrap_ddt_triton(trap, dt, dfactor, dgamma_diag, chunk_size)
     d_adt += utils.bwd_dadt_fused_triton(dSSdA, segsum, ddA_cs, ddA_cs_rev, dA_cs, dA_cs_rev, chunk_size)
     return (dq, dk, dv, d_adt, d_dt, d_trap, dq_bias, dk_bias, dmimo_v.sum(0), None if dmimo_z is None else

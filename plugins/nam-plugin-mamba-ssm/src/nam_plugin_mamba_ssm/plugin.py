@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from nam_core import PluginInfo, Requirement, hookimpl
 from nam_core.checks import LaunchCheck, ShapeCheck
+from nam_core.options import Option
 
 NAME = "mamba-ssm"
 GPU_HINT = "MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation 'nam-plugin-mamba-ssm[gpu]'"
@@ -75,6 +76,10 @@ PLUGIN = PluginInfo(
         Requirement.package("triton>=3.5", install_hint=GPU_HINT),
     ),
     selects={"ssm_backend": NAME},
+    options=(Option("group_sums", str, None, "how the MIMO backward sums dQ and dK per group and per head "
+                    "(mimo.reduce_groups): eager (two torch reductions), compiled (one torch.compile region) or "
+                    "fused (one Triton kernel that reads the gradient once: group_sums.py); unset: compiled when "
+                    "the model's compile_glue is on, else eager", choices=("eager", "compiled", "fused")),),
     train_device="cuda", train_dtypes=("bfloat16",),
     train_needs_reason="the kernels run CUDA tensors only; SISO casts to bf16 whatever it is given, MIMO is "
                        "measured in bf16",

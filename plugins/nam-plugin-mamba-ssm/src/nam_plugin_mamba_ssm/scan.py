@@ -40,6 +40,19 @@ class MambaSSMScan:
     def __init__(self):
         self._siso = self._mimo = None
 
+    @classmethod
+    def build(cls, ctx) -> "MambaSSMScan":
+        """The scan a run builds (``nam56r.backends.build_backend``), and the MIMO backward's group sums it asks
+        for (``mimo.use_group_sums``): the option ``mamba-ssm.group_sums`` when set, else ``compiled`` when the
+        model's ``compile_glue`` is on, else ``eager``."""
+        from nam_plugin_mamba_ssm import mimo
+        from nam_plugin_mamba_ssm.plugin import NAME
+
+        options = ctx.options.get(NAME)
+        chosen = options.group_sums if options is not None else None
+        mimo.use_group_sums(chosen or ("compiled" if ctx.model.compile_glue else "eager"))
+        return cls()
+
     def __call__(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
                  chunk_size: int) -> torch.Tensor:
         if not v.is_cuda:

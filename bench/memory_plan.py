@@ -32,6 +32,8 @@ class Peak:
     mbs: int | None = None
     path: tuple[str, ...] = ()
     note: str = ""
+    grad_bytes: int = 4
+    """The megatron engine's gradient buffers, bytes per parameter (``train.grad_reduce_in_fp32``)."""
     ran: bool = field(default=True)
 
 
@@ -55,6 +57,12 @@ PEAKS = (
     Peak("memory_ep8_mbs8_one_gpu.json", {}, "megatron", "fp32-master", ("mamba", "moe"), world=8, ep=8, mbs=8,
          path=("measured", "peak_gib"),
          note="one GPU at one EP 8 rank's shapes (bench/megatron.py memory: nam's blocks, the engine's static layout)"),
+    Peak("megatron_mbs4_te_fused_mamba_h200.json", {"mbs": 4}, "megatron", "fp32-master, fused", ("mamba",),
+         note="TE bf16 linears, train.fused_master_weights (fp32 masters as bf16 weights + remainders)"),
+    Peak("megatron_mbs4_te_bf16grads_mamba_h200.json", {"mbs": 4}, "megatron", "fp32-master", ("mamba",),
+         grad_bytes=2, note="TE bf16 linears, train.grad_reduce_in_fp32=false"),
+    Peak("local_mbs4_fp32_master_mamba_scan_h200_2026-11-28.json", {"mbs": 4}, "local", "fp32-master",
+         ("mamba-scan",)),
 )
 """Every run in bench/results with a recorded peak of full NAM56R at sequence 4096 (one H200 each)."""
 
@@ -85,7 +93,7 @@ def planned(peak: Peak, mbs: int, cfg, split) -> dict:
         return {"plan_gib": plan["total_gib"], "static_gib": plan["total_gib"] - plan["other_gib"],
                 "fits": plan["total_gib"] + memory.OUTSIDE_ALLOCATOR_GIB <= memory.H200_GIB, "peak_at": plan["peak_at"]}
     plan, _ = memory.megatron_estimate(cfg, world=peak.world, ep=peak.ep, mbs=mbs, kinds=peak.recompute,
-                                       numerics=peak.numerics, split=split)
+                                       numerics=peak.numerics, split=split, grad_bytes=peak.grad_bytes)
     return {"plan_gib": plan.total_gib, "static_gib": plan.static_gib, "fits": plan.fits(), "peak_at": None}
 
 

@@ -5,6 +5,7 @@ background write. The kill during the write and the CLI's view are in tests/test
 
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -134,3 +135,101 @@ def test_a_full_disk_during_the_background_write_keeps_the_previous_one(tmp_path
                                              "intact"):
         checkpoint.finish_save(saver, tmp_path, model, optimizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def _flat(folder):
+    return {k: v for k, v in async_checkpoint.read_flat(folder).items()}
+
+
+def test_the_first_save_copies_into_the_buffers_built_in_the_background_bit_exact(tmp_path, monkeypatch):
+    """``prepare`` builds the host buffers on another thread; the first save stages into exactly those (no
+    allocation of its own), and its checkpoint equals, bit for bit, one saved without ``prepare``."""
+    model, optimizer, scheduler = trained()
+    built = []
+    real = async_checkpoint.host_mirror
+
+    def recording(state, **kw):
+        built.append((threading.current_thread().name, real(state, **kw)))
+        return built[-1][1]
+
+    monkeypatch.setattr(async_checkpoint, "host_mirror", recording)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    buffers = checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert buffers.nbytes == sum(t.numel() * t.element_size() for t in async_checkpoint._tensors(
+        checkpoint._save_state(model, optimizer, scheduler)))
+    rng = torch.get_rng_state()
+    pending = save(tmp_path / "a", 3, model, optimizer, scheduler, saver)
+    assert [name for name, _ in built] == ["nam-host-buffers"]
+    assert saver.stager.state_dict_cache is built[0][1] and pending.buffers is buffers
+    assert buffers.built_s is not None and buffers.waited_s >= 0.0
+    staged = built[0][1]["model"]
+    assert all(torch.equal(staged[k], v) for k, v in model.state_dict().items())  # the copy went into them
+    a = checkpoint.finish_save(saver, tmp_path / "a", model, optimizer)
+    assert save(tmp_path / "a", 4, model, optimizer, scheduler, saver).buffers is None  # later saves reuse them
+    checkpoint.finish_save(saver, tmp_path / "a", model, optimizer)
+    assert len(built) == 1
+
+    torch.set_rng_state(rng)  # the same generator state in the second checkpoint
+    other = async_checkpoint.AsyncSaver(pinned=False)  # no prepare: the save builds them itself, and says so
+    unprepared = save(tmp_path / "b", 3, model, optimizer, scheduler, other)
+    assert unprepared.buffers is not None and [name for name, _ in built][1:] == ["nam-host-buffers"]
+    b = checkpoint.finish_save(other, tmp_path / "b", model, optimizer)
+    flat_a, flat_b = _flat(a), _flat(b)
+    assert flat_a.keys() == flat_b.keys() and len(flat_a) > 10
+    for key, value in flat_a.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == flat_b[key].dtype and torch.equal(value, flat_b[key]), key
+        else:
+            assert value == flat_b[key], key
+
+
+def test_a_save_that_comes_before_the_buffers_are_built_waits_for_them(tmp_path, monkeypatch):
+    """The first save starts while the background build is still going: it waits for the build to end, stages
+    into those buffers, and records the wait (the engine writes it to run.log)."""
+    model, optimizer, scheduler = trained()
+    gate, events = threading.Event(), []
+    real = async_checkpoint.host_mirror
+
+    def slow(state, **kw):
+        gate.wait()
+        events.append("built")
+        return real(state, **kw)
+
+    monkeypatch.setattr(async_checkpoint, "host_mirror", slow)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
+    events.append("save starts")
+    threading.Timer(0.2, gate.set).start()
+    pending = save(tmp_path, 1, model, optimizer, scheduler, saver)
+    assert events == ["save starts", "built"]
+    assert pending.buffers is not None and pending.buffers.waited_s > 0.0
+    assert pending.stall_s >= pending.buffers.waited_s  # the wait is part of what training paid
+    folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert all(torch.equal(_flat(folder)[f"model.{k}"], v) for k, v in model.state_dict().items())
+
+
+def test_a_failed_build_fails_the_first_save_naming_the_buffers(tmp_path, monkeypatch):
+    model, optimizer, scheduler = trained(1)
+
+    def broken(state, **kw):
+        raise RuntimeError("Registering memory failed with cudaError: 2.")
+
+    monkeypatch.setattr(async_checkpoint, "host_mirror", broken)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
+    with pytest.raises(RuntimeError, match=r"the checkpoint host buffers \(0\.0 GB, pageable\) could not be built: "
+                                           r"RuntimeError: Registering memory failed"):
+        save(tmp_path, 1, model, optimizer, scheduler, saver)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_host_mirror_matches_shapes_and_dtypes_and_refuses_an_unknown_way():
+    state = {"a": torch.randn(3, 5), "b": [torch.zeros(0), torch.tensor(7, dtype=torch.int64)], "c": 1.5,
+             "d": {"e": torch.randn(2, dtype=torch.bfloat16)}}
+    mirror = async_checkpoint.host_mirror(state, pinned=False)
+    assert mirror["c"] == 1.5
+    for got, want in zip(async_checkpoint._tensors(mirror), async_checkpoint._tensors(state)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert got.numel() == 0 or got.data_ptr() != want.data_ptr()
+    with pytest.raises(ValueError, match="expected 'register' or 'alloc', found 'mmap'"):
+        async_checkpoint.host_mirror(state, pinned=True, how="mmap")

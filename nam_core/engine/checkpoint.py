@@ -126,8 +126,7 @@ def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler
 
     finish_save(saver, ckpt_root, model, optimizer)
     tmp, final = _aside(ckpt_root, step)
-    model_sd, optim_sd = dcp.state_dicts(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    state = _save_state(model, optimizer, scheduler)
 
     def finish(tmp: Path, final: Path) -> None:  # the background thread, after the files are written
         digests = {name: _sha256(tmp / name, file_sha256(tmp / name)) for name in dcp.state_files(tmp)}
@@ -140,6 +139,21 @@ def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler
     except BaseException as exc:
         _save_failed(ckpt_root, tmp, exc, model, optimizer)
         raise
+
+
+def prepare_save(saver, *, model, optimizer, scheduler):
+    """Format 3: start building the host buffers of ``saver`` for this run's state on a background thread
+    (``AsyncSaver.prepare``), so the first ``start_save`` finds them ready; returns their ``HostBuffers``. Call it
+    once the optimizer has its state (after the first step): its shapes are what the buffers mirror."""
+    return saver.prepare(_save_state(model, optimizer, scheduler))
+
+
+def _save_state(model, optimizer, scheduler) -> dict:
+    """What a format-3 checkpoint holds: the dict DCP saves (its tensors are the live ones: references)."""
+    from nam_core.engine import async_checkpoint as dcp
+
+    model_sd, optim_sd = dcp.state_dicts(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state()}
 
 
 def finish_save(saver, ckpt_root: Path, model, optimizer) -> Path | None:

@@ -51,7 +51,9 @@ def test_a_background_save_loads_back_bit_exact(tmp_path):
     folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
     manifest = checkpoint.verify(folder)
     assert manifest["format"] == 3 and manifest["step"] == 3 and manifest["record"] == {"run": "x"}
-    assert set(manifest["sha256"]) == {"state/.metadata", "state/__0_0.distcp"}
+    data = {f"state/__0_{i}.distcp" for i in range(async_checkpoint.FILES)}
+    assert "state/.metadata" in manifest["sha256"] and set(manifest["sha256"]) - {"state/.metadata"} <= data
+    assert len(manifest["sha256"]) > 2  # several data files, hashed and read side by side
 
     after = torch.rand(5)  # the generator's next draws, to compare after a load of the state saved before them
     fresh, fresh_opt, fresh_sched = parts(2)
@@ -233,3 +235,25 @@ def test_host_mirror_matches_shapes_and_dtypes_and_refuses_an_unknown_way():
         assert got.numel() == 0 or got.data_ptr() != want.data_ptr()
     with pytest.raises(ValueError, match="expected 'register' or 'alloc', found 'mmap'"):
         async_checkpoint.host_mirror(state, pinned=True, how="mmap")
+
+
+def test_a_one_file_checkpoint_of_before_loads_and_files_hash_side_by_side_as_one_by_one(tmp_path, monkeypatch):
+    """Checkpoints written as one data file (before FILES) still load bit-exact; ``hash_files`` on threads gives
+    each file's own sha256."""
+    model, optimizer, scheduler = trained()
+    monkeypatch.setattr(async_checkpoint, "FILES", 1)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    save(tmp_path, 3, model, optimizer, scheduler, saver)
+    folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert set(checkpoint.verify(folder)["sha256"]) == {"state/.metadata", "state/__0_0.distcp"}
+    fresh, fresh_opt, fresh_sched = parts(2)
+    checkpoint.load(folder, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+    from nam_core.data.integrity import file_sha256
+
+    blobs = []
+    for i in range(5):
+        blobs.append(tmp_path / f"blob{i}")
+        blobs[-1].write_bytes(os.urandom(1000 + 37 * i))
+    assert checkpoint.hash_files(blobs, threads=4) == {b: file_sha256(b) for b in blobs}

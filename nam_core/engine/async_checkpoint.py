@@ -58,6 +58,10 @@ import torch
 
 FORMAT = 3
 STATE = "state"  # the DCP folder inside a checkpoint folder
+FILES = 8
+"""Data files per checkpoint (DCP's ``thread_count``: its items split into this many files by size, written by
+as many threads): a resume hashes them (checkpoint.hash_files) and reads them (``SafeReader``) side by side.
+Checkpoints of one file (before 2026-11-28) load the same way."""
 
 # DCP warns on every save and load without a process group that it assumes one process: that is this engine's
 # case by design (no_dist=True). Filtered by its message, process-wide, because the save's warning comes from
@@ -109,18 +113,42 @@ def _readers():
                 metadata.planner_data = {}
             return metadata
 
+        def read_data(self, plan, planner):
+            """DCP's read, one thread per data file (torch 2.13 reads the files one after the other). Each
+            thread reads its own file's items into their own targets; the planner's ``load_bytes`` sets
+            distinct keys."""
+            from concurrent.futures import ThreadPoolExecutor
+
+            from torch.distributed.checkpoint.planner import LoadPlan
+
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            if len(per_file) <= 1:
+                return super().read_data(plan, planner)
+            parts = [LoadPlan(items, plan.storage_data, plan.planner_data) for items in per_file.values()]
+            with ThreadPoolExecutor(min(FILES, len(parts)), thread_name_prefix="nam-dcp-read") as pool:
+                for done in [pool.submit(super(SafeReader, self).read_data, part, planner) for part in parts]:
+                    done.result().wait()  # a read's error, raised here
+            finished = torch.futures.Future()  # what DCP's load waits on, as FileSystemReader returns it
+            finished.set_result(None)
+            return finished
+
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's load planner with non-tensor values (param groups, the scheduler's numbers) read by
         ``torch.load(weights_only=True)``: plain containers and numbers, no code."""
+
+        _setting = threading.Lock()  # SafeReader's threads: set_element may grow a shared list
 
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 
             loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
+            with self._setting:
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+                else:
+                    self.state_dict[read_item.dest_index.fqn] = loaded
 
     class Writer(FileSystemWriter):
         """DCP's file writer, one file per rank, fsynced; with the fault hooks of tests/test_faults.py."""
@@ -368,7 +396,7 @@ class AsyncSaver:
         _, _, Writer = _readers()
         t0 = time.perf_counter()
         buffers = self._take_buffers(state)
-        writer = Writer(str(tmp / STATE), single_file_per_rank=True, sync_files=True, thread_count=1)
+        writer = Writer(str(tmp / STATE), single_file_per_rank=True, sync_files=True, thread_count=FILES)
         upload = dcp.async_save(state, storage_writer=writer, async_stager=self.stager, no_dist=True)
         upload = upload if isinstance(upload, Future) else upload.upload_completion
         stall = time.perf_counter() - t0

@@ -356,10 +356,13 @@ class AsyncSaver:
         self.buffers = HostBuffers(sum(t.numel() * t.element_size() for t in _tensors(state)), how)
         built: Future = Future()
         buffers = self.buffers
+        device = torch.cuda.current_device() if self.pinned else None  # the training thread's, for cudaHostRegister
 
         def build() -> None:
             t0 = time.perf_counter()
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 mirror = host_mirror(state, pinned=self.pinned)
             except BaseException as e:  # noqa: BLE001 - handed to the first save, which raises it
                 built.set_exception(e)

@@ -2,7 +2,13 @@
 background write, and the time from a ``--resume auto`` start to its first step, for the async DCP checkpoints
 (nam_core/engine/async_checkpoint.py) and the synchronous torch.save ones (``train.async_checkpoints=false``).
 
-    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] --json bench/results/checkpoint_h200.json
+    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] [--host-buffers register|alloc] --json bench/results/checkpoint_h200.json
+
+The async saver builds its host buffers on a background thread from the first step on; a save that comes before
+the build ends waits for it (in its stall). The bench prints the build's line: its time, the first save's wait,
+and the steps that ran during the build (what the build cost them). To see a first save that finds them ready,
+save after more steps than the build takes (~25 s of steps for 27 GB: ``--steps 36 --every 36`` at 0.93 s
+steps). ``--host-buffers`` picks how they are page-locked (async_checkpoint.HOST_BUFFERS), to compare.
 
 Per mode: ``nam train --recipe nam56r --max-steps STEPS --set train.checkpoint_every=EVERY`` (its run.log notes
 each save: the stall the training thread paid, the background write), then ``nam train --resume auto

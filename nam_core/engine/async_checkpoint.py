@@ -2,7 +2,7 @@
 
 Layout (format 3; nam_core/engine/checkpoint.py still reads formats 1 and 2)::
 
-    checkpoints/step-00000060/   manifest.json   state/.metadata   state/__0_0.distcp
+    checkpoints/step-00000060/   manifest.json   state/.metadata   state/__0_0.distcp ... state/__0_7.distcp (FILES)
 
 A save costs the training thread one copy of the state to host memory (DCP's blocking stager, into host buffers
 kept between saves, as torchtitan does); a background thread writes the files, hashes them, writes

@@ -2,7 +2,7 @@
 
 Layout under the run folder::
 
-    checkpoints/step-00000060/      manifest.json  state/.metadata  state/__0_0.distcp   (format 3)
+    checkpoints/step-00000060/      manifest.json  state/.metadata  state/__0_0.distcp ... __0_7.distcp   (format 3)
     checkpoints/step-00000040/      model.pt  optimizer.pt  scheduler.pt  rng.pt  manifest.json   (1 and 2)
     checkpoints/.step-00000080.tmp-<pid>/   a save in progress (ignored, removed by the next save)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nam_core.engine import async_checkpoint, checkpoint
-from nam_core.errors import RunFolderError
+from nam_core.errors import NamError, RunFolderError
 
 
 def parts(seed: int):
@@ -219,9 +219,10 @@ def test_a_failed_build_fails_the_first_save_naming_the_buffers(tmp_path, monkey
     monkeypatch.setattr(async_checkpoint, "host_mirror", broken)
     saver = async_checkpoint.AsyncSaver(pinned=False)
     checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
-    with pytest.raises(RuntimeError, match=r"the checkpoint host buffers \(0\.0 GB, pageable\) could not be built: "
-                                           r"RuntimeError: Registering memory failed"):
+    with pytest.raises(NamError, match=r"the checkpoint host buffers \(0\.0 GB, pageable\) could not be built: "
+                                       r"RuntimeError: Registering memory failed") as e:
         save(tmp_path, 1, model, optimizer, scheduler, saver)
+    assert "train.async_checkpoints=false" in e.value.hint
     assert list(tmp_path.iterdir()) == []
 
 
@@ -257,3 +258,28 @@ def test_a_one_file_checkpoint_of_before_loads_and_files_hash_side_by_side_as_on
         blobs.append(tmp_path / f"blob{i}")
         blobs[-1].write_bytes(os.urandom(1000 + 37 * i))
     assert checkpoint.hash_files(blobs, threads=4) == {b: file_sha256(b) for b in blobs}
+
+
+def test_a_write_that_fails_in_any_writer_thread_fails_the_save(tmp_path, monkeypatch):
+    """One data file out of several cannot be written (a full disk while writing it): whichever of DCP's writer
+    threads wrote it, the save fails with that OSError and leaves no checkpoint (torch 2.13 alone would lose the
+    error of a helper thread and write an index without that file's items)."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    model, optimizer, scheduler = trained(1)
+    real = FileSystem.create_stream
+    victim = f"__0_{int.from_bytes(os.urandom(1), 'little') % 3}.distcp"  # files 0-2 exist for this state
+
+    def create_stream(self, path, mode):
+        if str(path).endswith(victim):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    save(tmp_path, 1, model, optimizer, scheduler, saver)
+    with pytest.raises(RunFolderError, match="no space left on"):
+        checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert list(tmp_path.iterdir()) == []

@@ -151,11 +151,41 @@ def _readers():
                     self.state_dict[read_item.dest_index.fqn] = loaded
 
     class Writer(FileSystemWriter):
-        """DCP's file writer, one file per rank, fsynced; with the fault hooks of tests/test_faults.py."""
+        """DCP's file writer, ``FILES`` files written by as many threads, fsynced; with the fault hooks of
+        tests/test_faults.py. torch 2.13's writer loses an error raised in one of its helper threads (the
+        thread dies, its file's items are missing from the results, and the save would go on to write an index
+        that lacks them): every file's error is kept here (``create_stream``) and raised, and a save whose
+        results do not cover its plan fails."""
+
+        def __init__(self, *args, **kwargs):
+            import contextlib
+
+            super().__init__(*args, **kwargs)
+            self.failures: list[BaseException] = []
+            opened, failures = self.fs.create_stream, self.failures
+
+            @contextlib.contextmanager
+            def create_stream(path, mode):
+                try:
+                    with opened(path, mode) as stream:
+                        yield stream
+                except BaseException as e:  # noqa: BLE001 - kept for write_data, and raised on
+                    failures.append(e)
+                    raise
+
+            self.fs.create_stream = create_stream
 
         def write_data(self, plan, planner):
             _fault_injection(Path(self.path))
-            return super().write_data(plan, planner)
+            written = super().write_data(plan, planner)
+            if self.failures:
+                raise self.failures[0]
+            missing = {item.index for item in plan.items} - {result.index for result in written.wait()}
+            if missing:
+                raise RuntimeError(f"{len(missing)} of the checkpoint's {len(plan.items)} items were not written "
+                                   f"(a writer thread failed before opening its file; its traceback is on stderr): "
+                                   f"{', '.join(sorted(str(m.fqn) for m in missing)[:3])}")
+            return written
 
     return SafeReader, SafeLoadPlanner, Writer
 
@@ -291,7 +321,6 @@ class HostBuffers:
     """The build's own time, on its thread; None until it ends."""
     waited_s: float = 0.0
     """What the save that took them waited for the build to end (0.0 when it found them ready)."""
-    started_at: float = field(default_factory=time.perf_counter)
 
 
 def _tensors(obj):
@@ -363,7 +392,7 @@ class AsyncSaver:
             try:
                 if device is not None:
                     torch.cuda.set_device(device)
-                mirror = host_mirror(state, pinned=self.pinned)
+                mirror = host_mirror(state, pinned=self.pinned, how=how if self.pinned else None)
             except BaseException as e:  # noqa: BLE001 - handed to the first save, which raises it
                 built.set_exception(e)
             else:
@@ -383,9 +412,14 @@ class AsyncSaver:
         t0 = time.perf_counter()
         try:
             mirror = self._built.result()
-        except BaseException as e:
-            raise RuntimeError(f"the checkpoint host buffers ({buffers.nbytes / 1e9:.1f} GB, {buffers.how}) could "
-                               f"not be built: {type(e).__name__}: {e}") from e
+        except Exception as e:
+            from nam_core.errors import NamError
+
+            raise NamError(f"the checkpoint host buffers ({buffers.nbytes / 1e9:.1f} GB, {buffers.how}) could not be "
+                           f"built: {type(e).__name__}: {e}",
+                           hint="check the host's free memory (free -g) and its locked-memory limit (ulimit -l); "
+                                "--set train.async_checkpoints=false writes checkpoints on the training thread, "
+                                "without them") from e
         buffers.waited_s = time.perf_counter() - t0
         self.stager.state_dict_cache = mirror
         return buffers

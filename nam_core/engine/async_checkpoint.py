@@ -10,7 +10,9 @@ the manifest (the sha256 of every file, nam's run record) and renames the hidden
 into place. Until then the folder is hidden, so a kill mid-write leaves the previous checkpoint the newest good
 one. One save is in flight at a time: the next save, the end of the run and a stop wait for it, and an error in
 the background (a full disk) surfaces there, as ``save`` would have raised it, with the half-written folder
-removed.
+removed. The data is ``FILES`` files written by as many threads (an error in any of them fails the save:
+``Writer``), hashed side by side, and read back by one thread per file (``SafeReader.read_data``): what a resume
+waits for before its first step.
 
 The host buffers (a CPU mirror of the state dict, 27 GB for full NAM56R at bf16 numerics; page-locked on CUDA, so
 the device-to-host copy runs at DMA speed) are built once per process, on a background thread, as soon as the
@@ -22,7 +24,9 @@ bench/README.md). A save that comes before the build ends waits for it, and ``Pe
 page-locked one tensor at a time with ``cudaHostRegister`` (``torch.cuda._pin_memory_utils``, what torch's
 ``StateDictStager`` uses): ``cudaHostAlloc``, the other way, maps and locks the pages while it holds the CUDA
 driver's lock, which can hold up the training thread's launches for as long (torch's allocator notes for
-``pinned_use_cuda_host_register`` give the same reason). ``bench/host_buffers.py`` measures both ways on a GPU.
+``pinned_use_cuda_host_register`` give the same reason; not yet measured on our GPU host).
+``bench/host_buffers.py`` measures both ways on a GPU. A failed build (the host out of memory, a locked-memory
+limit) fails the first save with a NamError: no silent pageable fallback.
 
 DCP runs in this one process without a process group: ``no_dist=True`` (torch 2.13 asks for nothing else; with
 a process group initialized, ``async_save`` would want a CPU backend in it).

@@ -20,12 +20,15 @@ engine calls ``AsyncSaver.prepare`` (after the first optimizer step, when the op
 first save finds them ready instead of allocating them on the training thread (25.5 s for 27 GB on one H200,
 bench/README.md). A save that comes before the build ends waits for it, and ``PendingSave.buffers`` says how long
 (the engine writes it to run.log). Built by torch's own ``_create_cpu_state_dict`` (what DCP's
-``BlockingAsyncStager`` calls at its first stage) as pageable tensors whose pages are then touched and
-page-locked one tensor at a time with ``cudaHostRegister`` (``torch.cuda._pin_memory_utils``, what torch's
-``StateDictStager`` uses): ``cudaHostAlloc``, the other way, maps and locks the pages while it holds the CUDA
-driver's lock, which can hold up the training thread's launches for as long (torch's allocator notes for
-``pinned_use_cuda_host_register`` give the same reason; not yet measured on our GPU host).
-``bench/host_buffers.py`` measures both ways on a GPU. A failed build (the host out of memory, a locked-memory
+``BlockingAsyncStager`` calls at its first stage), page-locked with ``cudaHostAlloc`` (``HOST_BUFFERS =
+"alloc"``: exactly what the stager allocated on the training thread before, measured on our GPU host). The other
+way, ``"register"``, makes them pageable, touches every page, then locks them one tensor at a time with
+``cudaHostRegister`` (``torch.cuda._pin_memory_utils``, what torch's ``StateDictStager`` uses): ``cudaHostAlloc``
+maps and locks pages while it holds the CUDA driver's lock, which can hold up the training thread's launches
+while the build runs, and registering pages already touched holds it for less (torch's reason for its
+``pinned_use_cuda_host_register`` allocator option). Neither is measured on a background thread yet: ``bench/host_buffers.py``
+measures both (the build's time, what it costs a training thread meanwhile, the copy's speed), and the faster
+one that does not stall training becomes ``HOST_BUFFERS``. A failed build (the host out of memory, a locked-memory
 limit) fails the first save with a NamError: no silent pageable fallback.
 
 DCP runs in this one process without a process group: ``no_dist=True`` (torch 2.13 asks for nothing else; with
@@ -308,10 +311,12 @@ def _loading(folder: Path):
     return guard()
 
 
-HOST_BUFFERS = "register"
-"""How pinned host buffers are page-locked: ``"register"`` (pageable tensors, pages touched, then
-``cudaHostRegister`` per tensor) or ``"alloc"`` (``cudaHostAlloc`` through torch's pinned allocator). Not a
-setting: ``bench/host_buffers.py`` and ``bench/checkpoint.py --host-buffers`` set it to compare the two on a GPU."""
+HOST_BUFFERS = "alloc"
+"""How pinned host buffers are page-locked: ``"alloc"`` (``cudaHostAlloc`` through torch's pinned allocator, as
+DCP's stager does; measured on our GPU host) or ``"register"`` (pageable tensors, pages touched, then
+``cudaHostRegister`` per tensor; not yet run on a GPU: two tensors sharing a page may be refused by the driver as
+already registered, which the bench would show as a failed build). Not a setting: ``bench/host_buffers.py`` and
+``bench/checkpoint.py --host-buffers`` set it to compare the two on a GPU."""
 
 
 @dataclass

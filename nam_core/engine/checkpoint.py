@@ -285,13 +285,12 @@ times (the run folder's plan, ``--resume auto``, the engine's start) and a backg
 hashing what it wrote; at full NAM56R each pass over a checkpoint is 27 GB of hashing."""
 
 
-def _sha256(path: Path, known: str | None = None) -> str:
-    """``file_sha256(path)``, once per file version in this process (``known``: the digest just computed)."""
+def _sha256(path: Path) -> str:
+    """``file_sha256(path)``, once per file version in this process (a save's own files are hashed here too,
+    so its pruning and the next start's check find them)."""
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if known is not None:
-        _DIGESTS[key] = known
-    elif key not in _DIGESTS:
+    if key not in _DIGESTS:
         _DIGESTS[key] = file_sha256(path)
     return _DIGESTS[key]
 

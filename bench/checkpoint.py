@@ -2,7 +2,13 @@
 background write, and the time from a ``--resume auto`` start to its first step, for the async DCP checkpoints
 (nam_core/engine/async_checkpoint.py) and the synchronous torch.save ones (``train.async_checkpoints=false``).
 
-    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] --json bench/results/checkpoint_h200.json
+    python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] [--host-buffers register|alloc] --json bench/results/checkpoint_h200.json
+
+The async saver builds its host buffers on a background thread from the first step on; a save that comes before
+the build ends waits for it (in its stall). The bench prints the build's line: its time, the first save's wait,
+and the steps that ran during the build (what the build cost them). To see a first save that finds them ready,
+save after more steps than the build takes (~25 s of steps for 27 GB: ``--steps 36 --every 36`` at 0.93 s
+steps). ``--host-buffers`` picks how they are page-locked (async_checkpoint.HOST_BUFFERS), to compare.
 
 Per mode: ``nam train --recipe nam56r --max-steps STEPS --set train.checkpoint_every=EVERY`` (its run.log notes
 each save: the stall the training thread paid, the background write), then ``nam train --resume auto
@@ -32,7 +38,17 @@ WAITED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training waited ([\d.]+) s
 RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s\)")
 
 
-def _nam(*args: str) -> list[str]:
+BUFFERS = re.compile(r"its host buffers \(([\d.]+) GB, (\w+)\) took ([\d.]+) s to build on a background thread; "
+                     r"the save waited ([\d.]+) s")
+BUILDING = "checkpoint host buffers: building"
+WAY = ("import runpy, sys; import nam_core.engine.async_checkpoint as a; a.HOST_BUFFERS = sys.argv.pop(1); "
+       "sys.argv[0] = 'nam'; runpy.run_module('nam_cli', run_name='__main__', alter_sys=True)")
+"""``nam`` with async_checkpoint.HOST_BUFFERS set first (``--host-buffers``): a bench's choice, not a setting."""
+
+
+def _nam(*args: str, host_buffers: str | None = None) -> list[str]:
+    if host_buffers:
+        return [sys.executable, "-c", WAY, host_buffers, *args]
     return [sys.executable, "-m", "nam_cli", *args]
 
 
@@ -41,7 +57,8 @@ def _train(run_dir: Path, args, steps: int, mode: str, *extra: str) -> subproces
             f"train.async_checkpoints={'true' if mode == 'async' else 'false'}", "train.keep_checkpoints=1",
             f"train.optimizer_numerics={args.numerics}"]
     return subprocess.Popen(_nam("train", "--recipe", "nam56r", "--max-steps", str(steps), "--run-dir", str(run_dir),
-                                 "-q", *(a for s in sets for a in ("--set", s)), *extra))
+                                 "-q", *(a for s in sets for a in ("--set", s)), *extra,
+                                 host_buffers=args.host_buffers))
 
 
 def _first_record_after(run_dir: Path, step: int, proc: subprocess.Popen) -> tuple[float | None, dict | None]:
@@ -71,7 +88,20 @@ def measure(mode: str, args, work: Path) -> dict:
     saves = [{"checkpoint": m[0], "stall_s": float(m[1]) + waited.get(m[0], 0.0), "copy_s": float(m[1]),
               "waited_s": waited.get(m[0], 0.0), "write_s": float(m[2]) if m[2] else None}
              for m in SAVED.findall(log)]
-    step_s = [json.loads(l)["step_time_s"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()[1:]]
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_s = [r["step_time_s"] for r in records[1:]]
+    built = BUFFERS.findall(log)
+    buffers = {"gb": float(built[0][0]), "how": built[0][1], "build_s": float(built[0][2]),
+               "waited_s": float(built[0][3])} if built else None
+    if buffers:  # the steps that ran while the buffers were being built (after the first): what the build cost them
+        by_step = [r["step_time_s"] for r in records[1:]]
+        during, left = [], buffers["build_s"]
+        for t in by_step:
+            if left <= 0:
+                break
+            during.append(t)
+            left -= t
+        buffers["steps_during_build_s"] = during
     resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")
     to_first, record = _first_record_after(run_dir, args.steps, resume)
     if resume.wait():
@@ -79,7 +109,7 @@ def measure(mode: str, args, work: Path) -> dict:
     loaded = RESUMED.findall((run_dir / "run.log").read_text())
     if not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"mode": mode, "saves": saves, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
+    return {"mode": mode, "saves": saves, "host_buffers": buffers, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
             "resume_to_first_step_s": to_first, "resume_first_step_s": record and record["step_time_s"],
             "resume_load_s": float(loaded[-1][1]) if loaded else None}
 
@@ -98,6 +128,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="where the run folders go (default: the temp dir)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--host-buffers", choices=["register", "alloc"], default=None,
+                    help="how the async saver page-locks its host buffers (async_checkpoint.HOST_BUFFERS; "
+                         "default: nam's)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nam-checkpoint-", dir=args.work))
     rows = [measure(mode, args, work) for mode in args.modes]
@@ -109,10 +142,17 @@ def main() -> int:
         writes = ", ".join(f"{s['write_s']:.1f}" for s in r["saves"] if s["write_s"] is not None) or "-"
         print(f"| {r['mode']} | {stalls} | {writes} | {_f(r['median_step_s'], 2)} | {_f(r['resume_to_first_step_s'])} "
               f"| {_f(r['resume_load_s'])} | {_f(r['resume_first_step_s'])} |")
+    for r in rows:
+        if b := r["host_buffers"]:
+            during = ", ".join(f"{t:.2f}" for t in b["steps_during_build_s"]) or "-"
+            print(f"\n{r['mode']}: host buffers {b['gb']:.1f} GB ({b['how']}) built in {b['build_s']:.1f} s on a "
+                  f"background thread; the first save waited {b['waited_s']:.1f} s for them; the steps during the "
+                  f"build took {during} s (median step {_f(r['median_step_s'], 2)} s)")
     if args.json:
         args.json.write_text(json.dumps({"meta": {"date": datetime.date.today().isoformat(), "steps": args.steps,
                                                   "every": args.every, "mbs": args.mbs,
-                                                  "numerics": args.numerics}, "rows": rows}, indent=2))
+                                                  "numerics": args.numerics,
+                                                  "host_buffers": args.host_buffers}, "rows": rows}, indent=2))
         print(f"\nwrote {args.json}")
     shutil.rmtree(work, ignore_errors=True) if not args.keep else None
     return 0

@@ -5,12 +5,13 @@ background write. The kill during the write and the CLI's view are in tests/test
 
 import os
 import pickle
+import threading
 
 import pytest
 import torch
 
 from nam_core.engine import async_checkpoint, checkpoint
-from nam_core.errors import RunFolderError
+from nam_core.errors import NamError, RunFolderError
 
 
 def parts(seed: int):
@@ -50,7 +51,9 @@ def test_a_background_save_loads_back_bit_exact(tmp_path):
     folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
     manifest = checkpoint.verify(folder)
     assert manifest["format"] == 3 and manifest["step"] == 3 and manifest["record"] == {"run": "x"}
-    assert set(manifest["sha256"]) == {"state/.metadata", "state/__0_0.distcp"}
+    data = {f"state/__0_{i}.distcp" for i in range(async_checkpoint.FILES)}
+    assert "state/.metadata" in manifest["sha256"] and set(manifest["sha256"]) - {"state/.metadata"} <= data
+    assert len(manifest["sha256"]) > 2  # several data files, hashed and read side by side
 
     after = torch.rand(5)  # the generator's next draws, to compare after a load of the state saved before them
     fresh, fresh_opt, fresh_sched = parts(2)
@@ -134,3 +137,149 @@ def test_a_full_disk_during_the_background_write_keeps_the_previous_one(tmp_path
                                              "intact"):
         checkpoint.finish_save(saver, tmp_path, model, optimizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def _flat(folder):
+    return {k: v for k, v in async_checkpoint.read_flat(folder).items()}
+
+
+def test_the_first_save_copies_into_the_buffers_built_in_the_background_bit_exact(tmp_path, monkeypatch):
+    """``prepare`` builds the host buffers on another thread; the first save stages into exactly those (no
+    allocation of its own), and its checkpoint equals, bit for bit, one saved without ``prepare``."""
+    model, optimizer, scheduler = trained()
+    built = []
+    real = async_checkpoint.host_mirror
+
+    def recording(state, **kw):
+        built.append((threading.current_thread().name, real(state, **kw)))
+        return built[-1][1]
+
+    monkeypatch.setattr(async_checkpoint, "host_mirror", recording)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    buffers = checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert buffers.nbytes == sum(t.numel() * t.element_size() for t in async_checkpoint._tensors(
+        checkpoint._save_state(model, optimizer, scheduler)))
+    rng = torch.get_rng_state()
+    pending = save(tmp_path / "a", 3, model, optimizer, scheduler, saver)
+    assert [name for name, _ in built] == ["nam-host-buffers"]
+    assert saver.stager.state_dict_cache is built[0][1] and pending.buffers is buffers
+    assert buffers.built_s is not None and buffers.waited_s >= 0.0
+    staged = built[0][1]["model"]
+    assert all(torch.equal(staged[k], v) for k, v in model.state_dict().items())  # the copy went into them
+    a = checkpoint.finish_save(saver, tmp_path / "a", model, optimizer)
+    assert save(tmp_path / "a", 4, model, optimizer, scheduler, saver).buffers is None  # later saves reuse them
+    checkpoint.finish_save(saver, tmp_path / "a", model, optimizer)
+    assert len(built) == 1
+
+    torch.set_rng_state(rng)  # the same generator state in the second checkpoint
+    other = async_checkpoint.AsyncSaver(pinned=False)  # no prepare: the save builds them itself, and says so
+    unprepared = save(tmp_path / "b", 3, model, optimizer, scheduler, other)
+    assert unprepared.buffers is not None and [name for name, _ in built][1:] == ["nam-host-buffers"]
+    b = checkpoint.finish_save(other, tmp_path / "b", model, optimizer)
+    flat_a, flat_b = _flat(a), _flat(b)
+    assert flat_a.keys() == flat_b.keys() and len(flat_a) > 10
+    for key, value in flat_a.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == flat_b[key].dtype and torch.equal(value, flat_b[key]), key
+        else:
+            assert value == flat_b[key], key
+
+
+def test_a_save_that_comes_before_the_buffers_are_built_waits_for_them(tmp_path, monkeypatch):
+    """The first save starts while the background build is still going: it waits for the build to end, stages
+    into those buffers, and records the wait (the engine writes it to run.log)."""
+    model, optimizer, scheduler = trained()
+    gate, events = threading.Event(), []
+    real = async_checkpoint.host_mirror
+
+    def slow(state, **kw):
+        gate.wait()
+        events.append("built")
+        return real(state, **kw)
+
+    monkeypatch.setattr(async_checkpoint, "host_mirror", slow)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
+    events.append("save starts")
+    threading.Timer(0.2, gate.set).start()
+    pending = save(tmp_path, 1, model, optimizer, scheduler, saver)
+    assert events == ["save starts", "built"]
+    assert pending.buffers is not None and pending.buffers.waited_s > 0.0
+    assert pending.stall_s >= pending.buffers.waited_s  # the wait is part of what training paid
+    folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert all(torch.equal(_flat(folder)[f"model.{k}"], v) for k, v in model.state_dict().items())
+
+
+def test_a_failed_build_fails_the_first_save_naming_the_buffers(tmp_path, monkeypatch):
+    model, optimizer, scheduler = trained(1)
+
+    def broken(state, **kw):
+        raise RuntimeError("Registering memory failed with cudaError: 2.")
+
+    monkeypatch.setattr(async_checkpoint, "host_mirror", broken)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    checkpoint.prepare_save(saver, model=model, optimizer=optimizer, scheduler=scheduler)
+    with pytest.raises(NamError, match=r"the checkpoint host buffers \(0\.0 GB, pageable\) could not be built: "
+                                       r"RuntimeError: Registering memory failed") as e:
+        save(tmp_path, 1, model, optimizer, scheduler, saver)
+    assert "train.async_checkpoints=false" in e.value.hint
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_host_mirror_matches_shapes_and_dtypes_and_refuses_an_unknown_way():
+    state = {"a": torch.randn(3, 5), "b": [torch.zeros(0), torch.tensor(7, dtype=torch.int64)], "c": 1.5,
+             "d": {"e": torch.randn(2, dtype=torch.bfloat16)}}
+    mirror = async_checkpoint.host_mirror(state, pinned=False)
+    assert mirror["c"] == 1.5
+    for got, want in zip(async_checkpoint._tensors(mirror), async_checkpoint._tensors(state)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert got.numel() == 0 or got.data_ptr() != want.data_ptr()
+    with pytest.raises(ValueError, match="expected 'register' or 'alloc', found 'mmap'"):
+        async_checkpoint.host_mirror(state, pinned=True, how="mmap")
+
+
+def test_a_one_file_checkpoint_of_before_loads_and_files_hash_side_by_side_as_one_by_one(tmp_path, monkeypatch):
+    """Checkpoints written as one data file (before FILES) still load bit-exact; ``hash_files`` on threads gives
+    each file's own sha256."""
+    model, optimizer, scheduler = trained()
+    monkeypatch.setattr(async_checkpoint, "FILES", 1)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    save(tmp_path, 3, model, optimizer, scheduler, saver)
+    folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert set(checkpoint.verify(folder)["sha256"]) == {"state/.metadata", "state/__0_0.distcp"}
+    fresh, fresh_opt, fresh_sched = parts(2)
+    checkpoint.load(folder, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+    from nam_core.data.integrity import file_sha256
+
+    blobs = []
+    for i in range(5):
+        blobs.append(tmp_path / f"blob{i}")
+        blobs[-1].write_bytes(os.urandom(1000 + 37 * i))
+    assert checkpoint.hash_files(blobs, threads=4) == {b: file_sha256(b) for b in blobs}
+
+
+def test_a_write_that_fails_in_any_writer_thread_fails_the_save(tmp_path, monkeypatch):
+    """One data file out of several cannot be written (a full disk while writing it): whichever of DCP's writer
+    threads wrote it, the save fails with that OSError and leaves no checkpoint (torch 2.13 alone would lose the
+    error of a helper thread and write an index without that file's items)."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    model, optimizer, scheduler = trained(1)
+    real = FileSystem.create_stream
+    victim = f"__0_{int.from_bytes(os.urandom(1), 'little') % 3}.distcp"  # files 0-2 exist for this state
+
+    def create_stream(self, path, mode):
+        if str(path).endswith(victim):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    save(tmp_path, 1, model, optimizer, scheduler, saver)
+    with pytest.raises(RunFolderError, match="no space left on"):
+        checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert list(tmp_path.iterdir()) == []

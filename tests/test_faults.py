@@ -562,3 +562,16 @@ def test_a_save_that_waits_for_the_previous_write_says_how_long(base):
     waited = [line for line in log.splitlines() if "training waited" in line]
     assert len(waited) == 1 and "/checkpoints/step-00000004: training waited " in waited[0], log
     assert "step-00000002: training paused" in log and "step-00000004: training paused" in log
+
+
+def test_the_host_buffers_are_built_after_the_first_step_and_the_first_save_says_what_it_waited(base):
+    """The base run's host buffers start being built after its first step; the first save (step 2) says how long
+    it waited for them, as part of its pause; the step-4 save reuses them and says nothing of them."""
+    log = (base / "run.log").read_text().splitlines()
+    building = [i for i, line in enumerate(log) if "checkpoint host buffers: building" in line]
+    took = [line for line in log if "its host buffers (" in line]
+    assert len(building) == 1 and "(pageable) on a background thread" in log[building[0]], log
+    assert len(took) == 1 and "/checkpoints/step-00000002: its host buffers (" in took[0], log
+    assert "the save waited " in took[0] and "s for them (part of its pause)" in took[0]
+    paused = [line for line in log if "training paused" in line]
+    assert "s of it waiting for the host buffers" in paused[0] and "waiting for the host" not in paused[1], paused

@@ -24,8 +24,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nam_core.engine import megatron as engine
+from nam_core.engine.megatron import checkpoint as megatron_checkpoint
 from nam_core.engine.metrics import read_metrics
 
 WORKER = Path(__file__).parent / "megatron_gloo" / "worker.py"
@@ -453,3 +455,9 @@ def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):
                    str(tmp_path / "sync" / "checkpoints" / "step-00000002"), nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed[2:]] == \
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
+    # ep2's second background save reused the first one's save plans (one kept strategy, its structure cached):
+    # it holds what the synchronous save of the same step holds, bit for bit
+    background, _ = megatron_checkpoint.model_tensors(ep2[0] / "checkpoints" / "step-00000004")
+    on_thread, _ = megatron_checkpoint.model_tensors(tmp_path / "sync" / "checkpoints" / "step-00000004")
+    assert background.keys() == on_thread.keys() and len(background) > 5
+    assert all(torch.equal(background[k], on_thread[k]) for k in background)

@@ -2,15 +2,34 @@
 
 Layout (format 3; nam_core/engine/checkpoint.py still reads formats 1 and 2)::
 
-    checkpoints/step-00000060/   manifest.json   state/.metadata   state/__0_0.distcp
+    checkpoints/step-00000060/   manifest.json   state/.metadata   state/__0_0.distcp ... state/__0_7.distcp (FILES)
 
-A save costs the training thread one copy of the state to host memory (DCP's blocking stager; on CUDA into
-pinned buffers kept between saves, as torchtitan does); a background thread writes the files, hashes them, writes
+A save costs the training thread one copy of the state to host memory (DCP's blocking stager, into host buffers
+kept between saves, as torchtitan does); a background thread writes the files, hashes them, writes
 the manifest (the sha256 of every file, nam's run record) and renames the hidden ``.step-N.tmp-<pid>`` folder
 into place. Until then the folder is hidden, so a kill mid-write leaves the previous checkpoint the newest good
 one. One save is in flight at a time: the next save, the end of the run and a stop wait for it, and an error in
 the background (a full disk) surfaces there, as ``save`` would have raised it, with the half-written folder
-removed.
+removed. The data is ``FILES`` files written by as many threads (an error in any of them fails the save:
+``Writer``), hashed side by side, and read back by one thread per file (``SafeReader.read_data``): what a resume
+waits for before its first step.
+
+The host buffers (a CPU mirror of the state dict, 27 GB for full NAM56R at bf16 numerics; page-locked on CUDA, so
+the device-to-host copy runs at DMA speed) are built once per process, on a background thread, as soon as the
+engine calls ``AsyncSaver.prepare`` (after the first optimizer step, when the optimizer's state exists): the
+first save finds them ready instead of allocating them on the training thread (25.5 s for 27 GB on one H200,
+bench/README.md). A save that comes before the build ends waits for it, and ``PendingSave.buffers`` says how long
+(the engine writes it to run.log). Built by torch's own ``_create_cpu_state_dict`` (what DCP's
+``BlockingAsyncStager`` calls at its first stage), page-locked with ``cudaHostAlloc`` (``HOST_BUFFERS =
+"alloc"``: exactly what the stager allocated on the training thread before, measured on our GPU host). The other
+way, ``"register"``, makes them pageable, touches every page, then locks them one tensor at a time with
+``cudaHostRegister`` (``torch.cuda._pin_memory_utils``, what torch's ``StateDictStager`` uses): ``cudaHostAlloc``
+maps and locks pages while it holds the CUDA driver's lock, which can hold up the training thread's launches
+while the build runs, and registering pages already touched holds it for less (torch's reason for its
+``pinned_use_cuda_host_register`` allocator option). Neither is measured on a background thread yet: ``bench/host_buffers.py``
+measures both (the build's time, what it costs a training thread meanwhile, the copy's speed), and the faster
+one that does not stall training becomes ``HOST_BUFFERS``. A failed build (the host out of memory, a locked-memory
+limit) fails the first save with a NamError: no silent pageable fallback.
 
 DCP runs in this one process without a process group: ``no_dist=True`` (torch 2.13 asks for nothing else; with
 a process group initialized, ``async_save`` would want a CPU backend in it).
@@ -33,8 +52,10 @@ import os
 import pickle
 import shutil
 import signal
+import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +65,10 @@ import torch
 
 FORMAT = 3
 STATE = "state"  # the DCP folder inside a checkpoint folder
+FILES = 8
+"""Data files per checkpoint (DCP's ``thread_count``: its items split into this many files by size, written by
+as many threads): a resume hashes them (checkpoint.hash_files) and reads them (``SafeReader``) side by side.
+Checkpoints of one file (before 2026-11-28) load the same way."""
 
 # DCP warns on every save and load without a process group that it assumes one process: that is this engine's
 # case by design (no_dist=True). Filtered by its message, process-wide, because the save's warning comes from
@@ -95,25 +120,79 @@ def _readers():
                 metadata.planner_data = {}
             return metadata
 
+        def read_data(self, plan, planner):
+            """DCP's read, one thread per data file (torch 2.13 reads the files one after the other). Each
+            thread reads its own file's items into their own targets; the planner's ``load_bytes`` sets
+            distinct keys."""
+            from concurrent.futures import ThreadPoolExecutor
+
+            from torch.distributed.checkpoint.planner import LoadPlan
+
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            if len(per_file) <= 1:
+                return super().read_data(plan, planner)
+            parts = [LoadPlan(items, plan.storage_data, plan.planner_data) for items in per_file.values()]
+            with ThreadPoolExecutor(min(FILES, len(parts)), thread_name_prefix="nam-dcp-read") as pool:
+                for done in [pool.submit(super(SafeReader, self).read_data, part, planner) for part in parts]:
+                    done.result().wait()  # a read's error, raised here
+            finished = torch.futures.Future()  # what DCP's load waits on, as FileSystemReader returns it
+            finished.set_result(None)
+            return finished
+
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's load planner with non-tensor values (param groups, the scheduler's numbers) read by
         ``torch.load(weights_only=True)``: plain containers and numbers, no code."""
+
+        _setting = threading.Lock()  # SafeReader's threads: set_element may grow a shared list
 
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 
             loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
+            with self._setting:
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+                else:
+                    self.state_dict[read_item.dest_index.fqn] = loaded
 
     class Writer(FileSystemWriter):
-        """DCP's file writer, one file per rank, fsynced; with the fault hooks of tests/test_faults.py."""
+        """DCP's file writer, ``FILES`` files written by as many threads, fsynced; with the fault hooks of
+        tests/test_faults.py. torch 2.13's writer loses an error raised in one of its helper threads (the
+        thread dies, its file's items are missing from the results, and the save would go on to write an index
+        that lacks them): every file's error is kept here (``create_stream``) and raised, and a save whose
+        results do not cover its plan fails."""
+
+        def __init__(self, *args, **kwargs):
+            import contextlib
+
+            super().__init__(*args, **kwargs)
+            self.failures: list[BaseException] = []
+            opened, failures = self.fs.create_stream, self.failures
+
+            @contextlib.contextmanager
+            def create_stream(path, mode):
+                try:
+                    with opened(path, mode) as stream:
+                        yield stream
+                except BaseException as e:  # noqa: BLE001 - kept for write_data, and raised on
+                    failures.append(e)
+                    raise
+
+            self.fs.create_stream = create_stream
 
         def write_data(self, plan, planner):
             _fault_injection(Path(self.path))
-            return super().write_data(plan, planner)
+            written = super().write_data(plan, planner)
+            if self.failures:
+                raise self.failures[0]
+            missing = {item.index for item in plan.items} - {result.index for result in written.wait()}
+            if missing:
+                raise RuntimeError(f"{len(missing)} of the checkpoint's {len(plan.items)} items were not written "
+                                   f"(a writer thread failed before opening its file; its traceback is on stderr): "
+                                   f"{', '.join(sorted(str(m.fqn) for m in missing)[:3])}")
+            return written
 
     return SafeReader, SafeLoadPlanner, Writer
 
@@ -171,8 +250,11 @@ class PendingSave:
     tmp: Path
     done: Future
     stall_s: float
-    """What the training thread paid: the copy of the state to host memory."""
+    """What the training thread paid: the copy of the state to host memory, and the wait for the host buffers
+    when this save was the one that took them (``buffers``)."""
     started: float = field(default_factory=time.perf_counter)
+    buffers: "HostBuffers | None" = None
+    """The host buffers' build, on the save that took them into use (the first of the process); None after."""
 
     def wait(self) -> Path:
         """The final folder; a failed write's error (an OSError itself when DCP wrapped one: a full disk)."""
@@ -229,14 +311,127 @@ def _loading(folder: Path):
     return guard()
 
 
+HOST_BUFFERS = "alloc"
+"""How pinned host buffers are page-locked: ``"alloc"`` (``cudaHostAlloc`` through torch's pinned allocator, as
+DCP's stager does; measured on our GPU host) or ``"register"`` (pageable tensors, pages touched, then
+``cudaHostRegister`` per tensor; not yet run on a GPU: two tensors sharing a page may be refused by the driver as
+already registered, which the bench would show as a failed build). Not a setting: ``bench/host_buffers.py`` and
+``bench/checkpoint.py --host-buffers`` set it to compare the two on a GPU."""
+
+
+@dataclass
+class HostBuffers:
+    """The build of one process's host buffers, for run.log."""
+
+    nbytes: int
+    how: str
+    """``pageable``, ``register`` or ``alloc`` (``HOST_BUFFERS``)."""
+    built_s: float | None = None
+    """The build's own time, on its thread; None until it ends."""
+    waited_s: float = 0.0
+    """What the save that took them waited for the build to end (0.0 when it found them ready)."""
+
+
+def _tensors(obj):
+    """Every tensor of a state dict (dicts, lists, tuples), depth first."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def host_mirror(state: dict, *, pinned: bool, how: str | None = None) -> dict:
+    """A CPU state dict of ``state``'s structure with new, uninitialised tensors of the same shapes and dtypes
+    (torch's ``_create_cpu_state_dict``: what ``BlockingAsyncStager`` caches), every page touched, so the first
+    copy into it does not fault pages in; page-locked when ``pinned`` (``how``, default ``HOST_BUFFERS``).
+    Reads only the shapes and dtypes of ``state``: safe on another thread while training updates the values."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    how = how or HOST_BUFFERS
+    if pinned and how == "alloc":
+        return _create_cpu_state_dict(state, pin_memory=True)
+    if how not in ("register", "alloc"):
+        raise ValueError(f"HOST_BUFFERS: expected 'register' or 'alloc', found {how!r}")
+    mirror = _create_cpu_state_dict(state)
+    for t in _tensors(mirror):
+        if t.numel() == 0:
+            continue
+        t.zero_()  # faults the pages in here, so the lock below only locks them (and the first copy is not slower)
+        if pinned:
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.pin_memory(t.data_ptr(), t.numel() * t.element_size())
+            # unlocked when the mirror goes; not at exit, after the CUDA context is gone (as torch's StateDictStager)
+            weakref.finalize(t, _pin_memory_utils.unpin_memory, t.data_ptr()).atexit = False
+    return mirror
+
+
 class AsyncSaver:
-    """One run's checkpoint writer: at most one save in flight, staging buffers kept between saves on CUDA."""
+    """One run's checkpoint writer: at most one save in flight; host buffers built once, on a background thread
+    (``prepare``), and kept between saves."""
 
     def __init__(self, *, pinned: bool):
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-        self.stager = BlockingAsyncStager(cache_staged_state_dict=pinned)
+        # The cache is always ours (``host_mirror``, installed before the first stage), so the stager never
+        # allocates on the training thread; pinned or not is ``self.pinned``.
+        self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
+        self.pinned = pinned
         self.pending: PendingSave | None = None
+        self.buffers: HostBuffers | None = None
+        self._built: Future | None = None
+
+    def prepare(self, state: dict) -> HostBuffers:
+        """Start building the host buffers for ``state`` (the dict ``start`` will be given: same keys, shapes,
+        dtypes) on a background thread; returns at once. Once per saver (later calls return the first build)."""
+        if self.buffers is not None:
+            return self.buffers
+        how = (HOST_BUFFERS if self.pinned else "pageable")
+        self.buffers = HostBuffers(sum(t.numel() * t.element_size() for t in _tensors(state)), how)
+        built: Future = Future()
+        buffers = self.buffers
+        device = torch.cuda.current_device() if self.pinned else None  # the training thread's, for cudaHostRegister
+
+        def build() -> None:
+            t0 = time.perf_counter()
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                mirror = host_mirror(state, pinned=self.pinned, how=how if self.pinned else None)
+            except BaseException as e:  # noqa: BLE001 - handed to the first save, which raises it
+                built.set_exception(e)
+            else:
+                buffers.built_s = time.perf_counter() - t0
+                built.set_result(mirror)
+
+        self._built = built
+        threading.Thread(target=build, name="nam-host-buffers", daemon=True).start()
+        return self.buffers
+
+    def _take_buffers(self, state: dict) -> HostBuffers | None:
+        """Before the first stage: the host buffers into the stager, waiting for their build (started now when
+        ``prepare`` was never called); the build's record on that first save, None on later ones."""
+        if self.stager.state_dict_cache is not None:
+            return None
+        buffers = self.prepare(state)
+        t0 = time.perf_counter()
+        try:
+            mirror = self._built.result()
+        except Exception as e:
+            from nam_core.errors import NamError
+
+            raise NamError(f"the checkpoint host buffers ({buffers.nbytes / 1e9:.1f} GB, {buffers.how}) could not be "
+                           f"built: {type(e).__name__}: {e}",
+                           hint="check the host's free memory (free -g) and its locked-memory limit (ulimit -l); "
+                                "--set train.async_checkpoints=false writes checkpoints on the training thread, "
+                                "without them") from e
+        buffers.waited_s = time.perf_counter() - t0
+        self.stager.state_dict_cache = mirror
+        return buffers
 
     def start(self, tmp: Path, final: Path, step: int, state: dict,
               finish: Callable[[Path, Path], None]) -> PendingSave:
@@ -246,7 +441,8 @@ class AsyncSaver:
 
         _, _, Writer = _readers()
         t0 = time.perf_counter()
-        writer = Writer(str(tmp / STATE), single_file_per_rank=True, sync_files=True, thread_count=1)
+        buffers = self._take_buffers(state)
+        writer = Writer(str(tmp / STATE), single_file_per_rank=True, sync_files=True, thread_count=FILES)
         upload = dcp.async_save(state, storage_writer=writer, async_stager=self.stager, no_dist=True)
         upload = upload if isinstance(upload, Future) else upload.upload_completion
         stall = time.perf_counter() - t0
@@ -263,7 +459,7 @@ class AsyncSaver:
                 done.set_result(final)
 
         upload.add_done_callback(finished)
-        self.pending = PendingSave(step, final, tmp, done, stall)
+        self.pending = PendingSave(step, final, tmp, done, stall, buffers=buffers)
         return self.pending
 
     def wait(self) -> Path | None:

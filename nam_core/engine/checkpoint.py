@@ -2,7 +2,7 @@
 
 Layout under the run folder::
 
-    checkpoints/step-00000060/      manifest.json  state/.metadata  state/__0_0.distcp   (format 3)
+    checkpoints/step-00000060/      manifest.json  state/.metadata  state/__0_0.distcp ... __0_7.distcp   (format 3)
     checkpoints/step-00000040/      model.pt  optimizer.pt  scheduler.pt  rng.pt  manifest.json   (1 and 2)
     checkpoints/.step-00000080.tmp-<pid>/   a save in progress (ignored, removed by the next save)
 
@@ -126,11 +126,12 @@ def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler
 
     finish_save(saver, ckpt_root, model, optimizer)
     tmp, final = _aside(ckpt_root, step)
-    model_sd, optim_sd = dcp.state_dicts(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    state = _save_state(model, optimizer, scheduler)
 
     def finish(tmp: Path, final: Path) -> None:  # the background thread, after the files are written
-        digests = {name: _sha256(tmp / name, file_sha256(tmp / name)) for name in dcp.state_files(tmp)}
+        names = dcp.state_files(tmp)
+        hashed = hash_files([tmp / name for name in names])  # the new files: not in the cache yet
+        digests = {name: hashed[tmp / name] for name in names}
         dcp.write_manifest(tmp, {"format": dcp.FORMAT, "step": step, **extra, "sha256": digests})
         _into_place(tmp, final, ckpt_root, keep)
 
@@ -140,6 +141,21 @@ def start_save(ckpt_root: Path, step: int, *, saver, model, optimizer, scheduler
     except BaseException as exc:
         _save_failed(ckpt_root, tmp, exc, model, optimizer)
         raise
+
+
+def prepare_save(saver, *, model, optimizer, scheduler):
+    """Format 3: start building the host buffers of ``saver`` for this run's state on a background thread
+    (``AsyncSaver.prepare``), so the first ``start_save`` finds them ready; returns their ``HostBuffers``. Call it
+    once the optimizer has its state (after the first step): its shapes are what the buffers mirror."""
+    return saver.prepare(_save_state(model, optimizer, scheduler))
+
+
+def _save_state(model, optimizer, scheduler) -> dict:
+    """What a format-3 checkpoint holds: the dict DCP saves (its tensors are the live ones: references)."""
+    from nam_core.engine import async_checkpoint as dcp
+
+    model_sd, optim_sd = dcp.state_dicts(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_state()}
 
 
 def finish_save(saver, ckpt_root: Path, model, optimizer) -> Path | None:
@@ -269,15 +285,31 @@ times (the run folder's plan, ``--resume auto``, the engine's start) and a backg
 hashing what it wrote; at full NAM56R each pass over a checkpoint is 27 GB of hashing."""
 
 
-def _sha256(path: Path, known: str | None = None) -> str:
-    """``file_sha256(path)``, once per file version in this process (``known``: the digest just computed)."""
+def _sha256(path: Path) -> str:
+    """``file_sha256(path)``, once per file version in this process (a save's own files are hashed here too,
+    so its pruning and the next start's check find them)."""
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if known is not None:
-        _DIGESTS[key] = known
-    elif key not in _DIGESTS:
+    if key not in _DIGESTS:
         _DIGESTS[key] = file_sha256(path)
     return _DIGESTS[key]
+
+
+HASH_THREADS = 8
+"""Files hashed at once (``hash_files``): sha256 is sequential within a file, so a checkpoint is written as
+several files (async_checkpoint.FILES) and they are hashed side by side; hashlib and file reads release the GIL.
+8: enough for one NVMe disk's read rate (~2 GB/s of sha256 per core); our GPU host has 16 cores."""
+
+
+def hash_files(paths: list[Path], *, threads: int = HASH_THREADS) -> dict[Path, str]:
+    """``{path: sha256}`` of files, ``threads`` at once, each once per file version in this process (``_sha256``).
+    An unreadable file raises its OSError, as hashing it alone would."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if threads <= 1 or len(paths) <= 1:
+        return {path: _sha256(path) for path in paths}
+    with ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="nam-sha256") as pool:
+        return dict(zip(paths, pool.map(_sha256, paths)))
 
 
 def verify(folder: Path) -> dict | None:
@@ -309,20 +341,30 @@ def inspect(folder: Path) -> tuple[dict | None, str]:
     if why:
         return None, why
     digests = manifest.get("sha256", {})
-    names = FILES
+    names = _checked_files(folder, manifest)
     if _dcp_format(manifest):
-        from nam_core.engine.async_checkpoint import STATE, state_files
+        from nam_core.engine.async_checkpoint import STATE
 
-        names = state_files(folder)
         if f"{STATE}/.metadata" not in names or set(names) != set(digests):
             return None, (f"the files under {STATE}/ ({', '.join(names) or 'none'}) are not the ones its manifest "
                           f"lists ({', '.join(sorted(digests))})")
     for name in names:
         if not (folder / name).is_file():
             return None, f"{name} is missing"
+    hash_files([folder / name for name in names])  # side by side; the checks below read the cache
+    for name in names:
         if digests.get(name) != _sha256(folder / name):
             return None, f"sha256 mismatch of {name} (the file changed after it was saved)"
     return manifest, ""
+
+
+def _checked_files(folder: Path, manifest: dict) -> list[str]:
+    """The files ``inspect`` hashes: format 3's under ``state/`` as found, or formats 1 and 2's fixed names."""
+    if _dcp_format(manifest):
+        from nam_core.engine.async_checkpoint import state_files
+
+        return state_files(folder)
+    return list(FILES)
 
 
 def good_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -330,6 +372,8 @@ def good_checkpoints(ckpt_root: Path) -> list[Path]:
     if not ckpt_root.is_dir():
         return []
     folders = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+    listed = [f / name for f in folders if (m := read_manifest(f)[0]) is not None for name in _checked_files(f, m)]
+    hash_files([path for path in listed if path.is_file()])  # every folder's files side by side, then checked
     return [p for p in folders if verify(p) is not None]
 
 

@@ -73,7 +73,8 @@ class _State:
     start: int
     noted: set = field(default_factory=set)
     saver: Any = None
-    """The background checkpoint writer (``train.async_checkpoints``), made at the first save."""
+    """The background checkpoint writer (``train.async_checkpoints``), made after the first step (its host
+    buffers start being built then) or at the first save."""
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -235,16 +236,32 @@ def _save(run: EngineRun, state: _State, step: int, last_good: Path | None, *, w
         state.log.note(f"checkpoint {root / f'step-{step:08d}'}: training waited {time.perf_counter() - t0:.1f} s for the "
                        "previous checkpoint's background write (train.checkpoint_every steps took less than a "
                        "write)", echo=False)
-    checkpoint.start_save(root, step, saver=state.saver, model=module, optimizer=state.optimizer,
-                          scheduler=state.scheduler, extra={"record": run.record}, keep=cfg.keep_checkpoints)
+    pending = checkpoint.start_save(root, step, saver=state.saver, model=module, optimizer=state.optimizer,
+                                    scheduler=state.scheduler, extra={"record": run.record}, keep=cfg.keep_checkpoints)
+    if pending.buffers is not None:  # the first save of this process took the host buffers into use
+        b = pending.buffers
+        state.log.note(f"checkpoint {pending.final}: its host buffers ({b.nbytes / 1e9:.1f} GB, {b.how}) took "
+                       f"{b.built_s:.1f} s to build on a background thread; the save waited {b.waited_s:.1f} s for "
+                       "them (part of its pause)", echo=False)
     return (_finish_save(run, state) or last_good) if wait else last_good
 
 
 def checkpoint_saver(cfg: TrainConfig):
-    """The run's background checkpoint writer; on CUDA its host buffers are pinned and kept between saves."""
+    """The run's background checkpoint writer; on CUDA its host buffers are page-locked; built once
+    (``_prepare_saves``) and kept between saves."""
     from nam_core.engine.async_checkpoint import AsyncSaver
 
     return AsyncSaver(pinned=cfg.device == "cuda")
+
+
+def _prepare_saves(run: EngineRun, state: _State) -> None:
+    """After the first step of this process: the checkpoint host buffers start being built on a background
+    thread (nam_core/engine/async_checkpoint.py), so the first save only copies into them."""
+    state.saver = state.saver or checkpoint_saver(run.train)
+    b = checkpoint.prepare_save(state.saver, model=run.model.module, optimizer=state.optimizer,
+                                scheduler=state.scheduler)
+    state.log.note(f"checkpoint host buffers: building {b.nbytes / 1e9:.1f} GB ({b.how}) on a background thread",
+                   echo=False)
 
 
 def _finish_save(run: EngineRun, state: _State) -> Path | None:
@@ -252,7 +269,8 @@ def _finish_save(run: EngineRun, state: _State) -> Path | None:
     pending = state.saver.pending
     done = checkpoint.finish_save(state.saver, run.folder.checkpoints, run.model.module, state.optimizer)
     if pending is not None:
-        state.log.note(f"checkpoint {done}: training paused {pending.stall_s:.1f} s (copy to host memory), "
+        waited = f", {pending.buffers.waited_s:.1f} s of it waiting for the host buffers" if pending.buffers else ""
+        state.log.note(f"checkpoint {done}: training paused {pending.stall_s:.1f} s (copy to host memory{waited}), "
                        f"written in {time.perf_counter() - pending.started:.1f} s in the background", echo=False)
     return done
 
@@ -276,6 +294,8 @@ def train(run: EngineRun) -> dict:
                 raise _stopped(run, stop, state.start, last_good)
             for step in range(state.start, run.max_steps):
                 metrics, tokens_per_step = _step(run, state, step, last_good)
+                if first_step_done_at is None and run.checkpoints and cfg.async_checkpoints and cfg.checkpoint_every:
+                    _prepare_saves(run, state)  # the optimizer's state exists now: its host buffers, in the background
                 first_step_done_at = first_step_done_at or time.time()  # the summary's launch-to-first-step
                 _drain_notes(run, state)
                 if cfg.evaluates_after(step + 1, run.max_steps):

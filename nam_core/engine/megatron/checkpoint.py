@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from nam_core.data.dataset import file_sha256
 from nam_core.engine import checkpoint as files
 from nam_core.engine.megatron.model import unwrap
 from nam_core.errors import NamError, RunFolderError
@@ -118,8 +117,8 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
 
 def _digests(folder: Path) -> dict[str, str]:
     """sha256 of every file under ``folder`` but the manifest, by path relative to it."""
-    return {str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p != folder / "manifest.json"}
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p != folder / "manifest.json"]
+    return {str(p.relative_to(folder)): digest for p, digest in files.hash_files(paths).items()}
 
 
 def inspect(folder: Path) -> tuple[dict | None, str]:
@@ -141,8 +140,9 @@ def inspect(folder: Path) -> tuple[dict | None, str]:
     key = _verified_key(folder, listed)
     if key in _VERIFIED:
         return manifest, ""
+    found = files.hash_files([folder / name for name in listed])  # side by side (a file per writer thread)
     for name, digest in listed.items():
-        if file_sha256(folder / name) != digest:
+        if found[folder / name] != digest:
             return None, f"sha256 mismatch of {name} (the file changed after it was saved)"
     _VERIFIED.add(key)
     return manifest, ""
@@ -208,6 +208,15 @@ def _aside(tmp: Path, rank: int) -> None:
     files._save_file(files.rng_state(), _rng_file(tmp, rank))
 
 
+def writer_threads() -> int:
+    """Files each rank writes side by side (Megatron's ``thread_count``): this host's cores shared by its ranks
+    (``LOCAL_WORLD_SIZE``, set by torchrun), at most 8 (async_checkpoint.FILES: enough for one disk)."""
+    from nam_core.engine.async_checkpoint import FILES
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(FILES, (os.cpu_count() or 1) // max(1, local)))
+
+
 class BackgroundSaves:
     """The megatron engine's checkpoints written in the background (``train.async_checkpoints``): Megatron's
     ``dist_checkpointing.save`` with ``async_sharded_save`` (its ``mcore`` writer: each rank copies its shards
@@ -217,13 +226,27 @@ class BackgroundSaves:
     renames the folder into place (``_finish``, as ``save_checkpoint`` does) on a thread of its own: hashing a
     NAM56R checkpoint takes tens of seconds. Megatron's own integrity.json (a second hash of every file on the
     training thread) is not written: nam's manifest holds the same digests and ``inspect`` checks them before a
-    load. One save at a time: ``save`` waits for the one before it. Every method is collective."""
+    load. One save at a time: ``save`` waits for the one before it. Every method is collective.
+
+    What the training thread pays per save (Megatron-Core 0.19.2, ``mcore`` async): the sharded state dict and the
+    save plan, then ``FileSystemWriterAsync.preload_tensors`` copies every shard with ``tensor.to("cpu",
+    non_blocking=True)`` (into page-locked memory from torch's caching host allocator: freed after the write and
+    reused by the next save's copies, so only a process's first save pays its allocation) and synchronizes, and
+    ``TemporalAsyncCaller`` forks the writer process. One save strategy is kept for the run, as Megatron's
+    ``--ckpt-assume-constant-structure`` keeps it: its save plans are cached after the first save
+    (``use_cached_ckpt_structure``) and the sharding is validated on the first save only; ``WRITER_THREADS``
+    files per rank are written side by side (``thread_count``, Megatron's ``--dist-ckpt-workers``) and hashed
+    side by side."""
 
     def __init__(self, ckpt_root: Path, *, keep: int, note):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         self.ckpt_root, self.keep, self.note = ckpt_root, keep, note
         self.queue = AsyncCallsQueue()
+        self.strategy = TorchDistSaveShardedStrategy(thread_count=writer_threads())
+        self.strategy.use_cached_ckpt_structure = True  # nam's state keeps its structure from save to save
+        self.saved_once = False
         self.pending: dict | None = None  # final, tmp, stall_s, started; "written" once Megatron finalized
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -246,7 +269,9 @@ class BackgroundSaves:
             _aside(tmp, rank)  # the RNG files are small: written here, and so are the optimizer maps
             state = _sharded_state(models, optimizer, is_loading=False)
             _write_optimizer_map(tmp, state, optimizer, rank)
-            request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True, async_strategy="mcore")
+            request = dist_checkpointing.save(state, str(tmp), self.strategy, async_sharded_save=True,
+                                              async_strategy="mcore", validate_access_integrity=not self.saved_once)
+            self.saved_once = True
             request.add_finalize_fn(lambda: self._written(tmp, final, step, manifest))
             self.queue.schedule_async_request(request)
         except BaseException as exc:

@@ -133,7 +133,8 @@ class Mamba3Mixer(nn.Module):
         """in_proj: ``(proj,)`` [b, l, sum(split_sizes)], or with ``mamba_split_in_proj`` ``(z, x, rest)``: three
         GEMMs on row slices of the same weight, so z and x [b, l, d_inner] come out contiguous and the scan's
         kernels read them without a copy (bench/results/glue.md, rank 3). The slices bypass whatever module
-        holds the weight, so a swapped in_proj (float8, te) is refused rather than silently run in bf16."""
+        holds the weight, so a swapped in_proj is refused rather than silently run in bf16 (te and float8.linears
+        refuse the pair at config time; this check covers any other swap)."""
         if not self.cfg.mamba_split_in_proj:
             return (self.in_proj(x),)
         if type(self.in_proj) is not nn.Linear:

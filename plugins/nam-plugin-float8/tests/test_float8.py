@@ -300,3 +300,11 @@ def test_registered_backend_is_the_product_configuration():
     from nam_core.checks import load
 
     assert load(plugin.PLUGIN.classes("moe")["float8-grouped"]) is Float8GroupedExperts  # what the host registers
+
+
+def test_split_in_proj_is_refused_with_fp8_linears_only():
+    """float8.linears swaps Mamba's in_proj; mamba_split_in_proj would run slices of its weight around it. With
+    the linears off (experts only) the split is the model's own business."""
+    row = _rows("float8.linears=rowwise", "mamba_split_in_proj=true", ALIGNED, *CUDA_BF16)["mamba_split_in_proj"]
+    assert row.status == "fail" and "float8.linears=none" in row.hint, row
+    assert "mamba_split_in_proj" not in _rows("float8.experts=rowwise", "mamba_split_in_proj=true", *CUDA_BF16)

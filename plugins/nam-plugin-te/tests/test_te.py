@@ -452,3 +452,10 @@ def test_nam_core_prefers_torchs_cudnn_only_where_te_is_installed(monkeypatch):
     monkeypatch.setattr(cudnn.importlib.util, "find_spec",
                         lambda name: types.SimpleNamespace(origin="/x") if name == "transformer_engine" else None)
     assert cudnn.when_te_installed() == "/torch/cudnn" and calls == [1]
+
+
+def test_split_in_proj_is_refused_at_config_time():
+    """te swaps Mamba's in_proj; mamba_split_in_proj would run slices of its weight around the TE module."""
+    row = _rows("mamba_split_in_proj=true", *CUDA_BF16)["mamba_split_in_proj"]
+    assert row.status == "fail" and row.hint.startswith("--set mamba_split_in_proj=false"), row
+    assert "mamba_split_in_proj" not in _rows(*CUDA_BF16)

@@ -70,6 +70,11 @@ def nam_check_config(config, device):
                   "float8.linears=none, float8.experts=off: active, changes nothing",
                   hint=None if parts else f"--set {NAME}.linears=rowwise and/or --set {NAME}.experts=rowwise")]
     rows += _experts_selection(opts, model)
+    if opts.linears != "none" and getattr(model, "mamba_split_in_proj", False):
+        rows.append(Check(NAME, "mamba_split_in_proj", FAIL, "Mamba's in_proj run by its own module (float8.linears "
+                          "swaps it for an FP8 linear)", "mamba_split_in_proj=true (three GEMMs on slices of the "
+                          "weight, skipping the swapped module)",
+                          hint=f"--set mamba_split_in_proj=false, or --set {NAME}.linears=none"))
     if not parts:
         return rows
     why = " (FP8 GEMMs on CUDA; everything else and the outputs in bf16)"

@@ -74,6 +74,10 @@ def nam_check_config(config, device):
         rows.append(Check(NAME, "fused_master_weights", FAIL, "with te.fp8_param_gather, Megatron's own fp32 masters (FP8 weights are cast from "
                           "them after each step)", "train.fused_master_weights=true (TE's FusedAdam holds the masters)",
                           hint=f"--set train.fused_master_weights=false, or --set {NAME}.fp8_param_gather=false"))
+    if getattr(config.model, "mamba_split_in_proj", False):
+        rows.append(Check(NAME, "mamba_split_in_proj", FAIL, "Mamba's in_proj run by its own module (te swaps it for "
+                          "a TE linear)", "mamba_split_in_proj=true (three GEMMs on slices of the weight, skipping "
+                          "the swapped module)", hint=f"--set mamba_split_in_proj=false, or drop --plugins {NAME}"))
     if config.options[NAME].experts == "grouped" and config.engine != "megatron":
         rows.append(Check(NAME, "experts", FAIL, "the megatron engine (te.experts=grouped is Megatron's TEGroupedMLP)",
                           f"engine {config.engine}", hint=f"--engine megatron, or --set {NAME}.experts=nam"))

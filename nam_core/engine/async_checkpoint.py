@@ -421,7 +421,7 @@ class AsyncSaver:
         t0 = time.perf_counter()
         try:
             mirror = self._built.result()
-        except Exception as e:
+        except (RuntimeError, OSError, MemoryError) as e:  # allocating or locking host memory; a bug raises as is
             from nam_core.errors import NamError
 
             raise NamError(f"the checkpoint host buffers ({buffers.nbytes / 1e9:.1f} GB, {buffers.how}) could not be "

@@ -110,7 +110,7 @@ def check_dispatcher(dispatcher: str, plugins) -> None:
 TE_FUSED_ADAM = Requirement.package(
     "transformer_engine", label="Transformer Engine (precision-aware optimizer)",
     install_hint="install transformer-engine, or --set train.optimizer_numerics=fp32-master "
-                 "train.fused_master_weights=false",
+                 "--set train.fused_master_weights=false",
     reason="for train.optimizer_numerics=bf16-moments or train.fused_master_weights: Megatron's precision-aware "
            "optimizer runs only in its FusedAdam")
 

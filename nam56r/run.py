@@ -514,7 +514,7 @@ def te_lowering(spec: RunSpec):
 
     te = spec.options.get("te")
     return None if te is None else TransformerEngine(fp8=te.fp8, grouped_experts=te.experts == "grouped",
-                                                     fp8_param_gather=te.fp8_param_gather)
+                                                     fp8_param_gather=te.fp8_param_gather, moe_fusion=te.moe_fusion)
 
 
 def _check_megatron(spec: RunSpec, *, registered: dict | None = None, declared: Sequence[str] = ()):

@@ -93,6 +93,9 @@ class TransformerEngine:
     fp8_param_gather: bool = False
     """``te.fp8_param_gather``: Megatron's TE modules keep FP8 weights (``fp8_param``), which its distributed
     optimizer all-gathers in FP8 (the DDP config's ``fp8_param_gather``, set from ``fp8_param``)."""
+    moe_fusion: bool = False
+    """``te.moe_fusion``: Megatron's ``moe_router_fusion`` and ``moe_permute_fusion`` (TE's fused router top-k
+    and aux-loss scores; TE's fused permute, unpermute and chunk sort in the token dispatcher)."""
 
 
 TE = "megatron.core.extensions.transformer_engine"
@@ -447,7 +450,8 @@ def _te_args(te: TransformerEngine | None) -> dict:
             raise ConfigError("te.fp8_param_gather keeps Megatron's TE weights in FP8: it needs an FP8 recipe",
                               hint="--set te.fp8=current, or --set te.fp8_param_gather=false")
         fp8["fp8_param"] = True
-    return {"moe_grouped_gemm": te.grouped_experts, **fp8}
+    fusion = {"moe_router_fusion": True, "moe_permute_fusion": True} if te.moe_fusion else {}
+    return {"moe_grouped_gemm": te.grouped_experts, **fp8, **fusion}
 
 
 def _te_slots(slots: tuple[Slot, ...], te: TransformerEngine | None) -> tuple[Slot, ...]:

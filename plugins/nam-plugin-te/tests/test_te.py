@@ -214,6 +214,10 @@ def test_the_megatron_lowering_takes_te_modules_and_fp8_from_the_plugins_options
                                    device="cuda", engine="megatron"))
     assert gather.config_args["fp8_param"] is True and gather.config_args["fp8_recipe"] == "delayed"
     assert "fp8_param" not in args
+    assert "moe_permute_fusion" not in args and "moe_router_fusion" not in bf16.config_args
+    fused = lowering_for(spec_for("nam56r-tiny", "te.moe_fusion=true", plugins=["te"], device="cuda",
+                                  engine="megatron")).config_args
+    assert (fused["moe_permute_fusion"], fused["moe_router_fusion"]) == (True, True), fused
     # The plugin's recipe table and the lowering's agree on Megatron's name of each recipe.
     assert {n: r.megatron for n, r in recipes.RECIPES.items()} == TE_FP8_RECIPES
 
@@ -231,6 +235,12 @@ def test_fp8_param_gather_is_refused_with_fused_master_weights():
     row = rows["fused_master_weights"]
     assert row.status == "fail" and "fused_master_weights=false" in row.hint, row
     assert "fused_master_weights" not in _rows("te.fp8=current", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16)
+
+
+def test_moe_fusion_is_refused_on_the_local_engine():
+    row = _rows("te.moe_fusion=true", *CUDA_BF16)["moe_fusion"]
+    assert row.status == "fail" and row.found == "engine local" and "moe_fusion=false" in row.hint, row
+    assert "moe_fusion" not in _rows(*CUDA_BF16)
 
 
 def test_grouped_experts_are_refused_on_the_local_engine():

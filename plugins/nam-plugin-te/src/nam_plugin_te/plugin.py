@@ -81,6 +81,10 @@ def nam_check_config(config, device):
     if config.options[NAME].experts == "grouped" and config.engine != "megatron":
         rows.append(Check(NAME, "experts", FAIL, "the megatron engine (te.experts=grouped is Megatron's TEGroupedMLP)",
                           f"engine {config.engine}", hint=f"--engine megatron, or --set {NAME}.experts=nam"))
+    if config.options[NAME].moe_fusion and config.engine != "megatron":
+        rows.append(Check(NAME, "moe_fusion", FAIL, "the megatron engine (te.moe_fusion swaps Megatron's router top-k "
+                          "and token permutation for TE's fused kernels; the local engine has neither)",
+                          f"engine {config.engine}", hint=f"--engine megatron, or --set {NAME}.moe_fusion=false"))
     return rows
 
 
@@ -167,6 +171,9 @@ PLUGIN = PluginInfo(
         Option("fp8_param_gather", bool, False, "megatron engine, with an FP8 recipe: Megatron's TE modules (shared "
                "expert, MTP, grouped experts) keep FP8 weights, all-gathered in FP8 by the distributed optimizer "
                "(nam's swapped projections keep bf16 weights)"),
+        Option("moe_fusion", bool, False, "megatron engine: Megatron's MoE router (softmax top-k, aux-loss scores) "
+               "and token permute/unpermute run as TE's fused kernels (moe_router_fusion, moe_permute_fusion) "
+               "instead of torch's topk, index_select and scatter_add; the same rows and gates"),
     ),
     checks=CHECKS,
 )

@@ -715,7 +715,9 @@ def throughput(args) -> int:
 
     base = get_recipe("nam56r")
     # every row's extra train.<field>, model and <plugin>.<option> settings (the recipe's plugins' options)
-    recipe = apply_overrides(base, args.train_set, plugin_names=base.plugins)
+    # (and nam-plugin-te's when a row runs it: te.moe_fusion, te.fp8_param_gather)
+    te_rows = any(t != "none" for t in args.te)
+    recipe = apply_overrides(base, args.train_set, plugin_names=[*base.plugins, *(["te"] if te_rows else [])])
     model = {**model_changes(base.model, recipe.model), "num_layers": args.layers}
     cfg = recipe.model.replace(**model)
     packed_rows(cfg.seq_len, recipe.train.seed)

@@ -99,6 +99,7 @@ def train(
     """Train a recipe (default: nam56r-tiny on the CPU, on the Python standard library's source)."""
     from nam56r.run import RunRequest, build, resolve
     from nam_core.engine.contract import engine_for
+    from nam_core.engine.summary import mark as mark_phase
     from nam_core.host import PluginHost
 
     plan.check_profile_flag(device_profile, dry_run)
@@ -109,6 +110,7 @@ def train(
     host = PluginHost()
     run = resolve(RunRequest(recipe=recipe, plugins=plugins, overrides=list(set_ or []), engine=engine,
                              device=device, seed=seed, tp=tp, pp=pp, ep=ep, nproc=nproc, max_steps=max_steps), host)
+    mark_phase("resolve")
     if device_profile is not None:  # a GPU run planned on a machine without that GPU: no engine, no CUDA
         return plan.show(plan.on_profile(run, host, device_profile, run_dir=run_dir, data=data), json_out=json_out)
     eng = engine_for(run.spec.engine)

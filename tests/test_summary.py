@@ -82,6 +82,13 @@ def test_the_time_from_launch_to_the_first_step(monkeypatch):
     assert s["launch_to_first_step_s"] == 42.25
     assert "(first step 0.1 s: kernel builds, warm-up; it ended 42.2 s after launch; " in describe(dict(s, run_dir="r"))
     assert summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10)["launch_to_first_step_s"] is None
+    # the phases marked in this process (a phase marked before the launch, left from another run, is dropped)
+    monkeypatch.setattr(summary_, "_marks", {"resolve": 1002.0, "data": 1030.5, "model": 990.0})
+    s = summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10, first_step_done_at=1042.25)
+    assert s["startup_s"] == {"resolve": 2.0, "data": 28.5, "first step": 11.75}
+    assert "it ended 42.2 s after launch (resolve 2.0 s, data 28.5 s, first step 11.8 s);" in describe(dict(s, run_dir="r"))
+    with pytest.raises(ValueError, match="start-up phase 'warmup'"):
+        summary_.mark("warmup")
     monkeypatch.delenv(summary_.LAUNCHED_AT)
     assert summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10,
                      first_step_done_at=1042.25)["launch_to_first_step_s"] is None
@@ -115,6 +122,12 @@ def test_summary_json_of_a_real_run(tmp_path, tmp_path_factory, capsys, monkeypa
     # the model build and data before it, then the first step: longer than that step, shorter than the test so far
     assert summary["first_step_s"] < summary["launch_to_first_step_s"] < time.time() - launched
     assert summary["step_tokens_per_s"] == pytest.approx((metrics[1]["tokens_per_s"] + metrics[2]["tokens_per_s"]) / 2)
+    # where the start-up went: the local engine's phases in order (no megatron model phase), summing to the whole
+    phases = summary["startup_s"]
+    assert list(phases) == ["resolve", "self-tests", "data", "engine", "first step"], phases
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) == pytest.approx(summary["launch_to_first_step_s"], abs=0.01)
+    assert phases["first step"] == pytest.approx(summary["first_step_s"], abs=0.5)
     assert summary["lm_loss_last"] == pytest.approx(metrics[-1]["lm_loss"])  # window 1 at 3 records
     assert "mtp_loss" in summary["other_losses_last"] and "lm_loss" not in summary["other_losses_last"]
     assert "done: 4 steps in" in capsys.readouterr().out

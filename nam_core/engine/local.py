@@ -26,6 +26,7 @@ from nam_core.engine.contract import EngineRun, Ranks
 from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
+from nam_core.engine.summary import mark as mark_phase
 from nam_core.engine.validation import mean_loss
 from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 
@@ -286,6 +287,7 @@ def train(run: EngineRun) -> dict:
     cfg = run.train
     with StopRequests() as stop:
         state = _start(run)
+        mark_phase("engine")
         good = checkpoint.good_checkpoints(run.folder.checkpoints)
         last_good = good[-1] if good else None
         tokens_per_step = first_step_done_at = None

@@ -50,6 +50,39 @@ def mark_launch() -> None:
     os.environ.setdefault(LAUNCHED_AT, f"{time.time():.3f}")
 
 
+STARTUP_PHASES = ("resolve", "self-tests", "model", "data", "engine", "first step")
+"""The start-up's phases, in order, each named by what ends it (``mark``): the command resolved (Python's and the
+packages' imports, the recipe, the plugins' config checks; under ``--nproc`` the torchrun launch too), the device
+probed and the plugins activated (their launch self-tests build or load kernels), the megatron engine's model
+built (the local engine builds its own in ``engine``), the data opened (prepared when not in the cache), the
+engine started (the local model, the optimizer, Megatron's DDP wrapper, a checkpoint loaded), the first step."""
+
+_marks: dict[str, float] = {}
+
+
+def mark(phase: str) -> None:
+    """Note that start-up phase ``phase`` (one of ``STARTUP_PHASES``) ends now, for the summary's breakdown."""
+    if phase not in STARTUP_PHASES:
+        raise ValueError(f"start-up phase {phase!r}: expected one of {', '.join(STARTUP_PHASES)}")
+    _marks[phase] = time.time()
+
+
+def startup(first_step_done_at: float | None) -> dict[str, float] | None:
+    """Seconds each start-up phase took, from the launch to the end of the first step (the phases sum to
+    ``launch_to_first_step``); a phase this process did not mark is left out (its time goes to the next one).
+    None without the launch or the first step."""
+    launched = os.environ.get(LAUNCHED_AT)
+    if first_step_done_at is None or not launched:
+        return None
+    ends = {**_marks, "first step": first_step_done_at}
+    out, previous = {}, float(launched)
+    for phase in STARTUP_PHASES:
+        if phase in ends and ends[phase] >= previous:
+            out[phase] = round(ends[phase] - previous, 3)
+            previous = ends[phase]
+    return out
+
+
 def launch_to_first_step(first_step_done_at: float | None) -> float | None:
     """Seconds from the launch (``mark_launch``) to the end of this invocation's first step (``time.time()`` the
     engine returned), or None when either is unknown."""
@@ -68,7 +101,8 @@ def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_
     tokens = (tokens_per_step or 0) * steps_run
     summary = {"wall_time_s": round(wall_s, 3), "steps_run": steps_run, "tokens": tokens,
                "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None, **steady_state(records, first_step),
-               "launch_to_first_step_s": launch_to_first_step(first_step_done_at)}
+               "launch_to_first_step_s": launch_to_first_step(first_step_done_at),
+               "startup_s": startup(first_step_done_at)}
     evaluated = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
     summary.update(val_loss_last=evaluated[-1]["val_loss"] if evaluated else None,
                    val_loss_step=evaluated[-1]["step"] if evaluated else None)
@@ -138,6 +172,9 @@ def _speed(summary: dict) -> str:
     first = f"first step {_duration(first)}: kernel builds, warm-up" if first is not None else ""
     if first and launched is not None:
         first += f"; it ended {_duration(launched)} after launch"
+        phases = summary.get("startup_s")
+        if phases and len(phases) > 1:
+            first += f" ({', '.join(f'{k} {_duration(v)}' for k, v in phases.items())})"
     wall = f"{summary['tokens_per_s']:,.0f} tokens/s over the wall time" if summary.get("tokens_per_s") else ""
     if summary.get("step_tokens_per_s") is None:
         return "; ".join(x for x in (wall + (" (no step after the first to measure)" if wall else ""), first) if x)

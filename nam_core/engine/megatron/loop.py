@@ -26,6 +26,7 @@ from nam_core.engine.megatron.schedule import PipelineSchedule, schedule_for
 from nam_core.engine.metrics import MetricsLog
 from nam_core.engine.rundir import StopRequests, stopped
 from nam_core.engine.step import first_non_finite, lr_lambda, step_metrics
+from nam_core.engine.summary import mark as mark_phase
 from nam_core.engine.validation import mean_loss
 from nam_core.errors import ConfigError, Interrupted, TrainingGuardError
 from nam_core.patches import applied
@@ -85,6 +86,7 @@ def train(run: EngineRun) -> dict:
     tc, provider, lr_at = run.train, run.model, lr_lambda(run.train)
     with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)
+        mark_phase("engine")
         try:
             for step in range(s.start, run.max_steps):
                 ctx = run.context(step, parameters=s.parameters, note=s.note)

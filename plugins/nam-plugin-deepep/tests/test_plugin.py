@@ -35,10 +35,11 @@ MIRROR = Path("/work/.mirror/deepseek-ai+DeepEP/repo")
 
 
 def megatron(ep=2, *overrides, plugins=("deepep",)):
-    """nam56r-tiny resolved for the megatron engine on ``ep`` processes (lowered, not activated)."""
+    """nam56r-tiny resolved for the megatron engine on ``ep`` processes (lowered, not activated), in bf16 (the
+    dtype DeepEP combines) unless ``overrides`` say otherwise."""
     return resolve(RunRequest(recipe="nam56r-tiny", plugins=list(plugins), engine="megatron", device="cuda",
                               ep=ep, nproc=ep, env_plugins=False,
-                              overrides=["attention_backend=reference", *overrides]))
+                              overrides=["attention_backend=reference", "train.dtype=bfloat16", *overrides]))
 
 
 def rows(spec):
@@ -54,7 +55,8 @@ def test_requesting_the_plugin_lowers_megatron_s_flex_dispatcher_on_deepep():
     assert "train.moe_dispatcher=flex (selected by plugin deepep)" in run.spec.notes
     assert (run.lowering.moe_dispatcher, run.lowering.config_args["moe_token_dispatcher_type"],
             run.lowering.config_args["moe_flex_dispatcher_backend"]) == ("flex", "flex", "deepep")
-    assert {n: c.status for n, c in rows(run.spec).items()} == {"engine": PASS, "expert parallelism": PASS}
+    assert {n: c.status for n, c in rows(run.spec).items()} == {"engine": PASS, "expert parallelism": PASS,
+                                                                 "train.dtype": PASS}
 
 
 def test_without_the_plugin_the_lowering_keeps_all_to_all_and_refuses_flex():
@@ -104,6 +106,15 @@ def test_a_group_deepep_has_no_kernels_for_is_refused(ep, found):
     spec = spec.replace(layout=Layout(tp=1, pp=1, ep=ep, world_size=ep))
     row = rows(spec)["expert parallelism"]
     assert row.status == FAIL and found in row.found
+
+
+def test_a_dtype_other_than_bf16_is_refused_deepep_combines_bf16_only():
+    """On two H200s nam56r-tiny in fp32 with the flex dispatcher aborted both ranks at the first combine
+    (DeepEP's ``Unsupported type`` assertion); the row refuses it before anything runs."""
+    fp32 = rows(megatron(2, "train.dtype=float32").spec)["train.dtype"]
+    assert fp32.status == FAIL and fp32.found == "train.dtype=float32", fp32
+    assert "--set train.dtype=bfloat16" in fp32.hint and "drop --plugins deepep" in fp32.hint, fp32.hint
+    assert rows(megatron(2, "train.dtype=bfloat16").spec)["train.dtype"].status != FAIL
 
 
 def test_the_local_engine_is_refused():

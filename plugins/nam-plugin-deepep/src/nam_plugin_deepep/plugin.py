@@ -57,6 +57,14 @@ def expert_parallel(spec) -> Measured:
     return Measured(True, f"ep={ep}")
 
 
+def dtype(spec) -> Measured:
+    """DeepEP's intranode combine kernel has a bf16 instantiation only: any other dtype reaches its device-side
+    ``Unsupported type`` assertion (intranode.cu) at the first MoE layer's combine, which aborts every rank
+    (measured on 2 H200s, 2026-11-28, nam56r-tiny in fp32)."""
+    return Measured(spec.train.dtype == "bfloat16", f"train.dtype={spec.train.dtype}",
+                    hint=f"--set train.dtype=bfloat16, or {ALLTOALL}")
+
+
 def extension(spec) -> Measured:
     """DeepEP's extension loads against this torch (an ABI mismatch is an ImportError here, not a crash in the
     first MoE layer), its version is 1.2.x, and this GPU is the sm_90 the build targets."""
@@ -116,6 +124,8 @@ PLUGIN = PluginInfo(
         ShapeCheck("engine", "the megatron engine (the flex dispatcher is Megatron's)", engine, "",
                    when=uses_flex),
         ShapeCheck("expert parallelism", f"ep in {RANKS} (GPUs of one host)", expert_parallel, "",
+                   when=flex_on_megatron),
+        ShapeCheck("train.dtype", "bfloat16 (DeepEP's intranode combine is built for bf16 only)", dtype, "",
                    when=flex_on_megatron),
         LaunchCheck("DeepEP extension", f"{DEEPEP} whose extension loads against this torch, on sm_90", extension,
                     STAGE, when=flex_on_megatron),

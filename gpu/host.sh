@@ -20,6 +20,6 @@ python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . $(ls -d
 mkdir -p /tmp/bin "$NAM_CACHE_DIR"
 printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python && chmod +x /tmp/bin/python
 export PATH=/tmp/bin:$PATH
-[[ -f .kcache/kcache.tgz ]] && tar -C .kcache -xzf .kcache/kcache.tgz
-kcache_pack() { tar -C .kcache -czf "$OUT/kcache.tgz" nam && ls -la "$OUT/kcache.tgz"; }
+[[ -f .kcache/kcache.tgz ]] && tar -C .kcache -xf .kcache/kcache.tgz  # gzip or xz: tar reads either
+kcache_pack() { tar -C .kcache -cf - nam | xz -3 -T0 > "$OUT/kcache.tgz" && ls -la "$OUT/kcache.tgz"; }
 echo "== host ready in $((SECONDS - _t0)) s: $(python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'), TE: $(python -c 'import transformer_engine as t; print(t.__version__)' 2>&1 | tail -1)"

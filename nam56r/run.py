@@ -163,7 +163,9 @@ def activate(run: Run, host: PluginHost, device: DeviceInfo) -> Run:
     megatron engine, the lowering made from the registered schedule object (its chunks and stages: what the
     engine builds)."""
     spec = run.spec.replace(device=device)
-    host.activate(spec.plugins, device, spec)
+    from nam_core.engine.summary import note_self_tests
+
+    note_self_tests(host.activate(spec.plugins, device, spec).checks)
     lowering = _check_megatron(spec, registered=_schedules(host)) if spec.engine == "megatron" else None
     return dataclasses.replace(run, spec=spec, lowering=lowering)
 

@@ -18,7 +18,9 @@ plugin's declaration stays importable without torch or its kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Union
 
@@ -89,7 +91,9 @@ class LaunchCheck:
     """``when(spec) -> bool`` in place of "the run uses the plugin" (asked only with a run)."""
 
     def row(self, plugin: str, spec: "RunSpec | None") -> Check | None:
-        return _row(plugin, self.name, self.needed, load(self.measure)(spec), self.hint, spec)
+        started = time.perf_counter()
+        row = _row(plugin, self.name, self.needed, load(self.measure)(spec), self.hint, spec)
+        return None if row is None else dataclasses.replace(row, seconds=round(time.perf_counter() - started, 3))
 
 
 def _row(plugin: str, name: str, needed: str, measured: Any, hint, spec) -> Check | None:

@@ -34,6 +34,8 @@ class Check:
     needed: str = ""
     found: str = ""
     hint: str | None = None
+    seconds: float | None = None
+    """How long a launch check took (its kernel builds or cache loads and its launches); None for other rows."""
 
     @property
     def ok(self) -> bool:
@@ -49,6 +51,7 @@ class Check:
         return {
             "plugin": self.plugin, "check": self.name, "status": self.status,
             "needed": self.needed, "found": self.found, "hint": self.hint,
+            **({"seconds": self.seconds} if self.seconds is not None else {}),
         }
 
 

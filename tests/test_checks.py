@@ -116,3 +116,29 @@ def test_without_a_run_launch_checks_are_asked_and_shape_checks_are_not(host):
     got = rows(host().evaluate(["decl"], REAL))
     assert "kernel shapes" not in got and got["kernel launch"].status == PASS
     assert sys.modules["nam_fake_decl"].CALLS == [None]
+
+
+def test_a_launch_row_says_how_long_it_took_and_the_summary_ranks_them():
+    """The activation's launch checks are the warm start's largest phase (27.9 of 34.9 s on an H200): each row
+    carries its seconds (preflight --json, the summary's ``self_tests_s``, longest first); other rows do not."""
+    import time as time_
+
+    from nam_core.checks import LaunchCheck, ShapeCheck
+
+    from nam_core.engine import summary
+
+    def slow(spec):
+        time_.sleep(0.05)
+        return True, "ran"
+
+    row = LaunchCheck("kernel launch", "x", slow, "h").row("p", None)
+    assert row.status == "pass" and 0.05 <= row.seconds < 5 and row.to_dict()["seconds"] == row.seconds
+    quick = LaunchCheck("quick", "x", lambda spec: (True, "ran"), "h").row("q", None)
+    assert quick.seconds < row.seconds
+    assert "seconds" not in ShapeCheck("shape", "x", lambda spec: (True, "ok"), "h").row("p", None).to_dict()
+    summary.note_self_tests([quick, row])
+    try:
+        s = summary.summarize([], wall_s=1.0, steps_run=0, tokens_per_step=None)
+        assert list(s["self_tests_s"]) == ["p: kernel launch", "q: quick"], s["self_tests_s"]
+    finally:
+        summary.note_self_tests([])

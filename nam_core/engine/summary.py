@@ -58,6 +58,14 @@ built (the local engine builds its own in ``engine``), the data opened (prepared
 engine started (the local model, the optimizer, Megatron's DDP wrapper, a checkpoint loaded), the first step."""
 
 _marks: dict[str, float] = {}
+_self_tests: dict[str, float] = {}
+
+
+def note_self_tests(rows) -> None:
+    """Keep how long each launch check of the activation took (``Check.seconds``), for the summary's
+    ``self_tests_s``: the breakdown of the ``self-tests`` phase."""
+    _self_tests.clear()
+    _self_tests.update({f"{r.plugin}: {r.name}": r.seconds for r in rows if r.seconds is not None})
 
 
 def mark(phase: str) -> None:
@@ -102,7 +110,8 @@ def summarize(records: list[dict], *, wall_s: float, steps_run: int, tokens_per_
     summary = {"wall_time_s": round(wall_s, 3), "steps_run": steps_run, "tokens": tokens,
                "tokens_per_s": tokens / wall_s if wall_s > 0 and tokens else None, **steady_state(records, first_step),
                "launch_to_first_step_s": launch_to_first_step(first_step_done_at),
-               "startup_s": startup(first_step_done_at)}
+               "startup_s": startup(first_step_done_at),
+               "self_tests_s": dict(sorted(_self_tests.items(), key=lambda kv: -kv[1])) or None}
     evaluated = [r for r in records if isinstance(r.get("val_loss"), (int, float))]
     summary.update(val_loss_last=evaluated[-1]["val_loss"] if evaluated else None,
                    val_loss_step=evaluated[-1]["step"] if evaluated else None)

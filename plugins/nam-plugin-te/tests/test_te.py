@@ -243,6 +243,22 @@ def test_moe_fusion_is_refused_on_the_local_engine():
     assert "moe_fusion" not in _rows(*CUDA_BF16)
 
 
+def test_fp8_param_gather_is_refused_with_bf16_gradient_buffers():
+    """Measured on an H200: full NAM56R at MBS 2 with FP8 weights and bf16 gradient buffers went non-finite at
+    step 1; the row refuses that pair before anything is built, and only that pair."""
+    meg = dict(engine="megatron")
+    spec = spec_for("nam56r-tiny", "te.fp8=current", "te.fp8_param_gather=true", "train.grad_reduce_in_fp32=false",
+                    ALIGNED, *CUDA_BF16, plugins=["te"], device="cuda", profile="h200", **meg)
+    rows = {r.name: r for r in plugin.nam_check_config(config=spec, device=spec.device)}
+    row = rows["grad_reduce_in_fp32"]
+    assert row.status == "fail" and row.found == "train.grad_reduce_in_fp32=false", row
+    assert "grad_reduce_in_fp32=true" in row.hint and "fp8_param_gather=false" in row.hint
+    fp32 = spec_for("nam56r-tiny", "te.fp8=current", "te.fp8_param_gather=true", ALIGNED, *CUDA_BF16, plugins=["te"],
+                    device="cuda", profile="h200", **meg)
+    assert "grad_reduce_in_fp32" not in {r.name for r in plugin.nam_check_config(config=fp32, device=fp32.device)}
+    assert "grad_reduce_in_fp32" not in _rows("te.fp8=current", "train.grad_reduce_in_fp32=false", ALIGNED, *CUDA_BF16)
+
+
 def test_grouped_experts_are_refused_on_the_local_engine():
     row = _rows("te.experts=grouped", *CUDA_BF16)["experts"]
     assert row.status == "fail" and row.hint.startswith("--engine megatron"), row

@@ -74,6 +74,13 @@ def nam_check_config(config, device):
         rows.append(Check(NAME, "fused_master_weights", FAIL, "with te.fp8_param_gather, Megatron's own fp32 masters (FP8 weights are cast from "
                           "them after each step)", "train.fused_master_weights=true (TE's FusedAdam holds the masters)",
                           hint=f"--set train.fused_master_weights=false, or --set {NAME}.fp8_param_gather=false"))
+    if config.options[NAME].fp8_param_gather and not train.grad_reduce_in_fp32:
+        # full NAM56R, one H200, MBS 2, te.fp8=current: the loss of step 1 non-finite, the embedding's weight first
+        # (2026-11-28, bench/results/logs-2026-11-28b/r3/M2.log); fp32 gradient buffers with FP8 weights not run
+        rows.append(Check(NAME, "grad_reduce_in_fp32", FAIL, "fp32 gradient buffers with te.fp8_param_gather (with "
+                          "bf16 buffers full NAM56R's first update was non-finite on an H200)",
+                          "train.grad_reduce_in_fp32=false", hint=f"--set train.grad_reduce_in_fp32=true, or --set "
+                          f"{NAME}.fp8_param_gather=false"))
     if getattr(config.model, "mamba_split_in_proj", False):
         rows.append(Check(NAME, "mamba_split_in_proj", FAIL, "Mamba's in_proj run by its own module (te swaps it for "
                           "a TE linear)", "mamba_split_in_proj=true (three GEMMs on slices of the weight, skipping "

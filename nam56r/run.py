@@ -303,13 +303,13 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     from nam56r import memory
     from nam56r.flops import flops_per_token
     from nam56r.model import Backends, build_model
-    from nam_core.engine import summary as startup
+    from nam_core.engine.summary import mark as mark_phase
     from nam_core.patches import apply_all
 
     megatron = run.spec.engine == "megatron"
     device = device or run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if megatron else 0)
     run = activate(run, host, device)  # PluginActivationError (exit 3) lists every failed check
-    startup.mark("self-tests")
+    mark_phase("self-tests")
     spec = run.spec
     memory.check_fits(spec, device)  # ConfigError (exit 2) with the plan's numbers: nothing allocated or written
     patches = apply_all(host.registry("patches"))
@@ -327,7 +327,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
         say(f"building the model ({spec.train.dtype}, on {spec.train.device}); the first step compiles kernels "
             "and warms up, so it takes longer than the rest")
         session.model = _megatron_model(run, backends, host, init_from)
-        startup.mark("model")
+        mark_phase("model")
     if batches is not None:
         session.batches = batches
         return session
@@ -339,7 +339,7 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     if ranks.writes and megatron:
         engine.barrier()
     session.held_out = _held_out(spec, packed.dataset, eval_data)
-    startup.mark("data")
+    mark_phase("data")
     session.batches = lambda i, b: {k: v for k, v in packed.batch_at(i, b).items() if k in BATCH_KEYS}
     return session
 

@@ -78,8 +78,9 @@ def test_the_time_from_launch_to_the_first_step(monkeypatch):
     from nam_core.engine import summary as summary_
 
     monkeypatch.setenv(summary_.LAUNCHED_AT, "1000.000")
+    monkeypatch.setattr(summary_, "_marks", {"resolve": time.time()})  # an earlier run's, after this launch's end
     s = summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10, first_step_done_at=1042.25)
-    assert s["launch_to_first_step_s"] == 42.25
+    assert s["launch_to_first_step_s"] == 42.25 and s["startup_s"] == {"first step": 42.25}
     assert "(first step 0.1 s: kernel builds, warm-up; it ended 42.2 s after launch; " in describe(dict(s, run_dir="r"))
     assert summarize(records(3), wall_s=1.0, steps_run=3, tokens_per_step=10)["launch_to_first_step_s"] is None
     # the phases marked in this process (a phase marked before the launch, left from another run, is dropped)

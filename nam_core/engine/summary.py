@@ -77,15 +77,16 @@ def mark(phase: str) -> None:
 
 def startup(first_step_done_at: float | None) -> dict[str, float] | None:
     """Seconds each start-up phase took, from the launch to the end of the first step (the phases sum to
-    ``launch_to_first_step``); a phase this process did not mark is left out (its time goes to the next one).
-    None without the launch or the first step."""
+    ``launch_to_first_step``); a phase this process did not mark is left out (its time goes to the next one), and
+    so is a mark outside the launch and the first step (left by an earlier run in the same process: a test, a
+    bench). None without the launch or the first step."""
     launched = os.environ.get(LAUNCHED_AT)
     if first_step_done_at is None or not launched:
         return None
     ends = {**_marks, "first step": first_step_done_at}
     out, previous = {}, float(launched)
     for phase in STARTUP_PHASES:
-        if phase in ends and ends[phase] >= previous:
+        if phase in ends and previous <= ends[phase] <= first_step_done_at:
             out[phase] = round(ends[phase] - previous, 3)
             previous = ends[phase]
     return out

@@ -22,10 +22,10 @@ cp .deepep-cache/deep_ep_cpp-*.so.xz "$OUT0/" 2>/dev/null
 P=plugins/nam-plugin-deepep/device/probe_deepep.py
 step 60 ranks-on-gpus python $P ranks-on-gpus 2
 step 90 megatron-flex-on-gpus python $P megatron-flex-on-gpus 2
-step 60 preflight nam preflight --recipe nam56r-tiny --device cuda --engine megatron --plugins deepep --ep 2 \
+step 60 preflight nam preflight --recipe nam56r-tiny --device cuda --engine megatron --plugins deepep --ep 2 --set attention_backend=reference --set train.dtype=bfloat16 \
   --nproc 2 --json
 T=(nam train --recipe nam56r-tiny --device cuda --engine megatron --nproc 2 --ep 2 --max-steps 8 --seed 7
-   --set train.log_every=1 --set attention_backend=reference)
+   --set train.log_every=1 --set attention_backend=reference --set train.dtype=bfloat16)
 step 70 tiny-alltoall "${T[@]}" --run-dir /tmp/r/tiny-a2a
 step 70 tiny-flex "${T[@]}" --plugins deepep --run-dir /tmp/r/tiny-flex
 F=(nam train --recipe nam56r --engine megatron --nproc 2 --ep 2 --max-steps 6 --seed 7 --set train.log_every=1

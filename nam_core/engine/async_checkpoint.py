@@ -168,7 +168,7 @@ def _readers():
             import contextlib
 
             super().__init__(*args, **kwargs)
-            self.failures: list[BaseException] = []
+            self.failures: list[Exception] = []
             opened, failures = self.fs.create_stream, self.failures
 
             @contextlib.contextmanager
@@ -176,7 +176,7 @@ def _readers():
                 try:
                     with opened(path, mode) as stream:
                         yield stream
-                except BaseException as e:  # noqa: BLE001 - kept for write_data, and raised on
+                except Exception as e:  # any write error: kept for write_data, and raised on
                     failures.append(e)
                     raise
 
@@ -402,8 +402,8 @@ class AsyncSaver:
                 if device is not None:
                     torch.cuda.set_device(device)
                 mirror = host_mirror(state, pinned=self.pinned, how=how if self.pinned else None)
-            except BaseException as e:  # noqa: BLE001 - handed to the first save, which raises it
-                built.set_exception(e)
+            except BaseException as e:  # noqa: BLE001 - every way out of this thread settles ``built``, which the
+                built.set_exception(e)  # first save raises: otherwise that save would wait for it forever
             else:
                 buffers.built_s = time.perf_counter() - t0
                 built.set_result(mirror)

@@ -64,23 +64,8 @@ def nam_check_config(config, device):
                           f"train.dtype={train.dtype}", hint=f"--set train.dtype=bfloat16, or {OFF_HINT}"))
     if fp8 != OFF:
         rows.append(recipe_row(fp8, device))
-    if config.options[NAME].fp8_param_gather and (fp8 == OFF or config.engine != "megatron"):
-        rows.append(Check(NAME, "fp8_param_gather", FAIL, "the megatron engine and an FP8 recipe (FP8 weights of "
-                          "Megatron's TE modules)", f"engine {config.engine}, te.fp8={fp8}",
-                          hint=f"--engine megatron --set {NAME}.fp8=current, or --set {NAME}.fp8_param_gather=false"))
-    if config.options[NAME].fp8_param_gather and train.fused_master_weights:
-        # Megatron 0.19 hands FusedAdam the masters of FP8 weights too unless its optimizer knows the FP8 recipe,
-        # and TE's FusedAdam casts into FP8 weights only under delayed scaling: not run here, so not offered
-        rows.append(Check(NAME, "fused_master_weights", FAIL, "with te.fp8_param_gather, Megatron's own fp32 masters (FP8 weights are cast from "
-                          "them after each step)", "train.fused_master_weights=true (TE's FusedAdam holds the masters)",
-                          hint=f"--set train.fused_master_weights=false, or --set {NAME}.fp8_param_gather=false"))
-    if config.options[NAME].fp8_param_gather and not train.grad_reduce_in_fp32:
-        # full NAM56R, one H200, MBS 2, te.fp8=current: the loss of step 1 non-finite, the embedding's weight first
-        # (2026-11-28, bench/results/logs-2026-11-28b/r3/M2.log); fp32 gradient buffers with FP8 weights not run
-        rows.append(Check(NAME, "grad_reduce_in_fp32", FAIL, "fp32 gradient buffers with te.fp8_param_gather (with "
-                          "bf16 buffers full NAM56R's first update was non-finite on an H200)",
-                          "train.grad_reduce_in_fp32=false", hint=f"--set train.grad_reduce_in_fp32=true, or --set "
-                          f"{NAME}.fp8_param_gather=false"))
+    if config.options[NAME].fp8_param_gather:
+        rows += _fp8_param_gather_rows(config, fp8)
     if getattr(config.model, "mamba_split_in_proj", False):
         rows.append(Check(NAME, "mamba_split_in_proj", FAIL, "Mamba's in_proj run by its own module (te swaps it for "
                           "a TE linear)", "mamba_split_in_proj=true (three GEMMs on slices of the weight, skipping "
@@ -92,6 +77,29 @@ def nam_check_config(config, device):
         rows.append(Check(NAME, "moe_fusion", FAIL, "the megatron engine (te.moe_fusion swaps Megatron's router top-k "
                           "and token permutation for TE's fused kernels; the local engine has neither)",
                           f"engine {config.engine}", hint=f"--engine megatron, or --set {NAME}.moe_fusion=false"))
+    return rows
+
+
+def _fp8_param_gather_rows(config, fp8: str) -> list[Check]:
+    """``nam_check_config``'s rows for ``te.fp8_param_gather``: what it needs, and the pairs refused with it."""
+    train, rows = config.train, []
+    if fp8 == OFF or config.engine != "megatron":
+        rows.append(Check(NAME, "fp8_param_gather", FAIL, "the megatron engine and an FP8 recipe (FP8 weights of "
+                          "Megatron's TE modules)", f"engine {config.engine}, te.fp8={fp8}",
+                          hint=f"--engine megatron --set {NAME}.fp8=current, or --set {NAME}.fp8_param_gather=false"))
+    if train.fused_master_weights:
+        # Megatron 0.19 hands FusedAdam the masters of FP8 weights too unless its optimizer knows the FP8 recipe,
+        # and TE's FusedAdam casts into FP8 weights only under delayed scaling: not run here, so not offered
+        rows.append(Check(NAME, "fused_master_weights", FAIL, "with te.fp8_param_gather, Megatron's own fp32 masters (FP8 weights are cast from "
+                          "them after each step)", "train.fused_master_weights=true (TE's FusedAdam holds the masters)",
+                          hint=f"--set train.fused_master_weights=false, or --set {NAME}.fp8_param_gather=false"))
+    if not train.grad_reduce_in_fp32:
+        # full NAM56R, one H200, MBS 2, te.fp8=current: the loss of step 1 non-finite, the embedding's weight first
+        # (2026-11-28, bench/results/logs-2026-11-28b/r3/M2.log); fp32 gradient buffers with FP8 weights not run
+        rows.append(Check(NAME, "grad_reduce_in_fp32", FAIL, "fp32 gradient buffers with te.fp8_param_gather (with "
+                          "bf16 buffers full NAM56R's first update was non-finite on an H200)",
+                          "train.grad_reduce_in_fp32=false", hint=f"--set train.grad_reduce_in_fp32=true, or --set "
+                          f"{NAME}.fp8_param_gather=false"))
     return rows
 
 

@@ -1,8 +1,12 @@
-"""What a checkpoint costs a local-engine run of full NAM56R on one GPU: the training stall per save, the save's
-background write, and the time from a ``--resume auto`` start to its first step, for the async DCP checkpoints
+"""What a checkpoint costs a run of full NAM56R on one GPU: the training stall per save, the save's background
+write, and the time from a ``--resume auto`` start to its first step. Local engine: the async DCP checkpoints
 (nam_core/engine/async_checkpoint.py) and the synchronous torch.save ones (``train.async_checkpoints=false``).
+Megatron engine (``--engine megatron``, async only): Megatron's ``dist_checkpointing`` with its async save
+(nam_core/engine/megatron/checkpoint.py).
 
     python bench/checkpoint.py [--steps 4] [--every 2] [--mbs 2] [--numerics bf16] [--work DIR] [--host-buffers register|alloc] --json bench/results/checkpoint_h200.json
+    python bench/checkpoint.py --engine megatron --modes async --plugins te --numerics bf16-moments --set te.fp8=off \
+        --set train.recompute=mamba [--steps 4 --every 4 --mbs 2] --json bench/results/checkpoint_megatron_h200.json
 
 The async saver builds its host buffers on a background thread from the first step on; a save that comes before
 the build ends waits for it (in its stall). The bench prints the build's line: its time, the first save's wait,
@@ -17,7 +21,10 @@ checkpoint), with the load time it notes. Prints one table; the run folders are 
 Disk: a full NAM56R checkpoint at ``--numerics bf16`` (the default here) is 27 GB and one is kept
 (``train.keep_checkpoints=1``), so a save in progress needs two of them, ~55 GB, under ``--work``; at the
 recipe's fp32-master numerics one is 4.73e9 x (2 + 4 + 8) bytes = 66 GB, more than the 64 GiB disk of our GPU
-host, so the host measures bf16 (the numerics of the ~90 s stall the synchronous writer was measured at).
+host, so the host measures bf16 (the numerics of the ~90 s stall the synchronous writer was measured at). The
+megatron engine refuses bf16 numerics; its smallest checkpoint is ``bf16-moments`` (fp32 masters, bf16 moments,
+which it runs through Transformer Engine's FusedAdam: ``--plugins te``): 4.73e9 x (2 + 4 + 4) bytes = 47 GB, one
+save only (a second would need two on the disk).
 """
 
 from __future__ import annotations
@@ -55,9 +62,11 @@ def _nam(*args: str, host_buffers: str | None = None) -> list[str]:
 def _train(run_dir: Path, args, steps: int, mode: str, *extra: str) -> subprocess.Popen:
     sets = [f"train.checkpoint_every={args.every}", f"train.micro_batch_size={args.mbs}",
             f"train.async_checkpoints={'true' if mode == 'async' else 'false'}", "train.keep_checkpoints=1",
-            f"train.optimizer_numerics={args.numerics}"]
-    return subprocess.Popen(_nam("train", "--recipe", "nam56r", "--max-steps", str(steps), "--run-dir", str(run_dir),
-                                 "-q", *(a for s in sets for a in ("--set", s)), *extra,
+            f"train.optimizer_numerics={args.numerics}", *args.set]
+    engine = ["--engine", "megatron", "--nproc", "1"] if args.engine == "megatron" else []
+    plugins = ["--plugins", args.plugins] if args.plugins else []
+    return subprocess.Popen(_nam("train", "--recipe", "nam56r", *engine, *plugins, "--max-steps", str(steps),
+                                 "--run-dir", str(run_dir), "-q", *(a for s in sets for a in ("--set", s)), *extra,
                                  host_buffers=args.host_buffers))
 
 
@@ -120,6 +129,9 @@ def _f(x: float | None, digits: int = 1) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=["local", "megatron"], default="local")
+    ap.add_argument("--plugins", default="", help="nam train --plugins (e.g. te, which megatron's bf16-moments needs)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more nam train --set")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--mbs", type=int, default=2)
@@ -132,8 +144,12 @@ def main() -> int:
                     help="how the async saver page-locks its host buffers (async_checkpoint.HOST_BUFFERS; "
                          "default: nam's)")
     args = ap.parse_args()
+    if args.engine == "megatron" and (args.modes != ["async"] or args.host_buffers):
+        ap.error("--engine megatron measures its async save only (--modes async) and takes no --host-buffers: "
+                 "Megatron copies the shards into torch's page-locked host allocator")
     work = Path(tempfile.mkdtemp(prefix="nam-checkpoint-", dir=args.work))
     rows = [measure(mode, args, work) for mode in args.modes]
+    print(f"\n{args.engine} engine, MBS {args.mbs}, {args.numerics}, a save every {args.every} of {args.steps} steps")
     print("\n| checkpoints | stall per save s | background write s | median step s | resume to first step s "
           "| of which load s | first step after resume s |")
     print("|---|---|---|---|---|---|---|")
@@ -150,7 +166,8 @@ def main() -> int:
                   f"build took {during} s (median step {_f(r['median_step_s'], 2)} s)")
     if args.json:
         args.json.write_text(json.dumps({"meta": {"date": datetime.date.today().isoformat(), "steps": args.steps,
-                                                  "every": args.every, "mbs": args.mbs,
+                                                  "every": args.every, "mbs": args.mbs, "engine": args.engine,
+                                                  "plugins": args.plugins, "sets": args.set,
                                                   "numerics": args.numerics,
                                                   "host_buffers": args.host_buffers}, "rows": rows}, indent=2))
         print(f"\nwrote {args.json}")

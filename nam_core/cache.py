@@ -2,12 +2,14 @@
 
 Everything nam keeps between runs on a machine lives under one folder: ``$NAM_CACHE_DIR``, else
 ``~/.cache/nam``. That holds the prepared default corpus and the compile caches of the kernel libraries the
-plugins build with (TileLang and Triton), so moving or wiping nam's cache is one folder, and a second run on
-the same machine reads its kernels from disk instead of rebuilding them (minutes for mamba-ssm's MIMO kernels).
+plugins and nam's compiled regions build with (TileLang, Triton, torch.compile's inductor), so moving or wiping
+nam's cache is one folder, copying it to a fresh host takes every build along, and a second run on the same
+machine reads its kernels from disk instead of rebuilding them (minutes for mamba-ssm's MIMO kernels).
 
-A compile cache the user has pointed elsewhere (``TILELANG_CACHE_DIR``, ``TRITON_CACHE_DIR`` already set) is
-left where it is. TileLang reads its variable when it is imported, so ``use_kernel_caches()`` runs before any
-plugin imports a kernel library (the plugins' ``upstream`` loaders call it first).
+A compile cache the user has pointed elsewhere (``TILELANG_CACHE_DIR``, ``TRITON_CACHE_DIR``,
+``TORCHINDUCTOR_CACHE_DIR`` already set) is left where it is. TileLang reads its variable when it is imported, so
+``use_kernel_caches()`` runs before any plugin is loaded (``PluginHost.evaluate``; the mamba-ssm plugin's
+``upstream`` loader calls it too, for code that imports it without a host).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-KERNEL_CACHES = {"TILELANG_CACHE_DIR": "tilelang", "TRITON_CACHE_DIR": "triton"}
+KERNEL_CACHES = {"TILELANG_CACHE_DIR": "tilelang", "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 """Environment variable of each kernel compiler's disk cache -> its folder under nam's cache."""
 
 

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import pluggy
 
 from nam_core import checks, hookspecs
+from nam_core.cache import use_kernel_caches
 from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError
 from nam_core.kinds import RENAMED, Kind, installed_kinds, provider_hookspecs
@@ -126,6 +127,7 @@ class PluginHost:
             raise TypeError(f"PluginHost.evaluate: config must be a nam_core.run.RunSpec (the composition root "
                             f"builds one: nam56r.run.resolve), found {type(config).__name__}")
         ev = Evaluation(requested=list(dict.fromkeys(names)), device=device)
+        use_kernel_caches()  # before a plugin imports a kernel compiler: its disk cache is then nam's folder
         for name in ev.requested:
             module = self._load_checked(name, ev)
             if module is not None:

@@ -268,3 +268,28 @@ def test_declared_patches_of_an_unknown_plugin_lists_the_installed_ones(host):
     with pytest.raises(PluginActivationError) as e:
         host().declared_patches("nope")
     assert "installed" in e.value.message and "patched" in e.value.message
+
+
+def test_evaluate_points_the_kernel_caches_at_nams_folder_before_a_plugin_loads(host, monkeypatch, tmp_path):
+    """Every compiler cache a user left unset lands under ``$NAM_CACHE_DIR`` before the first plugin module is
+    imported (TileLang reads its variable at import); one the user set stays where it is."""
+    import os
+
+    from nam_core.cache import KERNEL_CACHES
+
+    monkeypatch.setenv("NAM_CACHE_DIR", str(tmp_path / "nam"))
+    for var in KERNEL_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    h, seen = host(), {}
+    real = h._load_checked
+
+    def load(name, ev):
+        seen.update({var: os.environ.get(var) for var in KERNEL_CACHES})
+        return real(name, ev)
+
+    monkeypatch.setattr(h, "_load_checked", load)
+    assert h.evaluate(["good"], CPU).ok
+    assert seen == {"TILELANG_CACHE_DIR": str(tmp_path / "nam" / "tilelang"),
+                    "TRITON_CACHE_DIR": str(tmp_path / "mine"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "nam" / "inductor")}

@@ -215,9 +215,11 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         model.broadcast_params()
     opt = optimizer.build_optimizer(models, tc, config)
     optimizer.wire(config, models, opt, schedule)
-    start = 0
+    start, loading = 0, 0.0
     if run.resume_from is not None:
+        loading = time.perf_counter()
         start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
+        loading = time.perf_counter() - loading
     elif run.optimizer_from is not None:
         start = optimizer.fill_state(opt, models, lambda chunk, tensors: provider.rank_tensors(chunk, tensors, pg),
                                      run.optimizer_from)
@@ -226,7 +228,8 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         folder = run.folder
         cut = folder.truncate_metrics(start) if run.resume_from is not None else []
         log = folder.metrics_log(start_step=start, total_steps=run.max_steps, quiet=run.quiet)
-        resumed = [f"resumed from {run.resume_from} at step {start}"] if run.resume_from is not None else []
+        resumed = ([f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s)"]
+                   if run.resume_from is not None else [])
         lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
         for line in [*resumed, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config), optimizer.describe(tc)]:
             log.note(line)

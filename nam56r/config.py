@@ -104,13 +104,13 @@ class NAM56RConfig:
     the backward sums three input gradients instead of concatenating one. Same parameter, same checkpoints.
     Refused when a plugin swapped in_proj (float8, te). Off until measured on the full model."""
     compile_glue: bool = False
-    """True: the memory-bound steps between kernels that bench/results/glue.md ranks run as compiled regions
-    (``torch.compile``, inductor: nam56r/regions.py): the grouped-moe experts' per-token row sums (the combine's
-    forward, the dispatch's backward) and gated SwiGLU (``nam56r.experts.COMPILED_ROWS``), and the mamba-ssm MIMO
-    backward's per-group sums of dQ and dK (``nam_plugin_mamba_ssm.mimo.reduce_groups``; the option
-    ``mamba-ssm.group_sums``, when set, chooses there instead). Off until measured on
-    the full model (``bench/glue.py`` times each region; ``bench/megatron.py throughput --train-set
-    compile_glue=true`` the step). No fall-back: without inductor on the device, one ``CannotRunHere``."""
+    """True: the memory-bound steps between kernels that run faster as compiled regions (``torch.compile``,
+    inductor: nam56r/regions.py) do: the grouped-moe experts' per-token row sums, the combine's forward and the
+    dispatch's backward (``nam56r.experts.COMPILED_ROWS``; 2.27x eager on an H200 at MBS 4). The other regions
+    bench/results/glue.md ranks measured slower compiled (gated SwiGLU 0.47x, the MIMO backward's group sums
+    0.50x: ``mamba-ssm.group_sums=compiled`` still asks for those) and stay eager. Off until measured on the full
+    model (``bench/glue.py`` times each region; ``bench/megatron.py throughput --train-set compile_glue=true`` the
+    step). No fall-back: without inductor on the device, one ``CannotRunHere``."""
 
     # --- MoE --------------------------------------------------------------------------------------
     num_experts: int = bounded(16, ge=1, aka=("experts", "n_experts", "n_routed_experts", "num_moe_experts"))

@@ -92,7 +92,11 @@ class RowOps:
 
 
 EAGER_ROWS = RowOps(gather_sum, gated_swiglu)
-COMPILED_ROWS = RowOps(Region(gather_sum, "compile_glue"), Region(gated_swiglu, "compile_glue"))
+COMPILED_ROWS = RowOps(Region(gather_sum, "compile_glue"), gated_swiglu)
+"""The rows under ``compile_glue``: only the gather-sum is compiled. One H200, MBS 4 shapes (bench/glue.py,
+bench/results/glue.md): the compiled gather-sum 2.27x eager (+14 ms a step), a compiled gated SwiGLU 0.47x (its
+forward and backward as one region were slower than torch's three fused elementwise kernels), so SwiGLU stays
+eager."""
 
 
 def row_ops(compiled: bool) -> RowOps:

@@ -60,7 +60,7 @@ def test_gated_swiglu_compiled_equals_eager_forward_and_backward(dtype):
         y.backward(dy)
         return y.detach(), hh.grad, gg.grad
 
-    for got, want in zip(run(COMPILED_ROWS.gated_swiglu), run(gated_swiglu), strict=True):
+    for got, want in zip(run(Region(gated_swiglu, "compile_glue")), run(gated_swiglu), strict=True):
         assert_near(got, want, seed)
 
 
@@ -97,3 +97,4 @@ def test_the_eager_rows_are_the_plain_functions():
     """compile_glue off runs exactly the functions above, no compile."""
     assert EAGER_ROWS.gather_sum is gather_sum and EAGER_ROWS.gated_swiglu is gated_swiglu
     assert isinstance(COMPILED_ROWS.gather_sum, Region) and COMPILED_ROWS.gather_sum.fn is gather_sum
+    assert COMPILED_ROWS.gated_swiglu is gated_swiglu  # compiled it measured 0.47x of eager (glue.md)

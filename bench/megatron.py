@@ -757,7 +757,10 @@ def throughput(args) -> int:
                      "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
                      "tflops_per_gpu_at_31.2": tokens * PUBLISHED_FLOP_PER_TOKEN / 1e12,
-                     "peak_gib": max(m["mem_gib"] for m in metrics), "first_step_s": logged[0]["step_time_s"]})
+                     "peak_gib": max(m["mem_gib"] for m in metrics), "first_step_s": logged[0]["step_time_s"],
+                     # every step's loss: rows of one run share seed and data, so two rows that differ only in a
+                     # fused kernel (te.moe_fusion, compile_glue) compare their losses step by step
+                     "losses": [m.get("loss") for m in logged]})
         rows[-1]["recompute_ms_per_step"] = recompute_cost(rows)
         shutil.rmtree(work / name, ignore_errors=True)
         r = rows[-1]

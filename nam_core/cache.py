@@ -19,6 +19,13 @@ from pathlib import Path
 
 KERNEL_CACHES = {"TILELANG_CACHE_DIR": "tilelang", "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 """Environment variable of each kernel compiler's disk cache -> its folder under nam's cache."""
+CACHE_SWITCHES = {"TRITON_CACHE_AUTOTUNING": "1"}
+"""Caching a compiler leaves off by default, switched on unless the user set the variable: Triton's autotuner
+keeps each choice in Triton's cache (keyed by Triton, the GPU target, the kernel's source, the configs and the
+tuning key), so a second process on the host launches an autotuned kernel without timing every config again
+(mamba-ssm's angle/dt kernels spent ~5 s of a warm start's launch check timing theirs; H200, 2026-11-28). A choice
+is a speed, not a result: every config computes the same values. Triton reads it when a kernel is decorated, so
+this too must be set before the plugins import their kernels."""
 
 
 def cache_dir() -> Path:
@@ -27,9 +34,11 @@ def cache_dir() -> Path:
 
 
 def use_kernel_caches() -> dict[str, str]:
-    """Point every kernel compiler cache the user has not placed at its folder under ``cache_dir()``; returns
-    where each one is now. Idempotent; creates no folder (the compilers do, on their first write)."""
+    """Point every kernel compiler cache the user has not placed at its folder under ``cache_dir()`` and switch
+    on ``CACHE_SWITCHES`` the user has not set; returns where each cache is now. Idempotent; creates no folder (the compilers do, on their first write)."""
     for var, sub in KERNEL_CACHES.items():
         if not os.environ.get(var):
             os.environ[var] = str(cache_dir() / sub)
+    for var, value in CACHE_SWITCHES.items():
+        os.environ.setdefault(var, value)
     return {var: os.environ[var] for var in KERNEL_CACHES}

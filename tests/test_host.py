@@ -278,18 +278,18 @@ def test_evaluate_points_the_kernel_caches_at_nams_folder_before_a_plugin_loads(
     from nam_core.cache import KERNEL_CACHES
 
     monkeypatch.setenv("NAM_CACHE_DIR", str(tmp_path / "nam"))
-    for var in KERNEL_CACHES:
+    for var in (*KERNEL_CACHES, "TRITON_CACHE_AUTOTUNING"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     h, seen = host(), {}
     real = h._load_checked
 
     def load(name, ev):
-        seen.update({var: os.environ.get(var) for var in KERNEL_CACHES})
+        seen.update({var: os.environ.get(var) for var in (*KERNEL_CACHES, "TRITON_CACHE_AUTOTUNING")})
         return real(name, ev)
 
     monkeypatch.setattr(h, "_load_checked", load)
     assert h.evaluate(["good"], CPU).ok
     assert seen == {"TILELANG_CACHE_DIR": str(tmp_path / "nam" / "tilelang"),
                     "TRITON_CACHE_DIR": str(tmp_path / "mine"),
-                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "nam" / "inductor")}
+                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "nam" / "inductor"), "TRITON_CACHE_AUTOTUNING": "1"}

@@ -63,8 +63,8 @@ def compare(scan, b: int, l: int, h: int, g: int, n: int, p: int, r: int, *, chu
 
     seed = new_seed() if seed is None else seed
     x = random_inputs(b, l, h, g, n, p, r, device=device, seed=seed, dtype=dtype)
-    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    dout = torch.randn(b, l, h, p, generator=gen).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    dout = torch.randn(b, l, h, p, generator=gen, device=device)
 
     def call(fn):
         return lambda **a: fn(*(a[k] for k in INPUT_NAMES), chunk_size=chunk_size)

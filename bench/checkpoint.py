@@ -113,12 +113,12 @@ def measure(mode: str, args, work: Path) -> dict:
         buffers["steps_during_build_s"] = during
     resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")
     to_first, record = _first_record_after(run_dir, args.steps, resume)
-    if resume.wait():
-        raise SystemExit(f"error: the resume ({mode}) exited with {resume.returncode}; its log: {run_dir / 'run.log'}")
+    failed = (f"the resume exited with {resume.returncode}; its log: {run_dir / 'run.log'} (kept)"
+              if resume.wait() else None)  # the saves' row is still printed; main exits 1
     loaded = RESUMED.findall((run_dir / "run.log").read_text())
-    if not args.keep:
+    if not args.keep and not failed:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"mode": mode, "saves": saves, "host_buffers": buffers, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
+    return {"mode": mode, "resume_failed": failed, "saves": saves, "host_buffers": buffers, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
             "resume_to_first_step_s": to_first, "resume_first_step_s": record and record["step_time_s"],
             "resume_load_s": float(loaded[-1][1]) if loaded else None}
 
@@ -171,6 +171,10 @@ def main() -> int:
                                                   "numerics": args.numerics,
                                                   "host_buffers": args.host_buffers}, "rows": rows}, indent=2))
         print(f"\nwrote {args.json}")
+    failed = [f"error: {r['mode']}: {r['resume_failed']}" for r in rows if r["resume_failed"]]
+    if failed:
+        print("\n" + "\n".join(failed))
+        return 1
     shutil.rmtree(work, ignore_errors=True) if not args.keep else None
     return 0
 

@@ -40,8 +40,9 @@ def test_module_imports_without_megatron():
 
 def test_allocator_is_set_when_unset():
     env = {}
-    assert engine.prepare_allocator(env, cuda_initialized=False) == "expandable_segments:True"
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    want = "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    assert engine.prepare_allocator(env, cuda_initialized=False) == want
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": want}
 
 
 def test_allocator_keeps_a_setting_that_includes_expandable_segments():

@@ -20,14 +20,21 @@ MIN_MEGATRON = (0, 19)
 
 ALLOC_CONF = "expandable_segments:True"
 """NAM56R runs out of memory from fragmentation before capacity (issue 8): the allocator must grow segments."""
+PINNED_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+"""How torch's page-locked host allocator gets its memory when nam sets the variable: malloc'd pages faulted in
+by 8 threads, then registered with CUDA, in place of one ``cudaHostAlloc`` per block (~1.6 GB/s on our H200 host:
+18.1 s for the local engine's 28.4 GB of checkpoint buffers). Megatron's async save copies every shard to the
+host through that allocator, and a process's first save allocates all of it: 41.2 s of training stalled for a
+53 GB checkpoint of full NAM56R (one H200, 2026-11-28, ``bench/checkpoint.py --engine megatron``). Not required:
+an environment that sets the variable without it runs, with the slower first save."""
 ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """torch reads both names (the second is the newer, device-neutral one); either may override the other."""
 
 def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bool) -> str:
     """Make sure the CUDA caching allocator runs with expandable segments; return the setting in force.
 
-    Sets ``PYTORCH_CUDA_ALLOC_CONF`` when neither allocator variable is set and CUDA has not initialised
-    yet (the allocator reads it once, at initialisation). Raises when the environment sets either variable
+    Sets ``PYTORCH_CUDA_ALLOC_CONF`` (``ALLOC_CONF`` and ``PINNED_CONF``) when neither allocator variable is set
+    and CUDA has not initialised yet (the allocator reads it once, at initialisation). Raises when the environment sets either variable
     without ``expandable_segments:True``, or when it is unset and CUDA is already up.
     """
     found = {name: environ[name] for name in ALLOC_VARS if name in environ}
@@ -49,8 +56,8 @@ def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bo
             "the allocator reads it only once, at initialisation",
             hint=f"export PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} before torchrun, or call prepare_allocator "
                  "before anything touches CUDA")
-    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
-    return ALLOC_CONF
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{ALLOC_CONF},{PINNED_CONF}"
+    return environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 def megatron_version() -> tuple[int, ...] | None:

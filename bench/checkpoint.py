@@ -111,10 +111,12 @@ def measure(mode: str, args, work: Path) -> dict:
             during.append(t)
             left -= t
         buffers["steps_during_build_s"] = during
-    resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")
-    to_first, record = _first_record_after(run_dir, args.steps, resume)
-    failed = (f"the resume exited with {resume.returncode}; its log: {run_dir / 'run.log'} (kept)"
-              if resume.wait() else None)  # the saves' row is still printed; main exits 1
+    to_first = record = failed = None
+    if not args.no_resume:
+        resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")
+        to_first, record = _first_record_after(run_dir, args.steps, resume)
+        failed = (f"the resume exited with {resume.returncode}; its log: {run_dir / 'run.log'} (kept)"
+                  if resume.wait() else None)  # the saves' row is still printed; main exits 1
     loaded = RESUMED.findall((run_dir / "run.log").read_text())
     if not args.keep and not failed:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -139,6 +141,7 @@ def main() -> int:
     ap.add_argument("--numerics", default="bf16", help="train.optimizer_numerics (see the disk note above)")
     ap.add_argument("--work", type=Path, default=None, help="where the run folders go (default: the temp dir)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--no-resume", action="store_true", help="measure the saves only (the resume's columns: -)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--host-buffers", choices=["register", "alloc"], default=None,
                     help="how the async saver page-locks its host buffers (async_checkpoint.HOST_BUFFERS; "

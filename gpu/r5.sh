@@ -13,13 +13,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BUDGET=${BUDGET:-560} STEP_MIN=20 STEP_EXT=.log SUMMARY=summary.txt
 R=/tmp/r5 && mkdir -p $R
 TRAIN=(--recipe nam56r --set train.micro_batch_size=4 --set train.recompute=mamba-scan --set train.checkpoint_every=0)
-show() { python -c 'import json,sys; s=json.load(open(sys.argv[1])); print({k: s.get(k) for k in ("launch_to_first_step_s", "startup_s", "self_tests_s", "first_step_s", "step_tokens_per_s")})' "$1" | tee -a "$OUT/$SUMMARY"; }
 step 100 W1 nam train "${TRAIN[@]}" --max-steps 2 --run-dir $R/w1 --json
-show $R/w1/summary.json
+startup $R/w1
 step 80 W2 nam train "${TRAIN[@]}" --max-steps 2 --run-dir $R/w2 --json
-show $R/w2/summary.json
+startup $R/w2
 step 90 WP python -m cProfile -o "$OUT/wp.prof" -m nam_cli train "${TRAIN[@]}" --max-steps 1 --run-dir $R/wp --json
-show $R/wp/summary.json
+startup $R/wp
 python -c 'import pstats,sys; p=pstats.Stats(sys.argv[1]); p.sort_stats("cumulative").print_stats(120); p.sort_stats("tottime").print_stats(40)' "$OUT/wp.prof" > "$OUT/WP.txt" 2>&1
 du -sh .kcache/nam/* | tee -a "$OUT/$SUMMARY"
 step 250 CP env NAM_CACHE_DIR=/tmp/cold-cache nam preflight --recipe nam56r --json

@@ -15,11 +15,10 @@ step 30 AC env PYTORCH_CUDA_ALLOC_CONF="$(python -c 'from nam_core.engine.megatr
   python -c 'import os, time, torch; x = torch.empty(1, device="cuda"); t = time.perf_counter(); y = torch.empty(2**31, dtype=torch.uint8, pin_memory=True); print(os.environ["PYTORCH_CUDA_ALLOC_CONF"], "pinned 2 GiB in", round(time.perf_counter() - t, 2), "s", y.is_pinned())'
 cat "$OUT/AC.log" | tail -n 3 | tee -a "$OUT/$SUMMARY"
 TRAIN=(--recipe nam56r --set train.micro_batch_size=4 --set train.recompute=mamba-scan --set train.checkpoint_every=0)
-show() { python -c 'import json,sys; s=json.load(open(sys.argv[1])); print({k: s.get(k) for k in ("launch_to_first_step_s", "startup_s", "self_tests_s", "first_step_s", "step_tokens_per_s")})' "$1" | tee -a "$OUT/$SUMMARY"; }
 step 90 W3a nam train "${TRAIN[@]}" --max-steps 2 --run-dir $R/w3a --json
-show $R/w3a/summary.json
+startup $R/w3a
 step 80 W3b nam train "${TRAIN[@]}" --max-steps 2 --run-dir $R/w3b --json
-show $R/w3b/summary.json
+startup $R/w3b
 B=(python bench/megatron.py throughput --gpus 1 --engines local --mbs 4 --te none --recompute mamba-scan --warmup 1 --iters 3)
 step 110 GB "${B[@]}" --json "$OUT/local_mbs4.json"
 step 110 GG "${B[@]}" --train-set compile_glue=true --json "$OUT/local_mbs4_compile_glue.json"

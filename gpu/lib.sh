@@ -33,5 +33,5 @@ step() {  # step SECONDS_WANTED NAME CMD...: CMD under `limit SECONDS_WANTED`, i
 
 startup() {  # startup RUN_DIR: a run's launch-to-first-step breakdown (summary.json), on stdout and in $OUT/$SUMMARY
   python -c 'import json,sys; s=json.load(open(sys.argv[1])); print({k: s.get(k) for k in ("launch_to_first_step_s", "startup_s", "self_tests_s", "first_step_s", "step_tokens_per_s")})' \
-    "$1/summary.json" | tee -a "$OUT/${SUMMARY:-/dev/null}"
+    "$1/summary.json" | if [[ -n ${SUMMARY:-} ]]; then tee -a "$OUT/$SUMMARY"; else cat; fi
 }

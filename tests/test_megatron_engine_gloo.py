@@ -461,30 +461,3 @@ def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):
     on_thread, _ = megatron_checkpoint.model_tensors(tmp_path / "sync" / "checkpoints" / "step-00000004")
     assert background.keys() == on_thread.keys() and len(background) > 5
     assert all(torch.equal(background[k], on_thread[k]) for k in background)
-
-
-def test_conversion_both_ways_when_megatrons_adam_keeps_its_step_per_group(tmp_path, local):
-    """On our GPU host Megatron's inner optimizer is Transformer Engine's FusedAdam, which keeps AdamW's step once
-    per parameter group and makes its moments at the first update (tests/megatron_gloo/group_step_adam.py's
-    stand-in here: TE does not install on the CPU). With it, at EP 2: the megatron run trains as the local one
-    (within the floor); its step-2 checkpoint, exported with its optimizer (the map reads the step from the
-    groups), continues on the local engine through steps 3 and 4 as the megatron run went on; and a local run's
-    step-2 export continues on the megatron engine (moments filled into the state Megatron's ``init_state_fn``
-    makes, the groups' step set) as the local run went on. Before the change: the export refused ("step counts
-    differ between parameters ([])") and so did --init-from ("built for torch's AdamW, this run's is FusedAdam"),
-    both on an H200."""
-    from nam_cli.main import run
-
-    fused = _run(tmp_path, "fused", "megatron", "--ep", "2", "--group-step-adam", nproc=2)
-    _assert_close(fused, *local[4])
-    checkpoint = tmp_path / "fused" / "checkpoints" / "step-00000002"
-    assert json.loads((checkpoint / "optimizer-map" / "rank-00000.json").read_text())["steps"] == [2.0]
-    _assert_continues(_continued(tmp_path / "to-local", checkpoint, 4), fused)
-
-    original = _run(tmp_path, "local", "local", "--grad-accum", "4", "--set=train.checkpoint_every=2")
-    out = tmp_path / "export"
-    assert run(["export", str(tmp_path / "local" / "checkpoints" / "step-00000002"), "--out", str(out),
-                "--tokenizer", "byte", "--with-optimizer"]) == 0
-    continued = _run(tmp_path, "to-megatron", "megatron", "--ep", "2", "--group-step-adam", "--init-from", str(out),
-                     nproc=2)
-    _assert_continues(continued, original)

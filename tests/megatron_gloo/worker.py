@@ -86,10 +86,6 @@ def megatron_run(args, recipe) -> None:
     registries; the lowering made from the registered schedule), the host's lifecycle hooks; the worker's own
     rows in place of the corpus."""
     _install_double()
-    if args.group_step_adam:
-        import group_step_adam  # this folder is on sys.path: the script runs from it
-
-        group_step_adam.install()
     from nam56r.run import RunRequest, build, resolve
     from nam_core.device import DeviceInfo
     from nam_core.engine.contract import engine_for
@@ -192,8 +188,6 @@ def main() -> None:
                     help="local runs: the index of step 1's first micro-batch (another run's later step)")
     ap.add_argument("--eval", action="store_true", help="megatron and local runs: evaluate (EVAL)")
     ap.add_argument("--set", action="append", default=[], help="megatron and local runs: one more override, KEY=VALUE")
-    ap.add_argument("--group-step-adam", action="store_true",
-                    help="megatron runs: Megatron's inner optimizer is group_step_adam.py's FusedAdam stand-in")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

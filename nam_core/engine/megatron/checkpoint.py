@@ -35,7 +35,6 @@ import torch
 
 from nam_core.engine import checkpoint as files
 from nam_core.engine.megatron.model import unwrap
-from nam_core.engine.megatron.optimizer import group_step_adam
 from nam_core.errors import NamError, RunFolderError
 
 CHECKPOINT_FORMAT = "megatron-dist-2"  # 2: RNG in rng/*.pt (tensors only), sha256 of every file (1: neither)
@@ -74,8 +73,7 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
     every parameter range this rank's optimizer owns, the flat bucket tensor it sits in (``bucket``: the key
     without ``.exp_avg``), where (``at``) and how long (``numel``), and the model tensor it belongs to (``param``:
     its checkpoint key, ``offset`` and ``prepend`` its place in the global tensor, ``shape`` this rank's local
-    shape, ``start`` the range's first element in it). ``step``: AdamW's step counts on this rank (per parameter
-    for torch's AdamW, per parameter group for Transformer Engine's FusedAdam: ``optimizer.group_step_adam``). A range whose
+    shape, ``start`` the range's first element in it). ``step``: AdamW's step counts on this rank. A range whose
     shards the sharded state does not hold as tensors (Transformer Engine's fused optimizer keeps its own) makes
     the map ``{"complete": false, "why": ...}``, which the export reports."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -101,12 +99,8 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
             if held is None or owner is None or (not factory and tuple(owner.local_shape) != tuple(param.shape)):
                 why = f"a parameter of shape {tuple(param.shape)} has no plain sharded tensor in the checkpoint"
                 continue
-            if "step" in states:  # torch's AdamW: one per parameter
+            if "step" in states:
                 steps.add(float(states["step"]))
-            elif group_step_adam(inner.optimizer):  # Transformer Engine's FusedAdam: one per parameter group
-                group = inner.optimizer.param_groups[inner.model_param_group_index_map[param][0]]
-                if "step" in group:
-                    steps.add(float(group["step"]))
             entries.append({"bucket": held.key.rpartition(".")[0], "at": int(held.global_offset[0]),
                             "numel": int(span.end - span.start), "param": owner.key, "start": int(span.start),
                             "shape": list(param.shape),

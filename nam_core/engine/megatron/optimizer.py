@@ -26,25 +26,6 @@ FUSED_FP32_MASTER = {"use_precision_aware_optimizer": True, "main_params_dtype":
                      "exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32", "store_param_remainders": True}
 """``train.fused_master_weights`` with ``fp32-master``: the same fp32 masters and moments, kept and updated by
 Transformer Engine's FusedAdam (Megatron's precision-aware optimizer) instead of Megatron's own fp32 copies."""
-GROUP_STEP_ADAMS = {"transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"}
-"""Inner optimizers (module and class name) that keep AdamW's ``step`` once per parameter group, an int, and
-create ``exp_avg``/``exp_avg_sq`` at their first step, where torch's AdamW keeps a ``step`` per parameter:
-Transformer Engine's FusedAdam, which Megatron builds in place of torch's AdamW whenever TE imports (every run on
-our GPU host)."""
-
-
-def group_step_adam(inner) -> bool:
-    """``inner`` (a Megatron optimizer's ``.optimizer``) keeps its step per parameter group (``GROUP_STEP_ADAMS``)."""
-    return f"{type(inner).__module__}.{type(inner).__qualname__}" in GROUP_STEP_ADAMS
-
-
-def set_group_steps(inner, step: int) -> None:
-    """Every parameter group of a ``group_step_adam`` optimizer at AdamW step ``step`` (its bias corrections read
-    it at the next update)."""
-    for group in inner.param_groups:
-        group["step"] = int(step)
-
-
 NUMERICS_REFUSED = {
     "stochastic-rounding": "Megatron-Core 0.19's optimizers update fp32 main params (fp16 ones with the "
                            "precision-aware optimizer) and copy them into the bf16 model; none updates bf16 "
@@ -142,34 +123,17 @@ def fill_state(opt, models: list, rank_tensors, exported) -> int:
     a bf16 model) into its shards, one parameter's tensors at a time (``exported.state`` reads them when asked);
     every ``step`` becomes the export's. ``rank_tensors(chunk, tensors)`` renames and slices tensors keyed by the
     model's parameter names for one unwrapped chunk of this rank (its stage, its experts). Returns the step the
-    run goes on at. Built for torch's AdamW (Megatron without Transformer Engine or Apex: a step per parameter)
-    and Transformer Engine's FusedAdam (``group_step_adam``: a step per group, the state made by Megatron's
-    ``init_state_fn``) holding Megatron's own fp32 main params; another inner optimizer is refused, and so is
-    Megatron's precision-aware optimizer (its state lives scaled inside FusedAdam), and a range the export has no
-    state for."""
+    run goes on at. Built for torch's AdamW (Megatron without Transformer Engine or Apex, the patch lane's case);
+    another inner optimizer is refused, and so is a range the export has no state for."""
     from nam_core.engine.megatron import patches
     from nam_core.engine.megatron.model import unwrap
 
     inners = getattr(opt, "chained_optimizers", [opt])
-    torch_adams = patches._inner_adams(opt)
-    others = [o for o in inners if o.optimizer not in torch_adams and not group_step_adam(o.optimizer)]
-    if others:
+    if len(patches._inner_adams(opt)) != len(inners):
         raise ConfigError("--init-from an export with optimizer state: filling Megatron's optimizer is built for "
-                          "torch's AdamW and Transformer Engine's FusedAdam, this run's is "
-                          + ", ".join(type(o.optimizer).__name__ for o in others),
+                          "torch's AdamW, this run's is " + ", ".join(type(o.optimizer).__name__ for o in inners),
                           hint="start from the weights alone (an export without --with-optimizer)")
-    if any(getattr(o.config, "use_precision_aware_optimizer", False) for o in inners):
-        raise ConfigError("--init-from an export with optimizer state into Megatron's precision-aware optimizer "
-                          "(train.optimizer_numerics=bf16-moments or train.fused_master_weights): Transformer "
-                          "Engine's FusedAdam keeps that state scaled, as bf16 or as remainders, which filling does "
-                          "not write",
-                          hint="continue at --set train.optimizer_numerics=fp32-master --set "
-                               "train.fused_master_weights=false, or start from the weights alone (an export "
-                               "without --with-optimizer)")
-    patches.materialise_adam_state(opt)  # torch's AdamW: its state, with a step, after one step at lr 0
-    for inner in inners:
-        if group_step_adam(inner.optimizer):  # FusedAdam: exp_avg and exp_avg_sq made as Megatron makes them
-            inner.init_state_fn(inner.optimizer, inner.config)
+    patches.materialise_adam_state(opt)
     for chunk in models:
         module = unwrap(chunk)
         owned = {}  # Megatron name -> (its distributed optimizer, the parameter): the ranges this rank updates
@@ -195,7 +159,4 @@ def fill_state(opt, models: list, rank_tensors, exported) -> int:
             raise ConfigError(f"--init-from: the export's optimizer state has nothing for Megatron's {missing[:4]}",
                               hint="start from the weights alone (an export without --with-optimizer)")
     patches.own_adam_steps(opt, exported.step)
-    for inner in inners:
-        if group_step_adam(inner.optimizer):
-            set_group_steps(inner.optimizer, exported.step)
     return exported.step

@@ -116,3 +116,23 @@ def test_precision_aware_and_unknown_inner_optimizers_are_refused_before_anythin
     with pytest.raises(ConfigError) as e:
         megatron_optimizer.fill_state(_holder(torch.optim.SGD([p], lr=0.1)), [], None, None)
     assert "this run's is SGD" in str(e.value)
+
+
+def test_the_map_of_a_precision_aware_optimizer_says_why_it_cannot_be_read(tmp_path, te_host):
+    """Megatron's precision-aware optimizer (FusedAdam holding the masters as remainders): the rank's optimizer map
+    is written incomplete, with the reason and a hint the export shows, so ``nam export --with-optimizer`` refuses
+    it instead of exporting 16-bit remainders as masters."""
+    import json
+
+    from nam_core.engine.megatron import checkpoint
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    holder = _holder(stand_in.FusedAdam([p]), precision_aware=True)
+    holder.model_param_group_index_map = {p: (0, 0)}
+    tmp = tmp_path / ".step-00000002.tmp"
+    tmp.mkdir()
+    checkpoint._write_optimizer_map(tmp, {"model": {}, "optimizer": {}}, holder, 0)
+    body = json.loads((tmp / checkpoint.OPTIMIZER_MAP / "rank-00000.json").read_text())
+    assert body["complete"] is False and body["entries"] == []
+    assert "precision-aware optimizer" in body["why"]
+    assert f"nam export {tmp_path}/step-00000002 --out DIR" in body["hint"]

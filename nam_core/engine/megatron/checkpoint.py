@@ -92,7 +92,7 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
     entries, steps, why, hint = [], set(), None, None
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(getattr(inner, "config", None), "use_precision_aware_optimizer", False):
-            why = precision_aware_refusal("its optimizer state")
+            why = precision_aware_refusal()
             hint = (f"export its weights alone (nam export {tmp.parent}/{tmp.name.lstrip('.').removesuffix('.tmp')} "
                     "--out DIR), or train with --set train.fused_master_weights=false --set "
                     "train.optimizer_numerics=fp32-master to carry the optimizer")
@@ -460,9 +460,10 @@ def optimizer_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]],
              f"alone: nam export {folder} --out DIR")
     if len(maps) != world or not all(m["complete"] for m in maps):
         found = next((m["why"] for m in maps if not m["complete"]), f"{len(maps)} of {world} ranks' maps")
+        hint = next((m["hint"] for m in maps if m.get("hint")), None)
+        older = "" if hint else "; checkpoints saved by an earlier nam have none"
         raise RunFolderError(f"{folder}: its optimizer state cannot be read per parameter ({found} in "
-                             f"{OPTIMIZER_MAP}/; checkpoints saved by an earlier nam have none)",
-                             hint=next((m["hint"] for m in maps if m.get("hint")), again))
+                             f"{OPTIMIZER_MAP}/{older})", hint=hint or again)
     steps = {s for m in maps for s in m["steps"]}
     if len(steps) != 1:
         raise RunFolderError(f"{folder}: Adam's step counts differ between parameters or groups, or none was "

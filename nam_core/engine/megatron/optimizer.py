@@ -152,9 +152,9 @@ def set_group_steps(inner, step: int) -> None:
             group["step"] = int(step)
 
 
-def precision_aware_refusal(what: str) -> str:
-    """Why ``what`` is refused for Megatron's precision-aware optimizer (one sentence, for errors and the map)."""
-    return (f"{what}: Megatron's precision-aware optimizer (train.fused_master_weights or "
+def precision_aware_refusal() -> str:
+    """Why nam does not carry the state of Megatron's precision-aware optimizer (for errors and the map)."""
+    return ("Megatron's precision-aware optimizer (train.fused_master_weights or "
             "train.optimizer_numerics=bf16-moments) keeps the fp32 masters inside Transformer Engine's FusedAdam as "
             "the bf16 weights plus 16-bit remainders, which nam does not read or write per parameter; nam carries "
             "FusedAdam's state on the fp32-master path (Megatron's own fp32 main params) only")
@@ -205,7 +205,7 @@ def fill_state(opt, models: list, rank_tensors, exported) -> int:
                           "Engine's FusedAdam inside Megatron's optimizer, this run's is " + ", ".join(unknown),
                           hint="start from the weights alone (an export without --with-optimizer)")
     if any(getattr(o.config, "use_precision_aware_optimizer", False) for o in inners):
-        raise ConfigError(precision_aware_refusal("--init-from an export with optimizer state"),
+        raise ConfigError("--init-from an export with optimizer state: " + precision_aware_refusal(),
                           hint="--set train.fused_master_weights=false --set train.optimizer_numerics=fp32-master, "
                                "or start from the weights alone (an export without --with-optimizer)")
     materialise_state(opt)

@@ -10,7 +10,8 @@ Runs where megatron-core >= 0.19 and psutil import: the GPU host, or this projec
     PYTHONPATH=/tmp/mcore:/tmp/pylibs python -m pytest tests/test_megatron_engine_gloo.py
 
 CI has 0.16.1 and skips with the reason. About nine minutes on 2 cores (three of them the recompute runs), and
-about four more for the engine changes through `nam export` (measured one test at a time).
+about four more for the engine changes through `nam export`, three and a half for FusedAdam's (the stand-in)
+state crossing both ways (measured one test at a time).
 
 What equal means here: two runs of the same math in different summation orders part slowly under Adam.
 Each comparison is bounded by the floor, the local engine against itself started from weights perturbed
@@ -439,6 +440,41 @@ def test_a_bf16_runs_export_with_masters_continues_bit_for_bit(tmp_path):
                      nproc=2)
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in continued] == \
            [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
+
+
+def test_fused_adams_state_crosses_both_ways(tmp_path):
+    """Transformer Engine's FusedAdam as Megatron's inner Adam (what Megatron builds on the GPU hosts; here
+    tests/megatron_gloo/fused_adam.py's stand-in, which keeps FusedAdam's layout: the step in each parameter group,
+    exp_avg/exp_avg_sq made at the first step), one rank:
+    1. megatron -> export -> megatron, bf16 with fp32-master: the step-2 checkpoint's optimizer map records the
+       groups' step, the export reads it (step 2), and the continuation on the stand-in (state made by Megatron's
+       init_state_fn, filled, every group's step set to 2) gives steps 3 and 4 bit for bit (loss and gradient norm).
+    2. local -> megatron, fp32: a local run's step-2 export continued on the stand-in: steps 3 and 4 within the
+       tolerances of the torch-AdamW test above (the stand-in's update rounds apart from torch's AdamW).
+    Before nam read FusedAdam's group step, 1 failed at the export ("step counts differ ... ([])") and 2 at
+    --init-from ("built for torch's AdamW, this run's is FusedAdam")."""
+    from nam_cli.main import run
+
+    full = _run(tmp_path, "bf16", "megatron", "--dtype", "bfloat16", "--fused-adam-stand-in")
+    step2 = tmp_path / "bf16" / "checkpoints" / "step-00000002"
+    assert json.loads((step2 / "optimizer-map" / "rank-00000.json").read_text())["steps"] == [2.0]
+    out = tmp_path / "export"
+    assert run(["export", str(step2), "--out", str(out), "--tokenizer", "byte", "--with-optimizer"]) == 0
+    assert json.loads((out / "config.json").read_text())["optimizer"] == {"step": 2, "numerics": "fp32-master",
+                                                                          "dtype": "bfloat16"}
+    continued = _run(tmp_path, "continued", "megatron", "--dtype", "bfloat16", "--fused-adam-stand-in",
+                     "--init-from", str(out))
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in continued] == \
+           [(m["step"], m["loss"], m["grad_norm"]) for m in full[2:]]
+
+    local = _run(tmp_path, "local", "local", "--grad-accum", "2", "--set=train.checkpoint_every=2")
+    out = tmp_path / "export-local"
+    assert run(["export", str(tmp_path / "local" / "checkpoints" / "step-00000002"), "--out", str(out),
+                "--tokenizer", "byte", "--with-optimizer"]) == 0
+    _assert_continues(_run(tmp_path, "from-local", "megatron", "--fused-adam-stand-in", "--init-from", str(out)),
+                      local)
+    assert "weights and optimizer state (AdamW step 2, fp32-master, float32)" in \
+        (tmp_path / "from-local" / "run.log").read_text()
 
 
 def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):

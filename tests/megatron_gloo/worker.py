@@ -4,6 +4,7 @@ rows (micro-batch ``i`` is a pure function of ``i``).
 
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
+    torchrun --nproc-per-node 1 worker.py megatron RUN_DIR STEPS --dtype bfloat16 --fused-adam-stand-in
     python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6] [--eval] [--init-from EXPORT --first-batch 8]
     torchrun --nproc-per-node 2 worker.py cli RUN_DIR STEPS -- train --engine megatron --ep 2 --plugins ...
 
@@ -86,6 +87,10 @@ def megatron_run(args, recipe) -> None:
     registries; the lowering made from the registered schedule), the host's lifecycle hooks; the worker's own
     rows in place of the corpus."""
     _install_double()
+    if args.fused_adam_stand_in:
+        import fused_adam  # this folder is on sys.path: the script runs from it
+
+        fused_adam.install()
     from nam56r.run import RunRequest, build, resolve
     from nam_core.device import DeviceInfo
     from nam_core.engine.contract import engine_for
@@ -188,6 +193,8 @@ def main() -> None:
                     help="local runs: the index of step 1's first micro-batch (another run's later step)")
     ap.add_argument("--eval", action="store_true", help="megatron and local runs: evaluate (EVAL)")
     ap.add_argument("--set", action="append", default=[], help="megatron and local runs: one more override, KEY=VALUE")
+    ap.add_argument("--fused-adam-stand-in", action="store_true",
+                    help="megatron runs: Megatron builds fused_adam.py's stand-in for Transformer Engine's FusedAdam")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

@@ -73,11 +73,15 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
     every parameter range this rank's optimizer owns, the flat bucket tensor it sits in (``bucket``: the key
     without ``.exp_avg``), where (``at``) and how long (``numel``), and the model tensor it belongs to (``param``:
     its checkpoint key, ``offset`` and ``prepend`` its place in the global tensor, ``shape`` this rank's local
-    shape, ``start`` the range's first element in it). ``step``: AdamW's step counts on this rank. A range whose
-    shards the sharded state does not hold as tensors (Transformer Engine's fused optimizer keeps its own) makes
-    the map ``{"complete": false, "why": ...}``, which the export reports."""
+    shape, ``start`` the range's first element in it). ``steps``: Adam's step counts on this rank, where the inner
+    optimizer keeps them (``optimizer.inner_adam``: each parameter's state with torch's AdamW, each parameter
+    group with Transformer Engine's FusedAdam). A range whose shards the sharded state does not hold as plain
+    tensors, and Megatron's precision-aware optimizer (FusedAdam's masters as remainders), make the map
+    ``{"complete": false, "why": ...}``, which the export reports."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from nam_core.engine.megatron.optimizer import group_steps, inner_adam, precision_aware_refusal
 
     def index(tree, kinds=(ShardedTensor,)) -> dict:
         return {(t.data.data_ptr(), t.data.numel(), t.data.dtype): t for t in nested_values(tree)
@@ -85,12 +89,20 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
 
     # a factory (Megatron's gated MLP weights) is read back whole only: "offset" None, checked when read
     model, moments = index(state["model"], (ShardedTensor, ShardedTensorFactory)), index(state["optimizer"])
-    entries, steps, why = [], set(), None
+    entries, steps, why, hint = [], set(), None, None
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(getattr(inner, "config", None), "use_precision_aware_optimizer", False):
+            why = precision_aware_refusal()
+            hint = (f"export its weights alone (nam export {tmp.parent}/{tmp.name.lstrip('.').removesuffix('.tmp')} "
+                    "--out DIR), or train with --set train.fused_master_weights=false --set "
+                    "train.optimizer_numerics=fp32-master to carry the optimizer")
+            continue
+        if inner_adam(getattr(inner, "optimizer", None)) == "te-fused":
+            steps |= group_steps(inner.optimizer)
         for param in getattr(inner, "model_param_group_index_map", {}):
             states = inner._get_main_param_and_optimizer_states(param)
             if "exp_avg" not in states:
-                why = "AdamW has no state yet (a checkpoint before the first step)"
+                why = "Adam has no state yet (a checkpoint before the first step)"
                 continue
             span = inner._get_model_param_range_map(param)["param"]
             held = moments.get((states["exp_avg"].data_ptr(), states["exp_avg"].numel(), states["exp_avg"].dtype))
@@ -99,7 +111,7 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
             if held is None or owner is None or (not factory and tuple(owner.local_shape) != tuple(param.shape)):
                 why = f"a parameter of shape {tuple(param.shape)} has no plain sharded tensor in the checkpoint"
                 continue
-            if "step" in states:
+            if "step" in states:  # torch's AdamW
                 steps.add(float(states["step"]))
             entries.append({"bucket": held.key.rpartition(".")[0], "at": int(held.global_offset[0]),
                             "numel": int(span.end - span.start), "param": owner.key, "start": int(span.start),
@@ -107,6 +119,8 @@ def _write_optimizer_map(tmp: Path, state: dict, optimizer, rank: int) -> None:
                             "offset": None if factory else [int(o) for o in owner.global_offset],
                             "prepend": 0 if factory else int(owner.prepend_axis_num)})
     body = {"complete": why is None, "why": why, "steps": sorted(steps), "entries": entries}
+    if hint is not None:
+        body["hint"] = hint
     path = tmp / OPTIMIZER_MAP / f"rank-{rank:05d}.json"
     path.parent.mkdir(exist_ok=True)
     with open(path, "w") as f:
@@ -427,8 +441,9 @@ def model_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def optimizer_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
-    """AdamW's state of a good megatron-engine checkpoint per model tensor, each whole, under Megatron's checkpoint
-    keys: ``{key: {"param": fp32 main weights, "exp_avg": ..., "exp_avg_sq": ...}}``, and AdamW's step count.
+    """Adam's state of a good megatron-engine checkpoint per model tensor, each whole, under Megatron's checkpoint
+    keys: ``{key: {"param": fp32 main weights, "exp_avg": ..., "exp_avg_sq": ...}}``, and Adam's step count (torch's
+    AdamW or Transformer Engine's FusedAdam on Megatron's fp32 main params: the same state).
     Read in this one process from the flat bucket tensors with the ranks' ``OPTIMIZER_MAP``; refused (NamError)
     for a checkpoint without a complete map (saved by an earlier nam, or with an optimizer whose shards are not
     plain tensors), and if any element of a parameter is not covered."""
@@ -445,12 +460,14 @@ def optimizer_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]],
              f"alone: nam export {folder} --out DIR")
     if len(maps) != world or not all(m["complete"] for m in maps):
         found = next((m["why"] for m in maps if not m["complete"]), f"{len(maps)} of {world} ranks' maps")
+        hint = next((m["hint"] for m in maps if m.get("hint")), None)
+        older = "" if hint else "; checkpoints saved by an earlier nam have none"
         raise RunFolderError(f"{folder}: its optimizer state cannot be read per parameter ({found} in "
-                             f"{OPTIMIZER_MAP}/; checkpoints saved by an earlier nam have none)", hint=again)
+                             f"{OPTIMIZER_MAP}/{older})", hint=hint or again)
     steps = {s for m in maps for s in m["steps"]}
     if len(steps) != 1:
-        raise RunFolderError(f"{folder}: AdamW's step counts differ between parameters ({sorted(steps)[:4]})",
-                             hint=again)
+        raise RunFolderError(f"{folder}: Adam's step counts differ between parameters or groups, or none was "
+                             f"recorded ({sorted(steps)[:4]} in {OPTIMIZER_MAP}/; one expected)", hint=again)
     refuse_unsafe_pickles(folder)
     index = _reader(folder).read_metadata().state_dict_metadata
     kinds = ("param", "exp_avg", "exp_avg_sq")

@@ -3,7 +3,9 @@
 What Megatron-Core's optimizer gets wrong or leaves slow without Transformer Engine or Apex (fp32 parameters in
 mixed groups, torch AdamW's state on load, the unfused AdamW, the gradient norm's and clip's per-tensor host
 syncs) is fixed in the patch lane (``nam_core.engine.megatron.patches``), applied around the run by
-``loop.train``."""
+``loop.train``. With Transformer Engine installed Megatron's inner Adam is TE's FusedAdam instead (its step count
+per parameter group, not per parameter): ``inner_adam`` tells them apart where nam reads or fills their state
+(``fill_state`` here, the optimizer map in ``checkpoint``)."""
 
 from __future__ import annotations
 
@@ -115,25 +117,98 @@ def set_lr(optimizer, lr: float, weight_decay: float) -> None:
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
+def _te_fused_adam():
+    """The class Megatron-Core builds as its Adam when Transformer Engine imports (``distrib_optimizer.Adam`` with
+    ``USING_TE_OPTIMIZER``: TE's ``FusedAdam``), else None. Read from Megatron's module, so nam never imports TE."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return distrib_optimizer.Adam if getattr(distrib_optimizer, "USING_TE_OPTIMIZER", False) else None
+
+
+def inner_adam(inner) -> str | None:
+    """Which Adam an inner optimizer of Megatron's is, as nam reads and fills its state: ``"torch"`` (torch's
+    Adam(W): ``exp_avg``/``exp_avg_sq`` and a ``step`` tensor per parameter, all made at its first step),
+    ``"te-fused"`` (Transformer Engine's FusedAdam: ``exp_avg``/``exp_avg_sq`` per parameter, made at its first
+    step, and one ``step`` per parameter group, ``group["step"]``, an int or a [1] tensor when capturable), or None."""
+    if type(inner) in (torch.optim.AdamW, torch.optim.Adam):
+        return "torch"
+    fused = _te_fused_adam()
+    return "te-fused" if fused is not None and isinstance(inner, fused) else None
+
+
+def group_steps(inner) -> set[float]:
+    """A TE FusedAdam's step counts: ``group["step"]`` of every group with parameters (as Megatron's
+    ``DistributedOptimizer.state_dict`` reads them); empty before its first step."""
+    return {float(g["step"]) for g in inner.param_groups if g["params"] and "step" in g}
+
+
+def set_group_steps(inner, step: int) -> None:
+    """Every group of a TE FusedAdam at ``step`` (empty groups too: FusedAdam advances them as well), where its
+    next ``step()`` adds one and bias-corrects with the sum; a capturable group's [1] tensor is filled in place."""
+    for group in inner.param_groups:
+        if isinstance(group.get("step"), torch.Tensor):
+            group["step"].fill_(step)
+        else:
+            group["step"] = int(step)
+
+
+def precision_aware_refusal() -> str:
+    """Why nam does not carry the state of Megatron's precision-aware optimizer (for errors and the map)."""
+    return ("Megatron's precision-aware optimizer (train.fused_master_weights or "
+            "train.optimizer_numerics=bf16-moments) keeps the fp32 masters inside Transformer Engine's FusedAdam as "
+            "the bf16 weights plus 16-bit remainders, which nam does not read or write per parameter; nam carries "
+            "FusedAdam's state on the fp32-master path (Megatron's own fp32 main params) only")
+
+
+@torch.no_grad()
+def materialise_state(opt) -> None:
+    """Every inner Adam's per-parameter state made, as for a fresh load: torch's AdamW by one step that moves no
+    weight (``patches.materialise_adam_state``: its ``step`` tensors come with it), TE's FusedAdam by Megatron's
+    own ``init_state_fn`` (zero ``exp_avg``/``exp_avg_sq`` shaped as each fp32 main param; its step is the
+    groups')."""
+    from nam_core.engine.megatron import patches
+
+    patches.materialise_adam_state(opt)
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if inner_adam(o.optimizer) == "te-fused":
+            o.init_state_fn(o.optimizer, o.config)
+
+
+def set_steps(opt, step: int) -> None:
+    """Every inner Adam at ``step``, where it reads it: each parameter's own ``step`` (torch's AdamW,
+    ``patches.own_adam_steps``), each group's (TE's FusedAdam)."""
+    from nam_core.engine.megatron import patches
+
+    patches.own_adam_steps(opt, step)
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if inner_adam(o.optimizer) == "te-fused":
+            set_group_steps(o.optimizer, step)
+
+
 @torch.no_grad()
 def fill_state(opt, models: list, rank_tensors, exported) -> int:
-    """Give Megatron's fresh distributed optimizer AdamW's state from elsewhere (``nam train --init-from`` an
+    """Give Megatron's fresh distributed optimizer Adam's state from elsewhere (``nam train --init-from`` an
     export with its optimizer, ``EngineRun.optimizer_from``): every rank copies, for each parameter range it
     owns, that range of the full ``exp_avg``/``exp_avg_sq`` (and of the fp32 ``master`` into its main param, for
     a bf16 model) into its shards, one parameter's tensors at a time (``exported.state`` reads them when asked);
     every ``step`` becomes the export's. ``rank_tensors(chunk, tensors)`` renames and slices tensors keyed by the
     model's parameter names for one unwrapped chunk of this rank (its stage, its experts). Returns the step the
-    run goes on at. Built for torch's AdamW (Megatron without Transformer Engine or Apex, the patch lane's case);
-    another inner optimizer is refused, and so is a range the export has no state for."""
-    from nam_core.engine.megatron import patches
+    run goes on at. The inner optimizer is torch's AdamW (Megatron without Transformer Engine or Apex) or TE's
+    FusedAdam on Megatron's fp32 main params (``inner_adam``); another one, Megatron's precision-aware optimizer,
+    and a range the export has no state for are refused."""
     from nam_core.engine.megatron.model import unwrap
 
     inners = getattr(opt, "chained_optimizers", [opt])
-    if len(patches._inner_adams(opt)) != len(inners):
-        raise ConfigError("--init-from an export with optimizer state: filling Megatron's optimizer is built for "
-                          "torch's AdamW, this run's is " + ", ".join(type(o.optimizer).__name__ for o in inners),
+    unknown = [type(o.optimizer).__name__ for o in inners if inner_adam(o.optimizer) is None]
+    if unknown:
+        raise ConfigError("--init-from an export with optimizer state: nam fills torch's AdamW or Transformer "
+                          "Engine's FusedAdam inside Megatron's optimizer, this run's is " + ", ".join(unknown),
                           hint="start from the weights alone (an export without --with-optimizer)")
-    patches.materialise_adam_state(opt)
+    if any(getattr(o.config, "use_precision_aware_optimizer", False) for o in inners):
+        raise ConfigError("--init-from an export with optimizer state: " + precision_aware_refusal(),
+                          hint="--set train.fused_master_weights=false --set train.optimizer_numerics=fp32-master, "
+                               "or start from the weights alone (an export without --with-optimizer)")
+    materialise_state(opt)
     for chunk in models:
         module = unwrap(chunk)
         owned = {}  # Megatron name -> (its distributed optimizer, the parameter): the ranges this rank updates
@@ -158,5 +233,5 @@ def fill_state(opt, models: list, rank_tensors, exported) -> int:
         if missing:
             raise ConfigError(f"--init-from: the export's optimizer state has nothing for Megatron's {missing[:4]}",
                               hint="start from the weights alone (an export without --with-optimizer)")
-    patches.own_adam_steps(opt, exported.step)
+    set_steps(opt, exported.step)
     return exported.step

@@ -120,7 +120,8 @@ def measure(mode: str, args, work: Path) -> dict:
     loaded = RESUMED.findall((run_dir / "run.log").read_text())
     if not args.keep and not failed:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"mode": mode, "resume_failed": failed, "saves": saves, "host_buffers": buffers, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
+    return {"mode": mode, "resume_failed": failed, "saves": saves, "host_buffers": buffers,
+            "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
             "resume_to_first_step_s": to_first, "resume_first_step_s": record and record["step_time_s"],
             "resume_load_s": float(loaded[-1][1]) if loaded else None}
 

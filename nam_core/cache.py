@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-KERNEL_CACHES = {"TILELANG_CACHE_DIR": "tilelang", "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+KERNEL_CACHES = {"TILELANG_CACHE_DIR": "tilelang", "TRITON_CACHE_DIR": "triton",
+                 "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 """Environment variable of each kernel compiler's disk cache -> its folder under nam's cache."""
 CACHE_SWITCHES = {"TRITON_CACHE_AUTOTUNING": "1"}
 """Caching a compiler leaves off by default, switched on unless the user set the variable: Triton's autotuner
@@ -35,7 +36,8 @@ def cache_dir() -> Path:
 
 def use_kernel_caches() -> dict[str, str]:
     """Point every kernel compiler cache the user has not placed at its folder under ``cache_dir()`` and switch
-    on ``CACHE_SWITCHES`` the user has not set; returns where each cache is now. Idempotent; creates no folder (the compilers do, on their first write)."""
+    on ``CACHE_SWITCHES`` the user has not set; returns where each cache is now. Idempotent; creates no folder
+    (the compilers do, on their first write)."""
     for var, sub in KERNEL_CACHES.items():
         if not os.environ.get(var):
             os.environ[var] = str(cache_dir() / sub)

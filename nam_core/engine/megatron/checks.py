@@ -34,8 +34,8 @@ def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bo
     """Make sure the CUDA caching allocator runs with expandable segments; return the setting in force.
 
     Sets ``PYTORCH_CUDA_ALLOC_CONF`` (``ALLOC_CONF`` and ``PINNED_CONF``) when neither allocator variable is set
-    and CUDA has not initialised yet (the allocator reads it once, at initialisation). Raises when the environment sets either variable
-    without ``expandable_segments:True``, or when it is unset and CUDA is already up.
+    and CUDA has not initialised yet (the allocator reads it once, at initialisation). Raises when the environment
+    sets either variable without ``expandable_segments:True``, or when it is unset and CUDA is already up.
     """
     found = {name: environ[name] for name in ALLOC_VARS if name in environ}
     for name, value in found.items():

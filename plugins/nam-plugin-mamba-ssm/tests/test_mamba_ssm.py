@@ -318,8 +318,8 @@ def test_reduce_groups_equals_autograd_through_expand_and_bias(h, g):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_reduce_groups_equals_the_eager_one(dtype):
-    """``mamba-ssm.group_sums=compiled``: the group and bias sums under inductor against the eager function on fresh random inputs
-    at NAM56R's ratio of 16 heads per group: the fp32 bias gradient within 1e-5 (max error over max value: fp32
+    """``mamba-ssm.group_sums=compiled``: the group and bias sums under inductor against the eager function on fresh
+    random inputs at NAM56R's ratio of 16 heads per group: the fp32 bias gradient within 1e-5 (max error over max value: fp32
     additions in another order), the group gradient within 1e-5 in fp32 and one bf16 rounding (2**-7 relative
     L2) in bf16."""
     from nam_core.testing import max_rel_error, new_seed, rel_norm_error

@@ -3,14 +3,20 @@
 #  CV  issue 31 item 3 again, with Transformer Engine's FusedAdam handled by the conversion (`bash gpu/convert.sh`)
 #  MC  the megatron engine's async save at full size with the page-locked allocator setting (checks.PINNED_CONF):
 #      its stall against round 6's 41.2 s, and its launch-to-first-step breakdown (warm); no resume
+#  W4  the local engine's warm start (issue 31, <= 30 s), three runs on one machine: is round 5b's 36.4 s noise?
 #  MF  issue 29: te.moe_fusion against the unfused path on nam56r-tiny (megatron engine, TE bf16, 6 steps, one
 #      seed): fused, unfused, and unfused again (the run-to-run floor); each step's loss side by side (round 6: out of memory in Megatron's optimizer load at full size)
 # Everything lands in $OUT/r8.tgz.
 set -u
 TOP=$OUT OUT=$OUT/r8 && mkdir -p "$OUT"  # only $TOP/r8.tgz and the kernel caches come back (8 files at most)
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-BUDGET=${BUDGET:-470} STEP_MIN=20 STEP_EXT=.log SUMMARY=summary.txt
+BUDGET=${BUDGET:-565} STEP_MIN=20 STEP_EXT=.log SUMMARY=summary.txt
 mkdir -p "$OUT/convert"
+TRAIN=(--recipe nam56r --set train.micro_batch_size=4 --set train.recompute=mamba-scan --set train.checkpoint_every=0)
+for w in a b c; do
+  step 70 W4$w nam train "${TRAIN[@]}" --max-steps 2 --run-dir /tmp/w4$w --json
+  startup /tmp/w4$w
+done
 step 180 CV env OUT="$OUT/convert" bash gpu/convert.sh
 tail -n 12 "$OUT/CV.log" | tee -a "$OUT/$SUMMARY"
 step 220 MC python bench/checkpoint.py --engine megatron --modes async --plugins te --numerics bf16-moments \

@@ -40,14 +40,23 @@ def test_module_imports_without_megatron():
 
 def test_allocator_is_set_when_unset():
     env = {}
-    want = "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-    assert engine.prepare_allocator(env, cuda_initialized=False) == want
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": want}
+    assert engine.prepare_allocator(env, cuda_initialized=False, async_saves=True) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_registered_pinned_blocks_refused_with_background_saves_only(name):
+    """Round 8 on one H200: the setting got full NAM56R's first background save killed for host memory."""
+    env = {name: "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8"}
+    with pytest.raises(NamError, match="pinned_use_cuda_host_register:True, Megatron's background") as e:
+        engine.prepare_allocator(dict(env), cuda_initialized=False, async_saves=True)
+    assert e.value.exit_code == 3 and "train.async_checkpoints=false" in e.value.hint
+    assert engine.prepare_allocator(dict(env), cuda_initialized=False, async_saves=False) == env[name]
 
 
 def test_allocator_keeps_a_setting_that_includes_expandable_segments():
     env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:256, expandable_segments:True"}
-    assert engine.prepare_allocator(env, cuda_initialized=True) == env["PYTORCH_ALLOC_CONF"]
+    assert engine.prepare_allocator(env, cuda_initialized=True, async_saves=True) == env["PYTORCH_ALLOC_CONF"]
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
 
 
@@ -57,7 +66,7 @@ def test_allocator_keeps_a_setting_that_includes_expandable_segments():
 def test_allocator_override_stops_the_run(name, value):
     env = {name: value}
     with pytest.raises(NamError, match=f"the environment sets {name}={value!r}") as e:
-        engine.prepare_allocator(env, cuda_initialized=False)
+        engine.prepare_allocator(env, cuda_initialized=False, async_saves=True)
     assert e.value.exit_code == 3 and f"export {name}={value},expandable_segments:True" in e.value.hint
     assert env == {name: value}  # nothing changed
 
@@ -65,7 +74,7 @@ def test_allocator_override_stops_the_run(name, value):
 def test_allocator_too_late_after_cuda_initialised():
     env = {}
     with pytest.raises(NamError, match="CUDA was initialised before") as e:
-        engine.prepare_allocator(env, cuda_initialized=True)
+        engine.prepare_allocator(env, cuda_initialized=True, async_saves=True)
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in e.value.hint
     assert env == {}
 
@@ -379,6 +388,58 @@ def test_set_lr_applies_group_multipliers():
     optimizer.set_lr(Opt, 2e-3, 0.1)
     assert Opt.param_groups[0]["lr"] == 2e-3 and Opt.param_groups[0]["weight_decay"] == 0.0
     assert Opt.param_groups[1]["lr"].item() == pytest.approx(1e-3) and Opt.param_groups[1]["weight_decay"] == 0.1
+
+
+def _sharded(seed: int, rows: int = 6) -> dict:
+    """A sharded state of the kinds the megatron engine saves: plain shards (fp32, bf16, nested in a list), a
+    factory that makes two shards of one tensor, and a non-tensor value."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    g = torch.Generator().manual_seed(seed)
+    halves = lambda key, t, replica_id, flat: {  # noqa: E731
+        "lo": ShardedTensor.from_rank_offsets(f"{key}.lo", t[:3], replica_id=replica_id),
+        "hi": ShardedTensor.from_rank_offsets(f"{key}.hi", t[3:], replica_id=replica_id)}
+    return {"model": {"w": ShardedTensor.from_rank_offsets("w", torch.randn(rows, 4, generator=g)),
+                      "blocks": [ShardedTensor.from_rank_offsets("b", torch.randn(8, generator=g).bfloat16())]},
+            "optimizer": {"m": ShardedTensorFactory("m", torch.randn(7, generator=g), halves, lambda d: None),
+                          "step": 3}}
+
+
+def test_host_shards_hold_every_shard_of_a_save_and_keep_their_buffers():
+    """Each save's shards are copied into the same host buffers (made once, from the first state's shapes) and
+    handed to Megatron in them, factories applied; another structure is refused; the originals are untouched."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    host = checkpoint.HostShards(_sharded(0), pinned=False)
+    assert host.record.nbytes == (6 * 4 + 7) * 4 + 8 * 2 and host.record.how == "pageable"
+    first = None
+    for seed in (1, 2):
+        state, want = _sharded(seed), _sharded(seed)
+        host.copy_in(state)
+        checkpoint._shards(want)
+        shards = [v for v in nested_values(state) if isinstance(v, ShardedTensor)]
+        assert [sh.key for sh in shards] == ["w", "b", "m.lo", "m.hi"]
+        assert all(sh.data is buf for sh, buf in zip(shards, host.buffers))
+        for sh, ref in zip(shards, checkpoint._shards(want)):
+            assert sh.data.dtype == ref.data.dtype and torch.equal(sh.data, ref.data)
+        ptrs = [b.data_ptr() for b in host.buffers]
+        assert first is None or ptrs == first
+        first = ptrs
+    assert host.taken and host.record.built_s is not None and host.record.waited_s >= 0
+    with pytest.raises(NamError, match="not the one its host buffers were made for .* at shard 0"):
+        host.copy_in(_sharded(3, rows=5))
+
+
+def test_host_shards_that_cannot_be_made_fail_the_save(monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError("cudaHostAlloc: out of memory")
+
+    monkeypatch.setattr(torch, "empty", refused)
+    host = checkpoint.HostShards(_sharded(0), pinned=False)
+    with pytest.raises(NamError, match=r"host buffers \(0.0 GB, pageable\) could not be built: RuntimeError") as e:
+        host.copy_in(_sharded(1))
+    assert "ulimit -l" in e.value.hint and "train.async_checkpoints=false" in e.value.hint
 
 
 # --- with megatron-core >= 0.19 importable (e.g. PYTHONPATH=/tmp/site): config and spec, no GPU -------------

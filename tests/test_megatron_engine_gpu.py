@@ -117,7 +117,7 @@ def test_allocator_is_set_before_cuda_and_refused_after(monkeypatch):
     CUDA is already up and has nothing set is refused."""
     _needs(1)
     code = ("import os, torch; from nam_core.engine.megatron import prepare_allocator; "
-            "conf = prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized()); "
+            "conf = prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized(), async_saves=True); "
             "x = torch.ones(1 << 20, device='cuda'); print(conf, os.environ['PYTORCH_CUDA_ALLOC_CONF'], x.sum().item())")
     env = {k: v for k, v in os.environ.items() if k not in engine.ALLOC_VARS}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
@@ -126,4 +126,4 @@ def test_allocator_is_set_before_cuda_and_refused_after(monkeypatch):
     for name in engine.ALLOC_VARS:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(NamError, match="CUDA was initialised before"):
-        engine.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
+        engine.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized(), async_saves=True)

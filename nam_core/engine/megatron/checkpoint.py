@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -233,24 +234,30 @@ def writer_threads() -> int:
 
 class BackgroundSaves:
     """The megatron engine's checkpoints written in the background (``train.async_checkpoints``): Megatron's
-    ``dist_checkpointing.save`` with ``async_sharded_save`` (its ``mcore`` writer: each rank copies its shards
-    to host memory on the training thread, then a forked process writes them) and Megatron's
-    ``AsyncCallsQueue``, whose finalization runs on every rank once every rank's writer is done (an all-reduce
-    per ``poll``) and writes Megatron's metadata. Then rank 0 fsyncs, hashes every file into nam's manifest and
-    renames the folder into place (``_finish``, as ``save_checkpoint`` does) on a thread of its own: hashing a
-    NAM56R checkpoint takes tens of seconds. Megatron's own integrity.json (a second hash of every file on the
-    training thread) is not written: nam's manifest holds the same digests and ``inspect`` checks them before a
-    load. One save at a time: ``save`` waits for the one before it. Every method is collective.
+    ``dist_checkpointing.save`` with ``async_sharded_save`` (its ``mcore`` writer: a forked process writes each
+    rank's shards from host memory) and Megatron's ``AsyncCallsQueue``, whose finalization runs on every rank once
+    every rank's writer is done (an all-reduce per ``poll``) and writes Megatron's metadata. Then rank 0 fsyncs,
+    hashes every file into nam's manifest and renames the folder into place (``_finish``, as ``save_checkpoint``
+    does) on a thread of its own: hashing a NAM56R checkpoint takes tens of seconds. Megatron's own integrity.json
+    (a second hash of every file on the training thread) is not written: nam's manifest holds the same digests and
+    ``inspect`` checks them before a load. One save at a time: ``save`` waits for the one before it. Every method
+    is collective.
 
-    What the training thread pays per save (Megatron-Core 0.19.2, ``mcore`` async): the sharded state dict and the
-    save plan, then ``FileSystemWriterAsync.preload_tensors`` copies every shard with ``tensor.to("cpu",
-    non_blocking=True)`` (into page-locked memory from torch's caching host allocator: freed after the write and
-    reused by the next save's copies, so only a process's first save pays its allocation) and synchronizes, and
-    ``TemporalAsyncCaller`` forks the writer process. One save strategy is kept for the run, as Megatron's
-    ``--ckpt-assume-constant-structure`` keeps it: its save plans are cached after the first save
-    (``use_cached_ckpt_structure``) and the sharding is validated on the first save only; ``WRITER_THREADS``
-    files per rank are written side by side (``thread_count``, Megatron's ``--dist-ckpt-workers``) and hashed
-    side by side."""
+    Host buffers: every shard the save writes is first copied into a host buffer of this object's
+    (``HostShards``), page-locked on CUDA, and the sharded state handed to Megatron holds those buffers, so
+    Megatron's own copy to the host (``FileSystemWriterAsync.preload_tensors``: ``tensor.to("cpu",
+    non_blocking=True)``) finds them there and copies nothing. The buffers are made once per process, on a
+    background thread, from the first step's sharded state (``prepare``, after the first optimizer step), and kept
+    between saves. Without them Megatron's copy allocated page-locked memory from torch's caching host allocator
+    on the training thread at the first save (one ``cudaHostAlloc`` per shard): 41.2 s of training stalled for the
+    53 GB checkpoint of full NAM56R (one H200, 2026-11-28).
+
+    What the training thread pays per save (Megatron-Core 0.19.2, ``mcore`` async): the sharded state dict and
+    the save plan, the copy into the host buffers, and the fork of the writer process. One save strategy is kept
+    for the run, as Megatron's ``--ckpt-assume-constant-structure`` keeps it: its save plans are cached after the
+    first save (``use_cached_ckpt_structure``) and the sharding is validated on the first save only;
+    ``writer_threads()`` files per rank are written side by side (``thread_count``, Megatron's
+    ``--dist-ckpt-workers``) and hashed side by side."""
 
     def __init__(self, ckpt_root: Path, *, keep: int, note):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -261,6 +268,7 @@ class BackgroundSaves:
         self.strategy = TorchDistSaveShardedStrategy(thread_count=writer_threads())
         self.strategy.use_cached_ckpt_structure = True  # nam's state keeps its structure from save to save
         self.saved_once = False
+        self.host: HostShards | None = None
         self.pending: dict | None = None  # final, tmp, stall_s, started; "written" once Megatron finalized
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -279,19 +287,47 @@ class BackgroundSaves:
         rank = torch.distributed.get_rank()
         final = self.ckpt_root / f"step-{step:08d}"
         tmp = self.ckpt_root / f".{final.name}.tmp"
+        parts = {}
         try:
             _aside(tmp, rank)  # the RNG files are small: written here, and so are the optimizer maps
             state = _sharded_state(models, optimizer, is_loading=False)
             _write_optimizer_map(tmp, state, optimizer, rank)
+            parts["state"] = time.perf_counter() - t0
+            host = self.prepare(models, optimizer, state=state)
+            first = not host.taken
+            copied = host.copy_in(state)
+            parts["copy to host memory"] = copied
+            if first:
+                r = host.record
+                self.note(f"checkpoint {final}: its host buffers ({r.nbytes / 1e9:.1f} GB, {r.how}) took "
+                          f"{r.built_s:.1f} s to build on a background thread; the save waited {r.waited_s:.1f} s "
+                          "for them (part of its pause)")
+            t1 = time.perf_counter()
             request = dist_checkpointing.save(state, str(tmp), self.strategy, async_sharded_save=True,
                                               async_strategy="mcore", validate_access_integrity=not self.saved_once)
             self.saved_once = True
             request.add_finalize_fn(lambda: self._written(tmp, final, step, manifest))
-            self.queue.schedule_async_request(request)
+            t2 = time.perf_counter()
+            parts["plan"] = t2 - t1
+            self.queue.schedule_async_request(request)  # forks the writer process
+            parts["fork"] = time.perf_counter() - t2
         except BaseException as exc:
             _save_failed(self.ckpt_root, tmp, exc)
         self.pending = {"final": final, "tmp": tmp, "stall_s": time.perf_counter() - t0, "started": t0,
-                        "written": False}
+                        "written": False, "parts": parts}
+
+    def prepare(self, models: list, optimizer, *, state: dict | None = None) -> HostShards:
+        """Start building this process's host buffers on a background thread, sized from the sharded state the
+        next save will hand Megatron (``state``, or one made now); returns at once. Once per object: later calls
+        return the first build. Collective when it makes the state (the sharded state dict)."""
+        if self.host is None:
+            if state is None:
+                state = _sharded_state(models, optimizer, is_loading=False)
+            self.host = HostShards(state, pinned=torch.cuda.is_available() and _on_cuda(state))
+            if self.pending is None and not self.saved_once:
+                self.note(f"checkpoint host buffers: building {self.host.record.nbytes / 1e9:.1f} GB "
+                          f"({self.host.record.how}) on a background thread")
+        return self.host
 
     def _written(self, tmp: Path, final: Path, step: int, manifest: dict) -> None:
         """Megatron's finalization is done on every rank: rank 0 starts the manifest and the rename."""
@@ -330,7 +366,8 @@ class BackgroundSaves:
             if self.error is not None:
                 error, self.error, self.pending = self.error, None, None
                 _save_failed(self.ckpt_root, p["tmp"], error)
-            self.note(f"checkpoint {p['final']}: training paused {p['stall_s']:.1f} s (copy to host memory), "
+            parts = ", ".join(f"{name} {t:.1f} s" for name, t in p["parts"].items())
+            self.note(f"checkpoint {p['final']}: training paused {p['stall_s']:.1f} s ({parts}), "
                       f"written in {time.perf_counter() - p['started']:.1f} s in the background")
         self.pending, self.last_good = None, p["final"]
         return self.last_good
@@ -341,6 +378,86 @@ class BackgroundSaves:
         last = self.poll(wait=True)
         torch.distributed.barrier()
         return last
+
+def _shards(state: dict) -> list:
+    """The sharded state's tensors as Megatron's save will write them, in a fixed order (depth first): its
+    ``ShardedTensor`` objects, once every ``ShardedTensorFactory`` in ``state`` is applied (in place: the save
+    would apply them itself)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(state)
+    return [v for v in nested_values(state) if isinstance(v, ShardedTensor)]
+
+
+def _on_cuda(state: dict) -> bool:
+    return any(sh.data.is_cuda for sh in _shards(state))
+
+
+class HostShards:
+    """One process's host buffers for the megatron engine's saves: one per shard of the sharded state (its shape
+    and dtype), page-locked when ``pinned`` (``torch.empty(..., pin_memory=True)``: ``cudaHostAlloc`` through
+    torch's caching host allocator), made on a background thread from the shapes alone (the state's tensors are
+    not kept: some are made for the save and free their device memory once it is dropped). ``copy_in`` copies a
+    save's shards into them and points the shards at them."""
+
+    def __init__(self, state: dict, *, pinned: bool):
+        from nam_core.engine.async_checkpoint import HostBuffers
+
+        specs = [(tuple(sh.data.shape), sh.data.dtype) for sh in _shards(state)]
+        self.specs = specs
+        self.record = HostBuffers(sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs),
+                                  "alloc" if pinned else "pageable")
+        self.taken = False  # True once a save copied into them (record.waited_s is that save's wait)
+        self.pinned = pinned
+        self.buffers: list[torch.Tensor] | None = None
+        self._built = threading.Event()
+        self._error: BaseException | None = None
+        device = torch.cuda.current_device() if pinned else None
+        threading.Thread(target=self._build, args=(device,), name="nam-host-shards", daemon=True).start()
+
+    def _build(self, device) -> None:
+        t0 = time.perf_counter()
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for shape, dtype in self.specs]
+            self.record.built_s = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread by copy_in
+            self._error = exc
+        finally:
+            self._built.set()
+
+    def copy_in(self, state: dict) -> float:
+        """Copy every shard of ``state`` into its host buffer (waiting for the build the first time) and make the
+        shard hold the buffer; the seconds the copy took (the wait apart: ``record.waited_s``)."""
+        t0 = time.perf_counter()
+        self._built.wait()
+        if not self.taken:
+            self.record.waited_s, self.taken = time.perf_counter() - t0, True
+        if self._error is not None:
+            r = self.record
+            raise NamError(f"the checkpoint host buffers ({r.nbytes / 1e9:.1f} GB, {r.how}) could not be built: "
+                           f"{type(self._error).__name__}: {self._error}",
+                           hint="check the host's free memory (free -g) and its locked-memory limit (ulimit -l); "
+                                "--set train.async_checkpoints=false writes checkpoints on the training thread, "
+                                "without them") from self._error
+        t0 = time.perf_counter()
+        shards = _shards(state)
+        found = [(tuple(sh.data.shape), sh.data.dtype) for sh in shards]
+        if found != self.specs:
+            raise NamError(f"this save's sharded state ({len(found)} shards) is not the one its host buffers were "
+                           f"made for ({len(self.specs)} shards): the first difference is at shard "
+                           f"{next(i for i, (a, b) in enumerate(zip([*found, None], [*self.specs, None])) if a != b)}",
+                           hint="the megatron engine keeps one state structure for a run; report this with run.log")
+        with torch.no_grad():
+            for sh, buf in zip(shards, self.buffers):
+                buf.copy_(sh.data, non_blocking=self.pinned)
+                sh.data = buf
+        if self.pinned:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
 
 def _save_aside(tmp: Path, models: list, optimizer, rank: int) -> None:
     """Collective: every rank's shards and RNG into the hidden folder ``tmp``."""

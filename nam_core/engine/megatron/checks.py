@@ -20,22 +20,23 @@ MIN_MEGATRON = (0, 19)
 
 ALLOC_CONF = "expandable_segments:True"
 """NAM56R runs out of memory from fragmentation before capacity (issue 8): the allocator must grow segments."""
-PINNED_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-"""How torch's page-locked host allocator gets its memory when nam sets the variable: malloc'd pages faulted in
-by 8 threads, then registered with CUDA, in place of one ``cudaHostAlloc`` per block (~1.6 GB/s on our H200 host:
-18.1 s for the local engine's 28.4 GB of checkpoint buffers). Megatron's async save copies every shard to the
-host through that allocator, and a process's first save allocates all of it: 41.2 s of training stalled for a
-53 GB checkpoint of full NAM56R (one H200, 2026-11-28, ``bench/checkpoint.py --engine megatron``). Not required:
-an environment that sets the variable without it runs, with the slower first save."""
+REGISTERED_PINNED = "pinned_use_cuda_host_register"
+"""The allocator option that makes torch's page-locked host blocks malloc'd pages registered with CUDA. With
+Megatron's async save it killed full NAM56R's first save on one H200 (2026-11-28, round 8: the process got SIGKILL,
+the host's 128 GiB out of memory, where the same save without the option wrote its 53 GB). The cause is
+inferred, not traced: the save forks its writer process, and Linux copies DMA-pinned anonymous pages into a child
+at fork, so the host copies of the checkpoint are made twice; ``cudaHostAlloc``'s pages are not anonymous and are
+not copied."""
 ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """torch reads both names (the second is the newer, device-neutral one); either may override the other."""
 
-def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bool) -> str:
+def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bool, async_saves: bool) -> str:
     """Make sure the CUDA caching allocator runs with expandable segments; return the setting in force.
 
-    Sets ``PYTORCH_CUDA_ALLOC_CONF`` (``ALLOC_CONF`` and ``PINNED_CONF``) when neither allocator variable is set
-    and CUDA has not initialised yet (the allocator reads it once, at initialisation). Raises when the environment
-    sets either variable without ``expandable_segments:True``, or when it is unset and CUDA is already up.
+    Sets ``PYTORCH_CUDA_ALLOC_CONF`` to ``ALLOC_CONF`` when neither allocator variable is set and CUDA has not
+    initialised yet (the allocator reads it once, at initialisation). Raises when the environment sets either
+    variable without ``expandable_segments:True``, or with ``REGISTERED_PINNED`` on while the run saves in the
+    background (``async_saves``), or when it is unset and CUDA is already up.
     """
     found = {name: environ[name] for name in ALLOC_VARS if name in environ}
     for name, value in found.items():
@@ -48,6 +49,12 @@ def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bo
                 f"the environment sets {name}={value!r}, which overrides what the megatron engine needs "
                 f"({ALLOC_CONF}: NAM56R runs out of memory from fragmentation before capacity)",
                 hint=f"unset {name}, or add the setting: export {name}={value},{ALLOC_CONF}")
+        if async_saves and options.get(REGISTERED_PINNED, "").lower() == "true":
+            raise CannotRunHere(
+                f"the environment sets {name}={value!r}: with {REGISTERED_PINNED}:True, Megatron's background "
+                "checkpoint save ran the host out of memory at NAM56R's size (its forked writer process got a "
+                "copy of every registered page)",
+                hint=f"drop {REGISTERED_PINNED} from {name}, or --set train.async_checkpoints=false")
     if found:
         return next(iter(found.values()))
     if cuda_initialized:
@@ -56,7 +63,7 @@ def prepare_allocator(environ: MutableMapping[str, str], *, cuda_initialized: bo
             "the allocator reads it only once, at initialisation",
             hint=f"export PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} before torchrun, or call prepare_allocator "
                  "before anything touches CUDA")
-    environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{ALLOC_CONF},{PINNED_CONF}"
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     return environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 

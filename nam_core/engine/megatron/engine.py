@@ -24,7 +24,9 @@ class MegatronEngine:
             relaunch(lay.nproc)
         import torch
 
-        checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
+        checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized(),
+                                 async_saves=spec.train.async_checkpoints
+                                 and spec.train.checkpoint_every > 0)
         checks.check_runtime(checks.runtime_facts(), dispatcher=spec.train.moe_dispatcher,
                              precision_aware=optimizer.precision_aware(spec.train))
         parallel.init_distributed()

@@ -80,7 +80,9 @@ def _stopped(run: EngineRun, signum: int, step: int, last_good: Path | None) -> 
 
 def train(run: EngineRun) -> dict:
     """Train ``run`` on this process's GPU as one rank of the torchrun job; return the summary (all ranks)."""
-    checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized())
+    checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized(),
+                             async_saves=run.checkpoints and run.train.async_checkpoints
+                             and run.train.checkpoint_every > 0)
     checks.check_runtime(checks.runtime_facts(), dispatcher=run.train.moe_dispatcher,
                          precision_aware=optimizer.precision_aware(run.train))
     tc, provider, lr_at = run.train, run.model, lr_lambda(run.train)
@@ -104,7 +106,10 @@ def train(run: EngineRun) -> dict:
                 update_ok, grad_norm, _ = s.optimizer.step()
                 means, notes = _step_means(run, s, losses)
                 dt, mem = _peaks(t0)
-                s.first_step_done_at = s.first_step_done_at or time.time()  # the summary's launch-to-first-step
+                if s.first_step_done_at is None:
+                    s.first_step_done_at = time.time()  # the summary's launch-to-first-step
+                    if s.saves is not None and tc.checkpoint_every:  # the optimizer's state exists now
+                        s.saves.prepare(s.models, s.optimizer)  # its host buffers, on a background thread
                 grad_norm = float("nan") if grad_norm is None else float(grad_norm)
                 _guard(step, update_ok, means["loss"], grad_norm, s)
                 metrics = step_metrics(step, means, lr=lr, grad_norm=grad_norm, tokens=s.tokens_per_step,

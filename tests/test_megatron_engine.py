@@ -431,6 +431,35 @@ def test_host_shards_hold_every_shard_of_a_save_and_keep_their_buffers():
         host.copy_in(_sharded(3, rows=5))
 
 
+def test_page_locked_host_shards_register_whole_pages_of_a_shared_mapping(monkeypatch):
+    """On CUDA: one registration per shard, page-aligned, no page in two of them (CUDA refuses a page registered
+    twice), and the buffers in a shared mapping (/proc/self/maps ``s``), which a fork shares instead of copying."""
+    registered = []
+    monkeypatch.setattr(checkpoint, "_register", lambda ptr, size: registered.append((ptr, size)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    host = checkpoint.HostShards(_sharded(0), pinned=True)
+    state, want = _sharded(1), _sharded(1)
+    host.copy_in(state)
+    assert host.record.how == "register" and set(host.parts) == {"pages touched", "registered"}
+    assert [ptr for ptr, _ in registered] == [b.data_ptr() for b in host.buffers]
+    for (ptr, size), b in zip(registered, host.buffers):
+        assert ptr % checkpoint.PAGE == 0 and size % checkpoint.PAGE == 0 and size >= b.numel() * b.element_size()
+    spans = sorted(registered)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    for buf, ref in zip(host.buffers, checkpoint._shards(want)):
+        assert torch.equal(buf, ref.data)
+    ptr = host.buffers[0].data_ptr()
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= ptr < hi:
+            assert line.split()[1].endswith("s"), line
+            break
+    else:
+        raise AssertionError("the buffers' mapping is not in /proc/self/maps")
+
+
 def test_host_shards_that_cannot_be_made_fail_the_save(monkeypatch):
     def refused(*args, **kwargs):
         raise RuntimeError("cudaHostAlloc: out of memory")

@@ -22,6 +22,7 @@ import enum
 import io
 import json
 import math
+import mmap
 import os
 import pickle
 import re
@@ -29,6 +30,7 @@ import shutil
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import is_dataclass
 from pathlib import Path
 
@@ -299,9 +301,10 @@ class BackgroundSaves:
             parts["copy to host memory"] = copied
             if first:
                 r = host.record
+                built = "".join(f", {name} in {t:.1f} s" for name, t in host.parts.items())
                 self.note(f"checkpoint {final}: its host buffers ({r.nbytes / 1e9:.1f} GB, {r.how}) took "
                           f"{r.built_s:.1f} s to build on a background thread; the save waited {r.waited_s:.1f} s "
-                          "for them (part of its pause)")
+                          f"for them (part of its pause){built}")
             t1 = time.perf_counter()
             request = dist_checkpointing.save(state, str(tmp), self.strategy, async_sharded_save=True,
                                               async_strategy="mcore", validate_access_integrity=not self.saved_once)
@@ -394,12 +397,44 @@ def _on_cuda(state: dict) -> bool:
     return any(sh.data.is_cuda for sh in _shards(state))
 
 
+PAGE = mmap.PAGESIZE
+
+
+def _register(ptr: int, size: int) -> None:
+    """Page-lock ``size`` bytes at ``ptr`` for CUDA (``cudaHostRegister``, portable)."""
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.pin_memory(ptr, size)
+
+
+def _unregister(ptr: int) -> None:
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.unpin_memory(ptr)
+
+
+def page_layout(specs: list) -> tuple[list[int], int]:
+    """Each shard's byte offset in one mapping, every shard starting on a page of its own (two registrations may
+    not share a page), and the mapping's size."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        end += -(-max(1, math.prod(shape) * dtype.itemsize) // PAGE) * PAGE
+    return offsets, end
+
+
 class HostShards:
     """One process's host buffers for the megatron engine's saves: one per shard of the sharded state (its shape
-    and dtype), page-locked when ``pinned`` (``torch.empty(..., pin_memory=True)``: ``cudaHostAlloc`` through
-    torch's caching host allocator), made on a background thread from the shapes alone (the state's tensors are
-    not kept: some are made for the save and free their device memory once it is dropped). ``copy_in`` copies a
-    save's shards into them and points the shards at them."""
+    and dtype), made on a background thread from the shapes alone (the state's tensors are not kept: some are made
+    for the save and free their device memory once it is dropped). ``copy_in`` copies a save's shards into them
+    and points the shards at them.
+
+    Page-locked (``pinned``, on CUDA) in a way that leaves training alone while they are made: one shared
+    anonymous mapping, its pages faulted in by touching them (no CUDA call), then each shard's pages registered
+    with CUDA (``cudaHostRegister``, one call per shard). Shared, because Megatron's writer is a forked process,
+    and Linux copies a private mapping's DMA-pinned pages into a child at fork. Made with ``cudaHostAlloc``
+    instead (torch's pinned allocator, ``torch.empty(..., pin_memory=True)``) the build stopped training for all
+    of its 42.5 s: step 2 of full NAM56R took 42.9 s (one H200, round 9, 2026-11-28)."""
 
     def __init__(self, state: dict, *, pinned: bool):
         from nam_core.engine.async_checkpoint import HostBuffers
@@ -407,26 +442,50 @@ class HostShards:
         specs = [(tuple(sh.data.shape), sh.data.dtype) for sh in _shards(state)]
         self.specs = specs
         self.record = HostBuffers(sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs),
-                                  "alloc" if pinned else "pageable")
+                                  "register" if pinned else "pageable")
         self.taken = False  # True once a save copied into them (record.waited_s is that save's wait)
         self.pinned = pinned
+        self.parts: dict[str, float] = {}  # the build's own steps: pages touched, registered
         self.buffers: list[torch.Tensor] | None = None
         self._built = threading.Event()
         self._error: BaseException | None = None
-        device = torch.cuda.current_device() if pinned else None
+        device = torch.cuda.current_device() if pinned else None  # the training thread's, for the registration
         threading.Thread(target=self._build, args=(device,), name="nam-host-shards", daemon=True).start()
 
-    def _build(self, device) -> None:
+    def _build(self, device: int | None) -> None:
         t0 = time.perf_counter()
         try:
             if device is not None:
                 torch.cuda.set_device(device)
-            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for shape, dtype in self.specs]
+            if not self.pinned:
+                self.buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in self.specs]
+            else:
+                self.buffers = self._registered()
             self.record.built_s = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by copy_in
             self._error = exc
         finally:
             self._built.set()
+
+    def _registered(self) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        offsets, size = page_layout(self.specs)
+        self._mapping = mmap.mmap(-1, size)  # shared and anonymous (a fork shares it); kept as long as this object
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "non-writable buffer": the mapping is writable
+            base = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        base.zero_()  # every page faulted in here, so registering only locks them
+        t1 = time.perf_counter()
+        buffers = []
+        for (shape, dtype), at in zip(self.specs, offsets):
+            nbytes = math.prod(shape) * dtype.itemsize
+            view = base[at:at + nbytes].view(dtype).view(shape)
+            _register(view.data_ptr(), -(-max(1, nbytes) // PAGE) * PAGE)
+            # unlocked when the buffer goes; not at exit, after the CUDA context is gone
+            weakref.finalize(view, _unregister, view.data_ptr()).atexit = False
+            buffers.append(view)
+        self.parts = {"pages touched": t1 - t0, "registered": time.perf_counter() - t1}
+        return buffers
 
     def copy_in(self, state: dict) -> float:
         """Copy every shard of ``state`` into its host buffer (waiting for the build the first time) and make the

@@ -450,6 +450,8 @@ def test_page_locked_host_shards_register_whole_pages_of_a_shared_mapping(monkey
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
     for buf, ref in zip(host.buffers, checkpoint._shards(want)):
         assert torch.equal(buf, ref.data)
+        # each a storage of its own: Megatron's writer clones a host tensor that views a larger storage
+        assert buf.untyped_storage().size() == buf.numel() * buf.element_size()
     ptr = host.buffers[0].data_ptr()
     for line in open("/proc/self/maps"):
         lo, hi = (int(x, 16) for x in line.split()[0].split("-"))

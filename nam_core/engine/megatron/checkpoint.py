@@ -398,17 +398,112 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
         raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
                        hint="resume with the same GPUs, tp, pp and ep")
     refuse_unsafe_pickles(folder)
-    # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
-    # inspect, holds the same for every save)
-    state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder),
-                                    verify_integrity=(folder / "integrity.json").is_file())
-    with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
-        for i, model in enumerate(models):
-            unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
-        optimizer.load_state_dict(state["optimizer"])
+    with grads_released(models):
+        targets = _sharded_state(models, optimizer, is_loading=True)
+        if targets_on_host(targets["optimizer"], optimizer):
+            release_state(optimizer)
+        # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
+        # inspect, holds the same for every save)
+        state = dist_checkpointing.load(targets, str(folder), verify_integrity=(folder / "integrity.json").is_file())
+        del targets
+        with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
+            for i, model in enumerate(models):
+                unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
+            optimizer.load_state_dict(state["optimizer"])
+        del state
     rng = _rng_file(folder, torch.distributed.get_rank())
     files.set_rng_state(files.load_tensors(rng), source=rng)
     return manifest
+
+
+# --- what the load holds on the GPU ------------------------------------------------------------------------
+#
+# One H200, full NAM56R (N = 4.73e9 parameters: 4.04e9 dense, 0.69e9 routed experts, each in its own distributed
+# optimizer of Megatron's chain), bf16-moments (Megatron's precision-aware optimizer on TE's FusedAdam), in bytes
+# per parameter of N (1 N byte = 4.40 GiB), before the first step (no activations). Megatron-Core 0.19.2 and
+# TE 2.20.2 as read:
+#   weights 2 (bf16 param buffer), gradients 4 (fp32 grad buffer), the optimizer's state 6 (bf16 exp_avg and
+#   exp_avg_sq, int16 master remainders): 12 N = 53 GiB, what training holds besides activations.
+#   ``sharded_state_dict(is_loading=True)`` builds that state through ``load_state_dict`` on its empty-state path
+#   (torch.empty dummies, then FusedAdam's own copies) and makes its load targets with FusedAdam's
+#   ``get_unscaled_state``: fp32 copies of both moments, 8 N, on the GPU, held through the load: 20 N = 88 GiB.
+#   Then ``optimizer.load_state_dict`` (state already allocated) reads FusedAdam's ``state_dict()``, fp32 copies of
+#   both moments again, one inner optimizer at a time (8 x 4.04e9 bytes for the dense one: 30 GiB), and torch's
+#   ``Optimizer.load_state_dict`` casts them and the remainders to the parameters' bf16 (6 x 4.04e9: 23 GiB) before
+#   FusedAdam rebuilds its state: 20 N + 14 x 4.04e9 bytes = 141 GiB wanted, out of memory at 130.9 GiB in use.
+# What nam does instead (``load_checkpoint``): the gradient buffers are released for the load (Megatron's
+# ``offload_grad_buffers``: they hold nothing before the first step), the load targets live in host memory, and the
+# optimizer's state is released before ``optimizer.load_state_dict``, which then allocates it once on its
+# empty-state path (dummies 6, the remainders cast to bf16 2, FusedAdam's state 6 per parameter of the inner
+# optimizer) and copies the checkpoint's values into it from the host. The peak is the targets' making,
+# 2 (weights) + 6 (state) + 8 (the fp32 copies, before they are replaced) = 16 N = 70 GiB; the rebuild peaks at
+# 2 + 14 x 4.04e9 / 4.73e9 ~ 14 N. The host holds 10 N (47 GB: fp32 moments, int16 remainders) during the load.
+
+
+class grads_released:
+    """For the ``with`` block: every DDP chunk's gradient buffers freed (Megatron's ``offload_grad_buffers``: their
+    storage resized to 0, every ``main_grad`` view kept) and made again, zeroed, on the way out
+    (``restore_grad_buffers``). For a load before the first step, when they hold nothing."""
+
+    def __init__(self, models: list):
+        self.models = models
+
+    def __enter__(self):
+        from nam_core.engine.megatron import parallel
+
+        cuda = parallel.device().type == "cuda"
+        for model in self.models:
+            model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+        return self
+
+    def __exit__(self, *exc):
+        from nam_core.engine.megatron import parallel
+
+        cuda = parallel.device().type == "cuda"
+        for model in self.models:
+            model.restore_grad_buffers(synchronize=cuda)
+        if cuda:  # the load's transients back to the driver: the first step allocates into a clean pool
+            torch.cuda.empty_cache()
+        return False
+
+
+def _copies_state(optimizer) -> bool:
+    """Whether Megatron's load of ``optimizer`` goes through copies of its state: its precision-aware optimizer,
+    where TE's FusedAdam holds the state (``get_unscaled_state`` and ``state_dict`` give fp32 copies of bf16
+    moments, ``load_state_dict`` casts and rebuilds)."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(getattr(getattr(o, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+               for o in inners)
+
+
+def targets_on_host(optimizer_targets: dict, optimizer) -> int:
+    """With Megatron's precision-aware optimizer (``_copies_state``), every load target of the optimizer's sharded
+    state (its ``ShardedTensor``s: fp32 copies of the moments, the live remainders, padding) replaced by an empty
+    tensor of the same shape and dtype in host memory, for ``dist_checkpointing.load`` to fill; returns how many
+    (0: other optimizers, whose targets are their live state, loaded in place). The GPU copies are freed as each is
+    replaced."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if not _copies_state(optimizer):
+        return 0
+    moved = 0
+    for target in nested_values(optimizer_targets):
+        if isinstance(target, ShardedTensor) and target.data is not None:
+            target.data = None
+            target.init_data(torch.device("cpu"))
+            moved += 1
+    return moved
+
+
+def release_state(optimizer) -> None:
+    """Every inner optimizer's per-parameter state dropped (``optimizer.state`` emptied), so that Megatron's
+    ``DistributedOptimizer.load_state_dict`` allocates it on its empty-state path, once, instead of copying the
+    live state through ``state_dict()`` and back (module comment above ``grads_released``). Only when no load
+    target is live state (``targets_on_host``)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "optimizer", None) is not None:  # None: a stub (a rank without parameters to update)
+            inner.optimizer.state.clear()
 
 
 _OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")

@@ -18,6 +18,7 @@ Loading a checkpoint must not run code that came with it (a run folder can come 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import json
@@ -387,7 +388,10 @@ def resolve_resume(spec: str, ckpt_root: Path) -> Path:
 
 def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> dict:
     """Restore the model chunks, optimizer and per-rank RNG from ``folder``; refuse another parallel layout.
-    Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one)."""
+    Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one). The
+    gradient buffers are freed during the load; with Megatron's precision-aware optimizer the load targets are in
+    host memory and the optimizer's state is made once, by Megatron's load (the comment below says why and how
+    much)."""
     from megatron.core import dist_checkpointing
 
     manifest, why = inspect(folder)
@@ -418,53 +422,44 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
 
 # --- what the load holds on the GPU ------------------------------------------------------------------------
 #
-# One H200, full NAM56R (N = 4.73e9 parameters: 4.04e9 dense, 0.69e9 routed experts, each in its own distributed
-# optimizer of Megatron's chain), bf16-moments (Megatron's precision-aware optimizer on TE's FusedAdam), in bytes
-# per parameter of N (1 N byte = 4.40 GiB), before the first step (no activations). Megatron-Core 0.19.2 and
-# TE 2.20.2 as read:
-#   weights 2 (bf16 param buffer), gradients 4 (fp32 grad buffer), the optimizer's state 6 (bf16 exp_avg and
-#   exp_avg_sq, int16 master remainders): 12 N = 53 GiB, what training holds besides activations.
-#   ``sharded_state_dict(is_loading=True)`` builds that state through ``load_state_dict`` on its empty-state path
-#   (torch.empty dummies, then FusedAdam's own copies) and makes its load targets with FusedAdam's
-#   ``get_unscaled_state``: fp32 copies of both moments, 8 N, on the GPU, held through the load: 20 N = 88 GiB.
-#   Then ``optimizer.load_state_dict`` (state already allocated) reads FusedAdam's ``state_dict()``, fp32 copies of
-#   both moments again, one inner optimizer at a time (8 x 4.04e9 bytes for the dense one: 30 GiB), and torch's
-#   ``Optimizer.load_state_dict`` casts them and the remainders to the parameters' bf16 (6 x 4.04e9: 23 GiB) before
-#   FusedAdam rebuilds its state: 20 N + 14 x 4.04e9 bytes = 141 GiB wanted, out of memory at 130.9 GiB in use.
-# What nam does instead (``load_checkpoint``): the gradient buffers are released for the load (Megatron's
-# ``offload_grad_buffers``: they hold nothing before the first step), the load targets live in host memory, and the
-# optimizer's state is released before ``optimizer.load_state_dict``, which then allocates it once on its
-# empty-state path (dummies 6, the remainders cast to bf16 2, FusedAdam's state 6 per parameter of the inner
-# optimizer) and copies the checkpoint's values into it from the host. The peak is the targets' making,
-# 2 (weights) + 6 (state) + 8 (the fp32 copies, before they are replaced) = 16 N = 70 GiB; the rebuild peaks at
-# 2 + 14 x 4.04e9 / 4.73e9 ~ 14 N. The host holds 10 N (47 GB: fp32 moments, int16 remainders) during the load.
+# One H200, full NAM56R (N = 4.73e9 parameters, all in one distributed optimizer at EP 1; 1 byte per parameter =
+# 4.40 GiB), bf16-moments (Megatron's precision-aware optimizer on TE's FusedAdam), before the first step (no
+# activations), in bytes per parameter, Megatron-Core 0.19.2 and TE 2.20.2 as read (tests/megatron_gloo/
+# fused_adam.py's ledger measures the optimizer's part on the CPU: 28 before, 14 after):
+#   weights 2 (bf16 param buffer) + gradients 4 (fp32 grad buffer) + the optimizer's state 6 (bf16 exp_avg and
+#   exp_avg_sq, int16 master remainders) = 12 (53 GiB), what training holds besides activations.
+#   ``sharded_state_dict(is_loading=True)`` makes that state through ``load_state_dict`` on its empty-state path
+#   (torch.empty dummies 6, the state 6) and its load targets with FusedAdam's ``get_unscaled_state``: fp32 copies
+#   of both moments, 8, held through the load: 20 (88 GiB). ``optimizer.load_state_dict`` (the state allocated
+#   now) then reads FusedAdam's ``state_dict()``, fp32 copies of both moments again (8), and torch's
+#   ``Optimizer.load_state_dict`` casts them and the remainders to the weights' bf16 (6) before FusedAdam makes
+#   its state afresh: 34 (150 GiB) wanted; out of memory at 130.9 GiB in use.
+# What ``load_checkpoint`` does instead: the gradient buffers are freed for the load (Megatron's
+# ``offload_grad_buffers``: they hold nothing before the first step), the targets are moved to host memory as soon
+# as Megatron has made them, and the optimizer's state is dropped, so that ``optimizer.load_state_dict`` makes it
+# once on its empty-state path (dummies 6, the remainders' bf16 casts 2, the state 6) and copies the checkpoint's
+# values into it from the host. Peak: 2 (weights) + 6 (state) + 8 (the targets' GPU copies, before the move) = 16
+# (70 GiB), then 2 + 14 = 16 again in the rebuild, plus FusedAdam's per-parameter temporaries (fp32 of one
+# parameter). The host holds 10 per parameter (47 GB: the fp32 moments, the int16 remainders) during the load.
 
 
-class grads_released:
+@contextlib.contextmanager
+def grads_released(models: list):
     """For the ``with`` block: every DDP chunk's gradient buffers freed (Megatron's ``offload_grad_buffers``: their
     storage resized to 0, every ``main_grad`` view kept) and made again, zeroed, on the way out
     (``restore_grad_buffers``). For a load before the first step, when they hold nothing."""
+    from nam_core.engine.megatron import parallel
 
-    def __init__(self, models: list):
-        self.models = models
-
-    def __enter__(self):
-        from nam_core.engine.megatron import parallel
-
-        cuda = parallel.device().type == "cuda"
-        for model in self.models:
-            model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
-        return self
-
-    def __exit__(self, *exc):
-        from nam_core.engine.megatron import parallel
-
-        cuda = parallel.device().type == "cuda"
-        for model in self.models:
+    cuda = parallel.device().type == "cuda"
+    for model in models:
+        model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+    try:
+        yield
+    finally:
+        for model in models:
             model.restore_grad_buffers(synchronize=cuda)
         if cuda:  # the load's transients back to the driver: the first step allocates into a clean pool
             torch.cuda.empty_cache()
-        return False
 
 
 def _copies_state(optimizer) -> bool:

@@ -8,6 +8,7 @@ losses and metrics (the local engine's metrics.jsonl lines), the lifecycle hooks
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -245,28 +246,24 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
                     saves=saves)
 
 
-class _load_peak:
-    """For the ``with`` block around a checkpoint's load, on CUDA only: ``{"gib": ...}``, the most memory the
-    caching allocator held for tensors during the block (``torch.cuda.max_memory_allocated``, GiB), the largest over
-    the ranks (collective); the peak counter is reset on the way in and again on the way out, so the first step's
-    ``mem_gib`` is its own. On another device the dict stays empty."""
-
-    def __enter__(self) -> dict:
-        self.cuda = parallel.device().type == "cuda"
-        self.peak: dict = {}
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        return self.peak
-
-    def __exit__(self, exc_type, *exc) -> bool:
-        if self.cuda and exc_type is None:
-            torch.cuda.synchronize()
-            gib = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=parallel.device())
-            torch.distributed.all_reduce(gib, op=torch.distributed.ReduceOp.MAX)
-            self.peak["gib"] = float(gib)
-            torch.cuda.reset_peak_memory_stats()
-        return False
+@contextlib.contextmanager
+def _load_peak():
+    """For the ``with`` block around a checkpoint's load, on CUDA only: the dict it yields gets ``"gib"``, the most
+    memory the caching allocator held for tensors during the block (``torch.cuda.max_memory_allocated``, GiB), the
+    largest over the ranks (collective); the peak counter is reset on the way in and again on the way out, so the
+    first step's ``mem_gib`` is its own. On another device the dict stays empty."""
+    cuda = parallel.device().type == "cuda"
+    peak: dict = {}
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    yield peak
+    if cuda:
+        torch.cuda.synchronize()
+        gib = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=parallel.device())
+        torch.distributed.all_reduce(gib, op=torch.distributed.ReduceOp.MAX)
+        peak["gib"] = float(gib)
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _overlaps(config, ddp_config) -> str:

@@ -11,7 +11,8 @@ Runs where megatron-core >= 0.19 and psutil import: the GPU host, or this projec
 
 CI has 0.16.1 and skips with the reason. About nine minutes on 2 cores (three of them the recompute runs), and
 about four more for the engine changes through `nam export`, three and a half for FusedAdam's (the stand-in)
-state crossing both ways (measured one test at a time).
+state crossing both ways, and under a minute for the bf16-moments resume on the precision-aware stand-in
+(measured one test at a time).
 
 What equal means here: two runs of the same math in different summation orders part slowly under Adam.
 Each comparison is bounded by the floor, the local engine against itself started from weights perturbed

@@ -17,7 +17,8 @@ steps). ``--host-buffers`` picks how they are page-locked (async_checkpoint.HOST
 Per mode: ``nam train --recipe nam56r --max-steps STEPS --set train.checkpoint_every=EVERY`` (its run.log notes
 each save: the stall the training thread paid, the background write), then ``nam train --resume auto
 --max-steps STEPS+1`` on the same folder, timed from its launch to its first metrics record (the step after the
-checkpoint), with the load time it notes. Prints one table; the run folders are removed unless ``--keep``.
+checkpoint), with the load time it notes (and, megatron engine, the load's peak GPU memory). Prints one table;
+the run folders are removed unless ``--keep``.
 Disk: a full NAM56R checkpoint at ``--numerics bf16`` (the default here) is 27 GB and one is kept
 (``train.keep_checkpoints=1``), so a save in progress needs two of them, ~55 GB, under ``--work``; at the
 recipe's fp32-master numerics one is 4.73e9 x (2 + 4 + 8) bytes = 66 GB, more than the 64 GiB disk of our GPU
@@ -42,7 +43,8 @@ from pathlib import Path
 
 SAVED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training paused ([\d.]+) s(?:.*?written in ([\d.]+) s)?")
 WAITED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training waited ([\d.]+) s for the previous")
-RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s\)")
+RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s(?:, peak GPU memory ([\d.]+) GiB)?\)")
+"""The resume's note; the megatron engine adds the load's peak GPU memory (torch.cuda.max_memory_allocated)."""
 
 
 BUFFERS = re.compile(r"its host buffers \(([\d.]+) GB, (\w+)\) took ([\d.]+) s to build on a background thread; "
@@ -123,7 +125,8 @@ def measure(mode: str, args, work: Path) -> dict:
     return {"mode": mode, "resume_failed": failed, "saves": saves, "host_buffers": buffers,
             "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
             "resume_to_first_step_s": to_first, "resume_first_step_s": record and record["step_time_s"],
-            "resume_load_s": float(loaded[-1][1]) if loaded else None}
+            "resume_load_s": float(loaded[-1][1]) if loaded else None,
+            "resume_load_peak_gib": float(loaded[-1][2]) if loaded and loaded[-1][2] else None}
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -155,13 +158,13 @@ def main() -> int:
     rows = [measure(mode, args, work) for mode in args.modes]
     print(f"\n{args.engine} engine, MBS {args.mbs}, {args.numerics}, a save every {args.every} of {args.steps} steps")
     print("\n| checkpoints | stall per save s | background write s | median step s | resume to first step s "
-          "| of which load s | first step after resume s |")
-    print("|---|---|---|---|---|---|---|")
+          "| of which load s | load's peak GPU memory GiB | first step after resume s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         stalls = ", ".join(f"{s['stall_s']:.1f}" for s in r["saves"])
         writes = ", ".join(f"{s['write_s']:.1f}" for s in r["saves"] if s["write_s"] is not None) or "-"
         print(f"| {r['mode']} | {stalls} | {writes} | {_f(r['median_step_s'], 2)} | {_f(r['resume_to_first_step_s'])} "
-              f"| {_f(r['resume_load_s'])} | {_f(r['resume_first_step_s'])} |")
+              f"| {_f(r['resume_load_s'])} | {_f(r['resume_load_peak_gib'])} | {_f(r['resume_first_step_s'])} |")
     for r in rows:
         if b := r["host_buffers"]:
             during = ", ".join(f"{t:.2f}" for t in b["steps_during_build_s"]) or "-"

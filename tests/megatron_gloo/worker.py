@@ -5,6 +5,7 @@ rows (micro-batch ``i`` is a pure function of ``i``).
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 1 --ep 2 [--resume CKPT]
     torchrun --nproc-per-node 2 worker.py megatron RUN_DIR STEPS --pp 2 --schedule dualpipev --grad-accum 4
     torchrun --nproc-per-node 1 worker.py megatron RUN_DIR STEPS --dtype bfloat16 --fused-adam-stand-in
+    torchrun --nproc-per-node 1 worker.py megatron RUN_DIR STEPS --dtype bfloat16 --precision-aware-stand-in
     python worker.py local RUN_DIR STEPS --grad-accum 4 [--perturb 1e-6] [--eval] [--init-from EXPORT --first-batch 8]
     torchrun --nproc-per-node 2 worker.py cli RUN_DIR STEPS -- train --engine megatron --ep 2 --plugins ...
 
@@ -49,8 +50,9 @@ def held_out(cfg):
                    source="step 3's rows")
 
 
-def _install_double():
-    """The CUDA double, and the engine's NCCL/CUDA entry points pointed at gloo and the CPU."""
+def _install_double(fused_adam: bool = False):
+    """The CUDA double, and the engine's NCCL/CUDA entry points pointed at gloo and the CPU (``fused_adam``: the
+    process facts report Transformer Engine's FusedAdam, for the stand-in)."""
     import cuda_double  # this folder is on sys.path: the script runs from it
 
     cuda_double.install()
@@ -70,7 +72,8 @@ def _install_double():
 
     def facts():
         return {"megatron": engine.megatron_version(), "python": (3, 12), "cuda": True, "distributed": True,
-                "world_size": int(os.environ["WORLD_SIZE"]), "psutil": True, "deep_ep": False}
+                "world_size": int(os.environ["WORLD_SIZE"]), "psutil": True, "deep_ep": False,
+                **({"fused_adam": "transformer_engine"} if fused_adam else {})}
 
     # The loop calls the parts' functions; nam train (cli/train.py) the package's.
     engine.init_parallel = parallel.init_parallel = init_parallel
@@ -86,11 +89,13 @@ def megatron_run(args, recipe) -> None:
     (activation on an H100 profile: the plugins' checks, nothing touches CUDA; the backends from the
     registries; the lowering made from the registered schedule), the host's lifecycle hooks; the worker's own
     rows in place of the corpus."""
-    _install_double()
-    if args.fused_adam_stand_in:
+    _install_double(fused_adam=args.precision_aware_stand_in)
+    if args.fused_adam_stand_in or args.precision_aware_stand_in:
         import fused_adam  # this folder is on sys.path: the script runs from it
 
-        fused_adam.install()
+        fused_adam.install(precision_aware=args.precision_aware_stand_in)
+        if args.precision_aware_stand_in:
+            _ledger_of_the_load(fused_adam.LEDGER, args.run_dir)
     from nam56r.run import RunRequest, build, resolve
     from nam_core.device import DeviceInfo
     from nam_core.engine.contract import engine_for
@@ -111,6 +116,25 @@ def megatron_run(args, recipe) -> None:
     session.held_out = held_out(run.spec.model) if args.eval else None
     engine.train(session.engine_run(args.run_dir, resume_from=args.resume, quiet=True))
     engine.finish()  # after success only: on an error the other ranks may sit in a collective
+
+
+def _ledger_of_the_load(ledger, run_dir: Path) -> None:
+    """The resume's optimizer tensors as the stand-in counts them (fused_adam.LEDGER), into RUN_DIR/load-ledger.json:
+    ``peak``, the most bytes alive at once during ``load_checkpoint``, and ``state``, what they are after it."""
+    import json
+
+    from nam_core.engine.megatron import checkpoint
+
+    load = checkpoint.load_checkpoint
+
+    def load_checkpoint(*args, **kwargs):
+        ledger.reset()
+        manifest = load(*args, **kwargs)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "load-ledger.json").write_text(json.dumps({"peak": ledger.peak, "state": ledger.live}))
+        return manifest
+
+    checkpoint.load_checkpoint = load_checkpoint
 
 
 def grads_run(args, recipe) -> None:
@@ -195,6 +219,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="megatron and local runs: one more override, KEY=VALUE")
     ap.add_argument("--fused-adam-stand-in", action="store_true",
                     help="megatron runs: Megatron builds fused_adam.py's stand-in for Transformer Engine's FusedAdam")
+    ap.add_argument("--precision-aware-stand-in", action="store_true",
+                    help="megatron runs: the stand-in with master weights (Megatron's precision-aware optimizer; "
+                         "the bf16-moments or fused-master numerics), the resume's optimizer memory counted")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

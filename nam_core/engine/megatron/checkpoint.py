@@ -18,6 +18,7 @@ Loading a checkpoint must not run code that came with it (a run folder can come 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import json
@@ -564,7 +565,10 @@ def resolve_resume(spec: str, ckpt_root: Path) -> Path:
 
 def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> dict:
     """Restore the model chunks, optimizer and per-rank RNG from ``folder``; refuse another parallel layout.
-    Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one)."""
+    Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one). The
+    gradient buffers are freed during the load; with Megatron's precision-aware optimizer the load targets are in
+    host memory and the optimizer's state is made once, by Megatron's load (the comment below says why and how
+    much)."""
     from megatron.core import dist_checkpointing
 
     manifest, why = inspect(folder)
@@ -575,17 +579,103 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
         raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
                        hint="resume with the same GPUs, tp, pp and ep")
     refuse_unsafe_pickles(folder)
-    # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
-    # inspect, holds the same for every save)
-    state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder),
-                                    verify_integrity=(folder / "integrity.json").is_file())
-    with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
-        for i, model in enumerate(models):
-            unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
-        optimizer.load_state_dict(state["optimizer"])
+    with grads_released(models):
+        targets = _sharded_state(models, optimizer, is_loading=True)
+        if targets_on_host(targets["optimizer"], optimizer):
+            release_state(optimizer)
+        # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
+        # inspect, holds the same for every save)
+        state = dist_checkpointing.load(targets, str(folder), verify_integrity=(folder / "integrity.json").is_file())
+        del targets
+        with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
+            for i, model in enumerate(models):
+                unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
+            optimizer.load_state_dict(state["optimizer"])
+        del state
     rng = _rng_file(folder, torch.distributed.get_rank())
     files.set_rng_state(files.load_tensors(rng), source=rng)
     return manifest
+
+
+# --- what the load holds on the GPU ------------------------------------------------------------------------
+#
+# One H200, full NAM56R (N = 4.73e9 parameters, all in one distributed optimizer at EP 1; 1 byte per parameter =
+# 4.40 GiB), bf16-moments (Megatron's precision-aware optimizer on TE's FusedAdam), before the first step (no
+# activations), in bytes per parameter, Megatron-Core 0.19.2 and TE 2.20.2 as read (tests/megatron_gloo/
+# fused_adam.py's ledger measures the optimizer's part on the CPU: 28 before, 14 after):
+#   weights 2 (bf16 param buffer) + gradients 4 (fp32 grad buffer) + the optimizer's state 6 (bf16 exp_avg and
+#   exp_avg_sq, int16 master remainders) = 12 (53 GiB), what training holds besides activations.
+#   ``sharded_state_dict(is_loading=True)`` makes that state through ``load_state_dict`` on its empty-state path
+#   (torch.empty dummies 6, the state 6) and its load targets with FusedAdam's ``get_unscaled_state``: fp32 copies
+#   of both moments, 8, held through the load: 20 (88 GiB). ``optimizer.load_state_dict`` (the state allocated
+#   now) then reads FusedAdam's ``state_dict()``, fp32 copies of both moments again (8), and torch's
+#   ``Optimizer.load_state_dict`` casts them and the remainders to the weights' bf16 (6) before FusedAdam makes
+#   its state afresh: 34 (150 GiB) wanted; out of memory at 130.9 GiB in use.
+# What ``load_checkpoint`` does instead: the gradient buffers are freed for the load (Megatron's
+# ``offload_grad_buffers``: they hold nothing before the first step), the targets are moved to host memory as soon
+# as Megatron has made them, and the optimizer's state is dropped, so that ``optimizer.load_state_dict`` makes it
+# once on its empty-state path (dummies 6, the remainders' bf16 casts 2, the state 6) and copies the checkpoint's
+# values into it from the host. Peak: 2 (weights) + 6 (state) + 8 (the targets' GPU copies, before the move) = 16
+# (70 GiB), then 2 + 14 = 16 again in the rebuild, plus FusedAdam's per-parameter temporaries (fp32 of one
+# parameter). The host holds 10 per parameter (47 GB: the fp32 moments, the int16 remainders) during the load.
+
+
+@contextlib.contextmanager
+def grads_released(models: list):
+    """For the ``with`` block: every DDP chunk's gradient buffers freed (Megatron's ``offload_grad_buffers``: their
+    storage resized to 0, every ``main_grad`` view kept) and made again, zeroed, on the way out
+    (``restore_grad_buffers``). For a load before the first step, when they hold nothing."""
+    from nam_core.engine.megatron import parallel
+
+    cuda = parallel.device().type == "cuda"
+    for model in models:
+        model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+    try:
+        yield
+    finally:
+        for model in models:
+            model.restore_grad_buffers(synchronize=cuda)
+        if cuda:  # the load's transients back to the driver: the first step allocates into a clean pool
+            torch.cuda.empty_cache()
+
+
+def _copies_state(optimizer) -> bool:
+    """Whether Megatron's load of ``optimizer`` goes through copies of its state: its precision-aware optimizer,
+    where TE's FusedAdam holds the state (``get_unscaled_state`` and ``state_dict`` give fp32 copies of bf16
+    moments, ``load_state_dict`` casts and rebuilds)."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(getattr(getattr(o, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+               for o in inners)
+
+
+def targets_on_host(optimizer_targets: dict, optimizer) -> int:
+    """With Megatron's precision-aware optimizer (``_copies_state``), every load target of the optimizer's sharded
+    state (its ``ShardedTensor``s: fp32 copies of the moments, the live remainders, padding) replaced by an empty
+    tensor of the same shape and dtype in host memory, for ``dist_checkpointing.load`` to fill; returns how many
+    (0: other optimizers, whose targets are their live state, loaded in place). The GPU copies are freed as each is
+    replaced."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if not _copies_state(optimizer):
+        return 0
+    moved = 0
+    for target in nested_values(optimizer_targets):
+        if isinstance(target, ShardedTensor) and target.data is not None:
+            target.data = None
+            target.init_data(torch.device("cpu"))
+            moved += 1
+    return moved
+
+
+def release_state(optimizer) -> None:
+    """Every inner optimizer's per-parameter state dropped (``optimizer.state`` emptied), so that Megatron's
+    ``DistributedOptimizer.load_state_dict`` allocates it on its empty-state path, once, instead of copying the
+    live state through ``state_dict()`` and back (module comment above ``grads_released``). Only when no load
+    target is live state (``targets_on_host``)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "optimizer", None) is not None:  # None: a stub (a rank without parameters to update)
+            inner.optimizer.state.clear()
 
 
 _OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")

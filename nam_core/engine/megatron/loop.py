@@ -8,6 +8,7 @@ losses and metrics (the local engine's metrics.jsonl lines), the lifecycle hooks
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -220,11 +221,13 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         model.broadcast_params()
     opt = optimizer.build_optimizer(models, tc, config)
     optimizer.wire(config, models, opt, schedule)
-    start, loading = 0, 0.0
+    start, loading, load_peak = 0, 0.0, ""
     if run.resume_from is not None:
         loading = time.perf_counter()
-        start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
+        with _load_peak() as peak:
+            start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
         loading = time.perf_counter() - loading
+        load_peak = f", peak GPU memory {peak['gib']:.1f} GiB" if peak else ""
     elif run.optimizer_from is not None:
         start = optimizer.fill_state(opt, models, lambda chunk, tensors: provider.rank_tensors(chunk, tensors, pg),
                                      run.optimizer_from)
@@ -233,7 +236,7 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         folder = run.folder
         cut = folder.truncate_metrics(start) if run.resume_from is not None else []
         log = folder.metrics_log(start_step=start, total_steps=run.max_steps, quiet=run.quiet)
-        resumed = ([f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s)"]
+        resumed = ([f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s{load_peak})"]
                    if run.resume_from is not None else [])
         lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
         for line in [*resumed, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config), optimizer.describe(tc)]:
@@ -246,6 +249,26 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
              if run.checkpoints and tc.async_checkpoints else None)
     return _Session(schedule, models, opt, layout, dp, pg.dp.rank(), start, good[-1] if good else None, tokens, log,
                     saves=saves)
+
+
+@contextlib.contextmanager
+def _load_peak():
+    """For the ``with`` block around a checkpoint's load, on CUDA only: the dict it yields gets ``"gib"``, the most
+    memory the caching allocator held for tensors during the block (``torch.cuda.max_memory_allocated``, GiB), the
+    largest over the ranks (collective); the peak counter is reset on the way in and again on the way out, so the
+    first step's ``mem_gib`` is its own. On another device the dict stays empty."""
+    cuda = parallel.device().type == "cuda"
+    peak: dict = {}
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    yield peak
+    if cuda:
+        torch.cuda.synchronize()
+        gib = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=parallel.device())
+        torch.distributed.all_reduce(gib, op=torch.distributed.ReduceOp.MAX)
+        peak["gib"] = float(gib)
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _overlaps(config, ddp_config) -> str:

@@ -473,6 +473,43 @@ def test_host_shards_that_cannot_be_made_fail_the_save(monkeypatch):
     assert "ulimit -l" in e.value.hint and "train.async_checkpoints=false" in e.value.hint
 
 
+def test_a_save_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypatch, one_process_group):
+    """Round 11 on the GPU host: the second save of a full-size run filled a 64 GiB disk inside Megatron's forked
+    writer, and the error named no disk. The next save's size is the newest finished checkpoint's."""
+    from nam_core.engine import checkpoint as files
+
+    root = tmp_path / "checkpoints"
+    _megatron_checkpoint(root / "step-00000002", 2)
+    (root / ".step-00000004.tmp").mkdir()  # a save in flight: not counted
+    need = sum(p.stat().st_size for p in (root / "step-00000002").rglob("*") if p.is_file())
+    assert checkpoint.save_bytes(root) == need
+    monkeypatch.setattr(files.rundir, "free_mb", lambda path: (need - 1) / 2**20)
+    with pytest.raises(RunFolderError, match="no space left .* the save was not started and the newest good "
+                                             "checkpoint, step-00000002, is intact") as e:
+        checkpoint.check_space(root, need)
+    assert e.value.exit_code == 6 and "--resume auto" in e.value.hint
+    monkeypatch.setattr(files.rundir, "free_mb", lambda path: need / 2**20)
+    checkpoint.check_space(root, need)  # fits: nothing raised
+
+
+def test_a_writer_error_with_the_disk_short_is_a_full_disk(tmp_path, monkeypatch, one_process_group):
+    """Megatron's forked writer hands back "results_queue should not be empty" whatever went wrong; with less
+    free space than the save needed once its folder is gone, it is reported as the full disk it was."""
+    from nam_core.engine import checkpoint as files
+
+    root = tmp_path / "checkpoints"
+    _megatron_checkpoint(root / "step-00000002", 2)
+    writer = RuntimeError("results_queue should not be empty")
+    for free, raised in ((10.0, RunFolderError), (10.0 + 2**-20, RuntimeError)):
+        tmp = root / ".step-00000004.tmp"
+        tmp.mkdir()
+        monkeypatch.setattr(files.rundir, "free_mb", lambda path, free=free: free)
+        with pytest.raises(raised) as e:
+            checkpoint._save_failed(root, tmp, writer, need=10 * 2**20 + 1)
+        assert not tmp.exists()
+        assert (raised is RuntimeError and e.value is writer) or "the half-written save was removed" in str(e.value)
+
+
 # --- with megatron-core >= 0.19 importable (e.g. PYTHONPATH=/tmp/site): config and spec, no GPU -------------
 
 

@@ -259,16 +259,17 @@ def _no_space(ckpt_root: Path, model, optimizer) -> RunFolderError:
                     good_checkpoints(ckpt_root))
 
 
-def no_space(ckpt_root: Path, need_mb: float | None, good: list[Path]) -> RunFolderError:
-    """The error of a save that filled its disk (either engine): the disk, what one checkpoint needs, what is
-    free now that the half-written save is gone, and the checkpoint a resume takes."""
+def no_space(ckpt_root: Path, need_mb: float | None, good: list[Path], *, started: bool = True) -> RunFolderError:
+    """The error of a save that filled its disk (either engine), or of one not started because it would
+    (``started=False``): the disk, what one checkpoint needs, what is free now that the half-written save is
+    gone, and the checkpoint a resume takes."""
     free = rundir.free_mb(ckpt_root)
     sizes = ", ".join(x for x in (f"a checkpoint needs about {need_mb:.0f} MB" if need_mb is not None else "",
                                   f"{free:.0f} MB free" if free is not None else "") if x)
     keep = f"the newest good checkpoint, {good[-1].name}, is intact" if good else "no checkpoint was saved yet"
     return RunFolderError(
         f"no space left on {ckpt_root} (disk {rundir.mount_point(ckpt_root)}{': ' + sizes if sizes else ''}); "
-        f"the half-written save was removed and {keep}",
+        f"{'the half-written save was removed' if started else 'the save was not started'} and {keep}",
         hint=f"free space on that disk (or lower train.keep_checkpoints), then continue with --resume auto "
              f"--run-dir {ckpt_root.parent}")
 

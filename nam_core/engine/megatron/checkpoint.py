@@ -195,26 +195,57 @@ def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, mani
     rank0 = rank == 0
     final = ckpt_root / f"step-{step:08d}"
     tmp = ckpt_root / f".{final.name}.tmp"
+    need = save_bytes(ckpt_root)
+    check_space(ckpt_root, need)
     try:
         _save_aside(tmp, models, optimizer, rank)
         if rank0:
             _finish(tmp, final, ckpt_root, step, manifest, keep)
     except BaseException as exc:
-        _save_failed(ckpt_root, tmp, exc)
+        _save_failed(ckpt_root, tmp, exc, need)
     torch.distributed.barrier()
     return final
 
 
-def _save_failed(ckpt_root: Path, tmp: Path, exc: BaseException):
+def _save_failed(ckpt_root: Path, tmp: Path, exc: BaseException, need: int | None = None):
     """A save's error, raised again once rank 0 removed the hidden folder: a full disk as ``files.no_space``
-    (exit 6, what one checkpoint needs), anything else as it is."""
+    (exit 6, what one checkpoint needs), anything else as it is. A full disk is ENOSPC in the error's chain, or,
+    when the error came from Megatron's forked writer (which hands back only "results_queue should not be
+    empty"), less free space than the save needs (``need`` bytes) once its folder is gone."""
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    if files.rundir.disk_full(exc):
-        good = good_checkpoints(ckpt_root)
-        need = sum(p.stat().st_size for p in good[-1].rglob("*") if p.is_file()) / 2**20 if good else None
-        raise files.no_space(ckpt_root, need, good) from exc
+    free = files.rundir.free_mb(ckpt_root)
+    if files.rundir.disk_full(exc) or (need is not None and free is not None and free * 2**20 < need):
+        need = need if need is not None else save_bytes(ckpt_root)
+        raise files.no_space(ckpt_root, need / 2**20 if need is not None else None,
+                             good_checkpoints(ckpt_root)) from exc
     raise exc
+
+
+def save_bytes(ckpt_root: Path, host: HostShards | None = None) -> int | None:
+    """About what the next save writes: the newest finished checkpoint's files (a ``step-*`` folder with its
+    manifest; not hashed again), else the host buffers' bytes (``host``), else None."""
+    done = sorted(p for p in ckpt_root.glob("step-*") if (p / "manifest.json").is_file()) if ckpt_root.is_dir() else []
+    if done:
+        return sum(p.stat().st_size for p in done[-1].rglob("*") if p.is_file())
+    return host.record.nbytes if host is not None else None
+
+
+def check_space(ckpt_root: Path, need: int | None) -> None:
+    """Refuse a save that cannot fit (``files.no_space``, exit 6, nothing written): less free space under
+    ``ckpt_root`` than ``need`` bytes. The finished checkpoints stay until the new one is complete, so at
+    ``train.keep_checkpoints=1`` a disk holds two. Round 11 (one H200, a 64 GiB disk, 2 x ~53 GB): the second
+    save of a run filled the disk in Megatron's forked writer, and the error that came back named no disk.
+    Collective: every rank refuses when any rank's disk is short (the save is collective too)."""
+    free = files.rundir.free_mb(ckpt_root)
+    short = need is not None and free is not None and free * 2**20 < need
+    backend = torch.distributed.get_backend()
+    flag = torch.tensor([int(short)], device=torch.device("cuda", torch.cuda.current_device())
+                        if backend == "nccl" else "cpu")
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item():
+        raise files.no_space(ckpt_root, need / 2**20 if need is not None else None, good_checkpoints(ckpt_root),
+                             started=False)
 
 
 def _aside(tmp: Path, rank: int) -> None:
@@ -291,6 +322,8 @@ class BackgroundSaves:
         final = self.ckpt_root / f"step-{step:08d}"
         tmp = self.ckpt_root / f".{final.name}.tmp"
         parts = {}
+        need = save_bytes(self.ckpt_root, self.host)
+        check_space(self.ckpt_root, need)
         try:
             _aside(tmp, rank)  # the RNG files are small: written here, and so are the optimizer maps
             state = _sharded_state(models, optimizer, is_loading=False)
@@ -316,9 +349,9 @@ class BackgroundSaves:
             self.queue.schedule_async_request(request)  # forks the writer process
             parts["fork"] = time.perf_counter() - t2
         except BaseException as exc:
-            _save_failed(self.ckpt_root, tmp, exc)
+            _save_failed(self.ckpt_root, tmp, exc, need)
         self.pending = {"final": final, "tmp": tmp, "stall_s": time.perf_counter() - t0, "started": t0,
-                        "written": False, "parts": parts}
+                        "written": False, "parts": parts, "need": need}
 
     def prepare(self, models: list, optimizer, *, state: dict | None = None) -> HostShards:
         """Start building this process's host buffers on a background thread, sized from the sharded state the
@@ -358,7 +391,7 @@ class BackgroundSaves:
                 p["written"] = bool(self.queue.maybe_finalize_async_calls(blocking=wait))
             except BaseException as exc:
                 self.pending = None
-                _save_failed(self.ckpt_root, p["tmp"], exc)
+                _save_failed(self.ckpt_root, p["tmp"], exc, p["need"])
             if not p["written"]:
                 return None
         if self.thread is not None:
@@ -369,7 +402,7 @@ class BackgroundSaves:
             self.thread = None
             if self.error is not None:
                 error, self.error, self.pending = self.error, None, None
-                _save_failed(self.ckpt_root, p["tmp"], error)
+                _save_failed(self.ckpt_root, p["tmp"], error, p["need"])
             parts = ", ".join(f"{name} {t:.1f} s" for name, t in p["parts"].items())
             self.note(f"checkpoint {p['final']}: training paused {p['stall_s']:.1f} s ({parts}), "
                       f"written in {time.perf_counter() - p['started']:.1f} s in the background")

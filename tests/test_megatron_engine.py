@@ -390,7 +390,7 @@ def test_set_lr_applies_group_multipliers():
     assert Opt.param_groups[1]["lr"].item() == pytest.approx(1e-3) and Opt.param_groups[1]["weight_decay"] == 0.1
 
 
-def _sharded(seed: int, rows: int = 6) -> dict:
+def _sharded(seed: int, rows: int = 6, empty: bool = False) -> dict:
     """A sharded state of the kinds the megatron engine saves: plain shards (fp32, bf16, nested in a list), a
     factory that makes two shards of one tensor, and a non-tensor value."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -402,7 +402,8 @@ def _sharded(seed: int, rows: int = 6) -> dict:
     return {"model": {"w": ShardedTensor.from_rank_offsets("w", torch.randn(rows, 4, generator=g)),
                       "blocks": [ShardedTensor.from_rank_offsets("b", torch.randn(8, generator=g).bfloat16())]},
             "optimizer": {"m": ShardedTensorFactory("m", torch.randn(7, generator=g), halves, lambda d: None),
-                          "step": 3}}
+                          "step": 3, **({"pad": ShardedTensor.from_rank_offsets("pad", torch.empty(0, 4))}
+                                        if empty else {})}}
 
 
 def test_host_shards_hold_every_shard_of_a_save_and_keep_their_buffers():
@@ -439,12 +440,13 @@ def test_page_locked_host_shards_register_whole_pages_of_a_shared_mapping(monkey
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    host = checkpoint.HostShards(_sharded(0), pinned=True)
-    state, want = _sharded(1), _sharded(1)
+    host = checkpoint.HostShards(_sharded(0, empty=True), pinned=True)
+    state, want = _sharded(1, empty=True), _sharded(1, empty=True)
     host.copy_in(state)
     assert host.record.how == "register" and set(host.parts) == {"pages touched", "registered"}
-    assert [ptr for ptr, _ in registered] == [b.data_ptr() for b in host.buffers]
-    for (ptr, size), b in zip(registered, host.buffers):
+    assert [b.numel() for b in host.buffers][-1] == 0  # an empty shard: a buffer, nothing registered
+    assert [ptr for ptr, _ in registered] == [b.data_ptr() for b in host.buffers if b.numel()]
+    for (ptr, size), b in zip(registered, [b for b in host.buffers if b.numel()]):
         assert ptr % checkpoint.PAGE == 0 and size % checkpoint.PAGE == 0 and size >= b.numel() * b.element_size()
     spans = sorted(registered)
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))

@@ -453,7 +453,7 @@ def page_layout(specs: list) -> tuple[list[int], int]:
     offsets, end = [], 0
     for shape, dtype in specs:
         offsets.append(end)
-        end += -(-max(1, math.prod(shape) * dtype.itemsize) // PAGE) * PAGE
+        end += -(-math.prod(shape) * dtype.itemsize // PAGE) * PAGE  # an empty shard: no page
     return offsets, end
 
 
@@ -504,11 +504,15 @@ class HostShards:
     def _registered(self) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         offsets, size = page_layout(self.specs)
-        self._mapping = mmap.mmap(-1, size)  # shared and anonymous (a fork shares it); kept as long as this object
+        # shared and anonymous (a fork shares it); kept as long as this object
+        self._mapping = mmap.mmap(-1, size) if size else None
         buffers = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "non-writable buffer": the mapping is writable
             for (shape, dtype), at in zip(self.specs, offsets):
+                if math.prod(shape) == 0:  # nothing to copy or lock (frombuffer refuses a count of 0)
+                    buffers.append(torch.empty(shape, dtype=dtype))
+                    continue
                 # a storage of its own per shard: Megatron's writer clones a host tensor that is a view of a larger
                 # storage (round 10: 8.8 s of the pause, one buffer for all shards)
                 buf = torch.frombuffer(self._mapping, dtype=dtype, count=math.prod(shape), offset=at).view(shape)
@@ -516,7 +520,9 @@ class HostShards:
                 buffers.append(buf)
         t1 = time.perf_counter()
         for buf in buffers:
-            _register(buf.data_ptr(), -(-max(1, buf.numel() * buf.element_size()) // PAGE) * PAGE)
+            if buf.numel() == 0:
+                continue
+            _register(buf.data_ptr(), -(-buf.numel() * buf.element_size() // PAGE) * PAGE)
             # unlocked when the buffer goes; not at exit, after the CUDA context is gone
             weakref.finalize(buf, _unregister, buf.data_ptr()).atexit = False
         self.parts = {"pages touched": t1 - t0, "registered": time.perf_counter() - t1}

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from nam_core.engine import checkpoint as files
+from nam_core.engine.megatron import parallel
 from nam_core.engine.megatron.model import unwrap
 from nam_core.errors import NamError, RunFolderError
 
@@ -214,8 +215,7 @@ def _save_failed(ckpt_root: Path, tmp: Path, exc: BaseException, need: int | Non
     empty"), less free space than the save needs (``need`` bytes) once its folder is gone."""
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    free = files.rundir.free_mb(ckpt_root)
-    if files.rundir.disk_full(exc) or (need is not None and free is not None and free * 2**20 < need):
+    if files.rundir.disk_full(exc) or _short_of_space(ckpt_root, need):
         need = need if need is not None else save_bytes(ckpt_root)
         raise files.no_space(ckpt_root, need / 2**20 if need is not None else None,
                              good_checkpoints(ckpt_root)) from exc
@@ -231,19 +231,19 @@ def save_bytes(ckpt_root: Path, host: HostShards | None = None) -> int | None:
     return host.record.nbytes if host is not None else None
 
 
+def _short_of_space(ckpt_root: Path, need: int | None) -> bool:
+    """Less free space under ``ckpt_root`` than ``need`` bytes (False when either is unknown)."""
+    free = files.rundir.free_mb(ckpt_root)
+    return need is not None and free is not None and free * 2**20 < need
+
+
 def check_space(ckpt_root: Path, need: int | None) -> None:
     """Refuse a save that cannot fit (``files.no_space``, exit 6, nothing written): less free space under
     ``ckpt_root`` than ``need`` bytes. The finished checkpoints stay until the new one is complete, so at
     ``train.keep_checkpoints=1`` a disk holds two. Round 11 (one H200, a 64 GiB disk, 2 x ~53 GB): the second
     save of a run filled the disk in Megatron's forked writer, and the error that came back named no disk.
     Collective: every rank refuses when any rank's disk is short (the save is collective too)."""
-    free = files.rundir.free_mb(ckpt_root)
-    short = need is not None and free is not None and free * 2**20 < need
-    backend = torch.distributed.get_backend()
-    flag = torch.tensor([int(short)], device=torch.device("cuda", torch.cuda.current_device())
-                        if backend == "nccl" else "cpu")
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    if flag.item():
+    if parallel.max_over_ranks(int(_short_of_space(ckpt_root, need))):
         raise files.no_space(ckpt_root, need / 2**20 if need is not None else None, good_checkpoints(ckpt_root),
                              started=False)
 

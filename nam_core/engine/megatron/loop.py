@@ -67,11 +67,7 @@ def _agreed_stop(stop: StopRequests) -> int:
     """The signal every rank stops for after this step (0: none): the largest signal number any rank received,
     so all ranks save the same checkpoint and leave together even when the signal reached only some of them
     (one all-reduce of one integer per step)."""
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    flag = torch.tensor([stop.signum or 0], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return int(flag.item())
+    return parallel.max_over_ranks(stop.signum or 0)
 
 
 def _stopped(run: EngineRun, signum: int, step: int, last_good: Path | None) -> Interrupted:

@@ -38,6 +38,15 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` over every rank: one all-reduce of one integer, on the GPU under NCCL and on the host
+    under gloo (the CPU test double). Collective."""
+    on = device() if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([value], dtype=torch.int64, device=on)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return int(flag.item())
+
+
 def shutdown() -> None:
     """Tear the process groups down at the end of a successful run (NCCL warns at exit otherwise). Never on
     an error path: its barrier would wait for ranks that are stuck in a collective."""

@@ -43,8 +43,10 @@ from pathlib import Path
 
 SAVED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training paused ([\d.]+) s(?:.*?written in ([\d.]+) s)?")
 WAITED = re.compile(r"checkpoint (?:\S*/)?(step-\d+): training waited ([\d.]+) s for the previous")
-RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s(?:, peak GPU memory ([\d.]+) GiB)?\)")
-"""The resume's note; the megatron engine adds the load's peak GPU memory (torch.cuda.max_memory_allocated)."""
+RESUMED = re.compile(r"resumed from .* at step (\d+) \(loaded in ([\d.]+) s(?:, peak GPU memory ([\d.]+) GiB)?"
+                     r"(?:; ([^)]*) s)?\)")
+"""The resume's note; the megatron engine adds the load's peak GPU memory (torch.cuda.max_memory_allocated) and
+its parts' seconds (``check 1.2, targets 0.4, read ...``)."""
 
 
 BUFFERS = re.compile(r"its host buffers \(([\d.]+) GB, (\w+)\) took ([\d.]+) s to build on a background thread; "
@@ -115,18 +117,24 @@ def measure(mode: str, args, work: Path) -> dict:
         buffers["steps_during_build_s"] = during
     to_first = record = failed = None
     if not args.no_resume:
-        resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto")
+        quiet = ("--set", "train.checkpoint_every=0") if args.no_save_after_resume else ()
+        resume = _train(run_dir, args, args.steps + 1, mode, "--resume", "auto", *quiet)
         to_first, record = _first_record_after(run_dir, args.steps, resume)
         failed = (f"the resume exited with {resume.returncode}; its log: {run_dir / 'run.log'} (kept)"
                   if resume.wait() else None)  # the saves' row is still printed; main exits 1
     loaded = RESUMED.findall((run_dir / "run.log").read_text())
+    phases = dict((k, float(v)) for k, v in (part.split() for part in loaded[-1][3].split(", "))) \
+        if loaded and loaded[-1][3] else None
+    summary = run_dir / "summary.json"  # the resume's, when it finished
+    startup = json.loads(summary.read_text()).get("startup_s") if not args.no_resume and summary.is_file() else None
     if not args.keep and not failed:
         shutil.rmtree(run_dir, ignore_errors=True)
     return {"mode": mode, "resume_failed": failed, "saves": saves, "host_buffers": buffers,
             "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
             "resume_to_first_step_s": to_first, "resume_first_step_s": record and record["step_time_s"],
             "resume_load_s": float(loaded[-1][1]) if loaded else None,
-            "resume_load_peak_gib": float(loaded[-1][2]) if loaded and loaded[-1][2] else None}
+            "resume_load_peak_gib": float(loaded[-1][2]) if loaded and loaded[-1][2] else None,
+            "resume_load_phases_s": phases, "resume_startup_s": startup}
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -146,6 +154,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="where the run folders go (default: the temp dir)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--no-resume", action="store_true", help="measure the saves only (the resume's columns: -)")
+    ap.add_argument("--no-save-after-resume", action="store_true",
+                    help="the resume runs with train.checkpoint_every=0: no save of its own (a host whose disk "
+                         "holds one checkpoint, not two)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--host-buffers", choices=["register", "alloc"], default=None,
                     help="how the async saver page-locks its host buffers (async_checkpoint.HOST_BUFFERS; "
@@ -171,6 +182,11 @@ def main() -> int:
             print(f"\n{r['mode']}: host buffers {b['gb']:.1f} GB ({b['how']}) built in {b['build_s']:.1f} s on a "
                   f"background thread; the first save waited {b['waited_s']:.1f} s for them; the steps during the "
                   f"build took {during} s (median step {_f(r['median_step_s'], 2)} s)")
+        if p := r["resume_load_phases_s"]:
+            print(f"{r['mode']}: the resume's load, by part (s): " + ", ".join(f"{k} {v:.1f}" for k, v in p.items()))
+        if st := r["resume_startup_s"]:
+            print(f"{r['mode']}: the resume's launch to first step, by part (s): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in st.items()))
     if args.json:
         args.json.write_text(json.dumps({"meta": {"date": datetime.date.today().isoformat(), "steps": args.steps,
                                                   "every": args.every, "mbs": args.mbs, "engine": args.engine,

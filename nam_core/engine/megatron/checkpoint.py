@@ -602,14 +602,15 @@ def resolve_resume(spec: str, ckpt_root: Path) -> Path:
         is_good=lambda folder: inspect(folder)[0] is not None, why=lambda folder: inspect(folder)[1])
 
 
-def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> dict:
+def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phases: dict | None = None) -> dict:
     """Restore the model chunks, optimizer and per-rank RNG from ``folder``; refuse another parallel layout.
     Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one). The
     gradient buffers are freed during the load; with Megatron's precision-aware optimizer the load targets are in
     host memory and the optimizer's state is made once, by Megatron's load (the comment below says why and how
-    much)."""
+    much). ``phases``, when given, gets the seconds of each part (``LOAD_PHASES``), for the run log."""
     from megatron.core import dist_checkpointing
 
+    clock = _Phases(phases)
     manifest, why = inspect(folder)
     if manifest is None:
         raise RunFolderError(f"{folder} is not a complete megatron-engine checkpoint ({why})",
@@ -618,22 +619,51 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict) -> d
         raise NamError(f"{folder} was written with layout {manifest.get('layout')}, this run is {layout}",
                        hint="resume with the same GPUs, tp, pp and ep")
     refuse_unsafe_pickles(folder)
+    clock.lap("check")
     with grads_released(models):
         targets = _sharded_state(models, optimizer, is_loading=True)
         if targets_on_host(targets["optimizer"], optimizer):
             release_state(optimizer)
+        clock.lap("targets")
         # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
         # inspect, holds the same for every save)
         state = dist_checkpointing.load(targets, str(folder), verify_integrity=(folder / "integrity.json").is_file())
         del targets
+        clock.lap("read")
         with torch.no_grad():  # the optimizer copies into its main params, leaves that require grad
             for i, model in enumerate(models):
                 unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
+            clock.lap("model")
             optimizer.load_state_dict(state["optimizer"])
+            clock.lap("optimizer")
         del state
     rng = _rng_file(folder, torch.distributed.get_rank())
     files.set_rng_state(files.load_tensors(rng), source=rng)
+    clock.lap("rest")
     return manifest
+
+
+LOAD_PHASES = ("check", "targets", "read", "model", "optimizer", "rest")
+"""``load_checkpoint``'s parts, in order: the folder's check (manifest, sha256 unless this process hashed it,
+pickles), the load targets (Megatron's sharded state, moved to the host), Megatron's read of the files into them,
+the model's and the optimizer's ``load_state_dict``, the rest (gradient buffers made again, the RNG)."""
+
+
+class _Phases:
+    """Seconds between ``lap`` calls, each under its name in ``into`` (a no-op when ``into`` is None); on CUDA
+    each lap waits for the device first, so a part's copies are counted in that part."""
+
+    def __init__(self, into: dict | None):
+        self.into, self.last = into, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.into is None:
+            return
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.into[name] = now - self.last
+        self.last = now
 
 
 # --- what the load holds on the GPU ------------------------------------------------------------------------

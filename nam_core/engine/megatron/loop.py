@@ -217,13 +217,14 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         model.broadcast_params()
     opt = optimizer.build_optimizer(models, tc, config)
     optimizer.wire(config, models, opt, schedule)
-    start, loading, load_peak = 0, 0.0, ""
+    start, loading, load_peak, phases = 0, 0.0, "", {}
     if run.resume_from is not None:
         loading = time.perf_counter()
         with _load_peak() as peak:
-            start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout)["step"]
+            start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout, phases=phases)["step"]
         loading = time.perf_counter() - loading
         load_peak = f", peak GPU memory {peak['gib']:.1f} GiB" if peak else ""
+        load_peak += "; " + ", ".join(f"{k} {phases[k]:.1f}" for k in checkpoint.LOAD_PHASES if k in phases) + " s"
     elif run.optimizer_from is not None:
         start = optimizer.fill_state(opt, models, lambda chunk, tensors: provider.rank_tensors(chunk, tensors, pg),
                                      run.optimizer_from)

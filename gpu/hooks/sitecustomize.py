@@ -1,0 +1,119 @@
+"""Measurement hooks for GPU rounds, outside the project: put this folder first on PYTHONPATH (gpu/r12.sh).
+Each hook is off unless its variable is set, and each wraps one function of an imported module when that module
+is first imported (nothing of nam changes on disk).
+
+  NAM_PROFILE_LOAD=PREFIX   the megatron engine's load_checkpoint run under cProfile in rank 0: PREFIX.txt (by
+                            cumulative and own time) and PREFIX.prof
+  NAM_PARALLEL_READ=1       Megatron's torch_dist load reads its files one thread per file (the experiment for
+                            a change; torch's FileSystemReader reads them one after another)
+  NAM_TARGETS_ON_GPU=1      the load's optimizer targets stay on the GPU (the state is still released first)
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+
+
+def _profile_load(module):
+    import cProfile
+    import pstats
+
+    import torch
+
+    original = module.load_checkpoint
+
+    def load_checkpoint(*args, **kwargs):
+        prefix = os.environ["NAM_PROFILE_LOAD"]
+        if os.environ.get("RANK", "0") != "0":
+            return original(*args, **kwargs)
+        profile, start = cProfile.Profile(), time.perf_counter()
+        profile.enable()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            profile.disable()
+            profile.dump_stats(prefix + ".prof")
+            with open(prefix + ".txt", "w") as f:
+                f.write(f"load_checkpoint {time.perf_counter() - start:.1f} s; torch threads {torch.get_num_threads()}; "
+                        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\n")
+                pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(70)
+                pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(50)
+
+    module.load_checkpoint = load_checkpoint
+
+
+def _parallel_read(module):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    original = module._get_filesystem_reader
+
+    def get_reader(*args, **kwargs):
+        reader = original(*args, **kwargs)
+        sequential = reader.read_data
+
+        def read_data(plan, planner):
+            per_file = {}
+            for item in plan.items:
+                per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
+            parts = [LoadPlan(items, plan.storage_data, plan.planner_data) for items in per_file.values()]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max(1, len(parts))) as pool:
+                for done in [pool.submit(sequential, part, planner) for part in parts]:
+                    done.result().wait()
+            print(f"[hooks] read {len(parts)} files side by side in {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr)
+            finished = torch.futures.Future()
+            finished.set_result(None)
+            return finished
+
+        reader.read_data = read_data
+        return reader
+
+    module._get_filesystem_reader = get_reader
+
+
+def _targets_on_gpu(module):
+    def targets_on_host(optimizer_targets, optimizer):
+        return 1 if module._copies_state(optimizer) else 0
+
+    module.targets_on_host = targets_on_host
+
+
+HOOKS = {}
+if os.environ.get("NAM_PROFILE_LOAD"):
+    HOOKS.setdefault("nam_core.engine.megatron.checkpoint", []).append(_profile_load)
+if os.environ.get("NAM_TARGETS_ON_GPU"):
+    HOOKS.setdefault("nam_core.engine.megatron.checkpoint", []).append(_targets_on_gpu)
+if os.environ.get("NAM_PARALLEL_READ"):
+    HOOKS.setdefault("megatron.core.dist_checkpointing.strategies.torch", []).append(_parallel_read)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in HOOKS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    run(module)
+                    for hook in HOOKS[name]:
+                        hook(module)
+                    print(f"[hooks] {name}: {[h.__name__ for h in HOOKS[name]]}", file=sys.stderr)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+if HOOKS:
+    sys.meta_path.insert(0, _Finder())

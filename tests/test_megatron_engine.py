@@ -4,6 +4,7 @@ tests/test_megatron_engine_gpu.py and bench/megatron.py; NAM56R's Megatron modul
 tests/test_megatron_model.py."""
 
 import json
+from pathlib import Path
 import pickle
 import subprocess
 import sys
@@ -604,7 +605,7 @@ def test_shared_expert_overlap_is_set_where_megatron_takes_it():
 def test_the_engine_lane_lists_its_patches_with_revert_and_retirement():
     entries = patches.lane()
     assert [e.name for e in entries] == [patches.FP32_GROUPS, patches.STATE_BEFORE_STEP, patches.STEP_ON_LOAD,
-                                         patches.FUSED, patches.GRAD_NORM, patches.GRAD_CLIP]
+                                         patches.FUSED, patches.GRAD_NORM, patches.GRAD_CLIP, patches.READS]
     for entry in entries:
         p = entry.impl
         assert entry.plugin == "megatron engine" and p.target == "megatron-core" and p.revert is not None
@@ -620,6 +621,7 @@ def test_the_engine_lane_applies_for_a_scope_and_reverts():
     is back after it (also when the scope raises)."""
     import megatron.core.optimizer as mopt
     from megatron.core import utils
+    from megatron.core.dist_checkpointing.strategies import torch as strategies
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -628,15 +630,16 @@ def test_the_engine_lane_applies_for_a_scope_and_reverts():
     def current():
         return (mopt.get_standard_config_overrides, mopt.get_megatron_optimizer,
                 DistributedOptimizer.sharded_state_dict, DistributedOptimizer.load_state_dict,
-                clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, clip_grads.multi_tensor_scale_tensor_impl)
+                clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, clip_grads.multi_tensor_scale_tensor_impl,
+                strategies._get_filesystem_reader)
 
     upstream = current()
-    assert upstream[4:] == (utils.local_multi_tensor_l2_norm, utils.local_multi_tensor_scale, None)  # no TE, no Apex
+    assert upstream[4:7] == (utils.local_multi_tensor_l2_norm, utils.local_multi_tensor_scale, None)  # no TE, no Apex
     entries = patches.lane()
     assert all(e.impl.state()[0] == "needed" for e in entries)
     assert all(e.impl.reproduce() == "BUG_REPRODUCED" for e in entries)
     with pytest.raises(RuntimeError, match="inside"), applied(entries) as reports:
-        assert [r.state for r in reports] == ["applied"] * 6
+        assert [r.state for r in reports] == ["applied"] * 7
         assert all(e.impl.reproduce() == "FIX_VALIDATED" for e in entries)
         assert all(a is not b for a, b in zip(current(), upstream))
         raise RuntimeError("inside")
@@ -652,7 +655,66 @@ def test_nam_patches_lists_the_megatron_lanes():
     assert rows == {patches.FP32_GROUPS: "megatron engine", patches.STATE_BEFORE_STEP: "megatron engine",
                     patches.STEP_ON_LOAD: "megatron engine", patches.FUSED: "megatron engine",
                     patches.GRAD_NORM: "megatron engine", patches.GRAD_CLIP: "megatron engine",
-                    "megatron-hybrid-stage-choice": "nam56r"}
+                    patches.READS: "megatron engine", "megatron-hybrid-stage-choice": "nam56r"}
+
+
+def _dcp_folder(folder, files: int, seed: int) -> dict:
+    """A checkpoint of fresh random tensors in ``files`` data files (torch's writer, one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {f"w{i}": torch.randn(128, 40 + i, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
+             for i in range(9)}
+    dcp.save(state, storage_writer=FileSystemWriter(str(folder), thread_count=files), no_dist=True)
+    assert len(list(Path(folder).glob("*.distcp"))) == files
+    return state
+
+
+def _read(folder, state: dict, *, side_by_side: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(folder))
+    back = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    dcp.load(back, storage_reader=patches.read_side_by_side(reader) if side_by_side else reader, no_dist=True)
+    return back
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_files_read_side_by_side_come_back_as_read_in_turn(tmp_path, monkeypatch):
+    """megatron-checkpoint-reads-in-turn's reader: every tensor of a 4-file checkpoint comes back bit for bit, the
+    files are read on 4 threads at once (each thread waits at a barrier until all 4 are reading: in turn, the
+    first would wait for ever, so the barrier times out), and a file cut short fails the load as reading in turn
+    does."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = _dcp_folder(tmp_path, 4, seed=21)
+    meeting, threads = threading.Barrier(4, timeout=20), set()
+    in_turn = FileSystemReader.read_data
+
+    def read_data(self, plan, planner):
+        if threading.current_thread().name.startswith("nam-ckpt-read"):
+            threads.add(threading.get_ident())
+            meeting.wait()
+        return in_turn(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+    back = _read(tmp_path, state, side_by_side=True)
+    assert len(threads) == 4
+    assert all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
+    monkeypatch.setattr(FileSystemReader, "read_data", in_turn)
+    cut = sorted(tmp_path.glob("*.distcp"))[2]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    errors = []
+    for side_by_side in (False, True):
+        with pytest.raises(CheckpointException) as failed:  # DCP's wrapper of the rank's error
+            _read(tmp_path, state, side_by_side=side_by_side)
+        errors.append([type(error) for error, _ in failed.value.failures.values()])  # (exception, trace)
+    assert errors[0] == errors[1] == [EOFError], errors
 
 
 # --- the gradient norm and clip without TE/Apex (megatron-grad-norm-foreach, megatron-grad-clip-foreach) -------
@@ -834,3 +896,17 @@ def test_fused_master_weights_are_the_precision_aware_optimizer_at_fp32():
     assert problems and "fused_master_weights with dtype=bfloat16 only" in problems[0]
     with pytest.raises(NamError, match=r"Transformer Engine \(precision-aware optimizer\)"):
         engine.check_runtime(READY, precision_aware=precision_aware(fused))
+
+
+def test_load_targets_stay_on_an_h200_and_go_to_the_host_on_an_h100():
+    """Full NAM56R at one GPU, bf16-moments (state 6 bytes x 4.73e9 parameters): after the targets are made and
+    the state released, an H200 has ~95 GiB free (139 less weights 2 and targets 8 bytes per parameter) and the
+    rebuild needs ~64 GiB: the targets stay; an 80 GB H100 has ~36 GiB: they go to host memory, said so."""
+    from nam_core.engine.megatron import checkpoint
+
+    state = 6 * 4_730_000_000
+    stay, why = checkpoint.targets_stay(state, 95 << 30)
+    assert stay and why.startswith("optimizer load targets on the GPU")
+    stay, why = checkpoint.targets_stay(state, 36 << 30)
+    assert not stay and "in host memory" in why and "36.0 GiB free" in why
+    assert checkpoint.targets_stay(state, None) == (False, "optimizer load targets in host memory (no GPU)")

@@ -96,6 +96,10 @@ def megatron_run(args, recipe) -> None:
         fused_adam.install(precision_aware=args.precision_aware_stand_in)
         if args.precision_aware_stand_in:
             _ledger_of_the_load(fused_adam.LEDGER, args.run_dir)
+    if args.load_targets_fit:  # the GPU (this CPU, under the double) has room for the rebuild beside the targets
+        from nam_core.engine.megatron import checkpoint
+
+        checkpoint._free_for_load = lambda: 1 << 50
     from nam56r.run import RunRequest, build, resolve
     from nam_core.device import DeviceInfo
     from nam_core.engine.contract import engine_for
@@ -222,6 +226,10 @@ def main() -> None:
     ap.add_argument("--precision-aware-stand-in", action="store_true",
                     help="megatron runs: the stand-in with master weights (Megatron's precision-aware optimizer; "
                          "the bf16-moments or fused-master numerics), the resume's optimizer memory counted")
+    ap.add_argument("--load-targets-fit", action="store_true",
+                    help="megatron runs: a resume finds room on the device for the optimizer's load targets "
+                         "(checkpoint.targets_stay keeps them there; without this flag the CPU run has no GPU "
+                         "and they go to host memory)")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

@@ -602,12 +602,15 @@ def resolve_resume(spec: str, ckpt_root: Path) -> Path:
         is_good=lambda folder: inspect(folder)[0] is not None, why=lambda folder: inspect(folder)[1])
 
 
-def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phases: dict | None = None) -> dict:
+def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phases: dict | None = None,
+                    notes: list | None = None) -> dict:
     """Restore the model chunks, optimizer and per-rank RNG from ``folder``; refuse another parallel layout.
-    Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one). The
-    gradient buffers are freed during the load; with Megatron's precision-aware optimizer the load targets are in
-    host memory and the optimizer's state is made once, by Megatron's load (the comment below says why and how
-    much). ``phases``, when given, gets the seconds of each part (``LOAD_PHASES``), for the run log."""
+    Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one; Megatron's
+    reader made to read the files side by side). The gradient buffers are freed during the load; with Megatron's
+    precision-aware optimizer the optimizer's state is made once, by Megatron's load, and its load targets stay on
+    the GPU when the memory allows, else go to host memory (``targets_stay``; the comment below says why and how
+    much). ``phases``, when given, gets the seconds of each part (``LOAD_PHASES``); ``notes`` gets where the
+    targets went and why: both for the run log."""
     from megatron.core import dist_checkpointing
 
     clock = _Phases(phases)
@@ -622,8 +625,14 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phas
     clock.lap("check")
     with grads_released(models):
         targets = _sharded_state(models, optimizer, is_loading=True)
-        if targets_on_host(targets["optimizer"], optimizer):
+        if _copies_state(optimizer):
+            state_bytes = _state_bytes(optimizer)
             release_state(optimizer)
+            stay, why = targets_stay(state_bytes, _free_for_load())
+            if not stay:
+                targets_on_host(targets["optimizer"])
+            if notes is not None:
+                notes.append(why)
         clock.lap("targets")
         # integrity.json: Megatron's digests, written by synchronous saves only (nam's manifest, checked above by
         # inspect, holds the same for every save)
@@ -671,7 +680,7 @@ class _Phases:
 # One H200, full NAM56R (N = 4.73e9 parameters, all in one distributed optimizer at EP 1; 1 byte per parameter =
 # 4.40 GiB), bf16-moments (Megatron's precision-aware optimizer on TE's FusedAdam), before the first step (no
 # activations), in bytes per parameter, Megatron-Core 0.19.2 and TE 2.20.2 as read (tests/megatron_gloo/
-# fused_adam.py's ledger measures the optimizer's part on the CPU: 28 before, 14 after):
+# fused_adam.py's ledger measures the optimizer's part on the CPU):
 #   weights 2 (bf16 param buffer) + gradients 4 (fp32 grad buffer) + the optimizer's state 6 (bf16 exp_avg and
 #   exp_avg_sq, int16 master remainders) = 12 (53 GiB), what training holds besides activations.
 #   ``sharded_state_dict(is_loading=True)`` makes that state through ``load_state_dict`` on its empty-state path
@@ -679,14 +688,57 @@ class _Phases:
 #   of both moments, 8, held through the load: 20 (88 GiB). ``optimizer.load_state_dict`` (the state allocated
 #   now) then reads FusedAdam's ``state_dict()``, fp32 copies of both moments again (8), and torch's
 #   ``Optimizer.load_state_dict`` casts them and the remainders to the weights' bf16 (6) before FusedAdam makes
-#   its state afresh: 34 (150 GiB) wanted; out of memory at 130.9 GiB in use.
+#   its state afresh: 34 (150 GiB) wanted; out of memory at 130.9 GiB in use (round 6).
 # What ``load_checkpoint`` does instead: the gradient buffers are freed for the load (Megatron's
-# ``offload_grad_buffers``: they hold nothing before the first step), the targets are moved to host memory as soon
-# as Megatron has made them, and the optimizer's state is dropped, so that ``optimizer.load_state_dict`` makes it
-# once on its empty-state path (dummies 6, the remainders' bf16 casts 2, the state 6) and copies the checkpoint's
-# values into it from the host. Peak: 2 (weights) + 6 (state) + 8 (the targets' GPU copies, before the move) = 16
-# (70 GiB), then 2 + 14 = 16 again in the rebuild, plus FusedAdam's per-parameter temporaries (fp32 of one
-# parameter). The host holds 10 per parameter (47 GB: the fp32 moments, the int16 remainders) during the load.
+# ``offload_grad_buffers``: they hold nothing before the first step) and the optimizer's state is dropped once
+# Megatron has made the targets, so that ``optimizer.load_state_dict`` makes it once on its empty-state path
+# (dummies 6, the remainders' bf16 casts 2, the state 6: ``REBUILD`` = 14/6 of the state) and copies the
+# checkpoint's values into it. With the targets on the GPU: 2 (weights) + 8 (targets) + 14 = 24 (106 GiB; 108.0
+# measured, round 12), and the load converts on the GPU (optimizer part 0.3 s). With the targets in host memory
+# (47 GB there: the fp32 moments, the int16 remainders): 2 + 6 + 8 = 16 before the move, 2 + 14 = 16 in the
+# rebuild (70.6 GiB measured, round 11), but FusedAdam converts them on the host and copies them from pageable
+# memory (optimizer part 6.2 s, round 12). ``targets_stay`` keeps them on the GPU when the rebuild fits.
+
+REBUILD = 7 / 3
+"""What ``optimizer.load_state_dict`` allocates on the GPU while rebuilding a released precision-aware state, as a
+multiple of that state's bytes (the comment above; the gloo suite's ledger measures it)."""
+LOAD_MARGIN = 2 << 30
+"""Bytes left free beyond the rebuild's when the targets stay on the GPU (the kernels' workspaces, the caching
+allocator's rounding)."""
+
+
+def _state_bytes(optimizer) -> int:
+    """Bytes of every inner optimizer's per-parameter state tensors."""
+    return sum(t.numel() * t.element_size()
+               for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               if getattr(inner, "optimizer", None) is not None
+               for per_param in inner.optimizer.state.values() for t in per_param.values()
+               if isinstance(t, torch.Tensor))
+
+
+def _free_for_load() -> int | None:
+    """Bytes this process can still allocate on its GPU: the driver's free memory plus what torch's caching
+    allocator holds unused (the released state's blocks); None when the engine's device is not CUDA."""
+    if parallel.device().type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def targets_stay(state_bytes: int, free: int | None) -> tuple[bool, str]:
+    """Whether the precision-aware optimizer's load targets stay on the GPU: when the state's rebuild
+    (``REBUILD`` times ``state_bytes``) and ``LOAD_MARGIN`` fit in ``free`` (``_free_for_load``; None: no GPU, the
+    targets are host memory already). The reason, for the run log, either way."""
+    need = REBUILD * state_bytes + LOAD_MARGIN
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    if free is None:
+        return False, "optimizer load targets in host memory (no GPU)"
+    if free >= need:
+        return True, (f"optimizer load targets on the GPU: the state's rebuild needs {gib(need)}, {gib(free)} "
+                      "free")
+    return False, (f"optimizer load targets in host memory: the state's rebuild needs {gib(need)} with them on "
+                   f"the GPU, {gib(free)} free; the load converts them on the host (slower: bench/README.md, "
+                   "round 12)")
 
 
 @contextlib.contextmanager
@@ -717,17 +769,14 @@ def _copies_state(optimizer) -> bool:
                for o in inners)
 
 
-def targets_on_host(optimizer_targets: dict, optimizer) -> int:
-    """With Megatron's precision-aware optimizer (``_copies_state``), every load target of the optimizer's sharded
-    state (its ``ShardedTensor``s: fp32 copies of the moments, the live remainders, padding) replaced by an empty
-    tensor of the same shape and dtype in host memory, for ``dist_checkpointing.load`` to fill; returns how many
-    (0: other optimizers, whose targets are their live state, loaded in place). The GPU copies are freed as each is
-    replaced."""
+def targets_on_host(optimizer_targets: dict) -> int:
+    """Every load target of the optimizer's sharded state (its ``ShardedTensor``s: with Megatron's precision-aware
+    optimizer, fp32 copies of the moments, the live remainders, padding) replaced by an empty tensor of the same
+    shape and dtype in host memory, for ``dist_checkpointing.load`` to fill; returns how many. The GPU copies are
+    freed as each is replaced (those that are copies)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    if not _copies_state(optimizer):
-        return 0
     moved = 0
     for target in nested_values(optimizer_targets):
         if isinstance(target, ShardedTensor) and target.data is not None:
@@ -740,8 +789,8 @@ def targets_on_host(optimizer_targets: dict, optimizer) -> int:
 def release_state(optimizer) -> None:
     """Every inner optimizer's per-parameter state dropped (``optimizer.state`` emptied), so that Megatron's
     ``DistributedOptimizer.load_state_dict`` allocates it on its empty-state path, once, instead of copying the
-    live state through ``state_dict()`` and back (module comment above ``grads_released``). Only when no load
-    target is live state (``targets_on_host``)."""
+    live state through ``state_dict()`` and back (module comment above ``grads_released``). Only for an optimizer
+    whose load targets are copies of its state (``_copies_state``), once the targets are made."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(inner, "optimizer", None) is not None:  # None: a stub (a rank without parameters to update)
             inner.optimizer.state.clear()

@@ -217,11 +217,12 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         model.broadcast_params()
     opt = optimizer.build_optimizer(models, tc, config)
     optimizer.wire(config, models, opt, schedule)
-    start, loading, load_peak, phases = 0, 0.0, "", {}
+    start, loading, load_peak, phases, load_notes = 0, 0.0, "", {}, []
     if run.resume_from is not None:
         loading = time.perf_counter()
         with _load_peak() as peak:
-            start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout, phases=phases)["step"]
+            start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout, phases=phases,
+                                               notes=load_notes)["step"]
         loading = time.perf_counter() - loading
         load_peak = f", peak GPU memory {peak['gib']:.1f} GiB" if peak else ""
         load_peak += "; " + ", ".join(f"{k} {phases[k]:.1f}" for k in checkpoint.LOAD_PHASES if k in phases) + " s"
@@ -236,7 +237,8 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         resumed = ([f"resumed from {run.resume_from} at step {start} (loaded in {loading:.1f} s{load_peak})"]
                    if run.resume_from is not None else [])
         lane = [f"patch {r.name}: {r.state} ({r.detail})" for r in patch_reports if r.state == "applied"]
-        for line in [*resumed, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config), optimizer.describe(tc)]:
+        for line in [*resumed, *load_notes, *cut, *run.notes, *lane, _overlaps(config, models[0].ddp_config),
+                     optimizer.describe(tc)]:
             log.note(line)
         run.notes.clear()
     good = checkpoint.good_checkpoints(run.folder.checkpoints)

@@ -6,6 +6,6 @@
 set -u
 TOP=$OUT OUT=$OUT/r14 && mkdir -p "$OUT"  # only $TOP/r14.tgz comes back
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-BUDGET=${BUDGET:-540} STEP_MIN=20 STEP_EXT=.log SUMMARY=summary.txt STEP_TAIL=16
-step 520 FL python bench/float8_loss.py --te --json "$OUT/float8_loss_te.json"
+BUDGET=${BUDGET:-480} STEP_MIN=20 STEP_EXT=.log SUMMARY=summary.txt STEP_TAIL=16
+step 450 FL python bench/float8_loss.py --te --json "$OUT/float8_loss_te.json"
 tar -C "$TOP" -czf "$TOP/r14.tgz" r14 && rm -rf "$OUT"

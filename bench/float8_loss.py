@@ -129,8 +129,9 @@ def main() -> int:
     allowed = min(CAP, max(BAND, noise))
     ok = abs(diff) < allowed
     converted = [line for line in logs["fp8"].splitlines() if "Float8Linear" in line]
-    te = {k: abs(gaps[k]) < allowed and any("Transformer Engine Linear (FP8" in line for line in logs[k].splitlines())
-          for k in curves if k in TE_RUNS}
+    swapped = {k: any("Transformer Engine Linear (FP8" in line for line in logs[k].splitlines())
+               for k in curves if k in TE_RUNS}
+    te = {k: abs(gaps[k]) < allowed and swapped[k] for k in swapped}
 
     names = list(curves)
     print(f"tiny NAM56R, {args.steps} steps, seed {args.seed}, {gpu}; LM loss every 20 steps")
@@ -144,7 +145,8 @@ def main() -> int:
     print("wall (all runs side by side, startup included): " + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()))
     print(converted[0] if converted else "fp8 run.log has no Float8Linear line: the linears were NOT converted")
     for k, passed in te.items():
-        print(f"{k}: {gaps[k]:+.4f} nats, {'within' if passed else 'NOT within (or not swapped)'} +-{allowed:.4f}")
+        print(f"{k}: {gaps[k]:+.4f} nats, {'within' if abs(gaps[k]) < allowed else 'NOT within'} +-{allowed:.4f}; "
+              + ("run.log shows the TE FP8 swap" if swapped[k] else "run.log shows NO TE FP8 swap"))
     ok = ok and all(te.values())
     print("PASS" if ok and converted else "FAIL")
     if args.json:
@@ -152,7 +154,7 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
             "seed": args.seed, "commands": {k: COMMON + v for k, v in {**RUNS, **TE_RUNS}.items() if k in curves},
-            "seed_offset": SEED_OFFSET, "te_pass": te,
+            "seed_offset": SEED_OFFSET, "te_pass": te, "te_swapped": swapped,
             "band_nats": BAND, "cap_nats": CAP, "allowed_nats": allowed, "last": LAST, "mean_last": mean,
             "gaps_vs_bf16": gaps, "diff": diff, "max_gap_last": max_gap, "pass": ok and bool(converted),
             "converted": converted, "curves": curves, "wall_s": walls,

@@ -238,6 +238,36 @@ def test_host_mirror_matches_shapes_and_dtypes_and_refuses_an_unknown_way():
         async_checkpoint.host_mirror(state, pinned=True, how="mmap")
 
 
+def test_registered_host_mirror_locks_each_tensor_on_pages_of_its_own_and_stages_a_save(monkeypatch):
+    """``host_mirror(..., how="register")`` (CUDA's calls recorded): the structure of the state, each non-empty
+    tensor (0-dim ones too) in one shared mapping on whole pages of its own, registered once, no page in two
+    registrations (CUDA refuses a page registered twice; malloc'd tensors share pages); DCP's stager copies a
+    state into it value for value."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    registered = []
+    monkeypatch.setattr(async_checkpoint, "_register", lambda ptr, size: registered.append((ptr, size)))
+    gen = torch.Generator().manual_seed(9)
+    state = {"w": torch.randn(3, 5, generator=gen), "opt": {"state": {0: {"step": torch.tensor(4.0),
+             "exp_avg": torch.randn(17, generator=gen).bfloat16()}}, "groups": [{"lr": 1e-3, "params": [0]}]},
+             "empty": torch.zeros(0), "n": 7}
+    mirror = async_checkpoint.host_mirror(state, pinned=True, how="register")
+    locked = [t for t in async_checkpoint._tensors(mirror) if t.numel()]
+    assert len(locked) == 3 and [ptr for ptr, _ in registered] == [t.data_ptr() for t in locked]
+    page = async_checkpoint.PAGE
+    for (ptr, size), t in zip(registered, locked):
+        assert ptr % page == 0 and size % page == 0 and size >= t.numel() * t.element_size()
+    spans = sorted(registered)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    stager = BlockingAsyncStager(cache_staged_state_dict=True)
+    stager.state_dict_cache = mirror
+    staged = stager.stage(state)
+    for got, want in zip(async_checkpoint._tensors(staged), async_checkpoint._tensors(state)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert [t.data_ptr() for t in async_checkpoint._tensors(staged) if t.numel()] == [p for p, _ in registered]
+    assert staged["n"] == 7 and staged["opt"]["groups"] == [{"lr": 1e-3, "params": [0]}]
+
+
 def test_a_one_file_checkpoint_of_before_loads_and_files_hash_side_by_side_as_one_by_one(tmp_path, monkeypatch):
     """Checkpoints written as one data file (before FILES) still load bit-exact; ``hash_files`` on threads gives
     each file's own sha256."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nam_core.data.dataset import file_sha256
+from nam_core.engine import async_checkpoint
 from nam_core.engine import megatron as engine
 from nam_core.engine.config import TrainConfig
 from nam_core.engine.megatron import checkpoint, optimizer, patches
@@ -437,7 +438,7 @@ def test_page_locked_host_shards_register_whole_pages_of_a_shared_mapping(monkey
     """On CUDA: one registration per shard, page-aligned, no page in two of them (CUDA refuses a page registered
     twice), and the buffers in a shared mapping (/proc/self/maps ``s``), which a fork shares instead of copying."""
     registered = []
-    monkeypatch.setattr(checkpoint, "_register", lambda ptr, size: registered.append((ptr, size)))
+    monkeypatch.setattr(async_checkpoint, "_register", lambda ptr, size: registered.append((ptr, size)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -448,7 +449,8 @@ def test_page_locked_host_shards_register_whole_pages_of_a_shared_mapping(monkey
     assert [b.numel() for b in host.buffers][-1] == 0  # an empty shard: a buffer, nothing registered
     assert [ptr for ptr, _ in registered] == [b.data_ptr() for b in host.buffers if b.numel()]
     for (ptr, size), b in zip(registered, [b for b in host.buffers if b.numel()]):
-        assert ptr % checkpoint.PAGE == 0 and size % checkpoint.PAGE == 0 and size >= b.numel() * b.element_size()
+        page = async_checkpoint.PAGE
+        assert ptr % page == 0 and size % page == 0 and size >= b.numel() * b.element_size()
     spans = sorted(registered)
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
     for buf, ref in zip(host.buffers, checkpoint._shards(want)):

@@ -48,6 +48,8 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
+import mmap
 import os
 import pickle
 import shutil
@@ -313,10 +315,10 @@ def _loading(folder: Path):
 
 HOST_BUFFERS = "alloc"
 """How pinned host buffers are page-locked: ``"alloc"`` (``cudaHostAlloc`` through torch's pinned allocator, as
-DCP's stager does; measured on our GPU host) or ``"register"`` (pageable tensors, pages touched, then
-``cudaHostRegister`` per tensor; not yet run on a GPU: two tensors sharing a page may be refused by the driver as
-already registered, which the bench would show as a failed build). Not a setting: ``bench/host_buffers.py`` and
-``bench/checkpoint.py --host-buffers`` set it to compare the two on a GPU."""
+DCP's stager does; measured on our GPU host) or ``"register"`` (``registered_buffers``: a shared mapping, each
+tensor on pages of its own, touched, then ``cudaHostRegister`` per tensor; the megatron engine's way, not yet
+measured in this engine). Not a setting: ``bench/host_buffers.py`` and ``bench/checkpoint.py --host-buffers`` set
+it to compare the two on a GPU."""
 
 
 @dataclass
@@ -344,6 +346,64 @@ def _tensors(obj):
             yield from _tensors(value)
 
 
+PAGE = mmap.PAGESIZE
+
+
+def _register(ptr: int, size: int) -> None:
+    """Page-lock ``size`` bytes at ``ptr`` for CUDA (``cudaHostRegister``, portable)."""
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.pin_memory(ptr, size)
+
+
+def _unregister(ptr: int) -> None:
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.unpin_memory(ptr)
+
+
+def page_layout(specs: list) -> tuple[list[int], int]:
+    """Each tensor's byte offset in one mapping, every tensor starting on a page of its own (two registrations may
+    not share a page: CUDA refuses a page registered twice), and the mapping's size."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // PAGE) * PAGE  # an empty tensor: no page
+    return offsets, end
+
+
+def registered_buffers(specs: list) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Page-locked host tensors of the ``(shape, dtype)`` in ``specs``, made so that a training thread's CUDA calls
+    are not held up meanwhile (both engines build them on a background thread): one shared anonymous mapping
+    (a forked writer shares it instead of copying its locked pages), each tensor on pages of its own and with a
+    storage of its own (``torch.frombuffer``, which keeps the mapping alive), every page faulted in by zeroing (no
+    CUDA call), then one ``cudaHostRegister`` per tensor, undone when the tensor goes. An empty tensor is a plain
+    one (nothing to lock). Returns the tensors and the seconds of the two steps (``pages touched``,
+    ``registered``). ``cudaHostAlloc`` instead (torch's pinned allocator) held up training for the whole build: a
+    42.9 s step of full NAM56R (one H200, bench/README.md round 9)."""
+    t0 = time.perf_counter()
+    offsets, size = page_layout(specs)
+    mapping = mmap.mmap(-1, size) if size else None
+    buffers = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "non-writable buffer": the mapping is writable
+        for (shape, dtype), at in zip(specs, offsets):
+            if math.prod(shape) == 0:  # frombuffer refuses a count of 0
+                buffers.append(torch.empty(shape, dtype=dtype))
+                continue
+            buf = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=at).view(shape)
+            buf.zero_()
+            buffers.append(buf)
+    t1 = time.perf_counter()
+    for buf in buffers:
+        if buf.numel() == 0:
+            continue
+        _register(buf.data_ptr(), -(-buf.numel() * buf.element_size() // PAGE) * PAGE)
+        # unlocked when the buffer goes; not at exit, after the CUDA context is gone
+        weakref.finalize(buf, _unregister, buf.data_ptr()).atexit = False
+    return buffers, {"pages touched": t1 - t0, "registered": time.perf_counter() - t1}
+
+
 def host_mirror(state: dict, *, pinned: bool, how: str | None = None) -> dict:
     """A CPU state dict of ``state``'s structure with new, uninitialised tensors of the same shapes and dtypes
     (torch's ``_create_cpu_state_dict``: what ``BlockingAsyncStager`` caches), every page touched, so the first
@@ -356,17 +416,16 @@ def host_mirror(state: dict, *, pinned: bool, how: str | None = None) -> dict:
         return _create_cpu_state_dict(state, pin_memory=True)
     if how not in ("register", "alloc"):
         raise ValueError(f"HOST_BUFFERS: expected 'register' or 'alloc', found {how!r}")
-    mirror = _create_cpu_state_dict(state)
-    for t in _tensors(mirror):
-        if t.numel() == 0:
-            continue
-        t.zero_()  # faults the pages in here, so the lock below only locks them (and the first copy is not slower)
-        if pinned:
-            from torch.cuda import _pin_memory_utils
-
-            _pin_memory_utils.pin_memory(t.data_ptr(), t.numel() * t.element_size())
-            # unlocked when the mirror goes; not at exit, after the CUDA context is gone (as torch's StateDictStager)
-            weakref.finalize(t, _pin_memory_utils.unpin_memory, t.data_ptr()).atexit = False
+    mirror = _create_cpu_state_dict(state)  # the structure; its tensors get the buffers' storage when pinned
+    tensors = [t for t in _tensors(mirror) if t.numel()]
+    if not pinned:
+        for t in tensors:
+            t.zero_()  # faults the pages in here, so the first copy into them is not slower
+        return mirror
+    buffers, _ = registered_buffers([(tuple(t.shape), t.dtype) for t in tensors])
+    with torch.no_grad():
+        for t, buf in zip(tensors, buffers):
+            t.set_(buf)  # the same tensor object (the stager copies into it), on a registered page of its own
     return mirror
 
 

@@ -23,7 +23,6 @@ import enum
 import io
 import json
 import math
-import mmap
 import os
 import pickle
 import re
@@ -31,13 +30,13 @@ import shutil
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import is_dataclass
 from pathlib import Path
 
 import torch
 
 from nam_core.engine import checkpoint as files
+from nam_core.engine.async_checkpoint import registered_buffers
 from nam_core.engine.megatron import parallel
 from nam_core.engine.megatron.model import unwrap
 from nam_core.errors import NamError, RunFolderError
@@ -431,32 +430,6 @@ def _on_cuda(state: dict) -> bool:
     return any(sh.data.is_cuda for sh in _shards(state))
 
 
-PAGE = mmap.PAGESIZE
-
-
-def _register(ptr: int, size: int) -> None:
-    """Page-lock ``size`` bytes at ``ptr`` for CUDA (``cudaHostRegister``, portable)."""
-    from torch.cuda import _pin_memory_utils
-
-    _pin_memory_utils.pin_memory(ptr, size)
-
-
-def _unregister(ptr: int) -> None:
-    from torch.cuda import _pin_memory_utils
-
-    _pin_memory_utils.unpin_memory(ptr)
-
-
-def page_layout(specs: list) -> tuple[list[int], int]:
-    """Each shard's byte offset in one mapping, every shard starting on a page of its own (two registrations may
-    not share a page), and the mapping's size."""
-    offsets, end = [], 0
-    for shape, dtype in specs:
-        offsets.append(end)
-        end += -(-math.prod(shape) * dtype.itemsize // PAGE) * PAGE  # an empty shard: no page
-    return offsets, end
-
-
 class HostShards:
     """One process's host buffers for the megatron engine's saves: one per shard of the sharded state (its shape
     and dtype), made on a background thread from the shapes alone (the state's tensors are not kept: some are made
@@ -502,30 +475,7 @@ class HostShards:
             self._built.set()
 
     def _registered(self) -> list[torch.Tensor]:
-        t0 = time.perf_counter()
-        offsets, size = page_layout(self.specs)
-        # shared and anonymous (a fork shares it); kept as long as this object
-        self._mapping = mmap.mmap(-1, size) if size else None
-        buffers = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "non-writable buffer": the mapping is writable
-            for (shape, dtype), at in zip(self.specs, offsets):
-                if math.prod(shape) == 0:  # nothing to copy or lock (frombuffer refuses a count of 0)
-                    buffers.append(torch.empty(shape, dtype=dtype))
-                    continue
-                # a storage of its own per shard: Megatron's writer clones a host tensor that is a view of a larger
-                # storage (round 10: 8.8 s of the pause, one buffer for all shards)
-                buf = torch.frombuffer(self._mapping, dtype=dtype, count=math.prod(shape), offset=at).view(shape)
-                buf.zero_()  # every page faulted in here, so registering only locks them
-                buffers.append(buf)
-        t1 = time.perf_counter()
-        for buf in buffers:
-            if buf.numel() == 0:
-                continue
-            _register(buf.data_ptr(), -(-buf.numel() * buf.element_size() // PAGE) * PAGE)
-            # unlocked when the buffer goes; not at exit, after the CUDA context is gone
-            weakref.finalize(buf, _unregister, buf.data_ptr()).atexit = False
-        self.parts = {"pages touched": t1 - t0, "registered": time.perf_counter() - t1}
+        buffers, self.parts = registered_buffers(self.specs)
         return buffers
 
     def copy_in(self, state: dict) -> float:

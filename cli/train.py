@@ -2,9 +2,12 @@
 
 Order: recipe + overrides (``nam56r.run.resolve``) -> the engine starts -> ``nam56r.run.build`` (device,
 plugin activation: exit 3 on failure; patch lane; backends; model; dataset: exit 4 on failure) -> the run
-folder (``RunFolder``: lock, how the run starts, its files) -> the engine trains -> the summary. ``--dry-run``
-stops after building the model on the meta device and prints the plan. This module holds the command's
-options and its hints; what a run is and how it trains live in ``nam56r.run`` and ``nam_core.engine``.
+folder (``RunFolder``: lock, how the run starts, its files) -> the engine trains -> the summary. With
+``--resume``, the sha256 of the run folder's checkpoints starts on a background thread as the engine starts, so
+it overlaps ``build``'s self-tests; the run folder's check then finds the digests made (``_verify_ahead``) and
+decides as it would alone. ``--dry-run`` stops after building the model on the meta device and prints the
+plan. This module holds the command's options and its hints; what a run is and how it trains live in
+``nam56r.run`` and ``nam_core.engine``.
 
 ``--engine megatron`` runs one process per GPU under torchrun (``--nproc N`` starts torchrun itself): the
 allocator is set before CUDA starts, the runtime (megatron-core >= 0.19, CUDA, torchrun, psutil) and the
@@ -115,13 +118,15 @@ def train(
         return plan.show(plan.on_profile(run, host, device_profile, run_dir=run_dir, data=data), json_out=json_out)
     eng = engine_for(run.spec.engine)
     ranks = eng.start(run.spec, dry_run=dry_run, relaunch=_relaunch)
-    say = progress(ranks.writes and not (quiet or json_out or dry_run))
-    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say,
-                    eval_data=eval_data, init_from=init_from)
-    if dry_run:
-        return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
     folder = rundir.RunFolder(run_dir or Path("runs") / run.spec.recipe)
-    with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
+    with contextlib.ExitStack() as held:  # what the run holds (the folder's lock, the early check) goes on any exit
+        if resume is not None and not dry_run:  # the checkpoints' sha256 overlaps the self-tests (_verify_ahead)
+            held.callback(_verify_ahead(eng, folder).stop)
+        say = progress(ranks.writes and not (quiet or json_out or dry_run))
+        session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say,
+                        eval_data=eval_data, init_from=init_from)
+        if dry_run:
+            return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
         summary = _train(session, folder, resume, held=held, quiet=quiet or json_out, again=_again(folder.path, ctx),
                          say=say)
     if summary is not None:
@@ -134,6 +139,16 @@ def train(
             for line in where_lines(summary):
                 out.print(line, markup=False, highlight=False)
     eng.finish()
+
+
+def _verify_ahead(eng, folder):
+    """Start the engine's check of the run folder's checkpoints (``good_checkpoints``: the sha256 of every file)
+    on a background thread, before ``build``: the claim (``_train``) makes the same call and finds the digests
+    hashed, or waits for the files still being hashed. Every rank does it, as every rank's claim reads the folder.
+    Its answer is not used, so it decides nothing (``checkpoint.VerifyAhead``); ``stop()`` on every exit."""
+    from nam_core.engine.checkpoint import VerifyAhead
+
+    return VerifyAhead(eng.good_checkpoints, folder.checkpoints)
 
 
 def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say) -> dict | None:

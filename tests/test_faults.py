@@ -326,6 +326,8 @@ def test_a_resume_hashes_its_checkpoints_in_the_background_before_build_and_deci
     assert f"resumed from {run_dir / 'checkpoints' / 'step-00000002'} at step 2" in (run_dir / "run.log").read_text()
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
     assert len(verifiers) == 1 and not verifiers[0].is_alive()
+    assert (f"checkpoint check: the sha256 of {run_dir / 'checkpoints'} ran on a background thread during start-up ("
+            in (run_dir / "run.log").read_text())
     of_the_folder = [(path, who) for path, who in reads if path in set(files)]  # not the new saves' (hidden) files
     assert sorted(path for path, _ in of_the_folder) == files, of_the_folder
     assert all(who.startswith("nam-verify") for _, who in of_the_folder), of_the_folder

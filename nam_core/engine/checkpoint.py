@@ -27,6 +27,7 @@ import random
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -377,33 +378,38 @@ class VerifyAhead:
     (``error``) and prints nothing, and the error is not cached, so the foreground's call hashes that file again
     and raises it.
 
-    ``stop()`` (every exit of ``nam train``): set the stop event, so that a hash under way gives up at its next
-    8 MiB block and those not begun never start, then join the thread (``STOP_WAIT_S`` at most): a failing start
-    exits at once instead of hashing the rest. After a claim there is nothing left for it to hash (the claim
-    needed every digest it computes), so on success it has ended by then.
+    ``stop()`` (``nam train``: right after the claim, which leaves it nothing to hash since it needed every digest
+    this pass makes, and on every exit): set the stop event, so that a hash under way gives up at its next 8 MiB
+    block and those not begun never start, then join the thread (``STOP_WAIT_S`` at most): a failing start exits
+    at once instead of hashing the rest.
 
     It verifies the checkpoints in the engine's own order, not the newest first: the claim checks every one of
     them (``rundir.Contents``) before it picks one, so the order does not change when the claim can go on."""
 
     STOP_WAIT_S = 10.0
     """How long ``stop`` waits for the thread: a hash gives up within one block (~10 ms of reading); only a read
-    stuck in the kernel (a dead network disk) outlasts it, and the daemon thread is then left behind."""
+    stuck in the kernel (a dead network disk) outlasts it. The daemon thread is then left behind; its helper
+    threads (``hash_files``'s pool) are not daemons, so such a read holds up the exit as the claim's own would."""
 
     def __init__(self, good: Callable[[Path], list[Path]], ckpt_root: Path):
         self._stop = threading.Event()
         self.error: Exception | None = None
         """What the background pass raised (kept, never printed: the foreground's own call meets it again)."""
+        self.seconds: float | None = None
+        """How long the background pass took, once it has ended (for the run log's note)."""
         self._thread = threading.Thread(target=self._run, args=(good, ckpt_root), name="nam-verify", daemon=True)
         self._thread.start()
 
     def _run(self, good: Callable[[Path], list[Path]], ckpt_root: Path) -> None:
         _LOCAL.stop = self._stop
+        began = time.monotonic()
         try:
             good(ckpt_root)
         except Abandoned:
             pass  # stopped: nobody wants the rest
         except Exception as exc:  # noqa: BLE001 - not lost: the foreground's call hashes again and raises it
             self.error = exc
+        self.seconds = time.monotonic() - began
 
     @property
     def running(self) -> bool:

@@ -2,9 +2,12 @@
 
 Order: recipe + overrides (``nam56r.run.resolve``) -> the engine starts -> ``nam56r.run.build`` (device,
 plugin activation: exit 3 on failure; patch lane; backends; model; dataset: exit 4 on failure) -> the run
-folder (``RunFolder``: lock, how the run starts, its files) -> the engine trains -> the summary. ``--dry-run``
-stops after building the model on the meta device and prints the plan. This module holds the command's
-options and its hints; what a run is and how it trains live in ``nam56r.run`` and ``nam_core.engine``.
+folder (``RunFolder``: lock, how the run starts, its files) -> the engine trains -> the summary. With
+``--resume``, the sha256 of the run folder's checkpoints starts on a background thread as the engine starts, so
+it overlaps ``build``'s self-tests; the run folder's check then finds the digests made (``_verify_ahead``) and
+decides as it would alone. ``--dry-run`` stops after building the model on the meta device and prints the
+plan. This module holds the command's options and its hints; what a run is and how it trains live in
+``nam56r.run`` and ``nam_core.engine``.
 
 ``--engine megatron`` runs one process per GPU under torchrun (``--nproc N`` starts torchrun itself): the
 allocator is set before CUDA starts, the runtime (megatron-core >= 0.19, CUDA, torchrun, psutil) and the
@@ -115,15 +118,19 @@ def train(
         return plan.show(plan.on_profile(run, host, device_profile, run_dir=run_dir, data=data), json_out=json_out)
     eng = engine_for(run.spec.engine)
     ranks = eng.start(run.spec, dry_run=dry_run, relaunch=_relaunch)
-    say = progress(ranks.writes and not (quiet or json_out or dry_run))
-    session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say,
-                    eval_data=eval_data, init_from=init_from)
-    if dry_run:
-        return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
     folder = rundir.RunFolder(run_dir or Path("runs") / run.spec.recipe)
-    with contextlib.ExitStack() as held:  # what the run holds (its folder's lock) is let go on any exit
+    with contextlib.ExitStack() as held:  # what the run holds (the folder's lock, the early check) goes on any exit
+        ahead = None
+        if resume is not None and not dry_run:  # the checkpoints' sha256 overlaps the self-tests (_verify_ahead)
+            ahead = _verify_ahead(eng, folder)
+            held.callback(ahead.stop)
+        say = progress(ranks.writes and not (quiet or json_out or dry_run))
+        session = build(run, host, eng, ranks, data=data, dry_run=dry_run, quiet=quiet or json_out, say=say,
+                        eval_data=eval_data, init_from=init_from)
+        if dry_run:
+            return plan.show(plan.of_session(session, run_dir=run_dir, data=data), json_out=json_out)
         summary = _train(session, folder, resume, held=held, quiet=quiet or json_out, again=_again(folder.path, ctx),
-                         say=say)
+                         say=say, ahead=ahead)
     if summary is not None:
         if json_out:
             print_json(summary)
@@ -136,9 +143,21 @@ def train(
     eng.finish()
 
 
-def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say) -> dict | None:
+def _verify_ahead(eng, folder):
+    """Start the engine's check of the run folder's checkpoints (``good_checkpoints``: the sha256 of every file)
+    on a background thread, before ``build``: the claim (``_train``) makes the same call and finds the digests
+    hashed, or waits for the files still being hashed. Every rank does it, as every rank's claim reads the folder.
+    Its answer is not used, so it decides nothing (``checkpoint.VerifyAhead``); stopped after the claim
+    (``_ahead_note``) and on every exit."""
+    from nam_core.engine.checkpoint import VerifyAhead
+
+    return VerifyAhead(eng.good_checkpoints, folder.checkpoints)
+
+
+def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say, ahead=None) -> dict | None:
     """The run folder (rank 0 locks and writes it; every rank reads how the run starts), the engine's training,
-    and rank 0's summary (None on the other ranks)."""
+    and rank 0's summary (None on the other ranks). ``ahead``: the check of the checkpoints begun before ``build``
+    (``_verify_ahead``), for the run log's note of what it spared the claim."""
     from nam_core.engine.summary import numerics_fields, summarize
 
     eng, writes, record, steps = session.engine, session.ranks.writes, session.record(), session.run.max_steps
@@ -146,8 +165,11 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say
     if writes:
         held.enter_context(folder)
         held.enter_context(rundir.readable_filesystem_errors(folder.path))
+    began = time.monotonic()
     start = folder.claim(record, resume, good=eng.good_checkpoints, resolve=eng.resolve_resume, again=again,
                          max_steps=steps)  # a resume with no step left: exit 2, nothing written
+    if ahead is not None:
+        start.notes.append(_ahead_note(ahead, folder, claim_s=time.monotonic() - began))
     record["branch"] = start.branch  # every checkpoint says which line it belongs to (rundir: lineage)
     eng.barrier()  # every rank has looked at the run folder before rank 0 writes into it
     if writes:
@@ -169,6 +191,16 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say
                                      total_steps=session.spec.train.total_steps))
     folder.write_summary(result)
     return result
+
+
+def _ahead_note(ahead, folder, *, claim_s: float) -> str:
+    """Stop the check begun before ``build`` (nothing is left for it: the claim needed every digest it makes) and
+    say what it did: the run log's line, where the overlap shows on a GPU host."""
+    ahead.stop()
+    took = f"{ahead.seconds:.1f} s" if ahead.seconds is not None else f"still running after {ahead.STOP_WAIT_S:.0f} s"
+    met = f"; it met {ahead.error!r}, which the run folder's check did not" if ahead.error is not None else ""
+    return (f"checkpoint check: the sha256 of {folder.checkpoints} ran on a background thread during start-up "
+            f"({took}{met}); the run folder's check took {claim_s:.1f} s after it")
 
 
 def _start_text(start, steps: int) -> str:

@@ -1,7 +1,12 @@
 """Checkpoints: verified by sha256, corrupt or partial ones are never picked, old ones pruned after a save."""
 
+import errno
+import hashlib
 import json
+import os
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -130,3 +135,142 @@ def test_a_real_full_disk_is_exit_6_naming_the_disk_and_the_size_and_leaves_no_p
     fresh = _parts_of(torch.nn.Linear(1024, 1024))
     assert checkpoint.load(root / "step-00000002", **fresh)["step"] == 2
     assert torch.equal(fresh["model"].weight, parts["model"].weight)
+
+
+# --- the digest cache under threads: one read per file version, errors to every waiter, a stoppable pass -------
+
+WAIT_S = 60  # a guard against a hang (a lost wake-up fails the test), never a timing assertion
+
+
+def _random_file(path, most=3 << 20):
+    path.write_bytes(os.urandom(random.randint(1, most)))  # up to 3 MiB: under one read block and over it
+    return path
+
+
+def _waiters(path) -> int:
+    """Threads waiting in ``_sha256`` for another thread's hash of ``path``'s current version."""
+    st = path.stat()
+    with checkpoint._DIGESTS_LOCK:
+        hashing = checkpoint._HASHING.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        return hashing.waiters if hashing is not None else 0
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} in {WAIT_S} s"
+        time.sleep(0.001)
+
+
+def _asking(path, answers: dict, name: str) -> threading.Thread:
+    """A thread that asks ``_sha256(path)`` and puts its digest or its exception in ``answers[name]``."""
+    def ask():
+        try:
+            answers[name] = checkpoint._sha256(path)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            answers[name] = exc
+
+    thread = threading.Thread(target=ask, name=name)
+    thread.start()
+    return thread
+
+
+def _held_first_read(monkeypatch, fail: BaseException | None = None):
+    """Wrap ``checkpoint.file_sha256``: every read is listed; the first waits for ``release`` (so a second caller
+    can arrive meanwhile), then raises ``fail`` if given, else hashes. Returns (reads, inside, release)."""
+    real = checkpoint.file_sha256
+    reads, inside, release = [], threading.Event(), threading.Event()
+
+    def held(path, **kw):
+        reads.append(path)
+        if len(reads) == 1:
+            inside.set()
+            assert release.wait(WAIT_S)
+            if fail is not None:
+                raise fail
+        return real(path, **kw)
+
+    monkeypatch.setattr(checkpoint, "file_sha256", held)
+    return reads, inside, release
+
+
+def test_two_threads_asking_for_one_file_at_once_read_it_once_and_both_get_its_digest(tmp_path, monkeypatch):
+    blob = _random_file(tmp_path / "blob")
+    expected = hashlib.sha256(blob.read_bytes()).hexdigest()
+    reads, inside, release = _held_first_read(monkeypatch)
+    answers = {}
+    first = _asking(blob, answers, "first")
+    assert inside.wait(WAIT_S)
+    second = _asking(blob, answers, "second")
+    # the overlap happened: the second caller waits (or, broken, reads it again: then fail at once)
+    _until(lambda: _waiters(blob) == 1 or len(reads) > 1, "second caller waiting")
+    release.set()
+    first.join(WAIT_S), second.join(WAIT_S)
+    assert answers == {"first": expected, "second": expected}
+    assert reads == [blob]
+    assert checkpoint._sha256(blob) == expected and reads == [blob]  # and cached
+
+
+def test_an_error_of_the_first_caller_reaches_the_waiting_one_and_a_later_call_hashes_again(tmp_path, monkeypatch):
+    blob = _random_file(tmp_path / "blob")
+    failure = OSError(errno.EIO, os.strerror(errno.EIO), str(blob))
+    reads, inside, release = _held_first_read(monkeypatch, fail=failure)
+    answers = {}
+    first = _asking(blob, answers, "first")
+    assert inside.wait(WAIT_S)
+    second = _asking(blob, answers, "second")
+    _until(lambda: _waiters(blob) == 1 or len(reads) > 1, "second caller waiting")
+    release.set()
+    first.join(WAIT_S), second.join(WAIT_S)
+    assert answers["first"] is failure and answers["second"] is failure  # as it would reach a single caller
+    assert reads == [blob]
+    assert checkpoint._sha256(blob) == hashlib.sha256(blob.read_bytes()).hexdigest()  # the error was not kept
+    assert reads == [blob, blob]
+
+
+def test_a_stopped_background_check_gives_up_at_once_and_leaves_nothing_cached(tmp_path, monkeypatch):
+    """``VerifyAhead.stop``: hashes under way give up at their next block, files not begun are never read, the
+    thread is joined, and a later caller hashes the given-up file itself."""
+    blobs = [_random_file(tmp_path / f"blob{i}") for i in range(3)]
+    real = checkpoint.file_sha256
+    reads = []
+
+    def until_stopped(path, *, stop=None):  # a read that goes on until the stop: a huge file on a slow disk
+        reads.append((path, threading.current_thread().name))
+        assert stop is not None and stop.wait(WAIT_S)
+        return real(path, stop=stop)  # gives up at its first block
+
+    monkeypatch.setattr(checkpoint, "file_sha256", until_stopped)
+    ahead = checkpoint.VerifyAhead(lambda root: checkpoint.hash_files(blobs, threads=2), tmp_path)
+    _until(lambda: len(reads) == 2, "two hashes under way")
+    ahead.stop()
+    assert not ahead.running and ahead.error is None  # given up is not an error
+    assert sorted(path for path, _ in reads) == blobs[:2]  # the third was never begun
+    assert all(name.startswith("nam-verify-sha256") for _, name in reads)
+    assert not [t for t in threading.enumerate() if t.name.startswith("nam-verify")]
+    reads.clear()
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: reads.append(path) or real(path, **kw))
+    assert checkpoint._sha256(blobs[0]) == hashlib.sha256(blobs[0].read_bytes()).hexdigest()
+    assert reads == [blobs[0]]
+
+
+def test_an_error_of_the_background_check_is_kept_unprinted_and_the_callers_own_call_meets_it(
+        tmp_path, monkeypatch, capsys):
+    blob = _random_file(tmp_path / "blob")
+    reads, printed = [], []
+
+    def unreadable(path, **kw):
+        reads.append(threading.current_thread().name)
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(checkpoint, "file_sha256", unreadable)
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    ahead = checkpoint.VerifyAhead(lambda root: checkpoint.good_checkpoints(root) + [checkpoint._sha256(blob)],
+                                   tmp_path)
+    _until(lambda: not ahead.running, "end of the background check")
+    ahead.stop()
+    assert isinstance(ahead.error, PermissionError) and reads == ["nam-verify"]
+    assert printed == [] and capsys.readouterr() == ("", "")
+    with pytest.raises(PermissionError):
+        checkpoint._sha256(blob)  # hashed again, here: the same error at the caller's place
+    assert reads == ["nam-verify", "MainThread"]

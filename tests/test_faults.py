@@ -286,6 +286,87 @@ def test_a_corrupt_newest_checkpoint_is_a_warning_naming_it_and_resume_takes_the
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
 
 
+def test_a_resume_hashes_its_checkpoints_in_the_background_before_build_and_decides_the_same(
+        tmp_path, corpus, base, capsys, monkeypatch):
+    """``--resume`` starts the check of the checkpoints on the ``nam-verify`` thread before ``build`` (here build
+    waits for it, so the test does not hang on which thread is faster); the claim, the load and the pruning then
+    find every digest made: each file of the folder is read once, on that thread's helpers. A corrupt newest
+    checkpoint is still skipped with the same warning, and the run resumes from the one before."""
+    import threading
+
+    import nam56r.run
+
+    run_dir = copy_base(base, tmp_path)
+    blob = run_dir / "checkpoints" / "step-00000004" / DATA_FILE
+    raw = bytearray(blob.read_bytes())
+    raw[random.randrange(len(raw))] ^= 0xFF
+    blob.write_bytes(bytes(raw))
+    files = sorted(p for p in (run_dir / "checkpoints").rglob("*") if p.is_file() and p.name != "manifest.json")
+    monkeypatch.setattr(checkpoint, "_DIGESTS", {})  # as in a new process (copies keep their mtimes, inodes recur)
+    real_build, real_hash = nam56r.run.build, checkpoint.file_sha256
+    verifiers, reads = [], []
+
+    def build_after_the_check(*a, **kw):
+        verifiers.extend(t for t in threading.enumerate() if t.name == "nam-verify")
+        for thread in verifiers:
+            thread.join(WAIT_S)
+        return real_build(*a, **kw)
+
+    def hashing(path, **kw):
+        reads.append((Path(path), threading.current_thread().name))
+        return real_hash(path, **kw)
+
+    monkeypatch.setattr(nam56r.run, "build", build_after_the_check)
+    monkeypatch.setattr(checkpoint, "file_sha256", hashing)
+    assert run(args(run_dir, corpus, "--max-steps", "5", "--set", "train.checkpoint_every=2",
+                    "--resume", "auto")) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: skipped checkpoint {run_dir / 'checkpoints' / 'step-00000004'}: sha256 mismatch of "
+            f"{DATA_FILE}" in err)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000002'} at step 2" in (run_dir / "run.log").read_text()
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert len(verifiers) == 1 and not verifiers[0].is_alive()
+    assert (f"checkpoint check: the sha256 of {run_dir / 'checkpoints'} ran on a background thread during start-up ("
+            in (run_dir / "run.log").read_text())
+    of_the_folder = [(path, who) for path, who in reads if path in set(files)]  # not the new saves' (hidden) files
+    assert sorted(path for path, _ in of_the_folder) == files, of_the_folder
+    assert all(who.startswith("nam-verify") for _, who in of_the_folder), of_the_folder
+
+
+def test_a_start_that_fails_during_the_background_check_stops_it_and_exits_without_the_rest(
+        tmp_path, corpus, base, capsys, monkeypatch):
+    """A start refused in ``build`` while the checkpoints are being hashed: the hashes under way give up, the
+    thread and its helpers are gone when ``nam train`` returns (nothing left to finish at exit), and the error is
+    the start's own."""
+    import threading
+
+    import nam56r.run
+    from nam_core.errors import ConfigError
+
+    run_dir = copy_base(base, tmp_path)
+    monkeypatch.setattr(checkpoint, "_DIGESTS", {})
+    real_hash = checkpoint.file_sha256
+    reads = []
+
+    def until_stopped(path, *, stop=None):  # a checkpoint too big to hash before build fails
+        reads.append(threading.current_thread().name)
+        assert stop is not None and stop.wait(30)  # never stopped (broken): the test fails, then exits 30 s later
+        return real_hash(path, stop=stop)
+
+    def refused(*a, **kw):
+        deadline = time.monotonic() + WAIT_S
+        while not reads and time.monotonic() < deadline:
+            time.sleep(0.001)
+        raise ConfigError("refused by the test", hint="none")
+
+    monkeypatch.setattr(checkpoint, "file_sha256", until_stopped)
+    monkeypatch.setattr(nam56r.run, "build", refused)
+    assert run(args(run_dir, corpus, "--max-steps", "5", "--resume", "auto")) == 2
+    assert "refused by the test" in capsys.readouterr().err
+    assert reads and all(name.startswith("nam-verify") for name in reads)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("nam-verify")]
+
+
 def test_a_folder_with_only_damaged_checkpoints_is_refused_with_a_way_out(tmp_path, corpus, base, capsys):
     """Neither resume nor a fresh start may pick a folder whose every checkpoint is damaged silently: both are
     refused, naming the checkpoints (and, for --resume auto, why each failed) and how to start afresh."""

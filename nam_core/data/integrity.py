@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,11 +38,19 @@ PROGRESS_BYTES = 256 << 20
 """Files from this size up show a progress bar while they are hashed (on a terminal): ~0.3 s and more."""
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 8 MiB blocks."""
+class Abandoned(Exception):
+    """A hash given up because ``stop`` was set (``file_sha256``): its caller no longer wants it. Never an error
+    of the file: whoever needs the digest hashes the file again."""
+
+
+def file_sha256(path: Path, *, stop: threading.Event | None = None) -> str:
+    """Hex sha256 of a file, read in 8 MiB blocks; once ``stop`` is set, ``Abandoned`` at the next block (a
+    background hash that must not hold up an exit: nam_core.engine.checkpoint.VerifyAhead)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(BLOCK), b""):
+            if stop is not None and stop.is_set():
+                raise Abandoned(f"{path}: hash given up")
             digest.update(block)
     return digest.hexdigest()
 

@@ -26,6 +26,8 @@ import pickle
 import random
 import shutil
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from nam_core.data.dataset import file_sha256
+from nam_core.data.integrity import Abandoned
 from nam_core.engine import rundir
 from nam_core.errors import ConfigError, NamError, RunFolderError
 from nam_core.files import fsync_dir
@@ -286,14 +289,63 @@ times (the run folder's plan, ``--resume auto``, the engine's start) and a backg
 hashing what it wrote; at full NAM56R each pass over a checkpoint is 27 GB of hashing."""
 
 
-def _sha256(path: Path) -> str:
+class _Hashing:
+    """A file version being hashed by one thread (``_sha256``): the others wait for its ``digest`` or ``error``."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.digest: str | None = None
+        self.error: BaseException | None = None
+        self.waiters = 0  # threads waiting for it (the tests watch it to know the overlap happened)
+
+
+_HASHING: dict[tuple, _Hashing] = {}
+_DIGESTS_LOCK = threading.Lock()  # guards _DIGESTS and _HASHING
+_LOCAL = threading.local()  # .stop: the Event of the VerifyAhead this thread hashes for (None: a caller's own)
+
+
+def _sha256(path: Path, stop: threading.Event | None = None) -> str:
     """``file_sha256(path)``, once per file version in this process (a save's own files are hashed here too,
-    so its pruning and the next start's check find them)."""
+    so its pruning and the next start's check find them).
+
+    Single-flight: a version another thread is hashing is waited for, not read again; its OSError (any
+    Exception) reaches every waiter as it would a single caller, and is not kept, so a later call hashes again.
+    ``stop`` (default: this thread's, set by ``VerifyAhead``): once set, a hash not yet begun or still under way
+    gives up with ``integrity.Abandoned``; a thread that was waiting for it then hashes the file itself."""
+    stop = stop if stop is not None else getattr(_LOCAL, "stop", None)
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = file_sha256(path)
-    return _DIGESTS[key]
+    while True:
+        with _DIGESTS_LOCK:
+            if key in _DIGESTS:
+                return _DIGESTS[key]
+            hashing = _HASHING.get(key)
+            if hashing is None:
+                if stop is not None and stop.is_set():
+                    raise Abandoned(f"{path}: hash given up")
+                hashing = _HASHING[key] = _Hashing()
+                break
+            hashing.waiters += 1
+        hashing.done.wait()
+        with _DIGESTS_LOCK:
+            hashing.waiters -= 1
+        if hashing.digest is not None:
+            return hashing.digest
+        if isinstance(hashing.error, Exception) and not isinstance(hashing.error, Abandoned):
+            raise hashing.error
+        # given up (Abandoned), or the hashing thread was interrupted (KeyboardInterrupt): hash it here
+    try:
+        hashing.digest = file_sha256(path, stop=stop)
+    except BaseException as exc:
+        hashing.error = exc
+        raise
+    finally:
+        with _DIGESTS_LOCK:
+            if hashing.digest is not None:
+                _DIGESTS[key] = hashing.digest
+            del _HASHING[key]
+        hashing.done.set()
+    return hashing.digest
 
 
 HASH_THREADS = 8
@@ -304,13 +356,68 @@ several files (async_checkpoint.FILES) and they are hashed side by side; hashlib
 
 def hash_files(paths: list[Path], *, threads: int = HASH_THREADS) -> dict[Path, str]:
     """``{path: sha256}`` of files, ``threads`` at once, each once per file version in this process (``_sha256``).
-    An unreadable file raises its OSError, as hashing it alone would."""
+    An unreadable file raises its OSError, as hashing it alone would. Called by a ``VerifyAhead`` thread, its
+    helper threads give up with it."""
     from concurrent.futures import ThreadPoolExecutor
 
+    stop = getattr(_LOCAL, "stop", None)
     if threads <= 1 or len(paths) <= 1:
-        return {path: _sha256(path) for path in paths}
-    with ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="nam-sha256") as pool:
-        return dict(zip(paths, pool.map(_sha256, paths)))
+        return {path: _sha256(path, stop) for path in paths}
+    prefix = "nam-verify-sha256" if stop is not None else "nam-sha256"
+    with ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix=prefix) as pool:
+        return dict(zip(paths, pool.map(lambda path: _sha256(path, stop), paths)))
+
+
+class VerifyAhead:
+    """An engine's ``good_checkpoints(ckpt_root)`` run early, on a daemon thread named ``nam-verify``, so that the
+    sha256 of a resume's checkpoints (~53 GB at full NAM56R, ~7 s) overlaps the plugins' self-tests instead of
+    following them (``nam train --resume``). Its answer is dropped: what it leaves is the digests in this
+    process's cache (``_sha256``), which the run folder's own check (``RunFolder.claim``, the same engine
+    function) then reads, waiting for a file still being hashed rather than reading it twice. So the check decides
+    exactly as it would alone, and meets the same errors at the same place: the background pass keeps an error
+    (``error``) and prints nothing, and the error is not cached, so the foreground's call hashes that file again
+    and raises it.
+
+    ``stop()`` (``nam train``: right after the claim, which leaves it nothing to hash since it needed every digest
+    this pass makes, and on every exit): set the stop event, so that a hash under way gives up at its next 8 MiB
+    block and those not begun never start, then join the thread (``STOP_WAIT_S`` at most): a failing start exits
+    at once instead of hashing the rest.
+
+    It verifies the checkpoints in the engine's own order, not the newest first: the claim checks every one of
+    them (``rundir.Contents``) before it picks one, so the order does not change when the claim can go on."""
+
+    STOP_WAIT_S = 10.0
+    """How long ``stop`` waits for the thread: a hash gives up within one block (~10 ms of reading); only a read
+    stuck in the kernel (a dead network disk) outlasts it. The daemon thread is then left behind; its helper
+    threads (``hash_files``'s pool) are not daemons, so such a read holds up the exit as the claim's own would."""
+
+    def __init__(self, good: Callable[[Path], list[Path]], ckpt_root: Path):
+        self._stop = threading.Event()
+        self.error: Exception | None = None
+        """What the background pass raised (kept, never printed: the foreground's own call meets it again)."""
+        self.seconds: float | None = None
+        """How long the background pass took, once it has ended (for the run log's note)."""
+        self._thread = threading.Thread(target=self._run, args=(good, ckpt_root), name="nam-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self, good: Callable[[Path], list[Path]], ckpt_root: Path) -> None:
+        _LOCAL.stop = self._stop
+        began = time.monotonic()
+        try:
+            good(ckpt_root)
+        except Abandoned:
+            pass  # stopped: nobody wants the rest
+        except Exception as exc:  # noqa: BLE001 - not lost: the foreground's call hashes again and raises it
+            self.error = exc
+        self.seconds = time.monotonic() - began
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.STOP_WAIT_S)
 
 
 def verify(folder: Path) -> dict | None:

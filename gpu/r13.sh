@@ -25,7 +25,7 @@ if (( $(left) > 100 )); then
   log "RB rc=$?"
   startup "$RUN"
 fi
-grep -E "resumed|load targets|verif" "$RUN/run.log" | tail -n 6 | tee -a "$OUT/$SUMMARY"
+grep -E "resumed|load targets|checkpoint check" "$RUN/run.log" | tail -n 6 | tee -a "$OUT/$SUMMARY"
 grep -v "Warning" "$RUN/run.log" | tail -n 40 > "$OUT/run.log"
 rm -rf /tmp/nam-checkpoint-*
 step 200 LR python bench/checkpoint.py --steps 30 --every 30 --mbs 2 --modes async --numerics bf16 --host-buffers register \

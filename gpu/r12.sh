@@ -5,7 +5,8 @@
 #      checkpoint) with the load under cProfile (gpu/hooks: NAM_PROFILE_LOAD) and its parts in run.log
 #  RB  the same resume again, Megatron's files read one thread per file (gpu/hooks: NAM_PARALLEL_READ)
 #  RC  as RB, the optimizer's load targets left on the GPU (gpu/hooks: NAM_TARGETS_ON_GPU; the state is still
-#      released first): the conversions on the GPU instead of the host
+#      released first): the conversions on the GPU instead of the host (its hook is gone: nam's default since,
+#      checkpoint.targets_stay)
 # Everything lands in $OUT/r12.tgz.
 set -u
 TOP=$OUT OUT=$OUT/r12 && mkdir -p "$OUT"  # only $TOP/r12.tgz comes back

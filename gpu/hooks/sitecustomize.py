@@ -6,7 +6,9 @@ is first imported (nothing of nam changes on disk).
                             cumulative and own time) and PREFIX.prof
   NAM_PARALLEL_READ=1       Megatron's torch_dist load reads its files one thread per file (the experiment for
                             a change; torch's FileSystemReader reads them one after another)
-  NAM_TARGETS_ON_GPU=1      the load's optimizer targets stay on the GPU (the state is still released first)
+
+Round 12 also had NAM_TARGETS_ON_GPU (the optimizer's load targets left on the GPU); nam does that itself since
+(``checkpoint.targets_stay``), and NAM_PARALLEL_READ is nam's patch ``megatron-checkpoint-reads-in-turn``.
 """
 
 import importlib.abc
@@ -77,18 +79,9 @@ def _parallel_read(module):
     module._get_filesystem_reader = get_reader
 
 
-def _targets_on_gpu(module):
-    def targets_on_host(optimizer_targets, optimizer):
-        return 1 if module._copies_state(optimizer) else 0
-
-    module.targets_on_host = targets_on_host
-
-
 HOOKS = {}
 if os.environ.get("NAM_PROFILE_LOAD"):
     HOOKS.setdefault("nam_core.engine.megatron.checkpoint", []).append(_profile_load)
-if os.environ.get("NAM_TARGETS_ON_GPU"):
-    HOOKS.setdefault("nam_core.engine.megatron.checkpoint", []).append(_targets_on_gpu)
 if os.environ.get("NAM_PARALLEL_READ"):
     HOOKS.setdefault("megatron.core.dist_checkpointing.strategies.torch", []).append(_parallel_read)
 

@@ -194,10 +194,10 @@ def _held_first_read(monkeypatch, fail: BaseException | None = None):
     return reads, inside, release
 
 
-def test_two_threads_asking_for_one_file_at_once_read_it_once_and_both_get_its_digest(tmp_path, monkeypatch):
-    blob = _random_file(tmp_path / "blob")
-    expected = hashlib.sha256(blob.read_bytes()).hexdigest()
-    reads, inside, release = _held_first_read(monkeypatch)
+def _two_callers_at_once(blob, monkeypatch, fail=None) -> tuple[dict, list]:
+    """Two threads ask ``_sha256(blob)``, the second while the first's read is held (``_held_first_read``): their
+    answers (digest or exception) and the reads made."""
+    reads, inside, release = _held_first_read(monkeypatch, fail=fail)
     answers = {}
     first = _asking(blob, answers, "first")
     assert inside.wait(WAIT_S)
@@ -206,6 +206,13 @@ def test_two_threads_asking_for_one_file_at_once_read_it_once_and_both_get_its_d
     _until(lambda: _waiters(blob) == 1 or len(reads) > 1, "second caller waiting")
     release.set()
     first.join(WAIT_S), second.join(WAIT_S)
+    return answers, reads
+
+
+def test_two_threads_asking_for_one_file_at_once_read_it_once_and_both_get_its_digest(tmp_path, monkeypatch):
+    blob = _random_file(tmp_path / "blob")
+    expected = hashlib.sha256(blob.read_bytes()).hexdigest()
+    answers, reads = _two_callers_at_once(blob, monkeypatch)
     assert answers == {"first": expected, "second": expected}
     assert reads == [blob]
     assert checkpoint._sha256(blob) == expected and reads == [blob]  # and cached
@@ -214,14 +221,7 @@ def test_two_threads_asking_for_one_file_at_once_read_it_once_and_both_get_its_d
 def test_an_error_of_the_first_caller_reaches_the_waiting_one_and_a_later_call_hashes_again(tmp_path, monkeypatch):
     blob = _random_file(tmp_path / "blob")
     failure = OSError(errno.EIO, os.strerror(errno.EIO), str(blob))
-    reads, inside, release = _held_first_read(monkeypatch, fail=failure)
-    answers = {}
-    first = _asking(blob, answers, "first")
-    assert inside.wait(WAIT_S)
-    second = _asking(blob, answers, "second")
-    _until(lambda: _waiters(blob) == 1 or len(reads) > 1, "second caller waiting")
-    release.set()
-    first.join(WAIT_S), second.join(WAIT_S)
+    answers, reads = _two_callers_at_once(blob, monkeypatch, fail=failure)
     assert answers["first"] is failure and answers["second"] is failure  # as it would reach a single caller
     assert reads == [blob]
     assert checkpoint._sha256(blob) == hashlib.sha256(blob.read_bytes()).hexdigest()  # the error was not kept

@@ -123,25 +123,9 @@ def _readers():
             return metadata
 
         def read_data(self, plan, planner):
-            """DCP's read, one thread per data file (torch 2.13 reads the files one after the other). Each
-            thread reads its own file's items into their own targets; the planner's ``load_bytes`` sets
-            distinct keys."""
-            from concurrent.futures import ThreadPoolExecutor
-
-            from torch.distributed.checkpoint.planner import LoadPlan
-
-            per_file: dict[str, list] = {}
-            for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            if len(per_file) <= 1:
-                return super().read_data(plan, planner)
-            parts = [LoadPlan(items, plan.storage_data, plan.planner_data) for items in per_file.values()]
-            with ThreadPoolExecutor(min(FILES, len(parts)), thread_name_prefix="nam-dcp-read") as pool:
-                for done in [pool.submit(super(SafeReader, self).read_data, part, planner) for part in parts]:
-                    done.result().wait()  # a read's error, raised here
-            finished = torch.futures.Future()  # what DCP's load waits on, as FileSystemReader returns it
-            finished.set_result(None)
-            return finished
+            """DCP's read, one thread per data file (torch 2.13 reads the files one after the other): ``read_per_file``
+            over this reader's own ``read_data``; the planner's ``load_bytes`` sets distinct keys."""
+            return read_per_file(super().read_data, self.storage_data, plan, planner, threads=FILES)
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's load planner with non-tensor values (param groups, the scheduler's numbers) read by
@@ -344,6 +328,31 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from _tensors(value)
+
+
+def read_per_file(read: Callable, storage_data: dict, plan, planner, *, threads: int):
+    """A DCP reader's ``read_data`` split by data file: ``read`` (the reader's own ``read_data``) runs once per file
+    on that file's items, on a thread of its own, ``threads`` at once, each into its own targets. A file's error is
+    raised here (the first in plan order) once every thread has stopped. Returns the finished future DCP waits
+    on. One file: ``read`` as is. Both engines' loads read this way (the megatron engine's through its patch
+    ``megatron-checkpoint-reads-in-turn``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    per_file: dict[str, list] = {}
+    for item in plan.items:
+        per_file.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
+    if len(per_file) <= 1:
+        return read(plan, planner)
+    parts = [LoadPlan(items, plan.storage_data, plan.planner_data) for items in per_file.values()]
+    with ThreadPoolExecutor(min(threads, len(parts)), thread_name_prefix="nam-ckpt-read") as pool:
+        reads = [pool.submit(read, part, planner) for part in parts]
+    for done in reads:
+        done.result().wait()
+    finished = torch.futures.Future()
+    finished.set_result(None)
+    return finished
 
 
 PAGE = mmap.PAGESIZE

@@ -513,32 +513,14 @@ def _torch_strategy():
 
 def read_side_by_side(reader):
     """``reader`` (torch's ``FileSystemReader`` or a subclass) with its ``read_data`` reading each data file of the
-    plan on a thread of its own, up to ``READ_THREADS`` at once: the same items into the same targets through the
-    reader's own ``read_data`` (one call per file), so what is read and how it is placed are upstream's. Megatron's
-    load planner keys what it keeps per item; DCP's waits on the future returned. A file's error is raised here
-    (the first in plan order) after every thread has stopped."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from torch.distributed.checkpoint.planner import LoadPlan
+    plan on a thread of its own, up to ``READ_THREADS`` at once (``async_checkpoint.read_per_file``, the local
+    engine's reader's way): the same items into the same targets through the reader's own ``read_data``, so what
+    is read and how it is placed are upstream's. Megatron's load planner keys what it keeps per item."""
+    from nam_core.engine.async_checkpoint import read_per_file
 
     in_turn = reader.read_data
-
-    def read_data(plan, planner):
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
-        if len(per_file) <= 1:
-            return in_turn(plan, planner)
-        parts = [LoadPlan(items, plan.storage_data, plan.planner_data) for items in per_file.values()]
-        with ThreadPoolExecutor(min(READ_THREADS, len(parts)), thread_name_prefix="nam-ckpt-read") as pool:
-            reads = [pool.submit(in_turn, part, planner) for part in parts]
-        for read in reads:
-            read.result().wait()
-        done = torch.futures.Future()
-        done.set_result(None)
-        return done
-
-    reader.read_data = read_data
+    reader.read_data = lambda plan, planner: read_per_file(in_turn, reader.storage_data, plan, planner,
+                                                           threads=READ_THREADS)
     return reader
 
 

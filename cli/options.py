@@ -22,7 +22,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE
                    "train.<field>, or <plugin>.<option>. Repeatable.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: the recipe's).")]
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="megatron: start torchrun with this many "
-                     "processes on this host (instead of launching under torchrun yourself).")]
+                     "processes on this host (instead of launching under torchrun yourself); 1 trains in this "
+                     "process, as torchrun's one worker.")]
 TpOpt = Annotated[Optional[int], typer.Option("--tp", help="megatron: tensor-parallel size (= --set train.tp=N).")]
 PpOpt = Annotated[Optional[int], typer.Option("--pp", help="megatron: pipeline-parallel size (= --set train.pp=N).")]
 EpOpt = Annotated[Optional[int], typer.Option("--ep", help="megatron: expert-parallel size, dividing the "

@@ -151,8 +151,22 @@ def _waiters(path) -> int:
     """Threads waiting in ``_sha256`` for another thread's hash of ``path``'s current version."""
     st = path.stat()
     with checkpoint._DIGESTS_LOCK:
-        hashing = checkpoint._HASHING.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        hashing = checkpoint._HASHING.get(checkpoint.file_version(st))
         return hashing.waiters if hashing is not None else 0
+
+
+def test_a_same_size_rewrite_with_its_mtime_set_back_is_hashed_again(tmp_path):
+    """A file rewritten in place (same inode, same size) whose mtime is then set back to the old one (``cp -p``,
+    ``rsync -t`` do that) is a new version: its digest is not the cached one."""
+    path = _random_file(tmp_path / "a.bin", most=1 << 16)
+    before = path.stat()
+    first = checkpoint._sha256(path)
+    with open(path, "r+b") as f:  # in place: the inode stays
+        f.write(bytes(b ^ 0xFF for b in path.read_bytes()))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert checkpoint._sha256(path) == file_sha256(path) != first
 
 
 def _until(condition, what: str) -> None:

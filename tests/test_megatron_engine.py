@@ -202,6 +202,69 @@ def test_this_cpu_machine_is_refused():
         engine.check_runtime(facts)
 
 
+# --- the launch: torchrun for several GPUs, this process for one ---------------------------------------------
+
+
+def _start(monkeypatch, nproc: int):
+    """``MegatronEngine.start`` with ``--nproc nproc`` outside torchrun, in an environment of its own; returns the
+    relaunches asked for, the environment and the error it stopped with (on the CPU: the runtime's refusal)."""
+    from nam_core.engine.megatron import parallel
+
+    env = {k: v for k, v in __import__("os").environ.items() if k not in parallel.ONE_RANK}
+    monkeypatch.setattr("os.environ", env)
+    asked = []
+    spec = types.SimpleNamespace(layout=types.SimpleNamespace(nproc=nproc, world_size=nproc), train=GPU_TRAIN)
+    with pytest.raises(NamError) as e:
+        engine.MegatronEngine().start(spec, dry_run=False, relaunch=asked.append)
+    return asked, env, str(e.value)
+
+
+def test_one_gpu_trains_in_this_process_as_torchrun_s_only_worker(monkeypatch):
+    asked, env, refused = _start(monkeypatch, 1)
+    assert asked == []  # no torchrun: no second and third Python start
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    assert 0 < int(env["MASTER_PORT"]) < 65536
+    assert "torchrun launch" not in refused and "a CUDA device" in refused  # this CPU host's refusal, past the launch
+
+
+def test_several_gpus_relaunch_under_torchrun(monkeypatch):
+    from nam_core.engine.megatron import parallel
+
+    class Relaunched(NamError):
+        pass
+
+    def relaunch(n):
+        asked.append(n)
+        raise Relaunched("exec'd")  # the real one does not return
+
+    asked = []
+    env = {k: v for k, v in __import__("os").environ.items() if k not in parallel.ONE_RANK}
+    monkeypatch.setattr("os.environ", env)
+    spec = types.SimpleNamespace(layout=types.SimpleNamespace(nproc=4, world_size=4), train=GPU_TRAIN)
+    with pytest.raises(Relaunched):
+        engine.MegatronEngine().start(spec, dry_run=False, relaunch=relaunch)
+    assert asked == [4] and "WORLD_SIZE" not in env
+
+
+def test_one_rank_env_rendezvous_and_refuses_a_launcher_s_environment():
+    """The environment it makes is one ``init_process_group`` (env://) accepts as a world of one: checked in a
+    fresh process with gloo, as the engine's NCCL group would read it. Under torchrun it changes nothing."""
+    from nam_core.engine.megatron import parallel
+
+    code = ("import os, torch, torch.distributed as dist; from nam_core.engine.megatron import parallel; "
+            "parallel.one_rank_env(os.environ); dist.init_process_group('gloo'); t = torch.tensor([3.0]); "
+            "dist.all_reduce(t); print(dist.get_rank(), dist.get_world_size(), t.item()); dist.destroy_process_group()")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in parallel.ONE_RANK}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "3.0"]
+    launched = {"WORLD_SIZE": "8", "RANK": "3"}
+    with pytest.raises(RuntimeError, match="under a launcher"):
+        parallel.one_rank_env(launched)
+    assert launched == {"WORLD_SIZE": "8", "RANK": "3"}
+
+
 # --- layout, schedule ---------------------------------------------------------------------------------
 
 

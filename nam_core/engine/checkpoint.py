@@ -284,9 +284,16 @@ def _dcp_format(manifest: dict) -> bool:
 
 
 _DIGESTS: dict[tuple, str] = {}
-"""sha256 by file version (device, inode, size, mtime in ns): one start verifies the same checkpoints up to three
+"""sha256 by file version (``file_version``): one start verifies the same checkpoints up to three
 times (the run folder's plan, ``--resume auto``, the engine's start) and a background save prunes right after
 hashing what it wrote; at full NAM56R each pass over a checkpoint is 27 GB of hashing."""
+
+
+def file_version(st) -> tuple[int, int, int, int, int]:
+    """What tells one version of a file from another (``os.stat_result``): device, inode, size, and the times of
+    its last write (mtime) and last change (ctime, in ns). mtime alone can be set back (``os.utime``, ``cp -p``,
+    ``rsync -t``) after a same-size rewrite in place; ctime cannot be set from user space."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class _Hashing:
@@ -313,8 +320,7 @@ def _sha256(path: Path, stop: threading.Event | None = None) -> str:
     ``stop`` (default: this thread's, set by ``VerifyAhead``): once set, a hash not yet begun or still under way
     gives up with ``integrity.Abandoned``; a thread that was waiting for it then hashes the file itself."""
     stop = stop if stop is not None else getattr(_LOCAL, "stop", None)
-    st = path.stat()
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = file_version(path.stat())
     while True:
         with _DIGESTS_LOCK:
             if key in _DIGESTS:

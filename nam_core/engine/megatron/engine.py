@@ -1,4 +1,5 @@
-"""The megatron engine as an ``Engine`` (``nam_core.engine.contract``): one process per GPU under torchrun."""
+"""The megatron engine as an ``Engine`` (``nam_core.engine.contract``): one process per GPU under torchrun (one GPU:
+this process, ``parallel.one_rank_env``)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ class MegatronEngine:
     name = "megatron"
 
     def start(self, spec, *, dry_run: bool, relaunch: Callable[[int], None] | None = None) -> Ranks:
-        """Before anything touches CUDA: the allocator, the runtime, then the process group. With ``--nproc``
-        and no torchrun around this process, ``relaunch(nproc)`` replaces it with torchrun running the same
-        command (and does not return). A dry run starts nothing: the ranks it would have."""
+        """Before anything touches CUDA: the allocator, the runtime, then the process group. With ``--nproc N``
+        and no torchrun around this process, ``relaunch(N)`` replaces it with torchrun running the same
+        command (and does not return); ``--nproc 1`` trains in this process as torchrun's one worker would
+        (``parallel.one_rank_env``). A dry run starts nothing: the ranks it would have."""
         lay = spec.layout
         if dry_run:
             return Ranks(0, lay.world_size)
         if "WORLD_SIZE" not in os.environ and lay.nproc is not None and relaunch is not None:
-            relaunch(lay.nproc)
+            if lay.nproc == 1:
+                parallel.one_rank_env(os.environ)
+            else:
+                relaunch(lay.nproc)
         import torch
 
         checks.prepare_allocator(os.environ, cuda_initialized=torch.cuda.is_initialized(),

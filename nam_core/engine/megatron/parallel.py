@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import os
+import socket
+from typing import MutableMapping
 
 import torch
 
 from nam_core.engine.megatron.schedule import PipelineSchedule
+
+
+ONE_RANK = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for each worker and ``init_distributed`` (``env://``) and Megatron read."""
+
+
+def one_rank_env(env: MutableMapping[str, str]) -> dict[str, str]:
+    """Make ``env`` the environment torchrun gives the only worker of ``--nproc-per-node=1``: rank 0 of 1, with a
+    rendezvous on a free port of 127.0.0.1 (a port the OS just handed out, as ``torchrun --standalone`` picks its
+    own). ``nam train --engine megatron --nproc 1`` trains in its own process this way rather than exec'ing
+    torchrun, which would start Python twice more and import everything again for a launcher with nothing to launch but
+    this process (the resume's ``resolve`` phase took 8.1-9.4 s that way on an H200, bench/README.md). Returns what it set."""
+    if "WORLD_SIZE" in env:
+        raise RuntimeError(f"one_rank_env under a launcher (WORLD_SIZE={env['WORLD_SIZE']}): the launcher's "
+                           "environment stands")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    given = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port))
+    env.update(given)
+    return given
 
 
 def init_distributed() -> None:

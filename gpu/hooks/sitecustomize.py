@@ -4,6 +4,8 @@ is first imported (nothing of nam changes on disk).
 
   NAM_PROFILE_LOAD=PREFIX   the megatron engine's load_checkpoint run under cProfile in rank 0: PREFIX.txt (by
                             cumulative and own time) and PREFIX.prof
+  NAM_PROFILE_ACTIVATE=PREFIX  the plugins' activation (``nam56r.run.activate``: the start-up's ``self-tests``
+                            phase) under cProfile in rank 0: PREFIX.txt and PREFIX.prof
   NAM_PARALLEL_READ=1       Megatron's torch_dist load reads its files one thread per file (the experiment for
                             a change; torch's FileSystemReader reads them one after another)
 
@@ -18,16 +20,16 @@ import sys
 import time
 
 
-def _profile_load(module):
+def _profiled(module, name: str, variable: str, lines: int = 70):
+    """``module.name`` run under cProfile in rank 0, written to ``$variable``.txt (by cumulative and own time) and
+    .prof."""
     import cProfile
     import pstats
 
-    import torch
+    original = getattr(module, name)
 
-    original = module.load_checkpoint
-
-    def load_checkpoint(*args, **kwargs):
-        prefix = os.environ["NAM_PROFILE_LOAD"]
+    def profiled(*args, **kwargs):
+        prefix = os.environ[variable]
         if os.environ.get("RANK", "0") != "0":
             return original(*args, **kwargs)
         profile, start = cProfile.Profile(), time.perf_counter()
@@ -37,13 +39,23 @@ def _profile_load(module):
         finally:
             profile.disable()
             profile.dump_stats(prefix + ".prof")
+            import torch
+
             with open(prefix + ".txt", "w") as f:
-                f.write(f"load_checkpoint {time.perf_counter() - start:.1f} s; torch threads {torch.get_num_threads()}; "
+                f.write(f"{name} {time.perf_counter() - start:.1f} s; torch threads {torch.get_num_threads()}; "
                         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\n")
-                pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(70)
+                pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(lines)
                 pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(50)
 
-    module.load_checkpoint = load_checkpoint
+    setattr(module, name, profiled)
+
+
+def _profile_load(module):
+    _profiled(module, "load_checkpoint", "NAM_PROFILE_LOAD")
+
+
+def _profile_activate(module):
+    _profiled(module, "activate", "NAM_PROFILE_ACTIVATE", lines=120)
 
 
 def _parallel_read(module):
@@ -82,6 +94,8 @@ def _parallel_read(module):
 HOOKS = {}
 if os.environ.get("NAM_PROFILE_LOAD"):
     HOOKS.setdefault("nam_core.engine.megatron.checkpoint", []).append(_profile_load)
+if os.environ.get("NAM_PROFILE_ACTIVATE"):
+    HOOKS.setdefault("nam56r.run", []).append(_profile_activate)
 if os.environ.get("NAM_PARALLEL_READ"):
     HOOKS.setdefault("megatron.core.dist_checkpointing.strategies.torch", []).append(_parallel_read)
 

@@ -241,6 +241,7 @@ def test_the_lane_applies_in_order_and_binds_nam_drivers(releases, fake_tree):
     assert sys.modules[upstream.MIMO_BWD_MODULE].mamba_mimo_bwd_combined is mimo.backward
     assert sys.modules[upstream.MIMO_FWD_MODULE].mamba_mimo_forward is mimo.forward
     assert upstream.load(upstream.SISO_MODULE).mamba3_siso_combined() == "siso"
+    assert upstream.package_deferred() and INIT_IMPORT not in sys.modules  # the package's own import never ran
     assert mimo.STATIC  # the static-shapes entry: nam's drivers build for exact sizes
     patches.require_mimo_fixes()  # no longer raises
     assert patches.apply_needed() == []  # idempotent: nothing left to do
@@ -262,7 +263,8 @@ def test_the_lane_applied_for_a_scope_is_taken_back_on_the_way_out(releases, fak
     with pytest.raises(ValueError, match="G value of 8"):
         sys.modules[upstream.MIMO_BWD_MODULE].mamba_mimo_bwd_combined()
     assert not mimo.STATIC and not upstream.shim_installed()
-    assert states() == dict.fromkeys(patches.NAMES, NEEDED)
+    assert not upstream.package_deferred() and INIT_IMPORT in sys.modules  # the revert ran the package's import
+    assert states() == {**dict.fromkeys(patches.NAMES, NEEDED), patches.LAZY: RETIRED}  # imported: nothing to defer
 
 
 def test_the_stand_in_extension_refuses_mamba1_use_by_name(releases, fake_tree):
@@ -276,7 +278,7 @@ def test_the_stand_in_extension_refuses_mamba1_use_by_name(releases, fake_tree):
 
 def test_on_a_fixed_tree_the_shim_grouped_and_static_patches_retire(releases, fake_tree):
     fake_tree(fixed=True)
-    assert states() == {patches.SHIM: RETIRED, patches.GROUPED: RETIRED, patches.HOST: NEEDED,
+    assert states() == {patches.SHIM: RETIRED, patches.LAZY: NEEDED, patches.GROUPED: RETIRED, patches.HOST: NEEDED,
                         patches.STATIC: RETIRED, patches.SAVED_ONCE: RETIRED}
 
 
@@ -292,10 +294,55 @@ def test_the_shim_reproducer_passes_a_fixed_tree(releases, fake_tree):
     assert patches.reproduce_shim() == FIX_VALIDATED
 
 
+INIT_IMPORT = "mamba_ssm.ops.selective_scan_interface"
+"""What the fake trees' package ``__init__`` imports (2.3.2.post1's imports Mamba-1's scan first too)."""
+
+
+def test_the_deferred_package_imports_mamba3_alone_and_runs_its_init_for_any_other_name(releases, fake_tree):
+    fake_tree()
+    patches.apply_needed()
+    mimo_module = upstream.load(upstream.MIMO_MODULE)
+    package = sys.modules["mamba_ssm"]
+    assert upstream.package_deferred() and INIT_IMPORT not in sys.modules
+    assert package.ops is sys.modules["mamba_ssm.ops"]  # a submodule asked for by name: imported alone
+    assert INIT_IMPORT not in sys.modules
+    from mamba_ssm import selective_scan_interface  # a name the __init__ binds: the __init__ runs, in place
+
+    assert selective_scan_interface is sys.modules[INIT_IMPORT] and package.__version__ == "2.3.2.post1"
+    assert sys.modules["mamba_ssm"] is package and type(package) is types.ModuleType
+    assert sys.modules[upstream.MIMO_MODULE] is mimo_module and package.ops.tilelang.mamba3.mamba3_mimo is mimo_module
+
+
+def test_an_error_of_the_deferred_init_reaches_the_caller_as_from_an_import(releases, fake_tree):
+    fake_tree()
+    upstream.defer_package_init()  # without the stand-in extension: the __init__'s Mamba-1 import fails
+    with pytest.raises(ModuleNotFoundError, match="selective_scan_cuda"):
+        sys.modules["mamba_ssm"].Mamba2
+
+
+def test_the_package_import_reproducer_tells_the_bug_from_the_fix(releases, fake_tree):
+    fake_tree()
+    assert patches.reproduce_lazy() == BUG_REPRODUCED
+    upstream.defer_package_init()
+    assert patches.reproduce_lazy() == FIX_VALIDATED
+
+
+def test_a_package_init_that_imports_nothing_retires_the_deferral(tmp_path):
+    pkg = tmp_path / "mamba_ssm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('__version__ = "9"\ndef __getattr__(name):\n    import importlib\n'
+                                     '    return importlib.import_module("mamba_ssm.modules")\n')
+    assert upstream.package_init_imports(pkg) == []
+    (pkg / "__init__.py").write_text("try:\n    from .models import X\nexcept ImportError:\n    import os\n"
+                                     "if True:\n    import mamba_ssm.ops.a, json\nclass C:\n    import sys\n")
+    assert upstream.package_init_imports(pkg) == ["mamba_ssm.models", "mamba_ssm.models.X", "os", "mamba_ssm.ops.a",
+                                                  "json"]
+
+
 def test_patches_declare_reproducers_and_retirement():
     for p in patches.make_patches().values():
         assert p.reproduce is not None and p.retire_when and p.target == "mamba-ssm"
-    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, True, True, True, True]
+    assert [p.needs_gpu for p in patches.make_patches().values()] == [False, False, True, True, True, True]
 
 
 # --- the grouped reduction -----------------------------------------------------------------------------

@@ -3,6 +3,11 @@
 * ``mamba-ssm-import-shim``: ``import mamba_ssm.*`` fails without the Mamba-1 extension ``selective_scan_cuda``,
   which Mamba-3 never uses (``upstream.py``). Fix: a stand-in module. Detected from the installed source (an
   unguarded top-level import), because the upstream fix did not change the version string.
+* ``mamba-ssm-package-import``: importing any ``mamba_ssm`` module runs the package ``__init__``, which imports
+  Mamba-1, Mamba-2, the Mamba-3 module and the LM head model, and through its generation utilities transformers:
+  seconds of every start (the largest part of the launch check's own time on an H200, bench/README.md), none of
+  it used by Mamba-3's kernels. Fix: the package goes into ``sys.modules`` with its ``__init__`` deferred to the
+  first name asked of it (``upstream.defer_package_init``). Detected from the ``__init__``'s source.
 * ``mamba3-mimo-grouped-bwd``: the MIMO backward raises ``G value of 8 is not currently supported!`` for any
   1 < ngroups < nheads, NAM56R's setting. Fix: ``mimo.backward`` reduces the per-head dQ/dK per group.
   Detected while upstream's driver is bound and the installed tree lacks its own grouped reduction.
@@ -37,10 +42,11 @@ from nam_core.errors import NamError
 from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, NEEDED, Patch
 from nam_plugin_mamba_ssm import upstream
 
+LAZY = "mamba-ssm-package-import"
 SHIM, GROUPED, HOST = "mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead"
 STATIC = "mamba3-mimo-static-shapes"
 SAVED_ONCE = "mamba3-mimo-saved-tensors-once"
-NAMES = (SHIM, GROUPED, HOST, STATIC, SAVED_ONCE)
+NAMES = (SHIM, LAZY, GROUPED, HOST, STATIC, SAVED_ONCE)
 VERSIONS = ">=2.3.0"
 """Mamba-3 arrived in 2.3.0; every release since is checked by ``detect`` rather than by number."""
 
@@ -100,6 +106,12 @@ def revert_static() -> None:
 
 
 # --- detection --------------------------------------------------------------------------------------------
+
+
+def lazy_needed() -> bool:
+    """The installed ``__init__`` imports modules, and the package is not imported yet (once it is, deferred or
+    not, there is nothing left to defer)."""
+    return bool(upstream.package_init_imports()) and upstream.PACKAGE not in sys.modules
 
 
 def shim_needed() -> bool:
@@ -205,6 +217,26 @@ def reproduce_shim() -> str:
     if upstream.EXTENSION in done.stderr:
         return BUG_REPRODUCED
     raise RuntimeError(f"importing Mamba-3 failed for another reason:\n{done.stderr[-2000:]}")
+
+
+def reproduce_lazy() -> str:
+    """Import Mamba-3's MIMO module in a fresh interpreter (this one's ``sys.path``, the stand-in extension), with
+    the package's import deferred when this process defers it: BUG_REPRODUCED when a module the package
+    ``__init__`` imports is in ``sys.modules`` after it (the MIMO module's own parent packages aside), FIX_VALIDATED
+    when none is."""
+    import json
+    import subprocess
+
+    init = [name for name in upstream.package_init_imports() if not upstream.MIMO_MODULE.startswith(name + ".")]
+    code = (f"import sys, json; sys.path[:0] = {sys.path!r}; from nam_plugin_mamba_ssm import upstream; "
+            "upstream.install_shim(); ")
+    if upstream.package_deferred():
+        code += "upstream.defer_package_init(); "
+    code += f"import {upstream.MIMO_MODULE}; print(json.dumps([m for m in {init!r} if m in sys.modules]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"importing Mamba-3's MIMO module failed:\n{done.stderr[-2000:]}")
+    return BUG_REPRODUCED if json.loads(done.stdout.strip().splitlines()[-1]) else FIX_VALIDATED
 
 
 def reproduce_grouped() -> str:
@@ -327,7 +359,9 @@ def reproduce_static() -> str:
 
 
 def make_patches() -> dict[str, Patch]:
-    """The five entries, in the order they must apply."""
+    """The six entries, in the order they must apply: the package's import is deferred before anything imports
+    it, and after the stand-in extension, so that a scope's revert (last first) can still run the package's
+    ``__init__``."""
     return {
         SHIM: Patch(
             name=SHIM, target=upstream.DISTRIBUTION, versions=VERSIONS,
@@ -337,6 +371,17 @@ def make_patches() -> dict[str, Patch]:
                         "import is guarded); detection reads the source, so it retires itself there",
             detect=shim_needed, apply=upstream.install_shim, revert=upstream.remove_shim, reproduce=reproduce_shim,
             needs_gpu=False,
+        ),
+        LAZY: Patch(
+            name=LAZY, target=upstream.DISTRIBUTION, versions=VERSIONS,
+            summary="importing any mamba_ssm module runs the package __init__, which imports Mamba-1, Mamba-2, "
+                    "the Mamba-3 module and the LM head model (and through it transformers): seconds of every "
+                    "start that Mamba-3's kernels never use; the package is put in sys.modules with its __init__ "
+                    "deferred to the first name asked of it",
+            retire_when="a mamba-ssm release whose __init__ imports nothing at package import (lazy names); "
+                        "detection reads its source, so it retires itself there",
+            detect=lazy_needed, apply=upstream.defer_package_init, revert=upstream.run_package_init,
+            reproduce=reproduce_lazy, needs_gpu=False,
         ),
         GROUPED: Patch(
             name=GROUPED, target=upstream.DISTRIBUTION, versions=VERSIONS,

@@ -61,7 +61,7 @@ PLUGIN = PluginInfo(
     summary="mamba-ssm: Mamba-3 scan on mamba-ssm's kernels (SISO Triton, MIMO TileLang) with a grouped MIMO "
             "backward and kernels compiled once; CUDA",
     provides={"ssm": {NAME: "nam_plugin_mamba_ssm.scan:MambaSSMScan"},
-              "patches": ["mamba-ssm-import-shim", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead",
+              "patches": ["mamba-ssm-import-shim", "mamba-ssm-package-import", "mamba3-mimo-grouped-bwd", "mamba3-mimo-host-overhead",
                           "mamba3-mimo-static-shapes", "mamba3-mimo-saved-tensors-once"]},
     requires=(
         # The SISO kernels build TMA descriptors (sm_90); the MIMO kernels are written and tuned for the H100.

@@ -117,6 +117,83 @@ def remove_shim() -> None:
         del sys.modules[EXTENSION]
 
 
+# --- the package's own import, deferred -------------------------------------------------------------------
+
+PACKAGE = "mamba_ssm"
+
+
+def package_init_imports(root: Path | None = None) -> list[str]:
+    """The modules the installed package ``__init__`` imports when it runs (top level, ``try`` and ``if`` bodies;
+    not inside functions or classes), read from its source: ``import a.b`` gives ``a.b``, ``from m import n``
+    gives ``m`` and ``m.n`` (``n`` may be a submodule), relative names resolved in the package. 2.3.2.post1's imports Mamba-1's scan, the Mamba,
+    Mamba2 and Mamba3 modules and the LM head model, whose generation utilities import transformers: none of
+    which Mamba-3's kernel modules use."""
+    root = root if root is not None else package_dir()
+    source = None if root is None else root / "__init__.py"
+    if source is None or not source.is_file():
+        return []
+    found: list[str] = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = ".".join(p for p in (PACKAGE if node.level else "", node.module or "") if p)
+                found.extend([module, *(f"{module}.{alias.name}" for alias in node.names)])
+            elif isinstance(node, (ast.Try, ast.If, ast.With)):
+                for part in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, part, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+    visit(ast.parse(source.read_text()).body)
+    return found
+
+
+class _DeferredPackage(types.ModuleType):
+    """The ``mamba_ssm`` package in ``sys.modules`` before its ``__init__`` has run (``defer_package_init``).
+    Its submodules import as they would (``__path__`` is set); a submodule asked for as an attribute is imported
+    alone; any other name (``Mamba2``, ``MambaLMHeadModel``, ``__version__``) runs the real ``__init__`` in
+    place first, so the package then holds exactly what an ordinary import gives."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name not in ("__version__", "__all__"):
+            raise AttributeError(name)  # the import machinery's and tools' probes do not run the package
+        if importlib.util.find_spec(f"{self.__name__}.{name}") is not None:
+            return importlib.import_module(f"{self.__name__}.{name}")
+        run_package_init()
+        return getattr(sys.modules[self.__name__], name)
+
+
+def package_deferred() -> bool:
+    return isinstance(sys.modules.get(PACKAGE), _DeferredPackage)
+
+
+def defer_package_init() -> None:
+    """Put the package in ``sys.modules`` without running its ``__init__`` (``_DeferredPackage``), so importing
+    Mamba-3's modules costs only those modules. No-op when it is imported already (the cost is paid) or is not
+    installed."""
+    if PACKAGE in sys.modules:
+        return
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    module.__class__ = _DeferredPackage
+    sys.modules[PACKAGE] = module
+
+
+def run_package_init() -> None:
+    """Run the deferred package's ``__init__`` in place (the revert of ``defer_package_init``, and what the first
+    name asked of the package does): the module object stays, so the submodules imported meanwhile stay its
+    attributes. An error in it propagates, as from an ordinary import."""
+    module = sys.modules.get(PACKAGE)
+    if not isinstance(module, _DeferredPackage):
+        return
+    module.__class__ = types.ModuleType
+    module.__spec__.loader.exec_module(module)
+
+
 def has_grouped_backward(root: Path | None = None) -> bool:
     """The installed mamba-ssm reduces MIMO dQ/dK per B/C group itself (the file PR #967 added)."""
     root = root if root is not None else package_dir()

@@ -11,19 +11,7 @@ set -u
 TOP=$OUT OUT=$OUT/r16 && mkdir -p "$OUT"  # only $TOP/r16.tgz comes back
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BUDGET=${BUDGET:-540} STEP_MIN=20 STEP_EXT=.log SUMMARY=summary.txt
-step 60 IM python -c '
-import sys, time
-from nam_plugin_mamba_ssm import patches, upstream
-print("lane:", patches.apply_needed())
-t = time.perf_counter(); upstream.load(upstream.MIMO_MODULE); took = time.perf_counter() - t
-print(f"MIMO module imported in {took:.2f} s; package deferred: {upstream.package_deferred()}; transformers imported: "
-      f"{\"transformers\" in sys.modules}; Mamba2 module imported: {\"mamba_ssm.modules.mamba2\" in sys.modules}")
-print("reproducer with the deferral:", patches.reproduce_lazy())
-upstream.run_package_init()
-print("reproducer without it (this process ran the __init__):", patches.reproduce_lazy())
-t = time.perf_counter(); import subprocess
-subprocess.run([sys.executable, "-c", f"import sys, time; sys.path[:0] = {sys.path!r}; from nam_plugin_mamba_ssm import upstream; upstream.install_shim(); t = time.perf_counter(); import {upstream.MIMO_MODULE}; print(f\"undeferred MIMO import in a fresh interpreter: {{time.perf_counter() - t:.2f}} s\")"])
-'
+step 60 IM python gpu/lazy_import.py
 tail -n 6 "$OUT/IM.log" | tee -a "$OUT/$SUMMARY"
 TRAIN=(--recipe nam56r --set train.micro_batch_size=4 --set train.recompute=mamba-scan --set train.checkpoint_every=0)
 for w in a b c; do

@@ -46,6 +46,11 @@ def no_workaround():
     head.reset_workaround()
 
 
+def by_name(rows) -> dict:
+    """Patch reports (or ``nam patches --json`` rows) by name, in their order."""
+    return {(r["name"] if isinstance(r, dict) else r.name): r for r in rows}
+
+
 # --- pure-torch stand-ins for Liger's function ---------------------------------------------------------
 def flce_fixed(hidden, weight, target, reduction):
     """Liger's fused linear CE in plain autograd, fp64 logits (tiny sizes only); IGNORE_INDEX rows give 0."""
@@ -143,8 +148,8 @@ def test_a_release_with_issue_968_activates_and_the_patch_lane_applies_the_worka
     liger_release("0.8.1")
     host = PluginHost()
     host.activate(["liger"], H100)
-    [report] = apply_all(host.registry("patches"))
-    assert report.name == "liger-none-reduction-bwd" and report.state == APPLIED, report
+    report = by_name(apply_all(host.registry("patches")))["liger-none-reduction-bwd"]
+    assert report.state == APPLIED, report
 
 
 def test_activation_needs_ampere_or_newer(liger_release, fake_a100):
@@ -168,8 +173,8 @@ def test_activates_on_an_h100_profile_with_0_8_5(liger_release):
     assert host.registry("ce").plugin_of("liger") == "liger"
     [launch] = [c for c in ev.checks if c.name == "launch checks"]
     assert launch.status == SKIP and launch.found == "profile h100"  # kernels never launch on a fake
-    [report] = apply_all(host.registry("patches"))
-    assert report.name == "liger-none-reduction-bwd" and report.state == RETIRED
+    report = by_name(apply_all(host.registry("patches")))["liger-none-reduction-bwd"]
+    assert report.state == RETIRED
     assert report.detail == "liger-kernel 0.8.5 is outside <0.8.2; fixed upstream"
     assert LigerCEHead().formulation == NONE_TIMES_MASK
 
@@ -208,11 +213,13 @@ def test_needed_patch_switches_the_head_to_mean_times_live(liger_release):
 def test_patches_command_shows_the_state_of_the_installed_release(liger_release, capsys):
     liger_release("0.8.1")
     assert run(["patches", "--plugins", "liger", "--json"]) == 0
-    [row] = json.loads(capsys.readouterr().out)["patches"]
-    assert (row["name"], row["state"], row["versions"]) == ("liger-none-reduction-bwd", NEEDED, "<0.8.2")
+    rows = by_name(json.loads(capsys.readouterr().out)["patches"])
+    assert list(rows) == ["liger-peft-probe-import", "liger-none-reduction-bwd"]  # the order they apply in
+    row = rows["liger-none-reduction-bwd"]
+    assert (row["state"], row["versions"]) == (NEEDED, "<0.8.2")
     liger_release("0.8.5")
     assert run(["patches", "--plugins", "liger", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["patches"][0]["state"] == RETIRED
+    assert by_name(json.loads(capsys.readouterr().out)["patches"])["liger-none-reduction-bwd"]["state"] == RETIRED
 
 
 # --- the head's math, through the stand-ins ---------------------------------------------------------
@@ -318,3 +325,90 @@ def test_preflight_command_exits_3_on_the_cpu_profile(liger_release, capsys):
     checks = {c["check"]: c["status"] for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["CUDA device"] == "fail" and checks["package liger-kernel"] == PASS
     assert checks["launch checks"] == SKIP
+
+
+# --- liger-peft-probe-import: Liger's import without peft's ----------------------------------------------
+UTILS_RELEASE = ("try:\n    import peft  # noqa\n\n    PEFT_AVAILABLE = True\nexcept ImportError:\n"
+                 "    PEFT_AVAILABLE = False\n\nimport functools\n")
+UTILS_LAZY = "import importlib.util\n\nPEFT_AVAILABLE = importlib.util.find_spec('peft') is not None\n"
+
+
+@pytest.fixture
+def fake_liger(tmp_path, monkeypatch):
+    """``fake_liger(utils=UTILS_RELEASE, peft=True)``: a liger_kernel package whose fused CE module imports
+    ``liger_kernel.utils`` (source ``utils``) and, with ``peft``, a peft package, first on sys.path; every module
+    they imported is removed afterwards."""
+    before = set(sys.modules)
+
+    def make(utils: str = UTILS_RELEASE, peft: bool = True):
+        root = tmp_path / ("with-peft" if peft else "without-peft")
+        files = {"liger_kernel/__init__.py": "", "liger_kernel/utils.py": utils, "liger_kernel/ops/__init__.py": "",
+                 "liger_kernel/ops/fused_linear_cross_entropy.py": "from liger_kernel.utils import PEFT_AVAILABLE\n"}
+        if peft:
+            files["peft/__init__.py"] = "import json  # stands for transformers and scikit-learn\nLOADED = True\n"
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        monkeypatch.syspath_prepend(str(root))
+        return root
+
+    yield make
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("liger_kernel", "peft"):
+            del sys.modules[name]
+
+
+def test_the_peft_probe_entry_imports_liger_without_peft_and_keeps_the_flag_true(liger_release, fake_liger):
+    from nam_plugin_liger import peft_probe
+
+    liger_release("0.8.5")
+    fake_liger()
+    assert peft_probe.make_patch().state()[0] == NEEDED
+    assert peft_probe.apply_needed()
+    utils = sys.modules["liger_kernel.utils"]
+    assert "peft" not in sys.modules and utils.PEFT_AVAILABLE is True  # installed, not imported
+    import peft  # the marker is gone: whoever uses peft imports it
+
+    assert peft.LOADED and not peft_probe.apply_needed()  # done: nothing left to apply
+
+
+def test_the_peft_probe_flag_is_false_where_peft_is_not_installed(liger_release, fake_liger):
+    from nam_plugin_liger import peft_probe
+
+    liger_release("0.8.5")
+    fake_liger(peft=False)
+    assert peft_probe.make_patch().state()[0] == RETIRED  # nothing to save: the probe fails at once
+    peft_probe.apply()
+    assert sys.modules["liger_kernel.utils"].PEFT_AVAILABLE is False
+
+
+def test_a_liger_whose_utils_does_not_import_peft_retires_the_entry(liger_release, fake_liger):
+    from nam_plugin_liger import peft_probe
+
+    liger_release("0.8.5")
+    root = fake_liger(utils=UTILS_LAZY)
+    assert not peft_probe.imports_peft_at_import(root / "liger_kernel" / "utils.py")
+    assert peft_probe.make_patch().state()[0] == RETIRED
+
+
+def test_the_peft_probe_revert_imports_peft_as_the_unpatched_module_would(liger_release, fake_liger):
+    from nam_core.patches import applied
+
+    from nam_plugin_liger import peft_probe
+
+    liger_release("0.8.5")
+    fake_liger()
+    with applied([Entry(peft_probe.NAME, peft_probe.make_patch(), "liger")]):
+        assert "peft" not in sys.modules and peft_probe.applied()
+    assert "peft" in sys.modules and sys.modules["liger_kernel.utils"].PEFT_AVAILABLE is True
+    assert not peft_probe.applied()
+
+
+def test_the_peft_probe_reproducer_tells_the_bug_from_the_fix(liger_release, fake_liger):
+    from nam_plugin_liger import peft_probe
+
+    liger_release("0.8.5")
+    fake_liger()
+    assert peft_probe.reproduce() == BUG_REPRODUCED
+    peft_probe.apply()
+    assert peft_probe.reproduce() == FIX_VALIDATED

@@ -8,11 +8,12 @@ from nam_core.checks import LaunchCheck
 from nam_plugin_liger import smoke
 
 NAME, PATCH_NAME = "liger", "liger-none-reduction-bwd"  # PATCH_NAME = patch.NAME, kept here: this module stays light
+PEFT_PATCH_NAME = "liger-peft-probe-import"  # = peft_probe.NAME
 
 PLUGIN = PluginInfo(
     summary="liger: LM head + MTP heads through Liger-Kernel's fused linear cross-entropy "
             "(no [tokens, vocab] logits); Triton, CUDA",
-    provides={"ce": {NAME: "nam_plugin_liger.head:LigerCEHead"}, "patches": [PATCH_NAME]},
+    provides={"ce": {NAME: "nam_plugin_liger.head:LigerCEHead"}, "patches": [PEFT_PATCH_NAME, PATCH_NAME]},
     requires=(
         Requirement.cuda_device(reason="Liger's kernels are Triton kernels: CUDA only, no CPU path"),
         # Triton's README: "NVIDIA GPUs (Compute Capability 8.0+)"; bf16 also needs sm_80.
@@ -29,6 +30,8 @@ PLUGIN = PluginInfo(
 
 @hookimpl
 def nam_register_patches(register):
+    from nam_plugin_liger import peft_probe
     from nam_plugin_liger.patch import make_patch
 
+    register(PEFT_PATCH_NAME, peft_probe.make_patch())
     register(PATCH_NAME, make_patch())

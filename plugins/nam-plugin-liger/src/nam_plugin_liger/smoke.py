@@ -28,7 +28,11 @@ HINT = "python -m pytest plugins/nam-plugin-liger -m gpu -v shows the parity tes
 
 
 def launch(spec) -> Measured:
-    """The liger head against the reference here (``PLUGIN.checks``: the host calls it on a real device)."""
+    """The liger head against the reference here (``PLUGIN.checks``: the host calls it on a real device). Liger is
+    imported here first, before the engine's patch lane runs: its import entry is applied now."""
+    from nam_plugin_liger import peft_probe
+
+    peft_probe.apply_needed()
     try:
         errors, formulation, version = compare_with_reference()
     except Exception as e:  # a compile or launch failure of any kind is this check's failure, with its message

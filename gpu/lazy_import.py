@@ -21,3 +21,18 @@ code = (f"import sys, time; sys.path[:0] = {sys.path!r}; from nam_plugin_mamba_s
         f"upstream.install_shim(); t = time.perf_counter(); import {upstream.MIMO_MODULE}; "
         "print(f'undeferred MIMO import in a fresh interpreter: {time.perf_counter() - t:.2f} s')")
 subprocess.run([sys.executable, "-c", code], check=True)
+
+# Liger's import with peft blocked (patch liger-peft-probe-import), in a fresh interpreter each way.
+from nam_plugin_liger import peft_probe  # noqa: E402
+
+print("liger-peft-probe-import:", peft_probe.make_patch().state())
+for fixed in (False, True):
+    code = (f"import sys, time; sys.path[:0] = {sys.path!r}; from nam_plugin_liger import peft_probe; "
+            f"t = time.perf_counter(); {'peft_probe.apply(); ' if fixed else ''}"
+            f"import {peft_probe.FLCE_MODULE}; import liger_kernel.utils as u; "
+            "print(f'liger fused CE imported in {time.perf_counter() - t:.2f} s, " + ("with" if fixed else "without")
+            + " the fix: peft imported {\"peft\" in sys.modules}, transformers imported {\"transformers\" in "
+            "sys.modules}, PEFT_AVAILABLE {u.PEFT_AVAILABLE}')")
+    subprocess.run([sys.executable, "-c", code], check=True)
+peft_probe.apply()
+print("liger-peft-probe-import reproducer with the fix:", peft_probe.reproduce())

@@ -144,14 +144,14 @@ def train(
 
 
 def _verify_ahead(eng, folder):
-    """Start the engine's check of the run folder's checkpoints (``good_checkpoints``: the sha256 of every file)
-    on a background thread, before ``build``: the claim (``_train``) makes the same call and finds the digests
-    hashed, or waits for the files still being hashed. Every rank does it, as every rank's claim reads the folder.
-    Its answer is not used, so it decides nothing (``checkpoint.VerifyAhead``); stopped after the claim
-    (``_ahead_note``) and on every exit."""
+    """Start this rank's part of the engine's check of the run folder's checkpoints (``check_ahead``: the sha256
+    of every file; under the megatron engine rank 0's, which the other ranks then take from it) on a background
+    thread, before ``build``: the claim (``_train``) checks with ``good_checkpoints`` and finds the digests hashed,
+    or waits for the files still being hashed. Its answer is not used, so it decides nothing
+    (``checkpoint.VerifyAhead``); stopped after the claim (``_ahead_note``) and on every exit."""
     from nam_core.engine.checkpoint import VerifyAhead
 
-    return VerifyAhead(eng.good_checkpoints, folder.checkpoints)
+    return VerifyAhead(eng.check_ahead, folder.checkpoints)
 
 
 def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say, ahead=None) -> dict | None:

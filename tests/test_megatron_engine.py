@@ -265,6 +265,57 @@ def test_one_rank_env_rendezvous_and_refuses_a_launcher_s_environment():
     assert launched == {"WORLD_SIZE": "8", "RANK": "3"}
 
 
+SHARED_CHECK = """
+import json, os, sys
+from pathlib import Path
+import torch.distributed as dist
+from nam_core.engine import checkpoint as files
+from nam_core.engine.megatron import MegatronEngine
+hashed = []
+real = files.file_sha256
+files.file_sha256 = lambda path, **kw: hashed.append(Path(path).name) or real(path, **kw)
+dist.init_process_group("gloo")
+root = Path(sys.argv[1])
+engine = MegatronEngine()
+engine.check_ahead(root)  # the background pass, run in the foreground here: rank 0's alone
+ahead = len(hashed)
+good = [p.name for p in engine.good_checkpoints(root)]
+print(json.dumps({"rank": dist.get_rank(), "ahead": ahead, "hashed": len(hashed), "good": good}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_resume_s_checkpoints_are_hashed_by_rank_0_alone_and_judged_alike_by_every_rank(tmp_path):
+    """Two gloo ranks check a folder with a good checkpoint and one whose file changed after its manifest: rank 0
+    hashes every file once (most in ``check_ahead``), rank 1 none, and both find the same good one and skip the
+    damaged one (the damaged file's digest is handed over too, so rank 1 refuses it on rank 0's bytes)."""
+    import os
+    import socket
+
+    root = tmp_path / "checkpoints"
+    for step, damaged in ((2, False), (4, True)):
+        folder = root / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        for name in (".metadata", "__0_0.distcp", "__0_1.distcp"):
+            (folder / name).write_bytes(os.urandom(4096))
+        listed = {n: file_sha256(folder / n) for n in (".metadata", "__0_0.distcp", "__0_1.distcp")}
+        (folder / "manifest.json").write_text(json.dumps({"format": checkpoint.CHECKPOINT_FORMAT, "sha256": listed}))
+        if damaged:
+            (folder / "__0_1.distcp").write_bytes(os.urandom(4096))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", SHARED_CHECK, str(root)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [r.communicate(timeout=180) for r in ranks]
+    assert all(r.returncode == 0 for r in ranks), [err[-2000:] for _, err in outs]
+    rows = sorted((json.loads(out.strip().splitlines()[-1]) for out, _ in outs), key=lambda row: row["rank"])
+    assert rows[0]["ahead"] == rows[0]["hashed"] == 6 and rows[1]["hashed"] == 0
+    assert rows[0]["good"] == rows[1]["good"] == ["step-00000002"]
+
+
 # --- layout, schedule ---------------------------------------------------------------------------------
 
 

@@ -354,6 +354,31 @@ def _sha256(path: Path, stop: threading.Event | None = None) -> str:
     return hashing.digest
 
 
+def known_digests(paths) -> dict[tuple, str]:
+    """The digests this process holds for ``paths``' current versions, by ``file_version``: what one rank hands
+    the others so that a run's checkpoints are hashed once per host, not once per rank (``adopt_digests``)."""
+    out = {}
+    with _DIGESTS_LOCK:
+        for path in paths:
+            try:
+                key = file_version(Path(path).stat())
+            except OSError:
+                continue  # gone: the receiving rank's own check meets that
+            if key in _DIGESTS:
+                out[key] = _DIGESTS[key]
+    return out
+
+
+def adopt_digests(digests: dict[tuple, str]) -> int:
+    """Take digests another rank of this run computed (``known_digests``) into this process's cache. A digest
+    is used only for a file whose version (device, inode, size, mtime, ctime) is the one it was computed for,
+    so a rank on another host, or a file changed since, is hashed here again. Returns how many were taken."""
+    with _DIGESTS_LOCK:
+        for key, digest in digests.items():
+            _DIGESTS.setdefault(tuple(key), digest)
+    return len(digests)
+
+
 HASH_THREADS = 8
 """Files hashed at once (``hash_files``): sha256 is sequential within a file, so a checkpoint is written as
 several files (async_checkpoint.FILES) and they are hashed side by side; hashlib and file reads release the GIL.
@@ -375,7 +400,8 @@ def hash_files(paths: list[Path], *, threads: int = HASH_THREADS) -> dict[Path, 
 
 
 class VerifyAhead:
-    """An engine's ``good_checkpoints(ckpt_root)`` run early, on a daemon thread named ``nam-verify``, so that the
+    """An engine's ``check_ahead(ckpt_root)`` (its ``good_checkpoints`` without the ranks' exchange) run early,
+    on a daemon thread named ``nam-verify``, so that the
     sha256 of a resume's checkpoints (~53 GB at full NAM56R, ~7 s) overlaps the plugins' self-tests instead of
     following them (``nam train --resume``). Its answer is dropped: what it leaves is the digests in this
     process's cache (``_sha256``), which the run folder's own check (``RunFolder.claim``, the same engine

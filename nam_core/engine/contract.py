@@ -123,13 +123,17 @@ class Ranks:
 @runtime_checkable
 class Engine(Protocol):
     """What ``nam train`` asks of an engine, in this order: ``start`` (before anything touches CUDA),
-    ``good_checkpoints``/``resolve_resume`` (what a start finds in the run folder), ``barrier`` (between the
+    ``check_ahead`` (a resume's hashing of the checkpoints begun on a background thread, this rank's part, not
+    collective), ``good_checkpoints``/``resolve_resume`` (what a start finds in the run folder; every rank calls
+    ``good_checkpoints`` the same number of times, so an engine may make it collective), ``barrier`` (between the
     ranks' data preparation and the run folder's), ``train``, ``finish`` (after success only)."""
 
     name: str
 
     def start(self, spec: RunSpec, *, dry_run: bool, relaunch: Callable[[int], None] | None = None) -> Ranks:
         """Start the engine for ``spec``; ``relaunch(n)`` replaces this process with ``n`` of them (torchrun)."""
+
+    def check_ahead(self, ckpt_root: Path) -> None: ...
 
     def good_checkpoints(self, ckpt_root: Path) -> list[Path]: ...
 

@@ -51,6 +51,9 @@ class LocalEngine:
     def good_checkpoints(self, ckpt_root: Path) -> list[Path]:
         return checkpoint.good_checkpoints(ckpt_root)
 
+    def check_ahead(self, ckpt_root: Path) -> None:
+        checkpoint.good_checkpoints(ckpt_root)
+
     def resolve_resume(self, spec: str, ckpt_root: Path, *, warn: Callable[[str], None]) -> Path:
         return checkpoint.resolve_resume(spec, ckpt_root, warn=warn)
 

@@ -187,6 +187,30 @@ def good_checkpoints(ckpt_root: Path) -> list[Path]:
     return [p for p in sorted(ckpt_root.glob("step-*")) if p.is_dir() and inspect(p)[0] is not None]
 
 
+def good_checkpoints_shared(ckpt_root: Path) -> list[Path]:
+    """``good_checkpoints`` with the hashing done once for all ranks. Collective: rank 0 checks (hashing every
+    listed file, or reading what its ``check_ahead`` hashed), then hands every rank its digests
+    (``files.known_digests``, one object broadcast), and each rank's own check reads them from its cache
+    (``files.adopt_digests``), so every rank decides for itself on the same bytes. Without it each of a node's 8
+    ranks read and hashed the whole checkpoint (~53 GB at NAM56R's size) at every start."""
+    box = [None]
+    if torch.distributed.get_rank() == 0:
+        good_checkpoints(ckpt_root)
+        box[0] = files.known_digests(p for p in ckpt_root.glob("step-*/**/*") if p.is_file()) \
+            if ckpt_root.is_dir() else {}
+    torch.distributed.broadcast_object_list(box, src=0)
+    if torch.distributed.get_rank() != 0:
+        files.adopt_digests(box[0])
+    return good_checkpoints(ckpt_root)
+
+
+def check_ahead(ckpt_root: Path) -> None:
+    """This rank's part of a start's checkpoint check, begun early on a background thread (``VerifyAhead``):
+    rank 0 hashes; the others wait for its digests in ``good_checkpoints_shared``. Not collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        good_checkpoints(ckpt_root)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, models: list, optimizer, *, manifest: dict, keep: int) -> Path:
     """Collective: every rank writes its shards into a hidden folder, rank 0 adds the manifest and renames
     it into place (atomic on POSIX), then prunes old checkpoints. A crash leaves the last good one intact; a

@@ -38,7 +38,16 @@ class MegatronEngine:
         return Ranks(torch.distributed.get_rank(), lay.world_size)
 
     def good_checkpoints(self, ckpt_root: Path) -> list[Path]:
+        """Collective across ranks once the process group is up (rank 0 hashes, every rank decides on its
+        digests: ``checkpoint.good_checkpoints_shared``)."""
+        import torch
+
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            return checkpoint.good_checkpoints_shared(ckpt_root)
         return checkpoint.good_checkpoints(ckpt_root)
+
+    def check_ahead(self, ckpt_root: Path) -> None:
+        checkpoint.check_ahead(ckpt_root)
 
     def resolve_resume(self, spec: str, ckpt_root: Path, *, warn: Callable[[str], None]) -> Path:
         return checkpoint.resolve_resume(spec, ckpt_root)

@@ -23,6 +23,15 @@ H200 the five runs side by side took 269 s.
 
 ``--te`` adds Transformer Engine's FP8 linears (nam-plugin-te, ``TE_RUNS``: current and delayed scaling, the
 experts in bf16), each held to the same allowed gap as ``fp8``.
+
+``--seeds N`` (N >= 2) trains every run at N seeds (``--seed`` and the next N - 1), all side by side, and judges
+on them instead of one: each row's gap is its last-20 mean averaged over the seeds minus bf16's over the same
+seeds, and the bf16 seed-to-seed gap is the spread of bf16's last-20 means over the seeds (largest minus
+smallest), so ``bf16, seed+1`` is not run. One seed could not
+separate TE's FP8 from bf16 (bench/README.md, fifth session: the two bf16 seeds differed by 0.008 nats over the
+last 20 steps and by 0.158 over steps 101-200)::
+
+    python bench/float8_loss.py --te --seeds 3 --json bench/results/float8_loss_te_3seeds.json
 """
 
 from __future__ import annotations
@@ -72,37 +81,58 @@ def slug(name: str) -> str:
 
 
 def command(name: str, *, steps: int, seed: int, root: Path) -> list[str]:
+    """Run ``name`` at ``seed`` (plus its ``SEED_OFFSET``), in its own folder under ``root``."""
     return [sys.executable, "-m", "nam_cli", "train", *COMMON, *{**RUNS, **TE_RUNS}[name], "--max-steps", str(steps),
-            "--seed", str(seed + SEED_OFFSET.get(name, 0)), "--run-dir", str(root / slug(name))]
+            "--seed", str(seed + SEED_OFFSET.get(name, 0)), "--run-dir", str(root / f"{slug(name)}-{seed}")]
 
 
-def train_all(*, steps: int, seed: int, root: Path, names=tuple(RUNS)) -> tuple[dict, dict, dict]:
-    """Every ``nam train`` run of ``RUNS`` at once on the one GPU (tiny models: they fit side by side, and the
-    curves do not depend on the timing); each run's per-step LM loss, wall time and run.log."""
+def train_all(*, steps: int, seeds: list[int], root: Path, names=tuple(RUNS)) -> tuple[dict, dict, dict]:
+    """Every ``nam train`` run of ``names`` at every seed at once on the one GPU (tiny models: they fit side by side,
+    and the curves do not depend on the timing): ``curves[name][seed]`` (the per-step LM loss), and each run's
+    wall time and run.log by name (the first seed's)."""
     from nam_core.engine.metrics import read_metrics
 
     procs, started = {}, time.perf_counter()
     for name in names:
-        log = open(root / f"{slug(name)}.out", "w+")
-        procs[name] = (subprocess.Popen(command(name, steps=steps, seed=seed, root=root), stdout=log,
-                                        stderr=subprocess.STDOUT, text=True, env={**os.environ, "NAM_PLUGINS": ""}),
-                       log)
+        for seed in seeds:
+            log = open(root / f"{slug(name)}-{seed}.out", "w+")
+            procs[name, seed] = (subprocess.Popen(command(name, steps=steps, seed=seed, root=root), stdout=log,
+                                                  stderr=subprocess.STDOUT, text=True,
+                                                  env={**os.environ, "NAM_PLUGINS": ""}), log)
     curves, walls, logs, failed = {}, {}, {}, []
-    for name, (proc, log) in procs.items():
+    for (name, seed), (proc, log) in procs.items():
         proc.wait()
         walls[name] = time.perf_counter() - started
         log.seek(0)
         if proc.returncode != 0:
-            failed.append(f"{name}: `{' '.join(command(name, steps=steps, seed=seed, root=root))}` exited "
-                          f"{proc.returncode}\n{log.read()[-3000:]}")
+            failed.append(f"{name}, seed {seed}: `{' '.join(command(name, steps=steps, seed=seed, root=root))}` "
+                          f"exited {proc.returncode}\n{log.read()[-3000:]}")
             continue
-        run_dir = root / slug(name)
+        run_dir = root / f"{slug(name)}-{seed}"
         metrics = read_metrics(run_dir)
         key = "lm_loss" if "lm_loss" in metrics[0] else "loss"
-        curves[name], logs[name] = [m[key] for m in metrics], (run_dir / "run.log").read_text()
+        curves.setdefault(name, {})[seed] = [m[key] for m in metrics]
+        logs.setdefault(name, (run_dir / "run.log").read_text())
     if failed:
         sys.exit("\n\n".join(failed))
     return curves, walls, logs
+
+
+def judge(curves: dict[str, dict[int, list[float]]], *, last: int = LAST) -> dict:
+    """The verdict's numbers from ``curves[name][seed]``: each run's mean LM loss over the ``last`` steps (every
+    run cut to the shortest), averaged over its seeds (``mean``); each run's gap to bf16 (``gaps``: the difference
+    of those means, over the same seeds); the bf16
+    seed-to-seed gap (``noise``: with several seeds the spread of bf16's per-seed means, with one the gap of the
+    ``bf16, seed+1`` run); and the gap allowed (``allowed``: ``noise``, at least ``BAND``, at most ``CAP``)."""
+    n = min(len(c) for runs in curves.values() for c in runs.values())
+    tail = slice(max(0, n - last), n)
+    per_seed = {k: {s: sum(c[tail]) / len(c[tail]) for s, c in runs.items()} for k, runs in curves.items()}
+    mean = {k: sum(v.values()) / len(v) for k, v in per_seed.items()}
+    bf16 = per_seed["bf16"]
+    gaps = {k: mean[k] - mean["bf16"] for k in per_seed if k != "bf16"}
+    noise = max(bf16.values()) - min(bf16.values()) if len(bf16) > 1 else abs(gaps["bf16, seed+1"])
+    return {"n": n, "tail": tail, "per_seed": per_seed, "mean": mean, "gaps": gaps, "noise": noise,
+            "allowed": min(CAP, max(BAND, noise)), "seeds": sorted(bf16)}
 
 
 def main() -> int:
@@ -111,22 +141,25 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="write the curves and the verdict here")
     ap.add_argument("--te", action="store_true", help="add TE's FP8 linears (TE_RUNS; nam-plugin-te)")
+    ap.add_argument("--seeds", type=int, default=1, help="train every run at this many seeds and judge on all of "
+                    "them (N >= 2: each run's mean over the seeds against bf16's, the bf16 spread over the seeds as the "
+                    "seed-to-seed gap)")
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error(f"--seeds {args.seeds}: expected at least 1")
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    seeds = [args.seed + i for i in range(args.seeds)]
+    runs = [k for k in RUNS if not (args.seeds > 1 and k in SEED_OFFSET)]
     with tempfile.TemporaryDirectory(prefix="float8_loss_") as tmp:
-        curves, walls, logs = train_all(steps=args.steps, seed=args.seed, root=Path(tmp),
-                                        names=(*RUNS, *(TE_RUNS if args.te else ())))
-    bf16, fp8 = curves["bf16"], curves["fp8"]
-    n = min(len(c) for c in curves.values())
-    tail = slice(max(0, n - LAST), n)
-    mean = {k: sum(c[tail]) / len(c[tail]) for k, c in curves.items()}
-    gaps = {k: mean[k] - mean["bf16"] for k in curves if k != "bf16"}
+        curves, walls, logs = train_all(steps=args.steps, seeds=seeds, root=Path(tmp),
+                                        names=(*runs, *(TE_RUNS if args.te else ())))
+    v = judge(curves)
+    n, tail, mean, gaps, noise, allowed = v["n"], v["tail"], v["mean"], v["gaps"], v["noise"], v["allowed"]
+    first = {k: c[seeds[0]] for k, c in curves.items()}  # the curves printed: the first seed's
     diff = gaps["fp8"]
-    max_gap = max(abs(a - b) for a, b in zip(bf16[tail], fp8[tail]))
-    noise = abs(gaps["bf16, seed+1"])
-    allowed = min(CAP, max(BAND, noise))
+    max_gap = max(abs(a - b) for a, b in zip(first["bf16"][tail], first["fp8"][tail]))
     ok = abs(diff) < allowed
     converted = [line for line in logs["fp8"].splitlines() if "Float8Linear" in line]
     swapped = {k: any("Transformer Engine Linear (FP8" in line for line in logs[k].splitlines())
@@ -134,14 +167,21 @@ def main() -> int:
     te = {k: abs(gaps[k]) < allowed and swapped[k] for k in swapped}
 
     names = list(curves)
-    print(f"tiny NAM56R, {args.steps} steps, seed {args.seed}, {gpu}; LM loss every 20 steps")
+    print(f"tiny NAM56R, {args.steps} steps, seed{'s' if len(seeds) > 1 else ''} "
+          f"{', '.join(map(str, seeds))}, {gpu}; LM loss every 20 steps (seed {seeds[0]})")
     print(f"{'step':>6} " + " ".join(f"{k:>13}" for k in names))
     for i in range(0, n, 20):
-        print(f"{i + 1:>6} " + " ".join(f"{curves[k][i]:13.4f}" for k in names))
-    print(f"mean of the last {LAST}: " + ", ".join(f"{k} {mean[k]:.4f}" for k in names))
-    print("against bf16: " + ", ".join(f"{k} {g:+.4f}" for k, g in gaps.items()) + " nats")
-    print(f"verdict on fp8 - bf16 = {diff:+.4f} nats: allowed +-{allowed:.4f} (the bf16 seed-to-seed gap "
-          f"{noise:.4f}, at least {BAND} and at most {CAP}); largest per-step gap there {max_gap:.4f}")
+        print(f"{i + 1:>6} " + " ".join(f"{first[k][i]:13.4f}" for k in names))
+    over = f" (averaged over {len(seeds)} seeds)" if len(seeds) > 1 else ""
+    print(f"mean of the last {LAST}{over}: " + ", ".join(f"{k} {mean[k]:.4f}" for k in names))
+    if len(seeds) > 1:
+        for k in names:
+            print(f"  {k} per seed: " + ", ".join(f"{s} {m:.4f}" for s, m in v["per_seed"][k].items()))
+    print(f"against bf16{' (over the same seeds)' if len(seeds) > 1 else ''}: "
+          + ", ".join(f"{k} {g:+.4f}" for k, g in gaps.items()) + " nats")
+    what = f"bf16's spread over {len(seeds)} seeds" if len(seeds) > 1 else "the bf16 seed-to-seed gap"
+    print(f"verdict on fp8 - bf16 = {diff:+.4f} nats: allowed +-{allowed:.4f} ({what} {noise:.4f}, at least "
+          f"{BAND} and at most {CAP}); largest per-step gap there {max_gap:.4f} (seed {seeds[0]})")
     print("wall (all runs side by side, startup included): " + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()))
     print(converted[0] if converted else "fp8 run.log has no Float8Linear line: the linears were NOT converted")
     for k, passed in te.items():
@@ -153,7 +193,8 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
-            "seed": args.seed, "commands": {k: COMMON + v for k, v in {**RUNS, **TE_RUNS}.items() if k in curves},
+            "seed": args.seed, "seeds": seeds, "mean_last_per_seed": v["per_seed"], "noise_nats": noise,
+            "commands": {k: COMMON + v for k, v in {**RUNS, **TE_RUNS}.items() if k in curves},
             "seed_offset": SEED_OFFSET, "te_pass": te, "te_swapped": swapped,
             "band_nats": BAND, "cap_nats": CAP, "allowed_nats": allowed, "last": LAST, "mean_last": mean,
             "gaps_vs_bf16": gaps, "diff": diff, "max_gap_last": max_gap, "pass": ok and bool(converted),

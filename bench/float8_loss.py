@@ -141,9 +141,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="write the curves and the verdict here")
     ap.add_argument("--te", action="store_true", help="add TE's FP8 linears (TE_RUNS; nam-plugin-te)")
-    ap.add_argument("--seeds", type=int, default=1, help="train every run at this many seeds and judge on all of "
-                    "them (N >= 2: each run's mean over the seeds against bf16's, the bf16 spread over the seeds as the "
-                    "seed-to-seed gap)")
+    ap.add_argument("--seeds", type=int, default=1, help="train every run at this many seeds and judge on all "
+                    "of them (N >= 2: each run's mean over the seeds against bf16's, the bf16 spread over the seeds "
+                    "as the seed-to-seed gap)")
     args = ap.parse_args()
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: expected at least 1")

@@ -6,8 +6,9 @@
 * ``mamba-ssm-package-import``: importing any ``mamba_ssm`` module runs the package ``__init__``, which imports
   Mamba-1, Mamba-2, the Mamba-3 module and the LM head model, and through its generation utilities transformers:
   21.55 s for a fresh interpreter's import of the MIMO module on a fresh H200 host (bench/README.md, sixth
-  session), none of it used by Mamba-3's kernels. Fix: the package goes into ``sys.modules`` with its ``__init__`` deferred to the
-  first name asked of it (``upstream.defer_package_init``). Detected from the ``__init__``'s source.
+  session), none of it used by Mamba-3's kernels. Fix: the package goes into ``sys.modules`` with its
+  ``__init__`` deferred to the first name asked of it (``upstream.defer_package_init``). Detected from the
+  ``__init__``'s source.
 * ``mamba3-mimo-grouped-bwd``: the MIMO backward raises ``G value of 8 is not currently supported!`` for any
   1 < ngroups < nheads, NAM56R's setting. Fix: ``mimo.backward`` reduces the per-head dQ/dK per group.
   Detected while upstream's driver is bound and the installed tree lacks its own grouped reduction.

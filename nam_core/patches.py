@@ -23,9 +23,12 @@ process, as before.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.metadata
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from nam_core.errors import PatchError
@@ -96,6 +99,42 @@ def unmet_floor(version: str, versions: str) -> str | None:
         if spec.operator in (">=", ">") or (spec.operator in ("~=", "==") and have < Version(spec.version.rstrip(".*"))):
             return f"{spec.operator} {spec.version}"
     return None
+
+
+# --- what detections read: an installed package's source, without importing it ------------------------------
+
+
+def package_dir(name: str) -> Path | None:
+    """The installed folder of package ``name``, found without running its ``__init__`` (None: not installed, or
+    not a package)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def imports_at_import(source: Path, package: str) -> list[str]:
+    """The modules a module imports when it runs, read from its ``source`` (top level and the bodies of top-level
+    ``try``, ``if`` and ``with``; not inside functions or classes): ``import a.b`` gives ``a.b``, ``from m import
+    n`` gives ``m`` and ``m.n`` (``n`` may be a submodule); relative names are resolved in ``package``, the package
+    the module belongs to (for a package's ``__init__``, the package itself)."""
+    found: list[str] = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                found.extend([module, *(f"{module}.{alias.name}" for alias in node.names)])
+            elif isinstance(node, (ast.Try, ast.If, ast.With)):
+                for part in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, part, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+    visit(ast.parse(source.read_text()).body)
+    return found
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,12 @@ peft in ``sys.modules``.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import sys
 from pathlib import Path
 
-from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, NEEDED, Patch
+from nam_core.patches import BUG_REPRODUCED, FIX_VALIDATED, NEEDED, Patch, imports_at_import, package_dir
 
 NAME = "liger-peft-probe-import"
 UTILS = "liger_kernel.utils"
@@ -37,32 +36,17 @@ MARK = "_nam_peft_probe_skipped"
 
 def utils_source() -> Path | None:
     """``liger_kernel/utils.py`` of the installed Liger, found without importing the package."""
-    spec = importlib.util.find_spec("liger_kernel")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    source = Path(next(iter(spec.submodule_search_locations))) / "utils.py"
-    return source if source.is_file() else None
+    root = package_dir("liger_kernel")
+    source = None if root is None else root / "utils.py"
+    return source if source is not None and source.is_file() else None
 
 
 def imports_peft_at_import(source: Path | None = None) -> bool:
-    """The module imports peft when it runs: an ``import peft`` at top level or in a top-level ``try``/``if``."""
+    """The module imports peft when it runs (``nam_core.patches.imports_at_import``: top level, or in a top-level
+    ``try``/``if``/``with``)."""
     source = source if source is not None else utils_source()
-    if source is None:
-        return False
-
-    def found(body) -> bool:
-        for node in body:
-            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == PEFT for a in node.names):
-                return True
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PEFT and not node.level:
-                return True
-            if isinstance(node, (ast.Try, ast.If)):
-                parts = [node.body, node.orelse, getattr(node, "finalbody", [])]
-                parts += [h.body for h in getattr(node, "handlers", [])]
-                if any(found(part) for part in parts):
-                    return True
-        return False
-    return found(ast.parse(source.read_text()).body)
+    return source is not None and any(name.split(".")[0] == PEFT
+                                      for name in imports_at_import(source, "liger_kernel"))
 
 
 def peft_installed() -> bool:

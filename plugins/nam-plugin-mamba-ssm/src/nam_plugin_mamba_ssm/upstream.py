@@ -49,10 +49,9 @@ def installed_version() -> str | None:
 
 def package_dir() -> Path | None:
     """The installed ``mamba_ssm`` folder, found without running its ``__init__``."""
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
+    from nam_core.patches import package_dir as installed_package_dir
+
+    return installed_package_dir("mamba_ssm")
 
 
 # --- the import shim ---------------------------------------------------------------------------------------
@@ -123,31 +122,16 @@ PACKAGE = "mamba_ssm"
 
 
 def package_init_imports(root: Path | None = None) -> list[str]:
-    """The modules the installed package ``__init__`` imports when it runs (top level, ``try`` and ``if`` bodies;
-    not inside functions or classes), read from its source: ``import a.b`` gives ``a.b``, ``from m import n``
-    gives ``m`` and ``m.n`` (``n`` may be a submodule), relative names resolved in the package. 2.3.2.post1's imports Mamba-1's scan, the Mamba,
-    Mamba2 and Mamba3 modules and the LM head model, whose generation utilities import transformers: none of
-    which Mamba-3's kernel modules use."""
+    """The modules the installed package ``__init__`` imports when it runs (``nam_core.patches.imports_at_import``).
+    2.3.2.post1's imports Mamba-1's scan, the Mamba, Mamba2 and Mamba3 modules and the LM head model, whose
+    generation utilities import transformers: none of which Mamba-3's kernel modules use."""
+    from nam_core.patches import imports_at_import
+
     root = root if root is not None else package_dir()
     source = None if root is None else root / "__init__.py"
     if source is None or not source.is_file():
         return []
-    found: list[str] = []
-
-    def visit(body):
-        for node in body:
-            if isinstance(node, ast.Import):
-                found.extend(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                module = ".".join(p for p in (PACKAGE if node.level else "", node.module or "") if p)
-                found.extend([module, *(f"{module}.{alias.name}" for alias in node.names)])
-            elif isinstance(node, (ast.Try, ast.If, ast.With)):
-                for part in ("body", "orelse", "finalbody"):
-                    visit(getattr(node, part, []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-    visit(ast.parse(source.read_text()).body)
-    return found
+    return imports_at_import(source, PACKAGE)
 
 
 class _DeferredPackage(types.ModuleType):

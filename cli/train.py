@@ -9,10 +9,11 @@ decides as it would alone. ``--dry-run`` stops after building the model on the m
 plan. This module holds the command's options and its hints; what a run is and how it trains live in
 ``nam56r.run`` and ``nam_core.engine``.
 
-``--engine megatron`` runs one process per GPU under torchrun (``--nproc N`` starts torchrun itself): the
-allocator is set before CUDA starts, the runtime (megatron-core >= 0.19, CUDA, torchrun, psutil) and the
-layout (``--tp/--pp/--ep``, the lowering's gaps) are checked on every rank before anything is written, and
-rank 0 alone prepares the data and writes the run folder's files.
+``--engine megatron`` runs one process per GPU under torchrun (``--nproc N`` starts torchrun itself; ``--nproc 1``
+trains in this process, as torchrun's only worker): the allocator is set before CUDA starts, the runtime
+(megatron-core >= 0.19, CUDA, torchrun, psutil) and the layout (``--tp/--pp/--ep``, the lowering's gaps) are
+checked on every rank before anything is written, and rank 0 alone prepares the data and writes the run folder's
+files.
 """
 
 from __future__ import annotations

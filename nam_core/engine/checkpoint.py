@@ -400,12 +400,11 @@ def hash_files(paths: list[Path], *, threads: int = HASH_THREADS) -> dict[Path, 
 
 
 class VerifyAhead:
-    """An engine's ``check_ahead(ckpt_root)`` (its ``good_checkpoints`` without the ranks' exchange) run early,
-    on a daemon thread named ``nam-verify``, so that the
-    sha256 of a resume's checkpoints (~53 GB at full NAM56R, ~7 s) overlaps the plugins' self-tests instead of
-    following them (``nam train --resume``). Its answer is dropped: what it leaves is the digests in this
-    process's cache (``_sha256``), which the run folder's own check (``RunFolder.claim``, the same engine
-    function) then reads, waiting for a file still being hashed rather than reading it twice. So the check decides
+    """An engine's ``check_ahead(ckpt_root)`` (this rank's part of its ``good_checkpoints``, without the ranks'
+    exchange) run early, on a daemon thread named ``nam-verify``, so that the sha256 of a resume's checkpoints
+    (~53 GB at full NAM56R, ~7 s) overlaps the plugins' self-tests instead of following them (``nam train
+    --resume``). Its answer is dropped: what it leaves is the digests in this process's cache (``_sha256``),
+    which the run folder's own check (``RunFolder.claim``, the engine's ``good_checkpoints``) then reads, waiting for a file still being hashed rather than reading it twice. So the check decides
     exactly as it would alone, and meets the same errors at the same place: the background pass keeps an error
     (``error``) and prints nothing, and the error is not cached, so the foreground's call hashes that file again
     and raises it.
@@ -423,20 +422,20 @@ class VerifyAhead:
     stuck in the kernel (a dead network disk) outlasts it. The daemon thread is then left behind; its helper
     threads (``hash_files``'s pool) are not daemons, so such a read holds up the exit as the claim's own would."""
 
-    def __init__(self, good: Callable[[Path], list[Path]], ckpt_root: Path):
+    def __init__(self, check: Callable[[Path], object], ckpt_root: Path):
         self._stop = threading.Event()
         self.error: Exception | None = None
         """What the background pass raised (kept, never printed: the foreground's own call meets it again)."""
         self.seconds: float | None = None
         """How long the background pass took, once it has ended (for the run log's note)."""
-        self._thread = threading.Thread(target=self._run, args=(good, ckpt_root), name="nam-verify", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(check, ckpt_root), name="nam-verify", daemon=True)
         self._thread.start()
 
-    def _run(self, good: Callable[[Path], list[Path]], ckpt_root: Path) -> None:
+    def _run(self, check: Callable[[Path], object], ckpt_root: Path) -> None:
         _LOCAL.stop = self._stop
         began = time.monotonic()
         try:
-            good(ckpt_root)
+            check(ckpt_root)
         except Abandoned:
             pass  # stopped: nobody wants the rest
         except Exception as exc:  # noqa: BLE001 - not lost: the foreground's call hashes again and raises it

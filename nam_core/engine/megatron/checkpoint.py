@@ -193,14 +193,15 @@ def good_checkpoints_shared(ckpt_root: Path) -> list[Path]:
     (``files.known_digests``, one object broadcast), and each rank's own check reads them from its cache
     (``files.adopt_digests``), so every rank decides for itself on the same bytes. Without it each of a node's 8
     ranks read and hashed the whole checkpoint (~53 GB at NAM56R's size) at every start."""
-    box = [None]
-    if torch.distributed.get_rank() == 0:
-        good_checkpoints(ckpt_root)
+    box, rank0 = [None], torch.distributed.get_rank() == 0
+    if rank0:
+        good = good_checkpoints(ckpt_root)
         box[0] = files.known_digests(p for p in ckpt_root.glob("step-*/**/*") if p.is_file()) \
             if ckpt_root.is_dir() else {}
     torch.distributed.broadcast_object_list(box, src=0)
-    if torch.distributed.get_rank() != 0:
-        files.adopt_digests(box[0])
+    if rank0:
+        return good
+    files.adopt_digests(box[0])
     return good_checkpoints(ckpt_root)
 
 

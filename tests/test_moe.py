@@ -85,3 +85,22 @@ def test_builds_on_meta_with_expected_parameter_count():
 
 def test_swiglu_shapes():
     assert SwiGLU(8, 6)(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+
+
+def test_reference_experts_take_fp32_gates_with_bf16_rows_as_the_grouped_backend_rounds_them():
+    """Megatron's flex dispatcher (DeepEP) hands the experts fp32 gates with bf16 rows; the reference rounds the
+    gates to the rows' dtype (the grouped backend's ``gated_swiglu`` does the same), in both entry points."""
+    torch.manual_seed(3)
+    e, f, d, r = 3, 6, 8, 7
+    x = torch.randn(r, d).bfloat16()
+    w_gate_up, w_down = torch.randn(e, 2 * f, d).bfloat16(), torch.randn(e, d, f).bfloat16()
+    probs = torch.rand(r) + 0.1
+    counts = torch.tensor([3, 0, 4])
+    experts = ReferenceExperts()
+    out = experts.sorted(x, counts, probs, w_gate_up, w_down)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, experts.sorted(x, counts, probs.bfloat16(), w_gate_up, w_down), rtol=0, atol=0)
+    chosen = torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1], [0, 2]])
+    gates = torch.rand(r, 2)
+    out = experts(x, chosen, gates, w_gate_up, w_down)
+    torch.testing.assert_close(out, experts(x, chosen, gates.bfloat16(), w_gate_up, w_down), rtol=0, atol=0)

@@ -8,7 +8,8 @@ NAM56R the same as one dense SwiGLU of width E * f = 2560, so it stays usable fo
 shape depends on the routing, hence no host sync. Dispatching backends (kind ``moe``) are tested against it.
 
 ``__call__`` takes one row per token and its ``k`` gates; ``sorted`` one row per (token, slot), sorted by
-expert (Megatron's experts slot), each with its gate and its expert from the per-expert ``counts``.
+expert (Megatron's experts slot), each with its gate and its expert from the per-expert ``counts``. Gates arrive in the router's dtype (fp32 from Megatron's flex dispatcher
+under DeepEP) and are rounded to the rows' dtype, as the dispatching backends round them.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ class ReferenceExperts:
         return None
 
     def __call__(self, x, chosen, gates, w_gate_up, w_down, state=None) -> torch.Tensor:
-        dense = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=gates.dtype, device=x.device)
-        dense = dense.scatter(1, chosen, gates)  # [t, E]: the gate at each chosen expert, 0 elsewhere
+        dense = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=x.dtype, device=x.device)
+        dense = dense.scatter(1, chosen, gates.to(x.dtype))  # [t, E]: the gate at each chosen expert, 0 elsewhere
         return dense_experts(x, dense, w_gate_up, w_down)
 
     def sorted(self, x, counts, probs, w_gate_up, w_down, state=None) -> torch.Tensor:
         experts = expert_of_rows(counts, x.shape[0]).unsqueeze(1)  # [r, 1]
-        dense = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=probs.dtype, device=x.device)
-        return dense_experts(x, dense.scatter(1, experts, probs.unsqueeze(1)), w_gate_up, w_down)
+        dense = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=x.dtype, device=x.device)
+        return dense_experts(x, dense.scatter(1, experts, probs.to(x.dtype).unsqueeze(1)), w_gate_up, w_down)

@@ -2,12 +2,14 @@
 
 Shape: 8192 tokens (one micro-batch of 2 x 4096) x hidden 4096 x vocab 131072, bf16, a 0/1 mask with 10% of
 tokens masked; forward + backward of ``sum_t mask_t * CE_t / sum_t mask_t``, gradients of hidden and weight.
-Rows: ``hopper-ce`` (nam_plugin_hopper_ce), ``liger`` (nam_plugin_liger's head on the installed Liger: the
+Rows: ``hopper-ce`` (nam_plugin_hopper_ce), the same with ``gradients="forward"`` (three products instead of four;
+its peak counts the dh and dW it holds from forward to backward), ``liger`` (nam_plugin_liger's head on the installed Liger: the
 baseline the ratios are against), ``torch`` (F.linear to [t, v] logits + F.cross_entropy) and ``reference``
 (nam's chunked fp32 head). Timing and peak memory as bench/liger.py (CUDA events, median of --iters; peak
 allocated above the inputs). Prints one table and writes --json.
 
     python bench/hopper_ce.py --json bench/results/hopper_ce.json
+    python bench/hopper_ce.py --tokens 16384 --warmup 2 --iters 5    # NAM56R at micro-batch 4
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     from nam_plugin_hopper_ce.head import HopperCEHead
     from nam_plugin_liger.head import LigerCEHead
 
-    heads = {"hopper-ce": HopperCEHead()}
+    heads = {"hopper-ce": HopperCEHead(), "hopper-ce, gradients in forward": HopperCEHead(gradients="forward")}
     for pair in filter(None, args.configs.split(",")):
         chunk, slice_ = (int(x) for x in pair.split(":"))
         heads[f"hopper-ce {chunk}:{slice_}"] = HopperCEHead(chunk_tokens=chunk, vocab_slice=slice_)

@@ -128,6 +128,9 @@ FAST = {"attention_backend": "sparse-mla", "indexer_kernels_backend": "sparse-ml
 """The fast backends besides the scan, by config field (what the nam56r recipe selects)."""
 
 
+CE_HEADS = ("liger", "hopper-ce")
+"""``throughput --ce``: the CE heads a row can run, each provided by the plugin of its name."""
+
 MOE_BACKENDS = {"grouped": "grouped-moe", "float8-grouped": "float8", "reference": "reference"}
 """``throughput --moe``: the routed experts (kind ``moe``) by backend name -> the plugin providing it."""
 FLOAT8_LINEARS = ("none", "rowwise", "tensorwise")
@@ -153,8 +156,9 @@ def request_for(spec: dict, train):
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
     if spec["backends"] == "fast":
         ssm, moe = spec.get("ssm", "mamba-ssm"), spec.get("moe", "grouped")
-        overrides += [f"ssm_backend={ssm}", f"moe_backend={moe}", *(f"{k}={v}" for k, v in FAST.items())]
-        plugins += [ssm, MOE_BACKENDS[moe], *dict.fromkeys(FAST.values())]
+        fast = {**FAST, "ce_backend": spec.get("ce", FAST["ce_backend"])}
+        overrides += [f"ssm_backend={ssm}", f"moe_backend={moe}", *(f"{k}={v}" for k, v in fast.items())]
+        plugins += [ssm, MOE_BACKENDS[moe], *dict.fromkeys(fast.values())]
     if spec.get("float8", "none") != "none":
         plugins += [] if "float8" in plugins else ["float8"]
         overrides += [f"float8.linears={spec['float8']}"]
@@ -717,7 +721,8 @@ def throughput(args) -> int:
     # every row's extra train.<field>, model and <plugin>.<option> settings (the recipe's plugins' options)
     # (and nam-plugin-te's when a row runs it: te.moe_fusion, te.fp8_param_gather)
     te_rows = any(t != "none" for t in args.te)
-    recipe = apply_overrides(base, args.train_set, plugin_names=[*base.plugins, *(["te"] if te_rows else [])])
+    extra = [*(["te"] if te_rows else []), *([args.ce] if args.ce != FAST["ce_backend"] else [])]
+    recipe = apply_overrides(base, args.train_set, plugin_names=[*base.plugins, *extra])
     model = {**model_changes(base.model, recipe.model), "num_layers": args.layers}
     cfg = recipe.model.replace(**model)
     packed_rows(cfg.seq_len, recipe.train.seed)
@@ -729,16 +734,16 @@ def throughput(args) -> int:
     rows = []
     runs = throughput_runs(args)
     print(f"\nNAM56R, {args.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, bf16, {args.ssm} + sparse-mla + "
-          f"liger; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
+          f"{args.ce}; model FLOPs {flops / 1e9:.1f} G/token (nam56r/flops.py); each row as its run ends\n")
     print("| engine | GPUs | topology | overlap | numerics | recompute | MBS | tokens/s per GPU | TFLOP/s per GPU "
           "| TFLOP/s per GPU at 31.2 GF/token | peak GiB | first step s | vs first | recompute ms/step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for engine, n, overlap, f8, numerics, recompute, (te, te_experts) in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
             (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}" + \
-            (f"-te-{te}-{te_experts}" if te != "none" else "")
+            (f"-te-{te}-{te_experts}" if te != "none" else "") + (f"-{args.ce}" if args.ce != FAST["ce_backend"] else "")
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
-                "engine": engine, "float8": f8, "te": te, "te_experts": te_experts,
+                "ce": args.ce, "engine": engine, "float8": f8, "te": te, "te_experts": te_experts,
                 "run_dir": str(work / name), "steps": steps, "ep": n,
                 "train": {**train, **OVERLAPS[overlap], "optimizer_numerics": numerics,
                           "recompute": RECOMPUTE_CHOICES[recompute]},
@@ -753,6 +758,7 @@ def throughput(args) -> int:
         label = engine if f8 == "none" else f"{engine}, float8 linears {f8}"
         label += "" if te == "none" else f", te {'bf16' if te == 'off' else 'fp8 ' + te}" + (
             ", TEGroupedMLP" if te_experts == "grouped" else "")
+        label += "" if args.ce == FAST["ce_backend"] else f", {args.ce} head"
         rows.append({"engine": label, "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
                      "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,
@@ -1151,6 +1157,9 @@ def main() -> int:
     t.add_argument("--float8", type=lambda s: s.split(","), default=["none"],
                    help=f"comma-separated, one local row each: {', '.join(FLOAT8_LINEARS)} (the dense projections "
                         "through nam-plugin-float8; the first row is the ratios' baseline)")
+    t.add_argument("--ce", choices=CE_HEADS, default=FAST["ce_backend"],
+                   help="the LM and MTP heads' CE backend (its plugin requested by name; its options through "
+                        "--train-set, e.g. hopper-ce.gradients=forward)")
     t.add_argument("--te", type=lambda s: s.split(","), default=["none"],
                    help="comma-separated, every row once each: none (no Transformer Engine), off (nam-plugin-te, "
                         "bf16), delayed, current, blockwise (its FP8 recipes)")

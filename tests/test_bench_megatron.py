@@ -102,6 +102,23 @@ def test_te_rows_request_the_te_plugin_and_its_options(bench):
     assert "te" not in resolve(bench.request_for({**spec, "te": "none"}, train)).spec.plugins
 
 
+def test_ce_rows_request_the_head_s_plugin_and_its_options(bench):
+    """``throughput --ce hopper-ce --train-set hopper-ce.gradients=forward``: the row's run requests the head's
+    plugin, selects its head, and the option set through --train-set reaches the head the run builds."""
+    from nam56r.recipes import apply_overrides, get_recipe
+    from nam56r.run import resolve
+
+    base = get_recipe("nam56r")
+    recipe = apply_overrides(base, ["hopper-ce.gradients=forward"], plugin_names=[*base.plugins, "hopper-ce"])
+    train = recipe.train.replace(engine="megatron", device="cuda", micro_batch_size=2)
+    spec = {"recipe": "nam56r", "backends": "fast", "steps": 3, "ce": "hopper-ce"}
+    run = resolve(bench.request_for(spec, train))
+    assert "hopper-ce" in run.spec.plugins and run.spec.model.ce_backend == "hopper-ce"
+    assert run.spec.options["hopper-ce"].gradients == "forward"
+    plain = resolve(bench.request_for({**spec, "ce": "liger"}, base.train.replace(engine="megatron", device="cuda")))
+    assert "hopper-ce" not in plain.spec.plugins and plain.spec.model.ce_backend == "liger"
+
+
 def test_a_sharded_rank_keeps_megatrons_buffers_and_steps_its_shard_as_adamw(bench):
     """``ShardedRank`` on a small bf16 model with two routed-expert-named matrices: gradients land in the fp32
     buffer (equal to the bf16 gradients, upcast) and the bf16 ones are freed; the shard is the first

@@ -54,6 +54,29 @@ out["masked_row_zero"] = bool((grad[1] == 0).all())
 cpu = Matmuls(lambda h, w: h.float() @ w.float().t(), lambda acc, a, b: acc.add_(a.float() @ b.float()))
 head = HopperCEHead(chunk_tokens=48, vocab_slice=64, matmuls=cpu)  # 3 token chunks and 4 vocab slices, both ragged
 out["head"] = selftest.compare(head, tokens=130, hidden=32, vocab=200, device="cpu", dtype=torch.float16)
+eager = HopperCEHead(chunk_tokens=48, matmuls=cpu, gradients="forward")
+out["head_forward"] = selftest.compare(eager, tokens=130, hidden=32, vocab=200, device="cpu", dtype=torch.float16)
+
+# both paths on the same fp16 values with a fractional mask and an upstream gradient other than 1
+g = torch.Generator().manual_seed(11)
+w0 = (torch.randn(200, 32, generator=g) * 0.2).half()
+h0 = torch.randn(130, 32, generator=g).half()
+y = torch.randint(0, 200, (130,), generator=g)
+m = torch.rand(130, generator=g)
+m[::7] = 0.0
+y[::7] = -100
+grads = {}
+for name, ce in (("backward", head), ("forward", eager)):
+    w, h = w0.clone().requires_grad_(), h0.clone().requires_grad_()
+    loss = ce(h, w, y, m)
+    (loss * 0.37).backward()
+    grads[name] = (loss.detach(), h.grad.float(), w.grad.float())
+(lb, hb, wb), (lf, hf, wf) = grads["backward"], grads["forward"]
+out["paths_loss"] = abs(lb.item() - lf.item()) / abs(lb.item())
+out["paths_dh"] = ((hb - hf).abs().max() / hb.abs().max()).item()
+out["paths_dw"] = ((wb - wf).abs().max() / wb.abs().max()).item()
+with torch.no_grad():
+    out["no_grad_loss"] = abs(eager(h0, w0, y, m).item() - lb.item()) / abs(lb.item())
 print(json.dumps(out))
 """
 
@@ -83,6 +106,36 @@ def test_the_head_passes_the_activation_self_test_on_cpu(interpreted):
     print(r)
     assert selftest.passed(r), r
     assert r["masked_dh"] == 0.0
+
+
+def test_gradients_in_forward_pass_the_self_test_and_agree_with_the_backward_path(interpreted):
+    """``gradients="forward"`` (three products, dh and dW rounded to fp16 before the upstream gradient scales
+    them) against the reference, and against the default path on the same values: a fractional mask, masked
+    placeholder targets, an upstream gradient of 0.37; under no_grad it gives the same loss."""
+    from nam_plugin_hopper_ce import selftest
+
+    r = dict(interpreted["head_forward"])
+    assert selftest.passed(r), r
+    assert r["masked_dh"] == 0.0
+    assert interpreted["paths_loss"] < 1e-6, interpreted  # the same fp32 row kernel on the same logits
+    # the two paths differ by where dh and dW are rounded to fp16 (2^-11 relative) and by fp32 summation order
+    assert interpreted["paths_dh"] < 2e-3 and interpreted["paths_dw"] < 2e-3, interpreted
+    assert interpreted["no_grad_loss"] < 1e-6, interpreted
+
+
+def test_the_gradients_option_reaches_the_head_and_refuses_other_values():
+    from nam56r.backends import BackendContext, build_backend
+    from nam_plugin_hopper_ce.head import HopperCEHead
+
+    from nam_plugin_hopper_ce.plugin import PLUGIN
+
+    recipe = apply_overrides(get_recipe("nam56r"), ["hopper-ce.gradients=forward"], plugin_names=["hopper-ce"])
+    assert recipe.train.plugin_options == {"hopper-ce.gradients": "forward"}
+    options = {"hopper-ce": PLUGIN.parse_options("hopper-ce", recipe.train.plugin_options)}  # as the run does
+    assert build_backend(HopperCEHead, BackendContext(model=recipe.model, options=options)).gradients == "forward"
+    assert build_backend(HopperCEHead, BackendContext(model=recipe.model)).gradients == "backward"
+    with pytest.raises(NamError, match="gradients"):
+        PLUGIN.parse_options("hopper-ce", {"hopper-ce.gradients": "sideways"})
 
 
 def test_the_self_test_fails_a_head_that_drops_the_mask():

@@ -9,13 +9,15 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("gradients", ["backward", "forward"])
 @pytest.mark.parametrize("tokens, hidden, vocab, chunk", [(2048, 1024, 32000, 512), (1000, 4096, 131072, 384)])
-def test_matches_the_reference_with_shared_weights_and_masks(tokens, hidden, vocab, chunk):
+def test_matches_the_reference_with_shared_weights_and_masks(tokens, hidden, vocab, chunk, gradients):
     from nam_plugin_hopper_ce import selftest
     from nam_plugin_hopper_ce.head import HopperCEHead
 
-    r = selftest.compare(HopperCEHead(chunk_tokens=chunk), tokens=tokens, hidden=hidden, vocab=vocab)
-    print(tokens, hidden, vocab, r)
+    r = selftest.compare(HopperCEHead(chunk_tokens=chunk, gradients=gradients), tokens=tokens, hidden=hidden,
+                         vocab=vocab)
+    print(tokens, hidden, vocab, gradients, r)
     assert selftest.passed(r), r
 
 

@@ -17,6 +17,17 @@ chunk's fp32 logits (1 GiB at 2048 x 131072); backward the bf16 dW being filled 
 dW (512 MiB at 32768 rows), fp32 dh (128 MiB at 8192 tokens) and one chunk-by-slice of fp32 logits and bf16
 gradient (384 MiB). Masked tokens contribute exactly 0 and their targets are never read.
 
+``gradients="forward"`` (the plugin option ``hopper-ce.gradients``) does three products instead of four: each
+chunk's full-vocabulary fp32 logits, once they have given ``lse``, also give ``g = (softmax - onehot) * m`` in
+bf16 right away, so ``dh_chunk = g W`` and ``dW += g^T h`` (fp32 in cuBLAS) run in the forward and no product is
+repeated in backward. The head's loss is a scalar, so its upstream gradient ``dL`` is one number: backward only
+scales the held ``dh`` and ``dW`` by it. What that costs: ``dh`` (``[t, d]``) and ``dW`` (``[v, d]``), both in
+W's dtype, are held from the call's forward to its backward (1.13 GiB per call at 16384 tokens x 4096 x
+131072, three calls a step), a full fp32 dW (2 GiB) exists during the call's forward, and dh and dW are rounded
+to bf16 once before the scaling by ``dL`` (the default path rounds once after it): the same values within one
+bf16 rounding (2^-9 relative). Under ``torch.no_grad`` (or when neither input needs a gradient) it computes the
+loss alone, as the default does.
+
 The two cuBLAS calls with ``out_dtype`` are CUDA-only; ``Matmuls`` lets the CPU tests substitute plain fp32
 products around the same row kernels (run under Triton's interpreter).
 """
@@ -35,6 +46,11 @@ VOCAB_SLICE = 32768
 """Chosen on the H100 at 8192 x 4096 x 131072 (bench/hopper_ce.py --configs, results/hopper_ce.json): 2048:32768
 took 60.8 ms at 2.00 GiB extra peak; 1024:32768 65.0 ms / 1.81 GiB; 2048:65536 59.2 ms / 2.88 GiB;
 4096:16384 59.6 ms / 4.00 GiB; Liger 64.8 ms / 3.06 GiB."""
+
+
+GRADIENTS = ("backward", "forward")
+"""Where the head computes its gradients (the module docstring): ``backward`` (the logits again in backward, four
+products, nothing held) or ``forward`` (three products, dh and dW held until backward)."""
 
 
 @dataclass(frozen=True)
@@ -105,15 +121,68 @@ class HopperLinearCE(torch.autograd.Function):
         return None if dh32 is None else dh32.to(hidden.dtype), dw, None, None, None, None, None
 
 
+class HopperLinearCEGradsInForward(torch.autograd.Function):
+    """The ``gradients="forward"`` path: loss and both gradients in one pass over the chunks (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, mask, chunk: int, need_h: bool, need_w: bool, mm: Matmuls):
+        from nam_plugin_hopper_ce.kernel import row_grad, row_lse_loss
+
+        (t, d), v = hidden.shape, weight.shape[0]
+        mask = mask.to(torch.float32).contiguous()
+        lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        rows = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw32 = torch.zeros((v, d), dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, t, chunk):
+            h = hidden[s : s + chunk]
+            logits = mm.logits(h, weight)  # [c, v] fp32
+            row_lse_loss(logits, target[s : s + chunk], mask[s : s + chunk], lse[s : s + chunk], rows[s : s + chunk])
+            g = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
+            row_grad(logits, lse[s : s + chunk], target[s : s + chunk], mask[s : s + chunk], g, col0=0)
+            del logits
+            if need_h:
+                dh32 = torch.zeros((h.shape[0], d), dtype=torch.float32, device=hidden.device)
+                mm.accumulate(dh32, g, weight)
+                dh[s : s + chunk].copy_(dh32)
+                del dh32
+            if need_w:
+                mm.accumulate(dw32, g.t(), h)
+            del g
+        dw = None
+        if need_w:
+            dw = dw32.to(weight.dtype)
+            del dw32
+        ctx.save_for_backward(dh, dw)
+        return rows.sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        dh, dw = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32)  # a 0-dim device tensor: the products stay in dh's and dW's dtype
+        return (None if dh is None else dh * scale, None if dw is None else dw * scale,
+                None, None, None, None, None, None)
+
+
 class HopperCEHead:
     """``CEHead`` (nam56r/backends.py): ``sum_t mask_t * CE_t`` as an fp32 scalar; ``mask`` is a per-token weight
     (0 for masked tokens) and gets no gradient."""
 
     def __init__(self, chunk_tokens: int = CHUNK_TOKENS, vocab_slice: int = VOCAB_SLICE,
-                 matmuls: Matmuls | None = None):
+                 matmuls: Matmuls | None = None, gradients: str = "backward"):
         if chunk_tokens < 1 or vocab_slice < 1:
             raise ValueError(f"chunk_tokens and vocab_slice must be >= 1, found {chunk_tokens}, {vocab_slice}")
+        if gradients not in GRADIENTS:
+            raise ValueError(f"gradients must be one of {GRADIENTS}, found {gradients!r}")
         self.chunk_tokens, self.vocab_slice, self.matmuls = chunk_tokens, vocab_slice, matmuls
+        self.gradients = gradients
+
+    @classmethod
+    def build(cls, ctx) -> "HopperCEHead":
+        """The run's head: the plugin's ``gradients`` option (``hopper-ce.gradients``); defaults without a run."""
+        options = ctx.options.get("hopper-ce")
+        return cls() if options is None else cls(gradients=options.gradients)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -128,5 +197,9 @@ class HopperCEHead:
         if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
             raise NamError(f"the hopper-ce head takes bf16 or fp16 hidden and weight of one dtype; found "
                            f"{hidden.dtype} and {weight.dtype}", hint="--set train.dtype=bfloat16")
-        return HopperLinearCE.apply(hidden.contiguous(), weight.contiguous(), target.contiguous(), mask,
-                                    self.chunk_tokens, self.vocab_slice, mm)
+        hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
+        if self.gradients == "forward":
+            grad = torch.is_grad_enabled()
+            return HopperLinearCEGradsInForward.apply(hidden, weight, target, mask, self.chunk_tokens,
+                                                      grad and hidden.requires_grad, grad and weight.requires_grad, mm)
+        return HopperLinearCE.apply(hidden, weight, target, mask, self.chunk_tokens, self.vocab_slice, mm)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from nam_core import PluginInfo, Requirement
 from nam_core.checks import LaunchCheck
+from nam_core.options import Option
 
 NAME = "hopper-ce"
 GPU_HINT = "pip install 'nam-plugin-hopper-ce[gpu]'"
@@ -26,4 +27,10 @@ PLUGIN = PluginInfo(
     train_needs_reason="CUDA kernels whose GEMMs take 16-bit inputs",
     checks=(LaunchCheck("gradient self-test", None, "nam_plugin_hopper_ce.selftest:launch",
                         f"report it with the seed; meanwhile {REFERENCE_HINT}"),),
+    options=(
+        Option("gradients", str, "backward", "where the head computes dL/dhidden and dL/dW: backward (the logits "
+               "again in backward: four [t, d] x [d, v] products, nothing held between forward and backward) or "
+               "forward (three products; each call holds its dh and dW in the weights' dtype until backward, "
+               "1.13 GiB per call at 16384 tokens x 4096 x 131072)", choices=("backward", "forward")),
+    ),
 )

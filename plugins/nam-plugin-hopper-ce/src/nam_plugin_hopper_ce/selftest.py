@@ -69,7 +69,10 @@ def launch(spec) -> Measured:
 
     needed = (f"loss, every dL/dhidden and the shared dL/dW within {TOLERANCE:g} of the reference head, "
               "0 on masked tokens, all finite (3 heads sharing one weight, bf16)")
-    r = compare(HopperCEHead(chunk_tokens=128), device="cuda")
+    options = None if spec is None else spec.options.get("hopper-ce")
+    gradients = "backward" if options is None else options.gradients  # the run's: the path its steps take
+    r = compare(HopperCEHead(chunk_tokens=128, gradients=gradients), device="cuda")
     found = (f"loss {r['loss']:.1e}, dhidden {r['dhidden']:.1e}, dweight {r['dweight']:.1e}, masked dh "
-             f"{r['masked_dh']:g} (300 tokens x 256 x vocab 1000, chunks of 128; seed {r['seed']})")
+             f"{r['masked_dh']:g} (300 tokens x 256 x vocab 1000, chunks of 128, gradients in {gradients}; "
+             f"seed {r['seed']})")
     return Measured(passed(r), found, needed)

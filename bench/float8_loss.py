@@ -32,6 +32,11 @@ separate TE's FP8 from bf16 (bench/README.md, fifth session: the two bf16 seeds 
 last 20 steps and by 0.158 over steps 101-200)::
 
     python bench/float8_loss.py --te --seeds 3 --json bench/results/float8_loss_te_3seeds.json
+
+``--te-only`` trains bf16 and the TE rows alone (no torchao runs; with ``--seeds 3``: 9 runs side by side in
+place of 18) and judges the TE rows alone::
+
+    python bench/float8_loss.py --te-only --seeds 3 --json bench/results/float8_loss_te_3seeds.json
 """
 
 from __future__ import annotations
@@ -141,6 +146,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="write the curves and the verdict here")
     ap.add_argument("--te", action="store_true", help="add TE's FP8 linears (TE_RUNS; nam-plugin-te)")
+    ap.add_argument("--te-only", action="store_true", help="bf16 and TE's FP8 rows alone, judged alone (no torchao "
+                    "float8 runs)")
     ap.add_argument("--seeds", type=int, default=1, help="train every run at this many seeds and judge on all "
                     "of them (N >= 2: each run's mean over the seeds against bf16's, the bf16 spread over the seeds "
                     "as the seed-to-seed gap)")
@@ -151,17 +158,22 @@ def main() -> int:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     seeds = [args.seed + i for i in range(args.seeds)]
+    if args.te_only and args.seeds < 2:
+        ap.error("--te-only judges against bf16's spread over the seeds: give --seeds 2 or more")
     runs = [k for k in RUNS if not (args.seeds > 1 and k in SEED_OFFSET)]
+    runs = ["bf16"] if args.te_only else runs
     with tempfile.TemporaryDirectory(prefix="float8_loss_") as tmp:
         curves, walls, logs = train_all(steps=args.steps, seeds=seeds, root=Path(tmp),
-                                        names=(*runs, *(TE_RUNS if args.te else ())))
+                                        names=(*runs, *(TE_RUNS if args.te or args.te_only else ())))
     v = judge(curves)
     n, tail, mean, gaps, noise, allowed = v["n"], v["tail"], v["mean"], v["gaps"], v["noise"], v["allowed"]
     first = {k: c[seeds[0]] for k, c in curves.items()}  # the curves printed: the first seed's
-    diff = gaps["fp8"]
-    max_gap = max(abs(a - b) for a, b in zip(first["bf16"][tail], first["fp8"][tail]))
+    judged = "fp8" if "fp8" in curves else next(iter(TE_RUNS))  # --te-only: the verdict line is TE current's
+    diff = gaps[judged]
+    max_gap = max(abs(a - b) for a, b in zip(first["bf16"][tail], first[judged][tail]))
     ok = abs(diff) < allowed
-    converted = [line for line in logs["fp8"].splitlines() if "Float8Linear" in line]
+    converted = ([line for line in logs["fp8"].splitlines() if "Float8Linear" in line] if "fp8" in logs
+                 else ["(--te-only: no torchao float8 run)"])
     swapped = {k: any("Transformer Engine Linear (FP8" in line for line in logs[k].splitlines())
                for k in curves if k in TE_RUNS}
     te = {k: abs(gaps[k]) < allowed and swapped[k] for k in swapped}
@@ -180,7 +192,7 @@ def main() -> int:
     print(f"against bf16{' (over the same seeds)' if len(seeds) > 1 else ''}: "
           + ", ".join(f"{k} {g:+.4f}" for k, g in gaps.items()) + " nats")
     what = f"bf16's spread over {len(seeds)} seeds" if len(seeds) > 1 else "the bf16 seed-to-seed gap"
-    print(f"verdict on fp8 - bf16 = {diff:+.4f} nats: allowed +-{allowed:.4f} ({what} {noise:.4f}, at least "
+    print(f"verdict on {judged} - bf16 = {diff:+.4f} nats: allowed +-{allowed:.4f} ({what} {noise:.4f}, at least "
           f"{BAND} and at most {CAP}); largest per-step gap there {max_gap:.4f} (seed {seeds[0]})")
     print("wall (all runs side by side, startup included): " + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()))
     print(converted[0] if converted else "fp8 run.log has no Float8Linear line: the linears were NOT converted")

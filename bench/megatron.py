@@ -124,11 +124,11 @@ PUBLISHED_FLOP_PER_TOKEN = 31.2e9
 
 SSM_BACKENDS = ("mamba-ssm", "mimo-scan")
 """``throughput --ssm``: the Mamba-3 scan of the fast backends (kind ``ssm``, by its plugin's name)."""
-FAST = {"attention_backend": "sparse-mla", "indexer_kernels_backend": "sparse-mla", "ce_backend": "liger"}
+FAST = {"attention_backend": "sparse-mla", "indexer_kernels_backend": "sparse-mla", "ce_backend": "hopper-ce"}
 """The fast backends besides the scan, by config field (what the nam56r recipe selects)."""
 
 
-CE_HEADS = ("liger", "hopper-ce")
+CE_HEADS = ("hopper-ce", "liger")
 """``throughput --ce``: the CE heads a row can run, each provided by the plugin of its name."""
 
 MOE_BACKENDS = {"grouped": "grouped-moe", "float8-grouped": "float8", "reference": "reference"}
@@ -1159,7 +1159,7 @@ def main() -> int:
                         "through nam-plugin-float8; the first row is the ratios' baseline)")
     t.add_argument("--ce", choices=CE_HEADS, default=FAST["ce_backend"],
                    help="the LM and MTP heads' CE backend (its plugin requested by name; its options through "
-                        "--train-set, e.g. hopper-ce.gradients=forward)")
+                        "--train-set, e.g. hopper-ce.gradients=backward)")
     t.add_argument("--te", type=lambda s: s.split(","), default=["none"],
                    help="comma-separated, every row once each: none (no Transformer Engine), off (nam-plugin-te, "
                         "bf16), delayed, current, blockwise (its FP8 recipes)")

@@ -46,7 +46,11 @@ def nam56r() -> Recipe:
             # with exact-size kernels, 16.2 ms fwd+bwd at b2 x 4096 against 66.6 ms for nam's mimo-scan, H100
             # (bench/mimo_scan.py, results/mimo_scan.json). mimo-scan stays selectable by name.
             ssm_backend="mamba-ssm", attention_backend="sparse-mla", indexer_kernels_backend="sparse-mla",
-            ce_backend="liger", indexer_backend="full",
+            # The LM + MTP heads: hopper-ce with its gradients in the forward (three products, fp32 logits):
+            # 86.9 ms fwd+bwd at 16384 x 4096 x 131072 against 113.9 for liger, H200 (bench/hopper_ce.py); the
+            # full model at MBS 4 went 9,703 -> 10,279 tokens/s (local) and 9,774 -> 10,391 (megatron + TE bf16)
+            # (bench/README.md, seventh session). liger stays selectable by name.
+            ce_backend="hopper-ce", indexer_backend="full",
             # Routed experts as two grouped GEMMs per layer, no host sync, in both engines. H200, fwd+bwd at 8192
             # tokens (micro-batch 2): 2.62 ms against 2.95 ms for the reference's every-expert-on-every-token
             # and 9.97 ms for a per-expert loop (bench/moe.py, results/moe.json; level with the reference at
@@ -58,7 +62,7 @@ def nam56r() -> Recipe:
         train=TrainConfig(device="cuda", dtype="bfloat16", micro_batch_size=1, lr=3e-4, warmup_steps=2000,
                           total_steps=100_000, checkpoint_every=1000),
         # reference: the DSA indexer `full` (lemyx and index-cache wrap or replace it when requested).
-        plugins=["mamba-ssm", "sparse-mla", "liger", "grouped-moe", "reference"],
+        plugins=["mamba-ssm", "sparse-mla", "hopper-ce", "grouped-moe", "reference"],
     )
 
 

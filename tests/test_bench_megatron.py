@@ -55,7 +55,7 @@ def test_bench_runs_are_requested_as_nam_train_would_request_them(bench):
             "float8": "rowwise", "model": {"seq_len": 2048}}
     run = resolve(bench.request_for(spec, train))
     assert run.max_steps == 3 and run.spec.model.seq_len == 2048 and run.spec.train.micro_batch_size == 2
-    assert {"mimo-scan", "grouped-moe", "sparse-mla", "liger", "float8"} <= set(run.spec.plugins)
+    assert {"mimo-scan", "grouped-moe", "sparse-mla", "hopper-ce", "float8"} <= set(run.spec.plugins)
     assert run.spec.backends["ssm"] == "mimo-scan" and run.spec.options["float8"].linears == "rowwise"
     assert run.lowering is not None and run.lowering.moe_dispatcher == train.moe_dispatcher
 
@@ -103,20 +103,20 @@ def test_te_rows_request_the_te_plugin_and_its_options(bench):
 
 
 def test_ce_rows_request_the_head_s_plugin_and_its_options(bench):
-    """``throughput --ce hopper-ce --train-set hopper-ce.gradients=forward``: the row's run requests the head's
-    plugin, selects its head, and the option set through --train-set reaches the head the run builds."""
+    """``throughput --ce liger`` requests the liger plugin and its head in place of the recipe's hopper-ce;
+    ``--train-set hopper-ce.gradients=backward`` reaches the head the run builds."""
     from nam56r.recipes import apply_overrides, get_recipe
     from nam56r.run import resolve
 
     base = get_recipe("nam56r")
-    recipe = apply_overrides(base, ["hopper-ce.gradients=forward"], plugin_names=[*base.plugins, "hopper-ce"])
+    recipe = apply_overrides(base, ["hopper-ce.gradients=backward"], plugin_names=[*base.plugins, "liger"])
     train = recipe.train.replace(engine="megatron", device="cuda", micro_batch_size=2)
-    spec = {"recipe": "nam56r", "backends": "fast", "steps": 3, "ce": "hopper-ce"}
+    spec = {"recipe": "nam56r", "backends": "fast", "steps": 3}
     run = resolve(bench.request_for(spec, train))
     assert "hopper-ce" in run.spec.plugins and run.spec.model.ce_backend == "hopper-ce"
-    assert run.spec.options["hopper-ce"].gradients == "forward"
-    plain = resolve(bench.request_for({**spec, "ce": "liger"}, base.train.replace(engine="megatron", device="cuda")))
-    assert "hopper-ce" not in plain.spec.plugins and plain.spec.model.ce_backend == "liger"
+    assert run.spec.options["hopper-ce"].gradients == "backward"
+    liger = resolve(bench.request_for({**spec, "ce": "liger"}, base.train.replace(engine="megatron", device="cuda")))
+    assert "liger" in liger.spec.plugins and liger.spec.model.ce_backend == "liger"
 
 
 def test_a_sharded_rank_keeps_megatrons_buffers_and_steps_its_shard_as_adamw(bench):

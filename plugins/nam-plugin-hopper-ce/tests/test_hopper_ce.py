@@ -52,7 +52,7 @@ out["slice_grad"] = (part.float() - ref_grad[:, 150:250]).abs().max().item()
 out["masked_row_zero"] = bool((grad[1] == 0).all())
 
 cpu = Matmuls(lambda h, w: h.float() @ w.float().t(), lambda acc, a, b: acc.add_(a.float() @ b.float()))
-head = HopperCEHead(chunk_tokens=48, vocab_slice=64, matmuls=cpu)  # 3 token chunks and 4 vocab slices, both ragged
+head = HopperCEHead(chunk_tokens=48, vocab_slice=64, matmuls=cpu, gradients="backward")  # 3 ragged chunks, 4 slices
 out["head"] = selftest.compare(head, tokens=130, hidden=32, vocab=200, device="cpu", dtype=torch.float16)
 eager = HopperCEHead(chunk_tokens=48, matmuls=cpu, gradients="forward")
 out["head_forward"] = selftest.compare(eager, tokens=130, hidden=32, vocab=200, device="cpu", dtype=torch.float16)
@@ -129,11 +129,11 @@ def test_the_gradients_option_reaches_the_head_and_refuses_other_values():
 
     from nam_plugin_hopper_ce.plugin import PLUGIN
 
-    recipe = apply_overrides(get_recipe("nam56r"), ["hopper-ce.gradients=forward"], plugin_names=["hopper-ce"])
-    assert recipe.train.plugin_options == {"hopper-ce.gradients": "forward"}
+    recipe = apply_overrides(get_recipe("nam56r"), ["hopper-ce.gradients=backward"], plugin_names=["hopper-ce"])
+    assert recipe.train.plugin_options == {"hopper-ce.gradients": "backward"}
     options = {"hopper-ce": PLUGIN.parse_options("hopper-ce", recipe.train.plugin_options)}  # as the run does
-    assert build_backend(HopperCEHead, BackendContext(model=recipe.model, options=options)).gradients == "forward"
-    assert build_backend(HopperCEHead, BackendContext(model=recipe.model)).gradients == "backward"
+    assert build_backend(HopperCEHead, BackendContext(model=recipe.model, options=options)).gradients == "backward"
+    assert build_backend(HopperCEHead, BackendContext(model=recipe.model)).gradients == "forward"  # the default
     with pytest.raises(NamError, match="gradients"):
         PLUGIN.parse_options("hopper-ce", {"hopper-ce.gradients": "sideways"})
 

@@ -28,9 +28,10 @@ PLUGIN = PluginInfo(
     checks=(LaunchCheck("gradient self-test", None, "nam_plugin_hopper_ce.selftest:launch",
                         f"report it with the seed; meanwhile {REFERENCE_HINT}"),),
     options=(
-        Option("gradients", str, "backward", "where the head computes dL/dhidden and dL/dW: backward (the logits "
-               "again in backward: four [t, d] x [d, v] products, nothing held between forward and backward) or "
-               "forward (three products; each call holds its dh and dW in the weights' dtype until backward, "
-               "1.13 GiB per call at 16384 tokens x 4096 x 131072)", choices=("backward", "forward")),
+        Option("gradients", str, "forward", "where the head computes dL/dhidden and dL/dW: forward (three [t, d] x "
+               "[d, v] products; each call holds its dh and dW in the weights' dtype until backward, 1.13 GiB per "
+               "call at 16384 tokens x 4096 x 131072; 1.31x the backward path at that shape on an H200) or backward "
+               "(the logits again in backward: four products, nothing held between forward and backward)",
+               choices=("forward", "backward")),
     ),
 )

@@ -313,3 +313,52 @@ def test_a_write_that_fails_in_any_writer_thread_fails_the_save(tmp_path, monkey
     with pytest.raises(RunFolderError, match="no space left on"):
         checkpoint.finish_save(saver, tmp_path, model, optimizer)
     assert list(tmp_path.iterdir()) == []
+
+
+class _GrowingExtraState(torch.nn.Module):
+    """Like Transformer Engine's FP8 modules: its ``_extra_state`` is pickled metadata in a uint8 tensor whose
+    length changes between saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.meta = {"amax_history": [0.5]}
+
+    def get_extra_state(self):
+        return torch.frombuffer(bytearray(pickle.dumps(self.meta)), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.meta = pickle.loads(state.numpy().tobytes())
+
+
+def test_a_tensor_whose_size_changed_since_the_host_buffers_were_built_is_saved(tmp_path):
+    """The host mirror is built from the first save's state; a later save whose extra-state tensor grew must
+    still save (it failed in the stager's copy: TE delayed scaling at the end of a run) and load back exactly,
+    and the buffers of the tensors that kept their size are reused."""
+    model = _GrowingExtraState()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    saver = async_checkpoint.AsyncSaver(pinned=False)
+    save(tmp_path, 1, model, optimizer, scheduler, saver)
+    checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    weight_buffer = saver.stager.state_dict_cache["model"]["lin.weight"]
+    model.meta = {"amax_history": [0.5, 0.25, 0.125], "scale": 3.0}
+    save(tmp_path, 2, model, optimizer, scheduler, saver)
+    folder = checkpoint.finish_save(saver, tmp_path, model, optimizer)
+    assert saver.stager.state_dict_cache["model"]["lin.weight"] is weight_buffer
+    fresh = _GrowingExtraState()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    checkpoint.load(folder, model=fresh, optimizer=fresh_opt,
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 1.0))
+    assert fresh.meta == {"amax_history": [0.5, 0.25, 0.125], "scale": 3.0}
+    assert torch.equal(fresh.lin.weight, model.lin.weight)
+
+
+def test_refit_mirror_replaces_only_what_moved():
+    state = {"a": torch.zeros(3), "b": {"c": torch.zeros(2, dtype=torch.uint8)}, "n": 4}
+    mirror = async_checkpoint.host_mirror(state, pinned=False)
+    a = mirror["a"]
+    grown = {"a": torch.ones(3), "b": {"c": torch.zeros(5, dtype=torch.uint8), "d": torch.ones(1)}, "n": 5}
+    assert async_checkpoint.refit_mirror(mirror, grown, pinned=False) == 2
+    assert mirror["a"] is a and mirror["b"]["c"].shape == (5,) and mirror["b"]["d"].shape == (1,)
+    assert async_checkpoint.refit_mirror(mirror, grown, pinned=False) == 0

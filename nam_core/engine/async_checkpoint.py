@@ -438,6 +438,45 @@ def host_mirror(state: dict, *, pinned: bool, how: str | None = None) -> dict:
     return mirror
 
 
+def refit_mirror(mirror, state, *, pinned: bool) -> int:
+    """Make ``mirror`` (a host mirror of an earlier ``state``) fit ``state`` again where it no longer does: a tensor
+    whose shape or dtype changed (Transformer Engine's ``_extra_state``, its FP8 scaling metadata pickled into a
+    uint8 tensor whose length varies from save to save) or an entry ``state`` gained gets a host tensor of its own,
+    page-locked when ``pinned``; every other buffer is kept. Returns how many entries were replaced. Without this
+    the stager's copy into the mirror fails on the first tensor whose size moved."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    replaced = 0
+
+    def fresh(value):
+        nonlocal replaced
+        replaced += sum(1 for _ in _tensors(value)) or 1
+        if isinstance(value, torch.Tensor):
+            return torch.empty(value.shape, dtype=value.dtype, pin_memory=pinned)
+        return _create_cpu_state_dict(value, pin_memory=pinned)
+
+    def walk(m, s):
+        if isinstance(s, torch.Tensor):
+            fits = isinstance(m, torch.Tensor) and m.shape == s.shape and m.dtype == s.dtype
+            return m if fits else fresh(s)
+        if isinstance(s, dict):
+            if not isinstance(m, dict):
+                return fresh(s)
+            for k, v in s.items():
+                m[k] = walk(m[k], v) if k in m else fresh(v)
+            return m
+        if isinstance(s, list):
+            if not isinstance(m, list) or len(m) != len(s):
+                return fresh(s)
+            for i, v in enumerate(s):
+                m[i] = walk(m[i], v)
+            return m
+        return m if type(m) is type(s) else s  # plain values: the stager copies them from ``state`` as they are
+
+    walk(mirror, state)
+    return replaced
+
+
 class AsyncSaver:
     """One run's checkpoint writer: at most one save in flight; host buffers built once, on a background thread
     (``prepare``), and kept between saves."""
@@ -510,6 +549,7 @@ class AsyncSaver:
         _, _, Writer = _readers()
         t0 = time.perf_counter()
         buffers = self._take_buffers(state)
+        refit_mirror(self.stager.state_dict_cache, state, pinned=self.pinned)
         writer = Writer(str(tmp / STATE), single_file_per_rank=True, sync_files=True, thread_count=FILES)
         upload = dcp.async_save(state, storage_writer=writer, async_stager=self.stager, no_dist=True)
         upload = upload if isinstance(upload, Future) else upload.upload_completion
@@ -546,12 +586,26 @@ def load(folder: Path, *, model, optimizer, scheduler, rng_template: dict) -> di
     state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "rng": rng_template}
     with _loading(folder):
         # Read the index first: torch 2.13's load folds a failed index read into an AssertionError's text.
-        SafeReader(str(folder / STATE)).read_metadata()
+        index = SafeReader(str(folder / STATE)).read_metadata().state_dict_metadata
+        _fit_extra_states(model_sd, index)
         dcp.load(state, storage_reader=SafeReader(str(folder / STATE)), planner=SafeLoadPlanner(), no_dist=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return state["rng"]
+
+
+def _fit_extra_states(model_sd: dict, index: dict) -> None:
+    """A module's ``_extra_state`` tensor (Transformer Engine's pickled FP8 metadata) is loaded whole, at the
+    length it was saved with, which differs from the fresh module's: the load reads in place, so each such entry
+    gets an empty tensor of the saved size. Any other size mismatch stays an error of the load."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, value in model_sd.items():
+        saved = index.get(f"model.{key}")
+        if (key.rsplit(".", 1)[-1] == "_extra_state" and isinstance(value, torch.Tensor)
+                and isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(value.shape)):
+            model_sd[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
 
 
 def read_flat(folder: Path, prefix: str = "") -> dict:

@@ -123,6 +123,14 @@ def train_all(*, steps: int, seeds: list[int], root: Path, names=tuple(RUNS)) ->
     return curves, walls, logs
 
 
+def run_names(*, te: bool, te_only: bool, seeds: int) -> tuple[str, ...]:
+    """The runs ``main`` trains: every ``RUNS`` entry (with several seeds, not ``bf16, seed+1``: the seeds' spread
+    replaces it), plus ``TE_RUNS`` with ``te``; with ``te_only``, bf16 and ``TE_RUNS`` alone."""
+    if te_only:
+        return ("bf16", *TE_RUNS)
+    return (*(k for k in RUNS if not (seeds > 1 and k in SEED_OFFSET)), *(TE_RUNS if te else ()))
+
+
 def judge(curves: dict[str, dict[int, list[float]]], *, last: int = LAST) -> dict:
     """The verdict's numbers from ``curves[name][seed]``: each run's mean LM loss over the ``last`` steps (every
     run cut to the shortest), averaged over its seeds (``mean``); each run's gap to bf16 (``gaps``: the difference
@@ -160,11 +168,9 @@ def main() -> int:
     seeds = [args.seed + i for i in range(args.seeds)]
     if args.te_only and args.seeds < 2:
         ap.error("--te-only judges against bf16's spread over the seeds: give --seeds 2 or more")
-    runs = [k for k in RUNS if not (args.seeds > 1 and k in SEED_OFFSET)]
-    runs = ["bf16"] if args.te_only else runs
     with tempfile.TemporaryDirectory(prefix="float8_loss_") as tmp:
         curves, walls, logs = train_all(steps=args.steps, seeds=seeds, root=Path(tmp),
-                                        names=(*runs, *(TE_RUNS if args.te or args.te_only else ())))
+                                        names=run_names(te=args.te, te_only=args.te_only, seeds=args.seeds))
     v = judge(curves)
     n, tail, mean, gaps, noise, allowed = v["n"], v["tail"], v["mean"], v["gaps"], v["noise"], v["allowed"]
     first = {k: c[seeds[0]] for k, c in curves.items()}  # the curves printed: the first seed's

@@ -55,3 +55,10 @@ def test_each_seed_runs_in_its_own_folder_with_the_seed_offset(bench, tmp_path):
     assert a[a.index("--seed") + 1] == "1234" and b[b.index("--seed") + 1] == "1235"
     assert c[c.index("--seed") + 1] == "1235"
     assert "--plugins" in a and a[a.index("--plugins") + 1] == "float8"
+
+
+def test_the_runs_trained_for_each_choice(bench):
+    assert bench.run_names(te=False, te_only=False, seeds=1) == tuple(bench.RUNS)
+    assert "bf16, seed+1" not in bench.run_names(te=True, te_only=False, seeds=3)
+    assert bench.run_names(te=True, te_only=False, seeds=3)[-2:] == tuple(bench.TE_RUNS)
+    assert bench.run_names(te=False, te_only=True, seeds=3) == ("bf16", "te current", "te delayed")

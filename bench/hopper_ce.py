@@ -2,9 +2,10 @@
 
 Shape: 8192 tokens (one micro-batch of 2 x 4096) x hidden 4096 x vocab 131072, bf16, a 0/1 mask with 10% of
 tokens masked; forward + backward of ``sum_t mask_t * CE_t / sum_t mask_t``, gradients of hidden and weight.
-Rows: ``hopper-ce`` (nam_plugin_hopper_ce), the same with ``gradients="forward"`` (three products instead of four;
-its peak counts the dh and dW it holds from forward to backward), ``liger`` (nam_plugin_liger's head on the installed Liger: the
-baseline the ratios are against), ``torch`` (F.linear to [t, v] logits + F.cross_entropy) and ``reference``
+Rows: ``hopper-ce`` (nam_plugin_hopper_ce) with its gradients in the forward (three products; its peak counts the
+dh and dW it holds from forward to backward) and in the backward (four; ``--configs`` adds backward rows at other
+chunk and slice sizes), ``liger`` (nam_plugin_liger's head on the installed Liger: the baseline the ratios are
+against), ``torch`` (F.linear to [t, v] logits + F.cross_entropy) and ``reference``
 (nam's chunked fp32 head). Timing and peak memory as bench/liger.py (CUDA events, median of --iters; peak
 allocated above the inputs). Prints one table and writes --json.
 
@@ -29,8 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=131072)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--configs", default="", help="extra hopper-ce rows, comma-separated CHUNK:SLICE pairs "
-                    "(tokens per chunk : vocabulary rows per backward slice), e.g. 2048:65536")
+    ap.add_argument("--configs", default="", help="extra hopper-ce backward-path rows, comma-separated CHUNK:SLICE "
+                    "pairs (tokens per chunk : vocabulary rows per backward slice), e.g. 2048:65536")
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args(argv)
 
@@ -38,10 +39,12 @@ def main(argv=None) -> int:
     from nam_plugin_hopper_ce.head import HopperCEHead
     from nam_plugin_liger.head import LigerCEHead
 
-    heads = {"hopper-ce": HopperCEHead(), "hopper-ce, gradients in forward": HopperCEHead(gradients="forward")}
-    for pair in filter(None, args.configs.split(",")):
+    heads = {"hopper-ce, gradients in forward": HopperCEHead(gradients="forward"),
+             "hopper-ce, gradients in backward": HopperCEHead(gradients="backward")}
+    for pair in filter(None, args.configs.split(",")):  # the vocabulary slice is the backward path's
         chunk, slice_ = (int(x) for x in pair.split(":"))
-        heads[f"hopper-ce {chunk}:{slice_}"] = HopperCEHead(chunk_tokens=chunk, vocab_slice=slice_)
+        heads[f"hopper-ce backward {chunk}:{slice_}"] = HopperCEHead(chunk_tokens=chunk, vocab_slice=slice_,
+                                                                     gradients="backward")
     heads |= {"liger": LigerCEHead(), "torch": torch_baseline, "reference": ReferenceCEHead()}
     inputs = make_inputs(args.tokens, args.hidden, args.vocab)
     rows = {}

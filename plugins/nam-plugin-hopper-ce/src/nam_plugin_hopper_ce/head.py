@@ -18,9 +18,8 @@ dW (512 MiB at 32768 rows), fp32 dh (128 MiB at 8192 tokens) and one chunk-by-sl
 gradient (384 MiB). Masked tokens contribute exactly 0 and their targets are never read.
 
 ``gradients="forward"`` (the plugin option ``hopper-ce.gradients``, the default) does three products instead of
-four: each
-chunk's full-vocabulary fp32 logits, once they have given ``lse``, also give ``g = (softmax - onehot) * m`` in
-bf16 right away, so ``dh_chunk = g W`` and ``dW += g^T h`` (fp32 in cuBLAS) run in the forward and no product is
+four: each chunk's full-vocabulary fp32 logits, once they have given ``lse``, also give ``g = (softmax - onehot) *
+m`` in bf16 right away, so ``dh_chunk = g W`` and ``dW += g^T h`` (fp32 in cuBLAS) run in the forward and no product is
 repeated in backward. The head's loss is a scalar, so its upstream gradient ``dL`` is one number: backward only
 scales the held ``dh`` and ``dW`` by it. What that costs: ``dh`` (``[t, d]``) and ``dW`` (``[v, d]``), both in
 W's dtype, are held from the call's forward to its backward (1.13 GiB per call at 16384 tokens x 4096 x
@@ -41,18 +40,13 @@ from typing import Callable
 import torch
 
 from nam_core.errors import NamError
+from nam_plugin_hopper_ce.plugin import GRADIENTS, NAME
 
 CHUNK_TOKENS = 2048
 VOCAB_SLICE = 32768
 """Chosen on the H100 at 8192 x 4096 x 131072 (bench/hopper_ce.py --configs, results/hopper_ce.json): 2048:32768
 took 60.8 ms at 2.00 GiB extra peak; 1024:32768 65.0 ms / 1.81 GiB; 2048:65536 59.2 ms / 2.88 GiB;
 4096:16384 59.6 ms / 4.00 GiB; Liger 64.8 ms / 3.06 GiB."""
-
-
-GRADIENTS = ("forward", "backward")
-"""Where the head computes its gradients (the module docstring): ``forward`` (three products, dh and dW held until
-backward; the default: 86.9 ms against 112.8 at 16384 x 4096 x 131072 on an H200, bench/hopper_ce.py) or
-``backward`` (the logits again in backward, four products, nothing held)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +166,7 @@ class HopperCEHead:
     (0 for masked tokens) and gets no gradient."""
 
     def __init__(self, chunk_tokens: int = CHUNK_TOKENS, vocab_slice: int = VOCAB_SLICE,
-                 matmuls: Matmuls | None = None, gradients: str = "forward"):
+                 matmuls: Matmuls | None = None, gradients: str = GRADIENTS[0]):
         if chunk_tokens < 1 or vocab_slice < 1:
             raise ValueError(f"chunk_tokens and vocab_slice must be >= 1, found {chunk_tokens}, {vocab_slice}")
         if gradients not in GRADIENTS:
@@ -183,7 +177,7 @@ class HopperCEHead:
     @classmethod
     def build(cls, ctx) -> "HopperCEHead":
         """The run's head: the plugin's ``gradients`` option (``hopper-ce.gradients``); defaults without a run."""
-        options = ctx.options.get("hopper-ce")
+        options = ctx.options.get(NAME)
         return cls() if options is None else cls(gradients=options.gradients)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -10,6 +10,10 @@ from nam_core.checks import LaunchCheck
 from nam_core.options import Option
 
 NAME = "hopper-ce"
+GRADIENTS = ("forward", "backward")
+"""Where the head computes its gradients (``head.py``'s docstring): ``forward`` (three products, dh and dW held
+until backward; the default: 86.9 ms against 112.8 at 16384 x 4096 x 131072 on an H200, bench/hopper_ce.py) or
+``backward`` (the logits again in backward, four products, nothing held)."""
 GPU_HINT = "pip install 'nam-plugin-hopper-ce[gpu]'"
 REFERENCE_HINT = "or the reference head: --set ce_backend=reference"
 
@@ -28,10 +32,10 @@ PLUGIN = PluginInfo(
     checks=(LaunchCheck("gradient self-test", None, "nam_plugin_hopper_ce.selftest:launch",
                         f"report it with the seed; meanwhile {REFERENCE_HINT}"),),
     options=(
-        Option("gradients", str, "forward", "where the head computes dL/dhidden and dL/dW: forward (three [t, d] x "
+        Option("gradients", str, GRADIENTS[0], "where the head computes dL/dhidden and dL/dW: forward (three [t, d] x "
                "[d, v] products; each call holds its dh and dW in the weights' dtype until backward, 1.13 GiB per "
                "call at 16384 tokens x 4096 x 131072; 1.31x the backward path at that shape on an H200) or backward "
                "(the logits again in backward: four products, nothing held between forward and backward)",
-               choices=("forward", "backward")),
+               choices=GRADIENTS),
     ),
 )

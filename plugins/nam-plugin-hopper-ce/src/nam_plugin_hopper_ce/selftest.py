@@ -66,10 +66,11 @@ def passed(result: dict) -> bool:
 def launch(spec) -> Measured:
     """The activation self-test on a real CUDA device (``PLUGIN.checks``; the host skips it on fakes and CPUs)."""
     from nam_plugin_hopper_ce.head import HopperCEHead
+    from nam_plugin_hopper_ce.plugin import NAME
 
     needed = (f"loss, every dL/dhidden and the shared dL/dW within {TOLERANCE:g} of the reference head, "
               "0 on masked tokens, all finite (3 heads sharing one weight, bf16)")
-    options = None if spec is None else spec.options.get("hopper-ce")
+    options = None if spec is None else spec.options.get(NAME)
     head = HopperCEHead(chunk_tokens=128, **({} if options is None else {"gradients": options.gradients}))
     r = compare(head, device="cuda")  # the path the run's steps take
     found = (f"loss {r['loss']:.1e}, dhidden {r['dhidden']:.1e}, dweight {r['dweight']:.1e}, masked dh "

@@ -721,7 +721,8 @@ def throughput(args) -> int:
     # every row's extra train.<field>, model and <plugin>.<option> settings (the recipe's plugins' options)
     # (and nam-plugin-te's when a row runs it: te.moe_fusion, te.fp8_param_gather)
     te_rows = any(t != "none" for t in args.te)
-    extra = [*(["te"] if te_rows else []), *([args.ce] if args.ce != FAST["ce_backend"] else [])]
+    other_ce = args.ce != FAST["ce_backend"]  # a head other than the recipe's: its plugin, and a word in each row
+    extra = [*(["te"] if te_rows else []), *([args.ce] if other_ce else [])]
     recipe = apply_overrides(base, args.train_set, plugin_names=[*base.plugins, *extra])
     model = {**model_changes(base.model, recipe.model), "num_layers": args.layers}
     cfg = recipe.model.replace(**model)
@@ -741,7 +742,7 @@ def throughput(args) -> int:
     for engine, n, overlap, f8, numerics, recompute, (te, te_experts) in runs:
         name = f"{engine}-{n}gpu" + (f"-overlap-{overlap}" if overlap != "none" else "") + \
             (f"-float8-{f8}" if f8 != "none" else "") + f"-{numerics}-recompute-{recompute.replace(',', '+')}" + \
-            (f"-te-{te}-{te_experts}" if te != "none" else "") + (f"-{args.ce}" if args.ce != FAST["ce_backend"] else "")
+            (f"-te-{te}-{te_experts}" if te != "none" else "") + (f"-{args.ce}" if other_ce else "")
         spec = {"recipe": recipe.name, "model": model, "backends": "fast", "ssm": args.ssm, "moe": args.moe,
                 "ce": args.ce, "engine": engine, "float8": f8, "te": te, "te_experts": te_experts,
                 "run_dir": str(work / name), "steps": steps, "ep": n,
@@ -758,7 +759,7 @@ def throughput(args) -> int:
         label = engine if f8 == "none" else f"{engine}, float8 linears {f8}"
         label += "" if te == "none" else f", te {'bf16' if te == 'off' else 'fp8 ' + te}" + (
             ", TEGroupedMLP" if te_experts == "grouped" else "")
-        label += "" if args.ce == FAST["ce_backend"] else f", {args.ce} head"
+        label += f", {args.ce} head" if other_ce else ""
         rows.append({"engine": label, "gpus": n, "topology": f"tp1 pp1 ep{n} dp{n}" if engine == "megatron" else "1 GPU",
                      "overlap": overlap, "numerics": numerics, "recompute": recompute, "mbs": args.mbs, "step_ms": ms, "tokens_per_s_per_gpu": tokens,
                      "tflops_per_gpu": tokens * flops / 1e12,

@@ -8,8 +8,9 @@ NAM56R the same as one dense SwiGLU of width E * f = 2560, so it stays usable fo
 shape depends on the routing, hence no host sync. Dispatching backends (kind ``moe``) are tested against it.
 
 ``__call__`` takes one row per token and its ``k`` gates; ``sorted`` one row per (token, slot), sorted by
-expert (Megatron's experts slot), each with its gate and its expert from the per-expert ``counts``. Gates arrive in the router's dtype (fp32 from Megatron's flex dispatcher
-under DeepEP) and are rounded to the rows' dtype, as the dispatching backends round them.
+expert (Megatron's experts slot), each with its gate and its expert from the per-expert ``counts``. Gates arrive
+in the router's dtype (fp32 from Megatron's flex dispatcher under DeepEP) and are rounded to the rows' dtype, as
+the dispatching backends round them.
 """
 
 from __future__ import annotations

@@ -404,10 +404,10 @@ class VerifyAhead:
     exchange) run early, on a daemon thread named ``nam-verify``, so that the sha256 of a resume's checkpoints
     (~53 GB at full NAM56R, ~7 s) overlaps the plugins' self-tests instead of following them (``nam train
     --resume``). Its answer is dropped: what it leaves is the digests in this process's cache (``_sha256``),
-    which the run folder's own check (``RunFolder.claim``, the engine's ``good_checkpoints``) then reads, waiting for a file still being hashed rather than reading it twice. So the check decides
-    exactly as it would alone, and meets the same errors at the same place: the background pass keeps an error
-    (``error``) and prints nothing, and the error is not cached, so the foreground's call hashes that file again
-    and raises it.
+    which the run folder's own check (``RunFolder.claim``, the engine's ``good_checkpoints``) then reads, waiting
+    for a file still being hashed rather than reading it twice. So the check decides exactly as it would alone,
+    and meets the same errors at the same place: the background pass keeps an error (``error``) and prints nothing,
+    and the error is not cached, so the foreground's call hashes that file again and raises it.
 
     ``stop()`` (``nam train``: right after the claim, which leaves it nothing to hash since it needed every digest
     this pass makes, and on every exit): set the stop event, so that a hash under way gives up at its next 8 MiB

@@ -52,12 +52,12 @@ def mark_launch() -> None:
 
 STARTUP_PHASES = ("resolve", "self-tests", "model", "data", "engine", "first step")
 """The start-up's phases, in order, each named by what ends it (``mark``): the command resolved (Python's and the
-packages' imports, the recipe, the plugins' config checks; under ``--nproc N`` with N > 1 the torchrun launch too), the device
-probed and the plugins activated (their launch self-tests build or load kernels), the megatron engine's model
-built (the local engine builds its own in ``engine``), the data opened (prepared when not in the cache), the
-engine started (the local model, the optimizer, Megatron's DDP wrapper, a checkpoint loaded), the first step.
-A resume's check of its checkpoints (their sha256) runs on a background thread from the engine's start, beside
-the self-tests; what the run folder's check still waits for of it counts in ``engine``."""
+packages' imports, the recipe, the plugins' config checks; under ``--nproc N`` with N > 1 the torchrun launch too),
+the device probed and the plugins activated (their launch self-tests build or load kernels), the megatron engine's
+model built (the local engine builds its own in ``engine``), the data opened (prepared when not in the cache), the
+engine started (the local model, the optimizer, Megatron's DDP wrapper, a checkpoint loaded), the first step. A
+resume's check of its checkpoints (their sha256) runs on a background thread from the engine's start, beside the
+self-tests; what the run folder's check still waits for of it counts in ``engine``."""
 
 _marks: dict[str, float] = {}
 _self_tests: dict[str, float] = {}

@@ -32,11 +32,7 @@ F=(nam train --recipe nam56r --engine megatron --nproc 2 --ep 2 --max-steps 6 --
    --set train.micro_batch_size=4 --set train.recompute=mamba --set train.checkpoint_every=0)
 step 150 full-alltoall "${F[@]}" --run-dir /tmp/r/full-a2a
 step 150 full-flex "${F[@]}" --plugins deepep --run-dir /tmp/r/full-flex
-for d in /tmp/r/*; do
-  [[ -d $d ]] || continue
-  mkdir -p "$R/runs/$(basename "$d")"
-  cp "$d"/*.json "$d"/*.jsonl "$d"/*.log "$R/runs/$(basename "$d")/" 2>/dev/null
-done
+collect_runs /tmp/r "$R/runs"
 OUT=$OUT0
 tar -C "$OUT" -czf "$OUT/deepep2.tgz" deepep2 && rm -rf "${OUT:?}/deepep2"
 log done

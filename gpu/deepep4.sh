@@ -33,11 +33,7 @@ T=(nam train --recipe nam56r-tiny --device cuda --engine megatron --nproc 4 --ep
    --set train.log_every=1 --set attention_backend=reference --set train.dtype=bfloat16)
 step 60 tiny-alltoall "${T[@]}" --run-dir /tmp/r/tiny-a2a
 step 60 tiny-flex "${T[@]}" --plugins deepep --run-dir /tmp/r/tiny-flex
-for d in /tmp/r/*; do
-  [[ -d $d ]] || continue
-  mkdir -p "$R/runs/$(basename "$d")"
-  cp "$d"/*.json "$d"/*.jsonl "$d"/*.log "$R/runs/$(basename "$d")/" 2>/dev/null
-done
+collect_runs /tmp/r "$R/runs"
 OUT=$OUT0
 tar -C "$OUT" -czf "$OUT/deepep4.tgz" deepep4 && rm -rf "${OUT:?}/deepep4"
 log done

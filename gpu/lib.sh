@@ -35,3 +35,12 @@ startup() {  # startup RUN_DIR: a run's launch-to-first-step breakdown (summary.
   python -c 'import json,sys; s=json.load(open(sys.argv[1])); print({k: s.get(k) for k in ("launch_to_first_step_s", "startup_s", "self_tests_s", "first_step_s", "step_tokens_per_s")})' \
     "$1/summary.json" | if [[ -n ${SUMMARY:-} ]]; then tee -a "$OUT/$SUMMARY"; else cat; fi
 }
+
+collect_runs() {  # collect_runs SRC DEST: each run folder under SRC, its JSON, JSONL and log files, into DEST/<name>
+  local d
+  for d in "$1"/*; do
+    [[ -d $d ]] || continue
+    mkdir -p "$2/$(basename "$d")"
+    cp "$d"/*.json "$d"/*.jsonl "$d"/*.log "$2/$(basename "$d")/" 2>/dev/null
+  done
+}

@@ -247,7 +247,7 @@ class ProfileStep(NoHooks):
         else:
             self.parts.append("by operator and input shapes (the next step, recorded with shapes):\n"
                               + self.prof.key_averages(group_by_input_shape=True).table(
-                                  sort_by=key, row_limit=40, max_name_column_width=40))
+                                  sort_by=key, row_limit=80, max_name_column_width=40))
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 self.out.write_text("\n\n".join(self.parts) + "\n")
         self.prof = None

@@ -389,7 +389,7 @@ def test_the_run_chooses_the_backward_group_sums_from_the_option_or_the_model():
     cfg = get_recipe("nam56r").model
     glue = cfg.replace(compile_glue=True)
     try:
-        for model, option, want in ((cfg, None, mimo.reduce_groups), (glue, None, mimo.reduce_groups),
+        for model, option, want in ((cfg, None, fused_reduce_groups), (glue, None, fused_reduce_groups),
                                     (glue, "eager", mimo.reduce_groups), (cfg, "fused", fused_reduce_groups),
                                     (cfg, "compiled", mimo.COMPILED_REDUCE)):
             options = {} if option is None else {"mamba-ssm": OptionValues("mamba-ssm", {"group_sums": option})}
@@ -408,7 +408,7 @@ from nam_plugin_mamba_ssm import mimo
 from nam_plugin_mamba_ssm.group_sums import fused_reduce_groups
 seed = int(__import__("sys").argv[1])
 out = {}
-# 600 tokens: two whole chunks of 256 and a ragged one; 6 heads in 3 groups and n 5: padded, masked tiles
+# 600 tokens: a whole chunk of TILE's 512 and a ragged one; 6 heads in 3 groups and n 5: padded, masked tiles
 for dtype, shape, g in ((torch.float32, (2, 300, 2, 32, 8), 2), (torch.bfloat16, (1, 7, 3, 6, 5), 3)):
     d = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     (bias, grouped), (want_bias, want_grouped) = fused_reduce_groups(d, g), mimo.reduce_groups(d, g)

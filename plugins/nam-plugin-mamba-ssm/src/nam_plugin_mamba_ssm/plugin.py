@@ -77,9 +77,9 @@ PLUGIN = PluginInfo(
     ),
     selects={"ssm_backend": NAME},
     options=(Option("group_sums", str, None, "how the MIMO backward sums dQ and dK per group and per head "
-                    "(mimo.reduce_groups): eager (two torch reductions; unset: this), compiled (one torch.compile "
-                    "region) or fused (one Triton kernel that reads the gradient once: group_sums.py). Measured on "
-                    "an H200 at MBS 4: compiled 0.50x and fused 0.36x of eager (bench/results/glue.md)",
+                    "(mimo.reduce_groups): eager (two torch reductions), compiled (one torch.compile region) or fused "
+                    "(one Triton kernel that reads the gradient once: group_sums.py; unset: this). Measured on an "
+                    "H200 at MBS 4: fused 1.31x and compiled 0.50x of eager (bench/group_sums.py, bench/glue.py)",
                     choices=("eager", "compiled", "fused")),),
     train_device="cuda", train_dtypes=("bfloat16",),
     train_needs_reason="the kernels run CUDA tensors only; SISO casts to bf16 whatever it is given, MIMO is "

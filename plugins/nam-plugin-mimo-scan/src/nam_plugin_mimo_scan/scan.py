@@ -34,6 +34,9 @@ SHARED_BYTES: dict[str, int] = {}
 PASSES = ((True, False, False), (False, True, False), (False, False, True))
 """The backward's ``bwd`` launches, (CHUNK, DQ, DK) in order: the per-head gradients, dq, dk (which adds to
 dq's d phase)."""
+COLUMN_BLOCKS = 4
+"""Column blocks of the head dim in the per-head backward pass (``bwd`` ``PH``, each >= 16 columns): ptxas on
+sm_90 spills 520 / 228 / 24 B a thread at 1 / 2 / 4 for headdim 64. ``gpu/mimo_kernels.py --ph`` times others."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
@@ -147,7 +150,7 @@ class _MimoScanFn(torch.autograd.Function):
                     dd_part, dq, dk, dqb, dkb, dphase, *strides, g)
         for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads
             _launch("bwd", (nc, b * (h if chunk else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,
-                    PH=min(4, p // 16), PER_HEAD=chunk)
+                    PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

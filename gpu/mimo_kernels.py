@@ -94,6 +94,8 @@ def main() -> None:
     for name, kernel in kernels.KERNELS.items():
         timings = getattr(kernel, "configs_timings", None) or {}
         print(f"\n{name}: best {kernel.best_config}")
+        for key, config in getattr(kernel, "cache", {}).items():  # the choice for each shape and pass
+            print(f"  chosen for {key}: {config}")
         for config, ms in timings.items():
             shown = [f"{t:.3f}" for t in (ms if isinstance(ms, list) else [ms])]
             print(f"  {config}: {' '.join(shown)} ms")

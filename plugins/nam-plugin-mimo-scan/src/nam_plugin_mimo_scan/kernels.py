@@ -477,11 +477,12 @@ CONFIGS = {
     "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "fwd_chunk": [_config(4), _config(8)],
-    # one program per chunk and group (head): 8 warps give each thread 255 registers; 4 warps spill KBs, 16 cap
-    # registers at 128 (spills again), and a second stage of the head loop's loads asks > 200 KB of shared
-    # memory (ptxas / Triton on sm_90, gpu/mimo_compile.py)
-    # the dq / dk passes loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory)
-    "bwd": [_config(8), _config(8, 2)],
+    # one program per chunk and group (head). ptxas on sm_90 (r28): 4 warps 255 registers a thread and 24-128 B
+    # of spills, 8 warps 255 and 12-30 B, 16 warps 128 and 76-278 B. Timed anyway, because spills are not time:
+    # with 4 and 16 warps in the list the per-head pass went 17.5 -> 12.5 ms on an H200 at NAM56R's b2 (r28,
+    # gpu/mimo_kernels.py), the dk pass kept 8 warps (13.3 / 8.9 / 9.9 ms at 4 / 8 / 16). The dq / dk passes
+    # loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory; 9.3 ms for dk)
+    "bwd": [_config(8), _config(4), _config(16), _config(8, 2)],
 }
 """The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
 

@@ -409,12 +409,16 @@ from nam_plugin_mamba_ssm.group_sums import fused_reduce_groups
 seed = int(__import__("sys").argv[1])
 out = {}
 # 600 tokens: a whole chunk of TILE's 512 and a ragged one; 6 heads in 3 groups and n 5: padded, masked tiles
+# (the second tile: 5 chunks of 128 tokens in 2-token steps, 2 warps, 2 stages; the sweep's other end)
 for dtype, shape, g in ((torch.float32, (2, 300, 2, 32, 8), 2), (torch.bfloat16, (1, 7, 3, 6, 5), 3)):
     d = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    (bias, grouped), (want_bias, want_grouped) = fused_reduce_groups(d, g), mimo.reduce_groups(d, g)
-    assert bias.shape == want_bias.shape and bias.dtype == torch.float32
-    assert grouped.shape == want_grouped.shape and grouped.dtype == dtype
-    out[str(dtype)] = [max_rel_error(bias, want_bias), rel_norm_error(grouped, want_grouped)]
+    want_bias, want_grouped = mimo.reduce_groups(d, g)
+    for tile in (None, (128, 2, 2, 2)):
+        bias, grouped = fused_reduce_groups(d, g, tile=tile)
+        assert bias.shape == want_bias.shape and bias.dtype == torch.float32
+        assert grouped.shape == want_grouped.shape and grouped.dtype == dtype
+        key = f"{dtype} {tile}"
+        out[key] = [max_rel_error(bias, want_bias), rel_norm_error(grouped, want_grouped)]
 print(json.dumps(out))
 """
 
@@ -435,8 +439,19 @@ def test_fused_group_sums_kernel_equals_reduce_groups_in_the_interpreter():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert errors["torch.float32"][0] < 1e-5 and errors["torch.float32"][1] < 1e-6, (errors, seed)
-    assert errors["torch.bfloat16"][0] < 1e-5 and errors["torch.bfloat16"][1] < 2**-7, (errors, seed)
+    assert len(errors) == 4, errors
+    for key, (bias_err, grouped_err) in errors.items():
+        assert bias_err < 1e-5 and grouped_err < (1e-6 if "float32" in key else 2**-7), (key, errors, seed)
+
+
+@pytest.mark.parametrize("tile", [(100, 4, 4, 1), (256, 3, 4, 1), (128, 256, 4, 1)])
+def test_fused_group_sums_refuse_a_tile_the_kernel_cannot_step_through(tile):
+    """``fused_reduce_groups(tile=)``: CHUNK and BT powers of two, BT dividing CHUNK, or a ValueError before any
+    launch (a ragged step would skip tokens of every chunk)."""
+    from nam_plugin_mamba_ssm.group_sums import fused_reduce_groups
+
+    with pytest.raises(ValueError, match="powers of two with BT dividing CHUNK"):
+        fused_reduce_groups(torch.randn(1, 8, 2, 4, 8), 2, tile=tile)
 
 
 def test_reduce_groups_refuses_a_ragged_split():

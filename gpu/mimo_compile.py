@@ -7,6 +7,15 @@ groups, d_state 128, rank 4) with the launches recorded instead of run, then com
 Triton for an sm_90 target (the arguments specialized as a GPU launch would: pointers and multiples of 16
 marked divisible by 16) and runs ptxas -v on the PTX. Register pressure and spills do not depend on the length,
 so this is how a kernel change is checked for spills between GPU rounds.
+
+It needs the GPU host's Triton (3.6), whose wheel carries a ptxas for sm_90. Triton 3.9's wheel (this machine's
+test venv) writes PTX 9.4, which neither its bundled ptxas (8.8) nor CUDA 13.0's accepts, so the rows come back as
+ptxas's error. A venv that works here (2026-11-29; registers and shared memory matched r28's H200 launches)::
+
+    python3 -m venv /tmp/t36 && . /tmp/t36/bin/activate
+    pip install torch==2.13.0 triton==3.6.0 numpy tqdm packaging pyyaml pluggy typer
+    pip install --no-deps -e . -e plugins/nam-plugin-mimo-scan
+    python gpu/mimo_compile.py
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,11 +109,6 @@ def ptxas_info(compiled) -> str:
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):  # Triton 3.9's wheel ships ptxas-blackwell only: the CUDA toolkit's then
-        ptxas = os.environ.get("TRITON_PTXAS_PATH") or shutil.which("ptxas")
-        if ptxas is None:
-            raise SystemExit("no ptxas for sm_90: Triton's wheel has none and none is on PATH "
-                             "(set TRITON_PTXAS_PATH, or install the CUDA toolkit's ptxas)")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     done = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, f.name], capture_output=True, text=True)
@@ -124,7 +118,7 @@ def ptxas_info(compiled) -> str:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if done.returncode or not regs:
         return f"ptxas ({ptxas}) said: {text.strip().splitlines()[:2]}"
-    return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'} B, "
+    return (f"regs {regs.group(1)}, spill stores {spill.group(1) if spill else '?'} B, "
             f"loads {spill.group(2) if spill else '?'} B")
 
 

@@ -477,8 +477,8 @@ CONFIGS = {
     "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
     "fwd_chunk": [_config(4), _config(8)],
-    # one program per chunk and group (head). ptxas on sm_90 (r28): 4 warps 255 registers a thread and 24-128 B
-    # of spills, 8 warps 255 and 12-30 B, 16 warps 128 and 76-278 B. Timed anyway, because spills are not time:
+    # one program per chunk and group (head). Triton's compiled metadata on the H200 (r28): 4 warps 255 registers
+    # a thread and 24-128 B of spills, 8 warps 255 and 12-30 B, 16 warps 128 and 76-278 B. Timed anyway, because spills are not time:
     # with 4 and 16 warps in the list the per-head pass went 17.5 -> 12.5 ms on an H200 at NAM56R's b2 (r28,
     # gpu/mimo_kernels.py), the dk pass kept 8 warps (13.3 / 8.9 / 9.9 ms at 4 / 8 / 16). The dq / dk passes
     # loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory; 9.3 ms for dk)

@@ -111,15 +111,22 @@ def ptxas_info(compiled) -> str:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
-    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, f.name], capture_output=True, text=True)
+    cubin = f.name[:-4] + ".cubin"
+    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", cubin, f.name], capture_output=True, text=True)
     os.unlink(f.name)
     text = done.stderr
+    sass = "?"
+    if os.path.exists(cubin):  # the code's size: instruction-cache misses showed in ncu's stall samples (r29)
+        dump = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True).stdout
+        sass = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", dump, re.M))
+        os.unlink(cubin)
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if done.returncode or not regs:
         return f"ptxas ({ptxas}) said: {text.strip().splitlines()[:2]}"
     return (f"regs {regs.group(1)}, spill stores {spill.group(1) if spill else '?'} B, "
-            f"loads {spill.group(2) if spill else '?'} B")
+            f"loads {spill.group(2) if spill else '?'} B, {sass} SASS instructions")
 
 
 def main() -> int:

@@ -32,13 +32,14 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(ph_ptr, tok, valid, ph_base, ph_sl, S, HALF: tl.constexpr):
-    """cos and sin of the rows' phases, ``[M, n/2]`` fp32 (columns >= S: phase 0, cos 1, sin 0). q and k of a
-    (token, head) share them, so a kernel that rotates both computes them once."""
+def _cos_sin(rot_ptr, tok, valid, rot_base, rot_sl, S, HALF: tl.constexpr):
+    """cos and sin of the rows' phases, ``[M, n/2]`` fp32 (columns >= S: cos 1, sin 0), read from the table the
+    ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then sin). q and k of a (token, head) share them, so a kernel
+    that rotates both reads them once."""
     cols = tl.arange(0, HALF)
-    phi = tl.load(ph_ptr + ph_base + tok[:, None] * ph_sl + cols[None, :],
-                  mask=valid[:, None] & (cols[None, :] < S), other=0.0)
-    return tl.cos(phi), tl.sin(phi)
+    ptr = rot_ptr + rot_base + tok[:, None] * rot_sl + cols[None, :]
+    m = valid[:, None] & (cols[None, :] < S)
+    return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + S, mask=m, other=0.0)
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr
     DT = k_ptr.dtype.element_ty
     hcols = tl.arange(0, HALF)
     k_base = b * k_sb + (h // HPG) * k_sg
-    ph_base = (b * L * H + h) * S
+    rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
     for c in range(NC):
@@ -115,7 +116,7 @@ def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr
         sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
         klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
@@ -145,7 +146,7 @@ def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_
     DT = q_ptr.dtype.element_ty
     hcols = tl.arange(0, HALF)
     q_base = b * q_sb + (h // HPG) * q_sg
-    ph_base = (b * L * H + h) * S
+    rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
     for i in range(NC):
@@ -154,7 +155,7 @@ def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_
         sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
@@ -184,8 +185,8 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
     pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
-    ph_base = (b * L * H + h) * S
-    cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+    rot_base = (b * L * H + h) * 2 * S
+    cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
     qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
                         HALF)
     klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
@@ -265,7 +266,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
     for j in range(1 if PER_HEAD else HPG):
         h = h0 + j
         bh = b * H + h
-        ph_base = (b * L * H + h) * S
+        ph_base = (b * L * H + h) * S  # d phase [b, l, h, s]
+        rot_base = 2 * ph_base  # the cos / sin table [b, l, h, 2s]
         x_base = b * x_sb + h * x_sh
         z_base = b * z_sb + h * z_sh
         do_base = b * do_sb + h * do_sh
@@ -277,7 +279,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
         to_end = tl.exp(cs_end - cs)
         inter = (to_end * cc)[:, None]
         st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
         qlo_d = qlo.to(DT)
         qhi_d = qhi.to(DT)
@@ -309,29 +311,29 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
             dcs_row = tl.zeros((T * RP,), tl.float32)
             dd_row = tl.zeros((T * RP,), tl.float32)
             # the head dim in PH column blocks: each block's [M, P/PH] tiles live only within its step
-            for hp in tl.static_range(PH):
+            for hp in range(PH):
                 cols = hp * (P // PH) + tl.arange(0, P // PH)
                 stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
                 x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols)
                 mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
-                v = x * mx
+                vb = x * mx
                 z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols)
                 mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
                 d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols) * _load_proj(mo_ptr, h, rank, valid, R,
                                                                                         P, cols)
                 zm = z * mz
                 sg = tl.sigmoid(zm)
-                dy = d_o * zm * sg
-                y = tl.dot(mmat, v.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
+                dyb = d_o * zm * sg
+                y = tl.dot(mmat, vb.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
                                                              + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
                 dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
                        + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT)))
-                dv = tl.dot(tl.trans(mmat), dy.to(DT)) + inter * dvi
-                dc_row += tl.sum(v * dvi, axis=1)
-                dcs_row += tl.sum(dy * y - v * dv, axis=1)
-                dd_row += tl.sum(dy * v, axis=1)
-                dvt = dv + dskip * dy
-                ypd = y + dskip * v
+                dv = tl.dot(tl.trans(mmat), dyb.to(DT)) + inter * dvi
+                dc_row += tl.sum(vb * dvi, axis=1)
+                dcs_row += tl.sum(dyb * y - vb * dv, axis=1)
+                dd_row += tl.sum(dyb * vb, axis=1)
+                dvt = dv + dskip * dyb
+                ypd = y + dskip * vb
                 out_off = ((b * L + toks[:, None]) * H + h) * P + cols[None, :]  # dx, dz contiguous [b, l, h, p]
                 part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + cols[None, :]
                 dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
@@ -351,7 +353,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
 
         # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
         bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        cos, sin = _cos_sin(ph_ptr, tok, valid, ph_base, H * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
         dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
         dphi = tl.zeros((T * RP, HALF), tl.float32)
         if DQ:
@@ -400,9 +402,12 @@ def _tanh(x):
 @triton.jit
 def phase_kernel(ang_ptr, dt_ptr, ph_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
                  BT: tl.constexpr, SP: tl.constexpr):
-    """Grid (b*h,): the rotary phase phi_t = (sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi, fp32 ``[b, l, h, s]``,
-    walking the sequence in blocks of ``BT`` tokens with the running sum in fp32 (the mod is taken of the full
-    sum, as the reference takes it)."""
+    """Grid (b*h,): the rotary phase phi_t = (sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi, walking the sequence
+    in blocks of ``BT`` tokens with the running sum in fp32 (the mod is taken of the full sum, as the reference
+    takes it); written as its cos and sin, fp32 ``[b, l, h, 2s]`` (cos in columns [0, s), sin in [s, 2s)), so
+    that the kernels rotating q and k read them instead of evaluating cos and sin per (token, rank) row: libdevice's
+    cosf / sinf carry a branch to a slow argument reduction for every element, and were a large part of each
+    kernel's code (ncu, 2026-11-29: instruction-cache stalls were 18-32% of the samples)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -418,7 +423,9 @@ def phase_kernel(ang_ptr, dt_ptr, ph_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb
         rate = 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
         phi = carry[None, :] + tl.cumsum(rate, axis=0)
         phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
-        tl.store(ph_ptr + ((b * L + toks[:, None]) * H + h) * S + cols[None, :], phi, mask=m)
+        rot = ph_ptr + ((b * L + toks[:, None]) * H + h) * (2 * S) + cols[None, :]
+        tl.store(rot, tl.cos(phi), mask=m)
+        tl.store(rot + S, tl.sin(phi), mask=m)
         carry += tl.sum(rate, axis=0)
 
 

@@ -84,7 +84,7 @@ class _Geometry:
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
         self.cs = F.pad(adt.float(), (0, pad)).unflatten(-1, (self.nc, self.t)).cumsum(-1).flatten(-2).contiguous()
-        self.phase = _phase(angles, dt)  # [b, l, h, s]
+        self.phase = _phase(angles, dt)  # cos, sin [b, l, h, 2s]
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
@@ -174,12 +174,12 @@ TIME_BLOCK = 64
 
 
 def _phase(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, s]``, in one kernel walking the
-    sequence per (b, h); angles may be a stride-0 view over the heads."""
+    """cos and sin of ``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, 2s]`` (cos, then
+    sin), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads."""
     from nam_plugin_mimo_scan.kernels import phase_kernel
 
     b, l, h, s = angles.shape
-    phase = torch.empty(b, l, h, s, device=angles.device, dtype=torch.float32)
+    phase = torch.empty(b, l, h, 2 * s, device=angles.device, dtype=torch.float32)
     phase_kernel[(b * h,)](angles, dt, phase, l, h, s, *angles.stride(), *dt.stride(), BT=TIME_BLOCK,
                            SP=max(16, _pow2(s)), num_warps=4)
     return phase

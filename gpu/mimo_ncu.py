@@ -1,0 +1,45 @@
+"""One forward + backward of the mimo-scan at NAM56R's bench shape, with CUDA's profiler range around it only,
+for Nsight Compute (issue 32: where each kernel's time goes, by its hardware counters):
+
+    ncu --profile-from-start off --clock-control none --section ... python gpu/mimo_ncu.py [--b 2] [--l 4096]
+
+The first call (compile + autotune) runs outside the range, so ncu replays only the launches of the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--b", type=int, default=2)
+    ap.add_argument("--l", type=int, default=4096)
+    a = ap.parse_args()
+
+    from nam_plugin_mimo_scan import scan
+    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+
+    h, g = 128, 8
+    x = random_inputs(a.b, a.l, h, g, 128, 64, 4, device="cuda", seed=11)
+    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
+    args = [leaves[k] if k != "angles" else leaves[k].expand(a.b, a.l, h, -1) for k in INPUT_NAMES]
+    dout = torch.randn(a.b, a.l, h, 64, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        out = scan.mimo_scan(*args)
+        torch.autograd.grad(out, list(leaves.values()), dout)
+
+    fwd_bwd()  # compile and autotune, unprofiled
+    torch.cuda.synchronize()
+    print("chosen:", scan.CHOSEN, flush=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()

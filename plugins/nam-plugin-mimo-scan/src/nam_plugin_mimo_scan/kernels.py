@@ -214,7 +214,7 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
 def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
                dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
-               dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr,
+               dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr, hq_ptr, hy_ptr,
                L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
@@ -280,24 +280,32 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
         inter = (to_end * cc)[:, None]
         st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
         cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
-        qlo_d = qlo.to(DT)
-        qhi_d = qhi.to(DT)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
-        klo_d = klo.to(DT)
-        khi_d = khi.to(DT)
-        v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
-        vd = v.to(DT)
-        dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                 _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols), _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-        dyd = dy.to(DT)
-        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
-        same = tok[:, None] == tok[None, :]
-        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
-        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
-        dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
-        dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+        rows = tl.arange(0, T * RP)
+        hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
+        if CHUNK:
+            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
+            qlo_d = qlo.to(DT)
+            qhi_d = qhi.to(DT)
+            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
+            klo_d = klo.to(DT)
+            khi_d = khi.to(DT)
+            v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
+                                                                                pcols)
+            vd = v.to(DT)
+            dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
+                     _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                     _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols),
+                     _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+            dyd = dy.to(DT)
+            # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+            same = tok[:, None] == tok[None, :]
+            decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+            wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+            dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
+            dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+            # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
+            tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
+            tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
         if CHUNK:
             qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
             # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
@@ -353,12 +361,14 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
 
         # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
         bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
         dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
         dphi = tl.zeros((T * RP, HALF), tl.float32)
         if DQ:
-            d_lo = tl.dot(dqk, klo_d) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
-            d_hi = tl.dot(dqk, khi_d) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st + HALF).to(DT))
+            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
+            dqk = tl.load(hq_ptr + hand[:, None] * (T * RP) + rows[None, :])
+            dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
+            d_lo = tl.dot(dqk, klo.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
+            d_hi = tl.dot(dqk, khi.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st + HALF).to(DT))
             u_lo = d_lo * cos + d_hi * sin
             u_hi = d_hi * cos - d_lo * sin
             dq_lo += u_lo
@@ -368,9 +378,12 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
             rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, HALF)
             dphi += u_hi * rlo - u_lo * rhi
         if DK:
-            dqkt = tl.trans(dqk)
-            d_lo = tl.dot(dqkt, qlo_d) + inter * tl.dot(vd, tl.load(ds_ptr + st).to(DT))
-            d_hi = tl.dot(dqkt, qhi_d) + inter * tl.dot(vd, tl.load(ds_ptr + st + HALF).to(DT))
+            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
+            dqkt = tl.load(hq_ptr + hand[None, :] * (T * RP) + rows[:, None])  # dL/d(q~.k~), transposed
+            vd = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
+                  * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
+            d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(vd, tl.load(ds_ptr + st).to(DT))
+            d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(vd, tl.load(ds_ptr + st + HALF).to(DT))
             u_lo = d_lo * cos + d_hi * sin
             u_hi = d_hi * cos - d_lo * sin
             dk_lo += u_lo
@@ -480,23 +493,26 @@ def _config(warps: int, stages: int = 1, **meta) -> triton.Config:
 
 CONFIGS = {
     # the walks loop over chunks: 2 stages prefetch the next chunk's rows; PSPLIT 2 (4) doubles (quadruples) the
-    # programs (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) in each
-    "state_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
-    "dstate_walk": [_config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=4)],
+    # programs (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) in each. r30 (H200, NAM56R's b2): state
+    # walk 1.92 ms at 4 warps PSPLIT 1 (1.95 at 8 warps, 2.62 at PSPLIT 2); dstate walk 2.71 at 8 warps PSPLIT 1
+    # (2.80 at 4 warps PSPLIT 2)
+    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2)],
+    "dstate_walk": [_config(8, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1)],
     "fwd_chunk": [_config(4), _config(8)],
-    # one program per chunk and group (head). Triton's compiled metadata on the H200 (r28): 4 warps 255 registers
-    # a thread and 24-128 B of spills, 8 warps 255 and 12-30 B, 16 warps 128 and 76-278 B. Timed anyway, because spills are not time:
-    # with 4 and 16 warps in the list the per-head pass went 17.5 -> 12.5 ms on an H200 at NAM56R's b2 (r28,
-    # gpu/mimo_kernels.py), the dk pass kept 8 warps (13.3 / 8.9 / 9.9 ms at 4 / 8 / 16). The dq / dk passes
-    # loop over heads: 2 stages prefetch the next head's tiles (~200 KB of shared memory; 9.3 ms for dk)
-    "bwd": [_config(8), _config(4), _config(16), _config(8, 2)],
+    # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
+    # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
+    # SM. r30 (before the hand-off of dL/d(q~.k~) and dy): every pass took 4 warps, the dk pass at 5.05 ms against
+    # 7.0 / 9.1 / 7.2 at 8 / 16 / 8 with 2 stages. 2 stages prefetch the next head's tiles in dq / dk; the per-head
+    # pass runs one stage (_fits)
+    "bwd": [_config(4), _config(8), _config(16), _config(8, 2)],
 }
 """The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
 
 
 def _fits(configs, nargs, **kwargs):
-    """A split of the head dim under 16 columns cannot feed ``tl.dot``; the per-head ``bwd`` pass has no loop
-    for a second stage to pipeline."""
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``. The per-head ``bwd`` pass runs one stage:
+    r30 (H200) faulted with an illegal address while the tuner timed ``bwd`` at 32-token tiles, the first round
+    that let this pass (its column blocks a loop since) take 2 stages; ``gpu/mimo_fault.py`` finds the config."""
     fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
            and not (kwargs.get("CHUNK") and c.num_stages > 1)]
     return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]

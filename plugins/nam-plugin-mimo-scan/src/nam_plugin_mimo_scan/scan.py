@@ -144,10 +144,14 @@ class _MimoScanFn(torch.autograd.Function):
         dk = torch.empty(b, l, r, g, n, device=dev, dtype=k.dtype)
         dqb, dkb = (torch.empty(b, nc, h, r, n, device=dev, dtype=f32) for _ in range(2))
         dphase = torch.empty(b, l, h, geo.s, device=dev, dtype=f32)
-        rows = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
+        # the per-head pass hands dL/d(q~.k~) and dy (in q's dtype, as its dots take them) to the dq and dk passes
+        rows = geo.t * geo.rp
+        hand_qk = torch.empty(b * h, nc, rows, rows, device=dev, dtype=q.dtype)
+        hand_dy = torch.empty(b * h, nc, rows, p, device=dev, dtype=q.dtype)
+        inputs = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
         strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
-        bwd_args = (*rows, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
-                    dd_part, dq, dk, dqb, dkb, dphase, *strides, g)
+        bwd_args = (*inputs, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
+                    dd_part, dq, dk, dqb, dkb, dphase, hand_qk, hand_dy, *strides, g)
         for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads
             _launch("bwd", (nc, b * (h if chunk else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,
                     PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)

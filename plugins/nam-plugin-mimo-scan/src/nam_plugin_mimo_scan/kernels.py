@@ -32,14 +32,20 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(rot_ptr, tok, valid, rot_base, rot_sl, S, HALF: tl.constexpr):
-    """cos and sin of the rows' phases, ``[M, n/2]`` fp32 (columns >= S: cos 1, sin 0), read from the table the
-    ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then sin). q and k of a (token, head) share them, so a kernel
-    that rotates both reads them once."""
+def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
+    """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, n/2]`` fp32 (columns >= S: cos 1, sin 0), read
+    from the table the ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then sin) once per token ``[T, n/2]`` and
+    repeated over the ranks in registers (a row-wise load read each token RP times and, in the walks, staged RP
+    copies in shared memory). q and k of a (token, head) share them, so a kernel rotating both reads them once."""
     cols = tl.arange(0, HALF)
-    ptr = rot_ptr + rot_base + tok[:, None] * rot_sl + cols[None, :]
-    m = valid[:, None] & (cols[None, :] < S)
-    return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + S, mask=m, other=0.0)
+    toks = c * T + tl.arange(0, T)
+    ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]
+    m = (toks < L)[:, None] & (cols[None, :] < S)
+    cos = tl.load(ptr, mask=m, other=1.0)
+    sin = tl.load(ptr + S, mask=m, other=0.0)
+    cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (T, RP, HALF)), (T * RP, HALF))
+    sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (T, RP, HALF)), (T * RP, HALF))
+    return cos, sin
 
 
 @triton.jit
@@ -116,7 +122,7 @@ def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr
         sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
         klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
@@ -155,7 +161,7 @@ def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_
         sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
@@ -186,7 +192,7 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     rot_base = (b * L * H + h) * 2 * S
-    cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
+    cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
     qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
                         HALF)
     klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
@@ -279,7 +285,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
         to_end = tl.exp(cs_end - cs)
         inter = (to_end * cc)[:, None]
         st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        cos, sin = _cos_sin(ph_ptr, tok, valid, rot_base, H * 2 * S, S, HALF)
+        cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
         rows = tl.arange(0, T * RP)
         hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
         if CHUNK:
@@ -495,26 +501,32 @@ CONFIGS = {
     # the walks loop over chunks: 2 stages prefetch the next chunk's rows; PSPLIT 2 (4) doubles (quadruples) the
     # programs (b*h*2 = 512 at NAM56R's b2) at the price of rotating k (q) in each. r30 (H200, NAM56R's b2): state
     # walk 1.92 ms at 4 warps PSPLIT 1 (1.95 at 8 warps, 2.62 at PSPLIT 2); dstate walk 2.71 at 8 warps PSPLIT 1
-    # (2.80 at 4 warps PSPLIT 2)
-    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2)],
-    "dstate_walk": [_config(8, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1)],
+    # (2.80 at 4 warps PSPLIT 2). A walk has one program per (b, h): 256 at b2, so a walk runs in one wave only
+    # if two programs fit an SM (shared memory <= ~113 KB, registers <= 255 a thread at 4 warps); with the
+    # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM)
+    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1)],
+    "dstate_walk": [_config(8, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1),
+                    _config(4, 1, PSPLIT=1)],
     "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
-    # SM. r30 (before the hand-off of dL/d(q~.k~) and dy): every pass took 4 warps, the dk pass at 5.05 ms against
-    # 7.0 / 9.1 / 7.2 at 8 / 16 / 8 with 2 stages. 2 stages prefetch the next head's tiles in dq / dk; the per-head
-    # pass runs one stage (_fits)
-    "bwd": [_config(4), _config(8), _config(16), _config(8, 2)],
+    # SM. r30 (H200, NAM56R's b2, before the hand-off of dL/d(q~.k~) and dy): the per-head pass took 4 warps with 2
+    # stages (7.0 ms), dq and dk 4 warps (dk 5.05 ms against 7.0 / 9.1 / 7.2 at 8 / 16 / 8 with 2 stages). r31 (the
+    # hand-off, per-head pass held to 1 stage): per head 9.2 / 18.1 / 26.2 ms at 4 / 8 / 16 warps, dq 3.2, dk 4.3
+    # at 4. 2 stages prefetch the next column block (head); 4 warps with 2 stages is for the per-head pass (_fits)
+    "bwd": [_config(4), _config(8), _config(16), _config(8, 2), _config(4, 2)],
 }
 """The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
 
 
 def _fits(configs, nargs, **kwargs):
-    """A split of the head dim under 16 columns cannot feed ``tl.dot``. The per-head ``bwd`` pass runs one stage:
-    r30 (H200) faulted with an illegal address while the tuner timed ``bwd`` at 32-token tiles, the first round
-    that let this pass (its column blocks a loop since) take 2 stages; ``gpu/mimo_fault.py`` finds the config."""
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``. 4 warps with 2 stages only for the per-head
+    ``bwd`` pass: r30 (H200), the one round that also offered it to dq and dk (178 B of spills, 214 KB of shared
+    memory, 8.4 ms for dk against 5.05 at 1 stage), faulted (illegal address) while the tuner timed ``bwd`` at
+    32-token tiles; in r31 the per-head pass ran at 4 and 8 warps with 2 stages at 32-token tiles without a fault
+    and within the parity bound (``gpu/mimo_fault.py``)."""
     fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
-           and not (kwargs.get("CHUNK") and c.num_stages > 1)]
+           and (kwargs.get("CHUNK") or not (c.num_warps == 4 and c.num_stages > 1))]
     return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
 
 

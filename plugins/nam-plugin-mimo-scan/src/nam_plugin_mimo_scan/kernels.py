@@ -510,23 +510,31 @@ CONFIGS = {
     "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
-    # SM. r30 (H200, NAM56R's b2, before the hand-off of dL/d(q~.k~) and dy): the per-head pass took 4 warps with 2
-    # stages (7.0 ms), dq and dk 4 warps (dk 5.05 ms against 7.0 / 9.1 / 7.2 at 8 / 16 / 8 with 2 stages). r31 (the
-    # hand-off, per-head pass held to 1 stage): per head 9.2 / 18.1 / 26.2 ms at 4 / 8 / 16 warps, dq 3.2, dk 4.3
-    # at 4. 2 stages prefetch the next column block (head); 4 warps with 2 stages is for the per-head pass (_fits)
+    # SM. 2 stages prefetch the next column block (head). Which pass may take which config: _fits. r32 (H200,
+    # NAM56R's b2, the tuner's timings): per head 7.66 ms at 4 warps with 2 stages (9.23 at 1 stage; 18.3 / 26.4 /
+    # 13.9 at 8 / 16 / 8 with 2 stages); dq 2.90 at 4 warps (3.74 / 4.51 / 3.81); dk 3.98 at 8 with 2 stages
+    # (4.22 / 4.65 / 5.01 at 4 / 8 / 16)
     "bwd": [_config(4), _config(8), _config(16), _config(8, 2), _config(4, 2)],
 }
 """The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
 
 
+PER_HEAD_CONFIGS = {(4, 2), (16, 1)}
+"""(warps, stages) the per-head ``bwd`` pass may take: those it has been measured correct at, on an H200, at both
+16- and 32-token tiles. At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt, d mimo_*) at
+32-token tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps with 1 stage
+was not checked at 32-token tiles (r32's check ran out of time compiling)."""
+
+
 def _fits(configs, nargs, **kwargs):
-    """A split of the head dim under 16 columns cannot feed ``tl.dot``. 4 warps with 2 stages only for the per-head
-    ``bwd`` pass: r30 (H200), the one round that also offered it to dq and dk (178 B of spills, 214 KB of shared
-    memory, 8.4 ms for dk against 5.05 at 1 stage), faulted (illegal address) while the tuner timed ``bwd`` at
-    32-token tiles; in r31 the per-head pass ran at 4 and 8 warps with 2 stages at 32-token tiles without a fault
-    and within the parity bound (``gpu/mimo_fault.py``)."""
-    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
-           and (kwargs.get("CHUNK") or not (c.num_warps == 4 and c.num_stages > 1))]
+    """A split of the head dim under 16 columns cannot feed ``tl.dot``. The per-head ``bwd`` pass only at
+    ``PER_HEAD_CONFIGS``; dq and dk not at 4 warps with 2 stages: r30 (H200), the one round that offered it to them
+    (178 B of spills, 214 KB of shared memory, 8.4 ms for dk against 5.05 at 1 stage), faulted with an illegal
+    address while the tuner timed ``bwd`` at 32-token tiles."""
+    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16]
+    if "CHUNK" in kwargs:  # the bwd kernel
+        pair = lambda c: (c.num_warps, c.num_stages)  # noqa: E731
+        fit = [c for c in fit if (pair(c) in PER_HEAD_CONFIGS if kwargs["CHUNK"] else pair(c) != (4, 2))]
     return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
 
 

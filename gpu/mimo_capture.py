@@ -45,7 +45,7 @@ def main() -> int:
     def step():
         if a.step == "geometry":
             geo = scan._Geometry(args[0], args[2], *args[3:6], args[8], None)
-            return (geo.gamma, geo.c, geo.cs, geo.phase)
+            return (geo.gamma, geo.c, geo.cs, geo.rot)
         if a.step == "forward":
             with torch.no_grad():
                 return (scan.mimo_scan(*args_now()),)

@@ -148,6 +148,29 @@ def test_gb10_shared_memory_is_enough():
     assert "shared memory per block" not in failures(GB10)
 
 
+def test_the_tuner_offers_each_pass_only_the_launch_configs_measured_correct_and_every_walk_config():
+    """On an H200 the per-head backward pass returned non-finite gradients at 8 warps with 1 stage (32-token tiles,
+    r31 and r32), and r30 faulted in the one round that offered dq / dk 4 warps with 2 stages. The rule that keeps
+    those out must not reach the walks: r32's first version dropped their 2-stage configs."""
+    from nam_plugin_mimo_scan import kernels
+
+    shape = dict(P=64, T=16, RP=4, HALF=64)
+
+    def offered(name, **flags):
+        return {(c.num_warps, c.num_stages, c.kwargs.get("PSPLIT")) for c in
+                kernels._fits(kernels.CONFIGS[name], {}, **shape, **flags)}
+
+    per_head = offered("bwd", CHUNK=True, DQ=False, DK=False)
+    assert {(w, s) for w, s, _ in per_head} == kernels.PER_HEAD_CONFIGS
+    assert (8, 1, None) not in per_head
+    for flags in (dict(DQ=True, DK=False), dict(DQ=False, DK=True)):
+        assert (4, 2, None) not in offered("bwd", CHUNK=False, **flags)
+        assert (4, 1, None) in offered("bwd", CHUNK=False, **flags)
+    for walk in ("state_walk", "dstate_walk"):
+        assert offered(walk) == {(c.num_warps, c.num_stages, c.kwargs["PSPLIT"]) for c in kernels.CONFIGS[walk]}
+        assert any(c.num_stages == 2 and c.num_warps == 4 for c in kernels.CONFIGS[walk])
+
+
 def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():
     from nam56r.run import spec_for
 

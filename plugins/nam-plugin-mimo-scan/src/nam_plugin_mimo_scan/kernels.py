@@ -98,7 +98,7 @@ def _dy(dout, mo, z, mz):
 
 
 @triton.jit
-def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
+def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                       PSPLIT: tl.constexpr):
@@ -122,7 +122,7 @@ def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr
         sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
         klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
@@ -136,7 +136,7 @@ def state_walk_kernel(k_ptr, kb_ptr, ph_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr
 
 
 @triton.jit
-def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
+def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
                        L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
                        T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                        PSPLIT: tl.constexpr):
@@ -161,7 +161,7 @@ def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_
         sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
@@ -175,7 +175,7 @@ def dstate_walk_kernel(q_ptr, qb_ptr, ph_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_
 
 
 @triton.jit
-def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                      cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
                      L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                      x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
@@ -192,7 +192,7 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     rot_base = (b * L * H + h) * 2 * S
-    cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
+    cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
     qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
                         HALF)
     klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
@@ -217,7 +217,7 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, mx_ptr,
 
 
 @triton.jit
-def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
                dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
                dq_ptr, dk_ptr, dqb_ptr, dkb_ptr, dph_ptr, hq_ptr, hy_ptr,
@@ -285,7 +285,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, ph_ptr, x_ptr, z_ptr, do_ptr, mx_pt
         to_end = tl.exp(cs_end - cs)
         inter = (to_end * cc)[:, None]
         st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        cos, sin = _cos_sin(ph_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
         rows = tl.arange(0, T * RP)
         hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
         if CHUNK:
@@ -419,7 +419,7 @@ def _tanh(x):
 
 
 @triton.jit
-def phase_kernel(ang_ptr, dt_ptr, ph_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
+def phase_kernel(ang_ptr, dt_ptr, rot_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl,
                  BT: tl.constexpr, SP: tl.constexpr):
     """Grid (b*h,): the rotary phase phi_t = (sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi, walking the sequence
     in blocks of ``BT`` tokens with the running sum in fp32 (the mod is taken of the full sum, as the reference
@@ -442,7 +442,7 @@ def phase_kernel(ang_ptr, dt_ptr, ph_ptr, L, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb
         rate = 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
         phi = carry[None, :] + tl.cumsum(rate, axis=0)
         phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
-        rot = ph_ptr + ((b * L + toks[:, None]) * H + h) * (2 * S) + cols[None, :]
+        rot = rot_ptr + ((b * L + toks[:, None]) * H + h) * (2 * S) + cols[None, :]
         tl.store(rot, tl.cos(phi), mask=m)
         tl.store(rot + S, tl.sin(phi), mask=m)
         carry += tl.sum(rate, axis=0)

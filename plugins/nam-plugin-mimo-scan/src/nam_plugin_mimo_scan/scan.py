@@ -3,12 +3,13 @@
 The math is ``nam56r/reference/mamba3.py``'s (kernels-and-math.md section 1.2); the kernels are in kernels.py.
 Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the sequence where it is a recurrence::
 
-    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi)
+    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi), as cos, sin
     forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
     backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)
               dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
-              bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*
+              bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*;
+                                                    hands dL/d(q~.k~) and dy on (q's dtype, 1.07 GB at NAM56R's b2)
               bwd (DQ, DK)  grid (nc, b*g) x 2      dq, then dk, summed over the group's heads in registers; d phase
               time_grads    grid (b*h)              reverse sums over time: d adt, d angles, the phase's d dt
 
@@ -84,7 +85,7 @@ class _Geometry:
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
         self.cs = F.pad(adt.float(), (0, pad)).unflatten(-1, (self.nc, self.t)).cumsum(-1).flatten(-2).contiguous()
-        self.phase = _phase(angles, dt)  # cos, sin [b, l, h, 2s]
+        self.rot = _rotation(angles, dt)  # cos, sin of the phase [b, l, h, 2s]
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
@@ -96,7 +97,7 @@ class _Geometry:
         """``S_in`` [b*h, nc, p, n] in q's dtype: one walk over the chunks per (b, h) (and head-dim split), the
         carry in fp32 registers."""
         s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=q.dtype)
-        _launch("state_walk", self.grid_walk, k, k_bias, self.phase, v, mimo_x, self.cs, self.c, s_in,
+        _launch("state_walk", self.grid_walk, k, k_bias, self.rot, v, mimo_x, self.cs, self.c, s_in,
                 self.l, self.h, self.h // self.g, self.r, self.s, self.nc,
                 *k.stride()[:4], *v.stride()[:3], **self.meta())
         return s_in
@@ -113,7 +114,7 @@ class _MimoScanFn(torch.autograd.Function):
         common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
                   *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
         s_in = geo.states(q, k, qb, kb, v, mx)
-        _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.phase, v, z, mx, mz, mo, dd, geo.cs,
+        _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.rot, v, z, mx, mz, mo, dd, geo.cs,
                 geo.gamma, geo.c, s_in, out, *common, **geo.meta())
         ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
         ctx.block_t = block_t
@@ -132,7 +133,7 @@ class _MimoScanFn(torch.autograd.Function):
         s_in = geo.states(q, k, qb, kb, v, mx)
 
         ds_out = torch.empty_like(s_in)
-        _launch("dstate_walk", geo.grid_walk, q, qb, geo.phase, z, dout, mz, mo, geo.cs, ds_out, *common,
+        _launch("dstate_walk", geo.grid_walk, q, qb, geo.rot, z, dout, mz, mo, geo.cs, ds_out, *common,
                 *q.stride()[:4], *z.stride()[:3], *dout.stride()[:3], **geo.meta())
 
         dx = torch.empty(b, l, h, p, device=dev, dtype=v.dtype)
@@ -148,7 +149,7 @@ class _MimoScanFn(torch.autograd.Function):
         rows = geo.t * geo.rp
         hand_qk = torch.empty(b * h, nc, rows, rows, device=dev, dtype=q.dtype)
         hand_dy = torch.empty(b * h, nc, rows, p, device=dev, dtype=q.dtype)
-        inputs = (q, k, qb, kb, geo.phase, v, z, dout, mx, mz, mo)
+        inputs = (q, k, qb, kb, geo.rot, v, z, dout, mx, mz, mo)
         strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
         bwd_args = (*inputs, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
                     dd_part, dq, dk, dqb, dkb, dphase, hand_qk, hand_dy, *strides, g)
@@ -177,16 +178,16 @@ TIME_BLOCK = 64
 """Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
 
 
-def _phase(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+def _rotation(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
     """cos and sin of ``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, 2s]`` (cos, then
     sin), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads."""
     from nam_plugin_mimo_scan.kernels import phase_kernel
 
     b, l, h, s = angles.shape
-    phase = torch.empty(b, l, h, 2 * s, device=angles.device, dtype=torch.float32)
-    phase_kernel[(b * h,)](angles, dt, phase, l, h, s, *angles.stride(), *dt.stride(), BT=TIME_BLOCK,
+    rot = torch.empty(b, l, h, 2 * s, device=angles.device, dtype=torch.float32)
+    phase_kernel[(b * h,)](angles, dt, rot, l, h, s, *angles.stride(), *dt.stride(), BT=TIME_BLOCK,
                            SP=max(16, _pow2(s)), num_warps=4)
-    return phase
+    return rot
 
 
 def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True):

@@ -22,4 +22,9 @@ printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python && 
 export PATH=/tmp/bin:$PATH
 [[ -f .kcache/kcache.tgz ]] && tar -C .kcache -xf .kcache/kcache.tgz  # gzip or xz: tar reads either
 kcache_pack() { tar -C .kcache -cf - nam | xz -3 -T0 > "$OUT/kcache.tgz" && ls -la "$OUT/kcache.tgz"; }
+export -f kcache_pack  # callable from a round script run as `bash gpu/rN.sh`
+# scripts that launch kernels without nam's run path (gpu/mimo_kernels.py, bench/*.py) compile into the same
+# caches nam_core.cache.use_kernel_caches() would pick, so kcache_pack takes their builds along too (r29-r32's
+# packs were empty: those scripts compiled into Triton's default folder)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$NAM_CACHE_DIR/triton} TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$NAM_CACHE_DIR/tilelang}
 echo "== host ready in $((SECONDS - _t0)) s: $(python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'), TE: $(python -c 'import transformer_engine as t; print(t.__version__)' 2>&1 | tail -1)"

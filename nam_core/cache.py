@@ -25,8 +25,9 @@ CACHE_SWITCHES = {"TRITON_CACHE_AUTOTUNING": "1"}
 keeps each choice in Triton's cache (keyed by Triton, the GPU target, the kernel's source, the configs and the
 tuning key), so a second process on the host launches an autotuned kernel without timing every config again
 (mamba-ssm's angle/dt kernels spent ~5 s of a warm start's launch check timing theirs; H200, 2026-11-28). A choice
-is a speed, not a result: every config computes the same values. Triton reads it when a kernel is decorated, so
-this too must be set before the plugins import their kernels."""
+is a speed, not a result: every config a tuner is offered computes the same values (a config measured to compute
+otherwise is kept out of the list, as mimo-scan's ``PER_HEAD_CONFIGS``). Triton reads it when a kernel is
+decorated, so this too must be set before the plugins import their kernels."""
 
 
 def cache_dir() -> Path:

@@ -228,24 +228,25 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                PER_HEAD: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
-    * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program, no loop): everything but dq and dk: dx, dz,
-      the weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in ``PH``
-      column blocks of >= 16 (ptxas on sm_90 spills 520 / 228 / 24 B at PH 1 / 2 / 4 for headdim 64);
+    * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
+      weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in a loop over
+      ``PH`` column blocks of >= 16 (``scan.COLUMN_BLOCKS``); it hands dL/d(q~.k~) and dy to the next two;
     * ``DQ`` / ``DK`` (grid (nc, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
-      registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s).
+      registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s),
+      from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots took them).
 
     Passes that share a launch kept more tiles live and spilled KBs of registers (and the all-in-one launch
     faulted on the H200), hence one a launch.
 
     Register diet (ptxas showed 255 registers and KBs of spills when everything stayed live): the rotated q, k
-    are kept in q's dtype only; dL/dM = dy v^T is formed first so the score tiles die early; cos/sin, rows,
+    are kept in q's dtype only; dL/dM = dy v^T is formed first so the score tiles die early; rows,
     projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
     (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
     """
     tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK),
                      "one pass a launch: CHUNK per head, or DQ, or DK over the group's heads")
     c = tl.program_id(0)
-    if PER_HEAD:  # grid (nc, b*h), one head: no loop, so nothing is hoisted out of one (registers)
+    if PER_HEAD:  # grid (nc, b*h), one head: no head loop, so nothing is hoisted out of one (registers)
         b = tl.program_id(1) // H
         h0 = tl.program_id(1) % H
         g = h0 // HPG

@@ -36,8 +36,9 @@ PASSES = ((True, False, False), (False, True, False), (False, False, True))
 """The backward's ``bwd`` launches, (CHUNK, DQ, DK) in order: the per-head gradients, dq, dk (which adds to
 dq's d phase)."""
 COLUMN_BLOCKS = 4
-"""Column blocks of the head dim in the per-head backward pass (``bwd`` ``PH``, each >= 16 columns): ptxas on
-sm_90 spills 520 / 228 / 24 B a thread at 1 / 2 / 4 for headdim 64. ``gpu/mimo_kernels.py --ph`` times others."""
+"""Column blocks of the head dim in the per-head backward pass (``bwd`` ``PH``, a loop, each block >= 16
+columns). Triton 3.6 for sm_90, headdim 64, 4 warps with 2 stages (the pass's faster config; 2026-11-29): spills
+2,120 / 236 / 20 B a thread at 1 / 2 / 4 blocks. ``gpu/mimo_kernels.py --ph`` times others."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 

@@ -1,12 +1,13 @@
 """Per-kernel facts of the mimo-scan at NAM56R's bench shape (issue 32's GPU round), for choosing the next design.
 
-    python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S ...]
+    python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S[,NS] ...]
 
 The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
 and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
 the chosen config, and each compiled variant's registers, spills and shared memory. ``--block-t`` (tokens per
-tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's autotune list as warps,stages
-pairs, in place of ``kernels.CONFIGS["bwd"]``) try other launch settings.
+tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's autotune list as warps,stages[,NS] in place of
+``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns; ``kernels._fits`` still decides which pass may
+take which) try other launch settings.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--l", type=int, default=4096)
     ap.add_argument("--block-t", type=int, default=None)
     ap.add_argument("--ph", type=int, default=None)
-    ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES")
+    ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS]")
     a = ap.parse_args()
 
     from nam_plugin_mimo_scan import kernels, scan
@@ -37,10 +38,11 @@ def main() -> None:
     if a.ph is not None:
         scan.COLUMN_BLOCKS = a.ph
     if a.bwd_configs:
-        kernels.CONFIGS["bwd"] = [kernels._config(*map(int, c.split(","))) for c in a.bwd_configs]
+        kernels.CONFIGS["bwd"] = [kernels._config(w, st, NS=ns) for w, st, ns in
+                                  ((*map(int, c.split(",")), 1)[:3] for c in a.bwd_configs)]
         kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
-          f"{[(c.num_warps, c.num_stages) for c in kernels.CONFIGS['bwd']]}", flush=True)
+          f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS')) for c in kernels.CONFIGS['bwd']]}", flush=True)
     from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
 
     h, g = 128, 8

@@ -40,6 +40,12 @@ cases = {
     # per-head backward pass walks it in 2 column blocks
     "r4_g4": compare(1, 37, 4, 4, 32, 32, 4, **f32),
 }
+# dq and dk in column windows (config NS 2: each program a window of 16 of each half's 32 columns), the per-head
+# pass whole; 2 heads per group
+from nam_plugin_mimo_scan import kernels
+kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2), kernels._config(4, 2, NS=1)]
+kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
+cases["r4_g2_windows"] = compare(1, 37, 4, 2, 64, 16, 4, **f32)
 print(json.dumps(cases))
 """
 
@@ -49,7 +55,7 @@ def interpreted(run_interpreted):
     return run_interpreted(INTERPRETED)
 
 
-@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4"])
+@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows"])
 def test_kernels_match_the_reference_in_output_and_every_gradient(interpreted, case):
     errors = dict(interpreted[case])
     seed = errors.pop("seed")

@@ -18,6 +18,8 @@ trapezoid weights (scan.py) and ``S_in[c]`` the state carried into chunk ``c``::
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -32,26 +34,29 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr):
+def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
     """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, n/2]`` fp32 (columns >= S: cos 1, sin 0), read
     from the table the ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then sin) once per token ``[T, n/2]`` and
     repeated over the ranks in registers (a row-wise load read each token RP times and, in the walks, staged RP
-    copies in shared memory). q and k of a (token, head) share them, so a kernel rotating both reads them once."""
-    cols = tl.arange(0, HALF)
+    copies in shared memory). q and k of a (token, head) share them, so a kernel rotating both reads them once.
+    Columns ``[col0, col0 + W)`` of the half (``[T * RP, W]``)."""
+    cols = col0 + tl.arange(0, W)
     toks = c * T + tl.arange(0, T)
     ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]
     m = (toks < L)[:, None] & (cols[None, :] < S)
     cos = tl.load(ptr, mask=m, other=1.0)
     sin = tl.load(ptr + S, mask=m, other=0.0)
-    cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (T, RP, HALF)), (T * RP, HALF))
-    sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (T, RP, HALF)), (T * RP, HALF))
+    cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (T, RP, W)), (T * RP, W))
+    sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (T, RP, W)), (T * RP, W))
     return cos, sin
 
 
 @triton.jit
-def _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF: tl.constexpr):
-    """x + bias, not rotated, as its two halves ``[M, n/2]`` fp32 (0 on invalid rows)."""
-    cols = tl.arange(0, HALF)
+def _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, col0, HALF: tl.constexpr,
+         W: tl.constexpr):
+    """x + bias, not rotated, as columns ``[col0, col0 + W)`` of its two halves ``[M, W]`` fp32 (0 on invalid
+    rows)."""
+    cols = col0 + tl.arange(0, W)
     m = valid[:, None]
     ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
     bptr = bias_ptr + bias_base + rank[:, None] * (2 * HALF) + cols[None, :]
@@ -62,9 +67,11 @@ def _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF:
 
 
 @triton.jit
-def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, cos, sin, HALF: tl.constexpr):
-    """(x + bias) rotated by the phase (cos, sin from ``_cos_sin``), as its two halves ``[M, n/2]`` fp32."""
-    lo, hi = _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, HALF)
+def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, cos, sin, col0, HALF: tl.constexpr,
+             W: tl.constexpr):
+    """(x + bias) rotated by the phase (cos, sin from ``_cos_sin`` at the same columns), as columns
+    ``[col0, col0 + W)`` of its two halves ``[M, W]`` fp32."""
+    lo, hi = _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, col0, HALF, W)
     return lo * cos - hi * sin, lo * sin + hi * cos
 
 
@@ -122,8 +129,9 @@ def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_pt
         sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, HALF)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0, HALF,
+                            HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
         w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
@@ -161,8 +169,9 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
         sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, HALF)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0, HALF,
+                            HALF)
         cs = tl.load(cs_ptr + bh * LP + tok)
         dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
                  _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
@@ -192,11 +201,11 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
     hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
     rot_base = (b * L * H + h) * 2 * S
-    cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
+    cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
     qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
-                        HALF)
+                        0, HALF, HALF)
     klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
-                        HALF)
+                        0, HALF, HALF)
     qlo = qlo.to(DT)
     qhi = qhi.to(DT)
     cs = tl.load(cs_ptr + bh * LP + tok)
@@ -225,7 +234,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
@@ -243,8 +252,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
     (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
     """
-    tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK),
-                     "one pass a launch: CHUNK per head, or DQ, or DK over the group's heads")
+    tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK) and (NS == 1 or not CHUNK),
+                     "one pass a launch: CHUNK per head (NS 1), or DQ, or DK over the group's heads")
     c = tl.program_id(0)
     if PER_HEAD:  # grid (nc, b*h), one head: no head loop, so nothing is hoisted out of one (registers)
         b = tl.program_id(1) // H
@@ -258,18 +267,21 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     DT = q_ptr.dtype.element_ty
     pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
+    NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n (grid axis 2)
+    col0 = tl.program_id(2) * NW
+    ncols = col0 + tl.arange(0, NW)
     tok, rank, valid = _rows(c, L, R, T, RP)
     toks = c * T + tl.arange(0, T)
     ranks = tl.arange(0, RP)
     rmask = (ranks < R)[:, None]
     tmask = (toks < L)[:, None]
-    pmask = tmask & (hcols < S)[None, :]
+    pmask = tmask & (ncols < S)[None, :]
     q_base = b * q_sb + g * q_sg
     k_base = b * k_sb + g * k_sg
-    dq_lo = tl.zeros((T * RP, HALF), tl.float32)
-    dq_hi = tl.zeros((T * RP, HALF), tl.float32)
-    dk_lo = tl.zeros((T * RP, HALF), tl.float32)
-    dk_hi = tl.zeros((T * RP, HALF), tl.float32)
+    dq_lo = tl.zeros((T * RP, NW), tl.float32)
+    dq_hi = tl.zeros((T * RP, NW), tl.float32)
+    dk_lo = tl.zeros((T * RP, NW), tl.float32)
+    dk_hi = tl.zeros((T * RP, NW), tl.float32)
     for j in range(1 if PER_HEAD else HPG):
         h = h0 + j
         bh = b * H + h
@@ -285,15 +297,17 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         ecs = tl.exp(cs)
         to_end = tl.exp(cs_end - cs)
         inter = (to_end * cc)[:, None]
-        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]  # [p, n/2] halves
-        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, T, RP, HALF)
+        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]  # [p, NW] windows of the halves
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, col0, T, RP, NW)
         rows = tl.arange(0, T * RP)
         hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
         if CHUNK:
-            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
+            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, 0, HALF,
+                                HALF)
             qlo_d = qlo.to(DT)
             qhi_d = qhi.to(DT)
-            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
+            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, 0, HALF,
+                                HALF)
             klo_d = klo.to(DT)
             khi_d = khi.to(DT)
             v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
@@ -367,11 +381,12 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(dd_row, axis=0))
 
         # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
-        bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + hcols[None, :]
-        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + hcols[None, :]
-        dphi = tl.zeros((T * RP, HALF), tl.float32)
+        bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + ncols[None, :]
+        dph = dph_ptr + ph_base + toks[:, None] * (H * S) + ncols[None, :]
+        dphi = tl.zeros((T * RP, NW), tl.float32)
         if DQ:
-            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, HALF)
+            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, col0, HALF,
+                                NW)
             dqk = tl.load(hq_ptr + hand[:, None] * (T * RP) + rows[None, :])
             dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
             d_lo = tl.dot(dqk, klo.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
@@ -380,12 +395,13 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             u_hi = d_hi * cos - d_lo * sin
             dq_lo += u_lo
             dq_hi += u_hi
-            tl.store(dqb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-            tl.store(dqb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-            rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, HALF)
+            tl.store(dqb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, NW)), axis=0), mask=rmask)
+            tl.store(dqb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, NW)), axis=0), mask=rmask)
+            rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DK:
-            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, HALF)
+            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, col0, HALF,
+                                NW)
             dqkt = tl.load(hq_ptr + hand[None, :] * (T * RP) + rows[:, None])  # dL/d(q~.k~), transposed
             vd = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
                   * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
@@ -395,16 +411,16 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             u_hi = d_hi * cos - d_lo * sin
             dk_lo += u_lo
             dk_hi += u_hi
-            tl.store(dkb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, HALF)), axis=0), mask=rmask)
-            tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, HALF)), axis=0), mask=rmask)
-            rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, HALF)
+            tl.store(dkb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, NW)), axis=0), mask=rmask)
+            tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, NW)), axis=0), mask=rmask)
+            rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DQ or DK:
-            dphi_t = tl.sum(tl.reshape(dphi, (T, RP, HALF)), axis=1)
+            dphi_t = tl.sum(tl.reshape(dphi, (T, RP, NW)), axis=1)
             if DK and not DQ:
                 dphi_t += tl.load(dph, mask=pmask, other=0.0)
             tl.store(dph, dphi_t, mask=pmask)
-    out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + hcols[None, :]
+    out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + ncols[None, :]
     m = valid[:, None]
     if DQ:
         tl.store(dq_ptr + out, dq_lo.to(dq_ptr.dtype.element_ty), mask=m)
@@ -515,9 +531,12 @@ CONFIGS = {
     # NAM56R's b2, the tuner's timings): per head 7.66 ms at 4 warps with 2 stages (9.23 at 1 stage; 18.3 / 26.4 /
     # 13.9 at 8 / 16 / 8 with 2 stages); dq 2.90 at 4 warps (3.74 / 4.51 / 3.81); dk 3.98 at 8 with 2 stages
     # (4.22 / 4.65 / 5.01 at 4 / 8 / 16)
-    "bwd": [_config(4), _config(8), _config(16), _config(8, 2), _config(4, 2)],
+    # NS: dq / dk in NS programs a chunk and group, each a window of n/(2 NS) columns of each half (fewer registers
+    # a program); the per-head pass takes NS 1. NS 2 is not in the list: not yet run on a GPU (gpu/r33.sh times it
+    # through gpu/mimo_kernels.py --bwd-configs)
+    "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1)],
 }
-"""The first config of each list is the only one under ``TRITON_INTERPRET=1`` (nothing to time there)."""
+"""Under ``TRITON_INTERPRET=1`` each launch takes the first config ``_fits`` leaves it (nothing to time there)."""
 
 
 PER_HEAD_CONFIGS = {(4, 2), (16, 1)}
@@ -528,15 +547,18 @@ was not checked at 32-token tiles (r32's check ran out of time compiling)."""
 
 
 def _fits(configs, nargs, **kwargs):
-    """A split of the head dim under 16 columns cannot feed ``tl.dot``. The per-head ``bwd`` pass only at
-    ``PER_HEAD_CONFIGS``; dq and dk not at 4 warps with 2 stages: r30 (H200), the one round that offered it to them
-    (178 B of spills, 214 KB of shared memory, 8.4 ms for dk against 5.05 at 1 stage), faulted with an illegal
-    address while the tuner timed ``bwd`` at 32-token tiles."""
+    """A split of the head dim, or a window of n's halves, under 16 columns cannot feed ``tl.dot``. The per-head
+    ``bwd`` pass only at ``PER_HEAD_CONFIGS``, whole (NS 1); dq and dk not at 4 warps with 2 stages unwindowed:
+    r30 (H200), the one round that offered them that (178 B of spills, 214 KB of shared memory, 8.4 ms for dk
+    against 5.05 at 1 stage), faulted with an illegal address while the tuner timed ``bwd`` at 32-token tiles."""
     fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16]
-    if "CHUNK" in kwargs:  # the bwd kernel
+    if "CHUNK" in kwargs:  # the bwd kernel; the per-head pass takes no column windows (NS 1)
         pair = lambda c: (c.num_warps, c.num_stages)  # noqa: E731
-        fit = [c for c in fit if (pair(c) in PER_HEAD_CONFIGS if kwargs["CHUNK"] else pair(c) != (4, 2))]
-    return fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1][:1]
+        fit = [c for c in fit if (pair(c) in PER_HEAD_CONFIGS and c.kwargs.get("NS", 1) == 1 if kwargs["CHUNK"]
+                                  else (*pair(c), c.kwargs.get("NS", 1)) != (4, 2, 1)
+                                  and kwargs["HALF"] // c.kwargs.get("NS", 1) >= 16)]
+    fit = fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1 and c.kwargs.get("NS", 1) == 1][:1]
+    return fit[:1] if os.environ.get("TRITON_INTERPRET") == "1" else fit  # the interpreter: nothing to time
 
 
 RESTORE = {"bwd": ["dph_ptr"]}
@@ -546,12 +568,9 @@ calls had d angles and d dt wrong by 1e2-1e3x exactly so, 2026-11-25)."""
 
 
 def _tuned(name: str, kernel):
-    import os
-
-    configs = CONFIGS[name][:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS[name]
     # the shape and pass arguments this kernel has (Triton >= 3.9 refuses a key naming an argument it lacks)
     key = [k for k in ("H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD") if k in kernel.arg_names]
-    return triton.autotune(configs, key=key,
+    return triton.autotune(CONFIGS[name], key=key,
                            prune_configs_by={"early_config_prune": _fits},
                            restore_value=RESTORE.get(name, []))(kernel)
 

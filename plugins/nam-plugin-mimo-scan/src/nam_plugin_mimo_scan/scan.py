@@ -155,8 +155,9 @@ class _MimoScanFn(torch.autograd.Function):
         bwd_args = (*inputs, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
                     dd_part, dq, dk, dqb, dkb, dphase, hand_qk, hand_dy, *strides, g)
         for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads
-            _launch("bwd", (nc, b * (h if chunk else g)), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,
-                    PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)
+            programs = b * (h if chunk else g)  # and, for dq / dk, one per window of n's columns (config NS)
+            _launch("bwd", lambda meta: (nc, programs, meta["NS"]), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_,
+                    DK=dk_, PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

@@ -242,7 +242,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
       ``PH`` column blocks of >= 16 (``scan.COLUMN_BLOCKS``); it hands dL/d(q~.k~) and dy to the next two;
     * ``DQ`` / ``DK`` (grid (nc, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
       registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s),
-      from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots took them).
+      from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots took them);
+      with ``NS`` > 1, grid (nc, b*g, NS), each program a window of n/(2 NS) columns of each half of n.
 
     Passes that share a launch kept more tiles live and spilled KBs of registers (and the all-in-one launch
     faulted on the H200), hence one a launch.

@@ -5,9 +5,9 @@
 The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
 and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
 the chosen config, and each compiled variant's registers, spills and shared memory. ``--block-t`` (tokens per
-tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's autotune list as warps,stages[,NS] in place of
-``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns; ``kernels._fits`` still decides which pass may
-take which) try other launch settings.
+tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's autotune list as
+warps,stages[,NS] in place of ``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns;
+``kernels._fits`` still decides which pass may take which) try other launch settings.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, RP: tl.c
     """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, n/2]`` fp32 (columns >= S: cos 1, sin 0), read
     from the table the ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then sin) once per token ``[T, n/2]`` and
     repeated over the ranks in registers (a row-wise load read each token RP times; in the 2-stage state walk it
-    took 123 KB of shared memory against 99 KB read per token, Triton 3.6 sm_90). q and k of a (token, head) share them, so a kernel rotating both reads them once.
-    Columns ``[col0, col0 + W)`` of the half (``[T * RP, W]``)."""
+    took 123 KB of shared memory against 99 KB read per token, Triton 3.6 sm_90). q and k of a (token, head)
+    share them, so a kernel rotating both reads them once. Columns ``[col0, col0 + W)`` of the half
+    (``[T * RP, W]``)."""
     cols = col0 + tl.arange(0, W)
     toks = c * T + tl.arange(0, T)
     ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]

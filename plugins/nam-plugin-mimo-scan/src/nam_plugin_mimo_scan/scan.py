@@ -8,9 +8,9 @@ Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the se
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
     backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)
               dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
-              bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD, d mimo_*;
-                                                    hands dL/d(q~.k~) and dy on (q's dtype, 1.07 GB at NAM56R's b2)
-              bwd (DQ, DK)  grid (nc, b*g) x 2      dq, then dk, summed over the group's heads in registers; d phase
+              bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD,
+                                                    d mimo_*; hands dL/d(q~.k~) and dy on (1.07 GB at NAM56R's b2)
+              bwd (DQ, DK)  grid (nc, b*g, NS) x 2  dq, then dk, summed over the group's heads in registers; d phase
               time_grads    grid (b*h)              reverse sums over time: d adt, d angles, the phase's d dt
 
 Cheap [b, h, l] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt, the chain

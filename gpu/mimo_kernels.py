@@ -24,6 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from timing import median_ms  # noqa: E402 (bench/timing.py: the benches' CUDA-event median)
 
 
+def _label(name: str, meta: dict) -> str:
+    """A launch's name with the pass flags set in it, e.g. ``bwd[DQ]``."""
+    flags = "".join(k for k, v in meta.items() if v is True)
+    return f"{name}[{flags}]" if flags else name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--b", type=int, default=2)
@@ -65,8 +71,7 @@ def main() -> None:
 
     def tuning_launch(name, grid, *args, **meta):  # every pass's timings (the tuner keeps the last shape's only)
         compiled = real_launch(name, grid, *args, **meta)
-        flags = "".join(k for k, v in meta.items() if v is True)
-        tuned[f"{name}[{flags}]" if flags else name] = dict(getattr(kernels.KERNELS[name], "configs_timings", {}))
+        tuned[_label(name, meta)] = dict(getattr(kernels.KERNELS[name], "configs_timings", {}))
         return compiled
 
     scan._launch = tuning_launch
@@ -90,12 +95,11 @@ def main() -> None:
     events = {}
 
     def timed_launch(name, grid, *args, **meta):
-        flags = "".join(k for k, v in meta.items() if v is True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         compiled = real_launch(name, grid, *args, **meta)
         end.record()
-        events.setdefault(f"{name}[{flags}]" if flags else name, []).append((start, end))
+        events.setdefault(_label(name, meta), []).append((start, end))
         return compiled
 
     scan._launch = timed_launch

@@ -329,7 +329,6 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
             tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
             tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
-        if CHUNK:
             qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
             # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
             e = dmd * qk
@@ -548,17 +547,23 @@ PER_HEAD_CONFIGS = {(4, 2), (16, 1)}
 was not checked at 32-token tiles (r32's check ran out of time compiling)."""
 
 
+def _bwd_may_take(config, per_head: bool, half: int) -> bool:
+    """Whether a ``bwd`` pass may take this config (``_fits``): the per-head pass only ``PER_HEAD_CONFIGS``,
+    whole (NS 1); dq / dk any but r30's 4 warps with 2 stages unwindowed, in windows of >= 16 columns."""
+    pair, ns = (config.num_warps, config.num_stages), config.kwargs.get("NS", 1)
+    if per_head:
+        return pair in PER_HEAD_CONFIGS and ns == 1
+    return (*pair, ns) != (4, 2, 1) and half // ns >= 16
+
+
 def _fits(configs, nargs, **kwargs):
     """A split of the head dim, or a window of n's halves, under 16 columns cannot feed ``tl.dot``. The per-head
     ``bwd`` pass only at ``PER_HEAD_CONFIGS``, whole (NS 1); dq and dk not at 4 warps with 2 stages unwindowed:
     r30 (H200), the one round that offered them that (178 B of spills, 214 KB of shared memory, 8.4 ms for dk
     against 5.05 at 1 stage), faulted with an illegal address while the tuner timed ``bwd`` at 32-token tiles."""
     fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16]
-    if "CHUNK" in kwargs:  # the bwd kernel; the per-head pass takes no column windows (NS 1)
-        pair = lambda c: (c.num_warps, c.num_stages)  # noqa: E731
-        fit = [c for c in fit if (pair(c) in PER_HEAD_CONFIGS and c.kwargs.get("NS", 1) == 1 if kwargs["CHUNK"]
-                                  else (*pair(c), c.kwargs.get("NS", 1)) != (4, 2, 1)
-                                  and kwargs["HALF"] // c.kwargs.get("NS", 1) >= 16)]
+    if "CHUNK" in kwargs:  # the bwd kernel
+        fit = [c for c in fit if _bwd_may_take(c, kwargs["CHUNK"], kwargs["HALF"])]
     fit = fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1 and c.kwargs.get("NS", 1) == 1][:1]
     return fit[:1] if os.environ.get("TRITON_INTERPRET") == "1" else fit  # the interpreter: nothing to time
 

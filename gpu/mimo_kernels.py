@@ -24,6 +24,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from timing import median_ms  # noqa: E402 (bench/timing.py: the benches' CUDA-event median)
 
 
+HEADS, GROUPS = 128, 8
+"""NAM56R's Mamba-3 heads and groups (d_state 128, headdim 64, rank 4 in ``bench_inputs``)."""
+
+
+def bench_inputs(b: int, l: int):
+    """The scan's inputs at NAM56R's widths on the GPU, seed 11: ``(leaves by name, the scan's arguments in
+    order (the angles expanded over the heads), a bf16 output gradient)``; activations bf16, parameters fp32."""
+    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+
+    x = random_inputs(b, l, HEADS, GROUPS, 128, 64, 4, device="cuda", seed=11)
+    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
+    args = [leaves[k] if k != "angles" else leaves[k].expand(b, l, HEADS, -1) for k in INPUT_NAMES]
+    return leaves, args, torch.randn(b, l, HEADS, 64, device="cuda", dtype=torch.bfloat16)
+
+
 def _label(name: str, meta: dict) -> str:
     """A launch's name with the pass flags set in it, e.g. ``bwd[DQ]``."""
     flags = "".join(k for k, v in meta.items() if v is True)
@@ -49,13 +64,8 @@ def main() -> None:
         kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS')) for c in kernels.CONFIGS['bwd']]}", flush=True)
-    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
-
-    h, g = 128, 8
-    x = random_inputs(a.b, a.l, h, g, 128, 64, 4, device="cuda", seed=11)
-    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
-    args = [leaves[k] if k != "angles" else leaves[k].expand(a.b, a.l, h, -1) for k in INPUT_NAMES]
-    dout = torch.randn(a.b, a.l, h, 64, device="cuda", dtype=torch.bfloat16)
+    h, g = HEADS, GROUPS
+    leaves, args, dout = bench_inputs(a.b, a.l)
     wrt = list(leaves.values())
 
     def fwd():

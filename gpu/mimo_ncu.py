@@ -19,14 +19,10 @@ def main() -> None:
     ap.add_argument("--l", type=int, default=4096)
     a = ap.parse_args()
 
+    from mimo_kernels import bench_inputs  # this folder: the same inputs as gpu/mimo_kernels.py
     from nam_plugin_mimo_scan import scan
-    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
 
-    h, g = 128, 8
-    x = random_inputs(a.b, a.l, h, g, 128, 64, 4, device="cuda", seed=11)
-    leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
-    args = [leaves[k] if k != "angles" else leaves[k].expand(a.b, a.l, h, -1) for k in INPUT_NAMES]
-    dout = torch.randn(a.b, a.l, h, 64, device="cuda", dtype=torch.bfloat16)
+    leaves, args, dout = bench_inputs(a.b, a.l)
 
     def fwd_bwd():
         out = scan.mimo_scan(*args)

@@ -109,18 +109,17 @@ def ptxas_info(compiled) -> str:
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    cubin = f.name[:-4] + ".cubin"
-    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", cubin, f.name], capture_output=True, text=True)
-    os.unlink(f.name)
-    text = done.stderr
     sass = "?"
-    if os.path.exists(cubin):  # the code's size: instruction-cache misses showed in ncu's stall samples (r29)
-        dump = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
-                              capture_output=True, text=True).stdout
-        sass = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", dump, re.M))
-        os.unlink(cubin)
+    with tempfile.TemporaryDirectory() as tmp:  # the PTX and the cubin; nothing stays behind, whatever fails
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", cubin, ptx], capture_output=True, text=True)
+        if os.path.exists(cubin):  # the code's size: instruction-cache misses showed in ncu's stall samples (r29)
+            dump = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                                  capture_output=True, text=True).stdout
+            sass = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", dump, re.M))
+    text = done.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if done.returncode or not regs:

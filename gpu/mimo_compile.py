@@ -1,6 +1,6 @@
 """Compile the mimo-scan's kernels for sm_90 without a GPU and report registers, spills and shared memory.
 
-    python gpu/mimo_compile.py [KERNEL ...] [--warps 8] [--stages 1] [--all-configs]
+    python gpu/mimo_compile.py [KERNEL ...] [--warps 8] [--stages 1] [--maxnreg 128] [--ns 2] [--all-configs]
 
 Runs the scan's forward and backward on small CPU tensors (b=2, l=256, NAM56R's widths: 128 heads of 64 in 8
 groups, d_state 128, rank 4) with the launches recorded instead of run, then compiles each recorded kernel with
@@ -72,7 +72,7 @@ def record_launches():
     return unique
 
 
-def compile_one(kernel, args, meta, warps, stages):
+def compile_one(kernel, args, meta, warps, stages, maxnreg=None):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -102,7 +102,8 @@ def compile_one(kernel, args, meta, warps, stages):
     for name in names[len(args):]:
         signature[name] = "constexpr"
     src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages,
+                                                                       **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def ptxas_info(compiled) -> str:
@@ -133,6 +134,8 @@ def main() -> int:
     ap.add_argument("kernels", nargs="*")
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap the registers a thread (Triton's maxnreg)")
+    ap.add_argument("--ns", type=int, default=None, help="the bwd kernel's NS (dq / dk column windows)")
     ap.add_argument("--all-configs", action="store_true", help="every config of kernels.CONFIGS, not the first")
     a = ap.parse_args()
     from nam_plugin_mimo_scan import kernels
@@ -145,11 +148,13 @@ def main() -> int:
             warps = a.warps or (config.num_warps if config else meta.get("num_warps", 4))
             stages = a.stages or (config.num_stages if config else meta.get("num_stages", 1))
             extra = dict(config.kwargs) if config else {}
+            if a.ns and "NS" in extra and not meta.get("CHUNK"):
+                extra["NS"] = a.ns
             t0 = time.time()
-            compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages)
+            compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages, a.maxnreg)
             flags = "".join(k for k, v in meta.items() if v is True)
             label = f"{name}[{flags}]" if flags else name
-            print(f"{label} warps={warps} stages={stages} {extra}: shared {compiled.metadata.shared} B, "
+            print(f"{label} warps={warps} stages={stages} maxnreg={a.maxnreg} {extra}: shared {compiled.metadata.shared} B, "
                   f"{ptxas_info(compiled)} ({time.time() - t0:.0f} s)", flush=True)
     return 0
 

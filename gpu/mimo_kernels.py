@@ -1,13 +1,16 @@
 """Per-kernel facts of the mimo-scan at NAM56R's bench shape (issue 32's GPU round), for choosing the next design.
 
-    python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S[,NS] ...]
+    python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S[,NS[,R]] ...]
+        [--chunk-configs W,S[,R] ...] [--unchecked-per-head]
 
 The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
 and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
 the chosen config, and each compiled variant's registers, spills and shared memory. ``--block-t`` (tokens per
 tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's autotune list as
-warps,stages[,NS] in place of ``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns;
-``kernels._fits`` still decides which pass may take which) try other launch settings.
+warps,stages[,NS[,R]] in place of ``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns; R: a cap
+on the registers a thread, Triton's ``maxnreg``, 0 for none; ``kernels._fits`` still decides which pass may take
+which, unless ``--unchecked-per-head`` lets the per-head pass take any) and ``--chunk-configs`` (the same for
+``fwd_chunk``) try other launch settings.
 """
 
 from __future__ import annotations
@@ -51,19 +54,31 @@ def main() -> None:
     ap.add_argument("--l", type=int, default=4096)
     ap.add_argument("--block-t", type=int, default=None)
     ap.add_argument("--ph", type=int, default=None)
-    ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS]")
+    ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS[,MAXNREG]]")
+    ap.add_argument("--chunk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,MAXNREG]")
+    ap.add_argument("--unchecked-per-head", action="store_true",
+                    help="offer the per-head pass every --bwd-configs config at NS 1, not only "
+                         "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
     a = ap.parse_args()
 
     from nam_plugin_mimo_scan import kernels, scan
 
     if a.ph is not None:
         scan.COLUMN_BLOCKS = a.ph
-    if a.bwd_configs:
-        kernels.CONFIGS["bwd"] = [kernels._config(w, st, NS=ns) for w, st, ns in
-                                  ((*map(int, c.split(",")), 1)[:3] for c in a.bwd_configs)]
+    if a.bwd_configs:  # MAXNREG 0: no cap
+        kernels.CONFIGS["bwd"] = [kernels._config(w, st, r or None, NS=ns) for w, st, ns, r in
+                                  ((*map(int, c.split(",")), 1, 0)[:4] for c in a.bwd_configs)]
         kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
+        if a.unchecked_per_head:
+            kernels.PER_HEAD_CONFIGS = {(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS["bwd"]}
+    if a.chunk_configs:
+        kernels.CONFIGS["fwd_chunk"] = [kernels._config(w, st, r or None) for w, st, r in
+                                        ((*map(int, c.split(",")), 0)[:3] for c in a.chunk_configs)]
+        kernels.KERNELS["fwd_chunk"] = kernels._tuned("fwd_chunk", kernels.fwd_chunk_kernel)
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
-          f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS')) for c in kernels.CONFIGS['bwd']]}", flush=True)
+          f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "
+          f"per-head {sorted(kernels.PER_HEAD_CONFIGS, key=str)}, fwd_chunk configs "
+          f"{[(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}", flush=True)
     h, g = HEADS, GROUPS
     leaves, args, dout = bench_inputs(a.b, a.l)
     wrt = list(leaves.values())

@@ -511,8 +511,9 @@ def time_grads_kernel(dph_ptr, dcs_ptr, ang_ptr, dt_ptr, dang_ptr, ddt_ptr, dadt
 
 
 # --- launch configurations: a few per kernel, timed on the GPU at the first launch of each shape ----------------
-def _config(warps: int, stages: int = 1, **meta) -> triton.Config:
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
+def _config(warps: int, stages: int = 1, maxnreg: int | None = None, **meta) -> triton.Config:
+    """``maxnreg``: a cap on the registers a thread (ptxas spills above it), so more blocks fit an SM."""
+    return triton.Config(meta, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
 
 CONFIGS = {
@@ -533,15 +534,17 @@ CONFIGS = {
     # 13.9 at 8 / 16 / 8 with 2 stages); dq 2.90 at 4 warps (3.74 / 4.51 / 3.81); dk 3.98 at 8 with 2 stages
     # (4.22 / 4.65 / 5.01 at 4 / 8 / 16)
     # NS: dq / dk in NS programs a chunk and group, each a window of n/(2 NS) columns of each half (fewer registers
-    # a program); the per-head pass takes NS 1. NS 2 is not in the list: not yet run on a GPU (gpu/r33.sh times it
-    # through gpu/mimo_kernels.py --bwd-configs)
-    "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1)],
+    # a program); the per-head pass takes NS 1. r33 (H200, NAM56R's b2): dk 3.63 ms at NS 2, 4 warps, 2 stages
+    # (4.02 at its best NS 1; 5.40 at NS 4); dq 3.06 at NS 2 against 2.96 at NS 1. NS 2 and 4 at 4 warps, 2 stages
+    # matched the reference at 16- and 32-token tiles (gpu/mimo_fault.py), but for dq at NS 2, 32 tokens: not run
+    "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),
+            _config(4, 2, NS=2)],
 }
 """Under ``TRITON_INTERPRET=1`` each launch takes the first config ``_fits`` leaves it (nothing to time there)."""
 
 
-PER_HEAD_CONFIGS = {(4, 2), (16, 1)}
-"""(warps, stages) the per-head ``bwd`` pass may take: those it has been measured correct at, on an H200, at both
+PER_HEAD_CONFIGS = {(4, 2, None), (16, 1, None)}
+"""(warps, stages, maxnreg) the per-head ``bwd`` pass may take: those it has been measured correct at, on an H200, at both
 16- and 32-token tiles. At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt, d mimo_*) at
 32-token tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps with 1 stage
 was not checked at 32-token tiles (r32's check ran out of time compiling)."""
@@ -550,10 +553,10 @@ was not checked at 32-token tiles (r32's check ran out of time compiling)."""
 def _bwd_may_take(config, per_head: bool, half: int) -> bool:
     """Whether a ``bwd`` pass may take this config (``_fits``): the per-head pass only ``PER_HEAD_CONFIGS``,
     whole (NS 1); dq / dk any but r30's 4 warps with 2 stages unwindowed, in windows of >= 16 columns."""
-    pair, ns = (config.num_warps, config.num_stages), config.kwargs.get("NS", 1)
+    ns = config.kwargs.get("NS", 1)
     if per_head:
-        return pair in PER_HEAD_CONFIGS and ns == 1
-    return (*pair, ns) != (4, 2, 1) and half // ns >= 16
+        return (config.num_warps, config.num_stages, config.maxnreg) in PER_HEAD_CONFIGS and ns == 1
+    return (config.num_warps, config.num_stages, ns) != (4, 2, 1) and half // ns >= 16
 
 
 def _fits(configs, nargs, **kwargs):

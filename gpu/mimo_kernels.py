@@ -48,6 +48,12 @@ def _label(name: str, meta: dict) -> str:
     return f"{name}[{flags}]" if flags else name
 
 
+def _ints(text: str, *defaults: int) -> tuple[int, ...]:
+    """``"4,2"`` with defaults ``1, 0`` -> ``(4, 2, 1, 0)``: warps, stages, then the optional fields given or not."""
+    given = [int(v) for v in text.split(",")]
+    return (*given, *defaults[len(given) - 2:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--b", type=int, default=2)
@@ -65,15 +71,15 @@ def main() -> None:
 
     if a.ph is not None:
         scan.COLUMN_BLOCKS = a.ph
-    if a.bwd_configs:  # MAXNREG 0: no cap
+    if a.bwd_configs:  # NS 1 and MAXNREG 0 (no cap) unless given
         kernels.CONFIGS["bwd"] = [kernels._config(w, st, r or None, NS=ns) for w, st, ns, r in
-                                  ((*map(int, c.split(",")), 1, 0)[:4] for c in a.bwd_configs)]
+                                  (_ints(c, 1, 0) for c in a.bwd_configs)]
         kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
         if a.unchecked_per_head:
             kernels.PER_HEAD_CONFIGS = {(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS["bwd"]}
     if a.chunk_configs:
         kernels.CONFIGS["fwd_chunk"] = [kernels._config(w, st, r or None) for w, st, r in
-                                        ((*map(int, c.split(",")), 0)[:3] for c in a.chunk_configs)]
+                                        (_ints(c, 0) for c in a.chunk_configs)]
         kernels.KERNELS["fwd_chunk"] = kernels._tuned("fwd_chunk", kernels.fwd_chunk_kernel)
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "

@@ -19,17 +19,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("warps", type=int)
     ap.add_argument("stages", type=int)
-    ap.add_argument("--pass", dest="flag", choices=("CHUNK", "DQ", "DK"), default="CHUNK")
+    ap.add_argument("--pass", dest="flag", choices=("CHUNK", "DQ", "DK", "DQDK"), default="CHUNK",
+                    help="DQDK: dq and dk in one launch (scan.PASSES), at the given config")
     ap.add_argument("--ns", type=int, default=1)
     ap.add_argument("--block-t", type=int, default=32)
     ap.add_argument("--maxnreg", type=int, default=None, help="the given config's cap on registers a thread")
     a = ap.parse_args()
-    from nam_plugin_mimo_scan import kernels
+    from nam_plugin_mimo_scan import kernels, scan
     from nam_plugin_mimo_scan.selftest import compare
 
     given, other = kernels._config(a.warps, a.stages, a.maxnreg, NS=a.ns), kernels._config(4, 1, NS=1)
     kernels.CONFIGS["bwd"] = [given, other]
-    kernels._fits = lambda configs, nargs, **kw: [given if kw.get(a.flag) else other]
+    if a.flag == "DQDK":
+        scan.PASSES = ((True, False, False), (False, True, True))
+    flags = ("DQ", "DK") if a.flag == "DQDK" else (a.flag,)
+    kernels._fits = lambda configs, nargs, **kw: [given if all(kw.get(f) for f in flags) else other]
     kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
     errors = compare(1, 1000, 128, 8, 128, 64, 4, device="cuda", dtype=torch.bfloat16, block_t=a.block_t,
                      norms=True)

@@ -241,10 +241,11 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
       weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in a loop over
       ``PH`` column blocks of >= 16 (``scan.COLUMN_BLOCKS``); it hands dL/d(q~.k~) and dy to the next two;
-    * ``DQ`` / ``DK`` (grid (nc, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
-      registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s),
-      from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots took them);
-      with ``NS`` > 1, grid (nc, b*g, NS), each program a window of n/(2 NS) columns of each half of n.
+    * ``DQ`` / ``DK`` (grid (nc*NS, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
+      registers, un-rotated, with their bias partials and their share of d phase (``DK`` alone adds to
+      ``DQ``'s), from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots
+      took them); each program a window of n/(2 NS) columns of each half of n. ``DQ`` and ``DK`` may share a
+      launch (``scan.PASSES``), reading the hand-off once.
 
     Passes that share a launch kept more tiles live and spilled KBs of registers (and the all-in-one launch
     faulted on the H200), hence one a launch.
@@ -254,23 +255,26 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
     (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
     """
-    tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK) and (NS == 1 or not CHUNK),
-                     "one pass a launch: CHUNK per head (NS 1), or DQ, or DK over the group's heads")
-    c = tl.program_id(0)
+    tl.static_assert((CHUNK + DQ + DK == 1 or (DQ and DK and not CHUNK)) and (PER_HEAD == CHUNK)
+                     and (NS == 1 or not CHUNK),
+                     "one pass a launch: CHUNK per head (NS 1), or DQ, DK or both over the group's heads")
+    NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n
     if PER_HEAD:  # grid (nc, b*h), one head: no head loop, so nothing is hoisted out of one (registers)
+        c = tl.program_id(0)
         b = tl.program_id(1) // H
         h0 = tl.program_id(1) % H
         g = h0 // HPG
-    else:  # grid (nc, b*g), the group's heads in turn
+        col0 = 0
+    else:  # grid (nc*NS, b*g), the group's heads in turn; a chunk's NS windows are adjacent programs, so they
+        c = tl.program_id(0) // NS  # run together and all but the first read the hand-off from L2
         b = tl.program_id(1) // G
         g = tl.program_id(1) % G
         h0 = g * HPG
+        col0 = (tl.program_id(0) % NS) * NW
     LP = NC * T
     DT = q_ptr.dtype.element_ty
     pcols = tl.arange(0, P)
     hcols = tl.arange(0, HALF)
-    NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n (grid axis 2)
-    col0 = tl.program_id(2) * NW
     ncols = col0 + tl.arange(0, NW)
     tok, rank, valid = _rows(c, L, R, T, RP)
     toks = c * T + tl.arange(0, T)

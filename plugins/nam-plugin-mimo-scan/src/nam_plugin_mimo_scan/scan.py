@@ -154,10 +154,10 @@ class _MimoScanFn(torch.autograd.Function):
         strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
         bwd_args = (*inputs, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
                     dd_part, dq, dk, dqb, dkb, dphase, hand_qk, hand_dy, *strides, g)
-        for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads
-            programs = b * (h if chunk else g)  # and, for dq / dk, one per window of n's columns (config NS)
-            _launch("bwd", lambda meta: (nc, programs, meta["NS"]), *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_,
-                    DK=dk_, PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)
+        for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads,
+            grid = (lambda meta: (nc, b * h)) if chunk else (lambda meta: (nc * meta["NS"], b * g))  # and per window
+            _launch("bwd", grid, *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,  # of n's columns (NS)
+                    PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

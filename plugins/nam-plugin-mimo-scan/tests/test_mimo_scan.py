@@ -46,9 +46,6 @@ from nam_plugin_mimo_scan import kernels
 kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2), kernels._config(4, 2, NS=1)]
 kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
 cases["r4_g2_windows"] = compare(1, 37, 4, 2, 64, 16, 4, **f32)
-# dq and dk in one launch (each program both, reading the hand-off once), in the same windows
-scan.PASSES = ((True, False, False), (False, True, True))
-cases["r4_g2_windows_dq_dk_together"] = compare(1, 37, 4, 2, 64, 16, 4, seed=5, **f32)
 print(json.dumps(cases))
 """
 
@@ -58,7 +55,7 @@ def interpreted(run_interpreted):
     return run_interpreted(INTERPRETED)
 
 
-@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows", "r4_g2_windows_dq_dk_together"])
+@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows"])
 def test_kernels_match_the_reference_in_output_and_every_gradient(interpreted, case):
     errors = dict(interpreted[case])
     seed = errors.pop("seed")

@@ -235,29 +235,28 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr, NS: tl.constexpr):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr, HAND_DY: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
       weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in a loop over
       ``PH`` column blocks of >= 16 (``scan.COLUMN_BLOCKS``); it hands dL/d(q~.k~) and dy to the next two;
     * ``DQ`` / ``DK`` (grid (nc*NS, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
-      registers, un-rotated, with their bias partials and their share of d phase (``DK`` alone adds to
-      ``DQ``'s), from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots
-      took them); each program a window of n/(2 NS) columns of each half of n. ``DQ`` and ``DK`` may share a
-      launch (``scan.PASSES``), reading the hand-off once.
+      registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s),
+      from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots took them);
+      each program a window of n/(2 NS) columns of each half of n.
 
     Passes that share a launch kept more tiles live and spilled KBs of registers (and the all-in-one launch
-    faulted on the H200), hence one a launch.
+    faulted on the H200), hence one a launch. dq and dk in one launch, reading the hand-off once (r36-r37, H200,
+    NAM56R's b2): 10.1 ms against 6.2 for the two, and wrong (1.33) or faulting at 3 of 8 configs checked.
 
     Register diet (ptxas showed 255 registers and KBs of spills when everything stayed live): the rotated q, k
     are kept in q's dtype only; dL/dM = dy v^T is formed first so the score tiles die early; rows,
     projections and S tiles are loaded (computed) again where used late; d phi comes from the un-rotated
     (x + bias), reloaded, and the un-rotated gradient u: d_hi x~_lo - d_lo x~_hi = u_hi (x+b)_lo - u_lo (x+b)_hi.
     """
-    tl.static_assert((CHUNK + DQ + DK == 1 or (DQ and DK and not CHUNK)) and (PER_HEAD == CHUNK)
-                     and (NS == 1 or not CHUNK),
-                     "one pass a launch: CHUNK per head (NS 1), or DQ, DK or both over the group's heads")
+    tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK) and (NS == 1 or not CHUNK),
+                     "one pass a launch: CHUNK per head (NS 1), or DQ, or DK over the group's heads")
     NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n
     if PER_HEAD:  # grid (nc, b*h), one head: no head loop, so nothing is hoisted out of one (registers)
         c = tl.program_id(0)
@@ -332,7 +331,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
             # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
             tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
-            tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
+            if HAND_DY:
+                tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
             qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
             # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
             e = dmd * qk
@@ -393,7 +393,13 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, col0, HALF,
                                 NW)
             dqk = tl.load(hq_ptr + hand[:, None] * (T * RP) + rows[None, :])
-            dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
+            if HAND_DY:
+                dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
+            else:  # formed again from the per-token dout and z (a quarter of the hand-off's bytes)
+                dyd = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
+                          _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                          _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols),
+                          _load_proj(mz_ptr, h, rank, valid, R, P, pcols)).to(DT)
             d_lo = tl.dot(dqk, klo.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
             d_hi = tl.dot(dqk, khi.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st + HALF).to(DT))
             u_lo = d_lo * cos + d_hi * sin
@@ -422,7 +428,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             dphi += u_hi * rlo - u_lo * rhi
         if DQ or DK:
             dphi_t = tl.sum(tl.reshape(dphi, (T, RP, NW)), axis=1)
-            if DK and not DQ:
+            if DK:
                 dphi_t += tl.load(dph, mask=pmask, other=0.0)
             tl.store(dph, dphi_t, mask=pmask)
     out = ((b * L + tok[:, None]) * R + rank[:, None]) * (G * 2 * HALF) + g * 2 * HALF + ncols[None, :]
@@ -583,7 +589,8 @@ calls had d angles and d dt wrong by 1e2-1e3x exactly so, 2026-11-25)."""
 
 def _tuned(name: str, kernel):
     # the shape and pass arguments this kernel has (Triton >= 3.9 refuses a key naming an argument it lacks)
-    key = [k for k in ("H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD") if k in kernel.arg_names]
+    key = [k for k in ("H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD", "HAND_DY")
+           if k in kernel.arg_names]
     return triton.autotune(CONFIGS[name], key=key,
                            prune_configs_by={"early_config_prune": _fits},
                            restore_value=RESTORE.get(name, []))(kernel)

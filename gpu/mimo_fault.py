@@ -37,7 +37,8 @@ def main() -> None:
                      norms=True)
     torch.cuda.synchronize()
     worst = max(v for v in errors.values() if isinstance(v, float))
-    print(f"ok {a.flag} warps={a.warps} stages={a.stages} maxnreg={a.maxnreg} NS={a.ns} block_t={a.block_t} hand_dy={scan.HAND_DY}: "
+    print(f"ok {a.flag} warps={a.warps} stages={a.stages} maxnreg={a.maxnreg} NS={a.ns} block_t={a.block_t} "
+          f"hand_dy={scan.HAND_DY}: "
           f"worst relative error {worst:.2e}")
 
 

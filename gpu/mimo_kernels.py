@@ -1,7 +1,7 @@
 """Per-kernel facts of the mimo-scan at NAM56R's bench shape (issue 32's GPU round), for choosing the next design.
 
     python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S[,NS[,R]] ...]
-        [--chunk-configs W,S[,R] ...] [--unchecked-per-head] [--no-hand-dy]
+        [--chunk-configs W,S[,R] ...] [--unchecked-per-head]
 
 The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
 and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
@@ -10,7 +10,7 @@ tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's a
 warps,stages[,NS[,R]] in place of ``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns; R: a cap
 on the registers a thread, Triton's ``maxnreg``, 0 for none; ``kernels._fits`` still decides which pass may take
 which, unless ``--unchecked-per-head`` lets the per-head pass take any) and ``--chunk-configs`` (the same for
-``fwd_chunk``) try other launch settings; ``--no-hand-dy`` has the dq pass form dy again (``scan.HAND_DY``).
+``fwd_chunk``) try other launch settings.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def main() -> None:
     ap.add_argument("--ph", type=int, default=None)
     ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS[,MAXNREG]]")
     ap.add_argument("--chunk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,MAXNREG]")
-    ap.add_argument("--no-hand-dy", action="store_true", help="scan.HAND_DY False: dq forms dy again")
     ap.add_argument("--unchecked-per-head", action="store_true",
                     help="offer the per-head pass every --bwd-configs config at NS 1, not only "
                          "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
@@ -70,7 +69,6 @@ def main() -> None:
 
     from nam_plugin_mimo_scan import kernels, scan
 
-    scan.HAND_DY = not a.no_hand_dy
     if a.ph is not None:
         scan.COLUMN_BLOCKS = a.ph
     if a.bwd_configs:  # NS 1 and MAXNREG 0 (no cap) unless given

@@ -235,12 +235,13 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr, NS: tl.constexpr, HAND_DY: tl.constexpr):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
       weights' and log-decay's per-token gradients, the partials of dD and d mimo_*; the head dim in a loop over
-      ``PH`` column blocks of >= 16 (``scan.COLUMN_BLOCKS``); it hands dL/d(q~.k~) and dy to the next two;
+      ``PH`` column blocks of >= 16 (``scan.COLUMN_BLOCKS``); it hands dL/d(q~.k~) and dy to the next two (dq
+      forming dy again from dout and z instead, r38: the per-head pass 7.53 -> 7.30 ms, dq 2.79 -> 4.43);
     * ``DQ`` / ``DK`` (grid (nc*NS, b*g), a loop over the group's heads): dq / dk summed over the heads in fp32
       registers, un-rotated, with their bias partials and their share of d phase (``DK`` adds to ``DQ``'s),
       from the hand-off (``hq_ptr``: dL/d(q~.k~), ``hy_ptr``: dy, both as the per-head pass's dots took them);
@@ -331,8 +332,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
             # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
             tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
-            if HAND_DY:
-                tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
+            tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
             qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
             # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
             e = dmd * qk
@@ -393,13 +393,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, col0, HALF,
                                 NW)
             dqk = tl.load(hq_ptr + hand[:, None] * (T * RP) + rows[None, :])
-            if HAND_DY:
-                dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
-            else:  # formed again from the per-token dout and z (a quarter of the hand-off's bytes)
-                dyd = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
-                          _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                          _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols),
-                          _load_proj(mz_ptr, h, rank, valid, R, P, pcols)).to(DT)
+            dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
             d_lo = tl.dot(dqk, klo.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
             d_hi = tl.dot(dqk, khi.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st + HALF).to(DT))
             u_lo = d_lo * cos + d_hi * sin
@@ -589,8 +583,7 @@ calls had d angles and d dt wrong by 1e2-1e3x exactly so, 2026-11-25)."""
 
 def _tuned(name: str, kernel):
     # the shape and pass arguments this kernel has (Triton >= 3.9 refuses a key naming an argument it lacks)
-    key = [k for k in ("H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD", "HAND_DY")
-           if k in kernel.arg_names]
+    key = [k for k in ("H", "HPG", "P", "HALF", "RP", "T", "CHUNK", "DQ", "DK", "PER_HEAD") if k in kernel.arg_names]
     return triton.autotune(CONFIGS[name], key=key,
                            prune_configs_by={"early_config_prune": _fits},
                            restore_value=RESTORE.get(name, []))(kernel)

@@ -39,9 +39,6 @@ COLUMN_BLOCKS = 4
 """Column blocks of the head dim in the per-head backward pass (``bwd`` ``PH``, a loop, each block >= 16
 columns). Triton 3.6 for sm_90, headdim 64, 4 warps with 2 stages (the pass's faster config; 2026-11-29): spills
 2,120 / 236 / 20 B a thread at 1 / 2 / 4 blocks. ``gpu/mimo_kernels.py --ph`` times others."""
-HAND_DY = True
-"""Whether the per-head backward pass hands dy to the dq pass (a ``[b*h, nc, T*RP, p]`` buffer in q's dtype,
-1.07 GB at NAM56R's b2), or the dq pass forms it again from dout and z."""
 CHOSEN: dict[str, str] = {}
 """The launch config (``kernels.CONFIGS``) the autotuner picked for each kernel's last launch."""
 
@@ -152,7 +149,7 @@ class _MimoScanFn(torch.autograd.Function):
         # the per-head pass hands dL/d(q~.k~) and dy (in q's dtype, as its dots take them) to the dq and dk passes
         rows = geo.t * geo.rp
         hand_qk = torch.empty(b * h, nc, rows, rows, device=dev, dtype=q.dtype)
-        hand_dy = torch.empty(b * h, nc, rows, p, device=dev, dtype=q.dtype) if HAND_DY else hand_qk  # unread
+        hand_dy = torch.empty(b * h, nc, rows, p, device=dev, dtype=q.dtype)
         inputs = (q, k, qb, kb, geo.rot, v, z, dout, mx, mz, mo)
         strides = (*common, *q.stride()[:4], *k.stride()[:4], *v.stride()[:3], *z.stride()[:3], *dout.stride()[:3])
         bwd_args = (*inputs, dd, geo.cs, geo.gamma, geo.c, s_in, ds_out, dx, dz, dgam, dc, dcs, dmx, dmz, dmo,
@@ -160,7 +157,7 @@ class _MimoScanFn(torch.autograd.Function):
         for chunk, dq_, dk_ in PASSES:  # the per-head pass: a program per head; dq, dk: per group, summing heads,
             grid = (lambda meta: (nc, b * h)) if chunk else (lambda meta: (nc * meta["NS"], b * g))  # and per window
             _launch("bwd", grid, *bwd_args, **geo.meta(), CHUNK=chunk, DQ=dq_, DK=dk_,  # of n's columns (NS)
-                    PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk, HAND_DY=HAND_DY)
+                    PH=min(COLUMN_BLOCKS, p // 16), PER_HEAD=chunk)
 
         # trapezoid weights: gamma_t = lam_t dt_t on the diagonal, c_u = gamma_u + (1 - lam_{u+1}) dt_{u+1} below
         dt32, lam = dt.float(), geo.lam

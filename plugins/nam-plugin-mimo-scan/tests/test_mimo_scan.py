@@ -97,6 +97,29 @@ def test_the_scan_satisfies_the_protocol_and_refuses_siso():
         mimo_scan(q, q, v, None, None, None, None, None, torch.zeros(1, 4, 2, 8), None, v, None, None, None)
 
 
+def test_shapes_past_the_kernels_32_bit_offsets_are_refused_before_any_launch():
+    """The kernels' offsets are 32-bit: at NAM56R's widths and l=4096 the states buffer of 8 sequences holds
+    exactly 2**31 elements (the last offset fits), 9 would wrap. Shapes only (meta tensors): nothing is
+    allocated or launched."""
+    import torch
+
+    from nam_plugin_mimo_scan.scan import index_problem, mimo_scan
+
+    def shapes(b, l=4096):
+        meta = dict(device="meta", dtype=torch.bfloat16)
+        return (torch.empty(b, l, 4, 8, 128, **meta), torch.empty(b, l, 128, 64, **meta),
+                torch.empty(b, l, 128, 32, **meta))
+
+    assert index_problem(*shapes(8)) is None
+    q, v, angles = shapes(9)
+    problem = index_problem(q, v, angles)
+    assert "states" in problem and "2,415,919,104 elements" in problem and "micro_batch_size=8" in problem
+    assert "even for one sequence" in index_problem(*shapes(1, l=4096 * 9))
+    mimo_x = torch.empty(128, 4, 64, device="meta")
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        mimo_scan(q, q, v, None, None, None, None, None, angles, None, v, mimo_x, mimo_x, mimo_x)
+
+
 # --- activation and config: fail closed ----------------------------------------------------------------
 def recipe(*overrides, base="nam56r", device="cuda"):
     """The RunSpec of `--plugins mimo-scan --set ssm_backend=mimo-scan` on ``base`` (the nam56r recipes request

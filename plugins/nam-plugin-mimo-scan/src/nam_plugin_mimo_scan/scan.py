@@ -212,7 +212,7 @@ def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo
               block_t: int | None = None) -> torch.Tensor:
     """The MIMO scan, differentiable in every input. Arguments as ``nam56r.backends.SSMScan``; ``block_t``:
     tokens per kernel tile (a power of two; default ``tile_tokens(r)``). Returns ``[b, l, h, p]`` in v's dtype."""
-    problem = input_problem(q, v, angles, mimo_x)
+    problem = input_problem(q, v, angles, mimo_x) or index_problem(q, v, angles, block_t)
     if problem:
         raise ValueError(f"mimo-scan: {problem}")
     return _MimoScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
@@ -231,6 +231,30 @@ def input_problem(q, v, angles, mimo_x) -> str | None:
     if 2 * s > n:
         return f"{s} angles rotate {2 * s} > d_state {n} dims"
     return None
+
+
+INDEX_LIMIT = 2**31 - 1
+"""The largest element offset the kernels compute: their offsets are 32-bit integers (64-bit ones would cost
+registers in kernels already at 255 a thread)."""
+
+
+def index_problem(q, v, angles, block_t: int | None = None) -> str | None:
+    """Why a buffer of the scan at these shapes would hold more elements than a 32-bit offset reaches, or None.
+    The states (``[b*h, nc, p, n]``: 2**31 elements at NAM56R's widths, b=8, l=4096) come first."""
+    b, l, r, _, n = q.shape
+    h, p, s = v.shape[2], v.shape[3], angles.shape[-1]
+    t = block_t or tile_tokens(r)
+    rows, nc = t * _pow2(r), -(-l // t)
+    sizes = {"states [b*h, nc, p, n]": b * h * nc * p * n, "hand-off [b*h, nc, rows, rows]": b * h * nc * rows * rows,
+             "hand-off [b*h, nc, rows, p]": b * h * nc * rows * p, "cos / sin [b, l, h, 2s]": b * l * h * 2 * s}
+    name, size = max(sizes.items(), key=lambda kv: kv[1])
+    if size - 1 <= INDEX_LIMIT:
+        return None
+    fits = (INDEX_LIMIT + 1) // (size // b)  # sequences a call whose largest offset still fits
+    found = f"at b={b}, l={l} the {name} buffer holds {size:,} elements, past the kernels' 32-bit offsets"
+    if fits:
+        return f"{found}; at this length at most {fits} a call: --set train.micro_batch_size={fits} or lower"
+    return f"{found}, even for one sequence: use --set ssm_backend=mamba-ssm at this length"
 
 
 class MimoScan:

@@ -539,8 +539,9 @@ CONFIGS = {
     # (4.22 / 4.65 / 5.01 at 4 / 8 / 16)
     # NS: dq / dk in NS programs a chunk and group, each a window of n/(2 NS) columns of each half (fewer registers
     # a program); the per-head pass takes NS 1. r33 (H200, NAM56R's b2): dk 3.63 ms at NS 2, 4 warps, 2 stages
-    # (4.02 at its best NS 1; 5.40 at NS 4); dq 3.06 at NS 2 against 2.96 at NS 1. NS 2 and 4 at 4 warps, 2 stages
-    # matched the reference at 16- and 32-token tiles (gpu/mimo_fault.py), but for dq at NS 2, 32 tokens: not run
+    # (4.02 at its best NS 1; 5.40 at NS 4), 3.52 with a chunk's windows adjacent (r36); dq 3.06 at NS 2 against
+    # 2.96 at NS 1. NS 2 and 4 at 4 warps, 2 stages matched the reference at 16- and 32-token tiles
+    # (gpu/mimo_fault.py, r33 and r35). A cap on registers (_config's maxnreg) was slower for every pass (r35)
     "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),
             _config(4, 2, NS=2)],
 }

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# A record of what ran: --dq-dk-together (mimo_kernels.py) and --pass DQDK (mimo_fault.py) were removed after this round with the variant they tried (measured
+# slower), so the script no longer runs as it stands.
 # Round 36 (2026-11-29, third session), one H200, after `source gpu/host.sh`. r35: capping registers (maxnreg)
 # made every kernel slower; static 15.84 ms against nam's 23.41 in one run (0.68x). Since: dq / dk's windows of a
 # chunk are adjacent programs (grid (nc*NS, b*g)), so all but the first read the hand-off from L2, and dq and dk

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# A record of what ran: --dq-dk-together (mimo_kernels.py) were removed after this round with the variant they tried (measured
+# slower), so the script no longer runs as it stands.
 # Round 37 (2026-11-29, third session), one H200, after `source gpu/host.sh`. r36: dq and dk in one launch
 # faulted (illegal address) while the tuner timed it; gpu/mimo_fault.py found it matching the reference at 8 warps
 # 1 stage in 2 windows (16- and 32-token tiles) and at 4 warps 2 stages in 4 windows (16), wrong (1.33) at 4 warps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A record of what ran: --dq-dk-together (mimo_kernels.py) were removed after this round with the variant they tried (measured
+# A record of what ran: --dq-dk-together (mimo_kernels.py) was removed after this round with the variant they tried (measured
 # slower), so the script no longer runs as it stands.
 # Round 37 (2026-11-29, third session), one H200, after `source gpu/host.sh`. r36: dq and dk in one launch
 # faulted (illegal address) while the tuner timed it; gpu/mimo_fault.py found it matching the reference at 8 warps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A record of what ran: --no-hand-dy (mimo_kernels.py, mimo_fault.py) were removed after this round with the variant they tried (measured
+# A record of what ran: --no-hand-dy (mimo_kernels.py, mimo_fault.py) was removed after this round with the variant they tried (measured
 # slower), so the script no longer runs as it stands.
 # Round 38 (2026-11-29, third session), one H200, after `source gpu/host.sh`. r37: dq and dk in one launch took
 # 10.1 ms against 6.2 for the two (dropped); the per-head pass's warps wait on global loads (long_sb 26%, STS 14%

@@ -154,8 +154,8 @@ def main() -> int:
             compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages, a.maxnreg)
             flags = "".join(k for k, v in meta.items() if v is True)
             label = f"{name}[{flags}]" if flags else name
-            print(f"{label} warps={warps} stages={stages} maxnreg={a.maxnreg} {extra}: shared {compiled.metadata.shared} B, "
-                  f"{ptxas_info(compiled)} ({time.time() - t0:.0f} s)", flush=True)
+            print(f"{label} warps={warps} stages={stages} maxnreg={a.maxnreg} {extra}: "
+                  f"shared {compiled.metadata.shared} B, {ptxas_info(compiled)} ({time.time() - t0:.0f} s)", flush=True)
     return 0
 
 

@@ -549,10 +549,11 @@ CONFIGS = {
 
 
 PER_HEAD_CONFIGS = {(4, 2, None), (16, 1, None)}
-"""(warps, stages, maxnreg) the per-head ``bwd`` pass may take: those it has been measured correct at, on an H200, at both
-16- and 32-token tiles. At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt, d mimo_*) at
-32-token tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps with 1 stage
-was not checked at 32-token tiles (r32's check ran out of time compiling)."""
+"""(warps, stages, maxnreg) the per-head ``bwd`` pass may take: those it has been measured correct at, on an
+H200, at both 16- and 32-token tiles. At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt,
+d mimo_*) at 32-token tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps
+with 1 stage was checked at 16-token tiles, and at 32 only capped at 168 registers (r35, both right; 1 stage is
+slower: 9.23 ms against 7.66 in r32)."""
 
 
 def _bwd_may_take(config, per_head: bool, half: int) -> bool:

@@ -10,7 +10,7 @@ Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the se
               dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
               bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD,
                                                     d mimo_*; hands dL/d(q~.k~) and dy on (1.07 GB at NAM56R's b2)
-              bwd (DQ, DK)  grid (nc, b*g, NS) x 2  dq, then dk, summed over the group's heads in registers; d phase
+              bwd (DQ, DK)  grid (nc*NS, b*g) x 2  dq, then dk, summed over the group's heads in registers; d phase
               time_grads    grid (b*h)              reverse sums over time: d adt, d angles, the phase's d dt
 
 Cheap [b, h, l] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt, the chain
@@ -52,6 +52,12 @@ def _pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
+def _tiling(l: int, r: int, block_t: int | None) -> tuple[int, int]:
+    """Tokens per tile and tiles (chunks) for a sequence of ``l`` tokens at rank ``r``."""
+    t = block_t or tile_tokens(r)
+    return t, -(-l // t)
+
+
 def _lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -76,8 +82,7 @@ class _Geometry:
         self.h, self.p = v.shape[2], v.shape[3]
         self.s = angles.shape[-1]
         self.rp = _pow2(self.r)
-        self.t = block_t or tile_tokens(self.r)
-        self.nc = -(-self.l // self.t)
+        self.t, self.nc = _tiling(self.l, self.r, block_t)
         pad = self.nc * self.t - self.l
         dt = dt.float()
         self.lam = torch.sigmoid(trap.float())  # [b, h, l]
@@ -243,8 +248,8 @@ def index_problem(q, v, angles, block_t: int | None = None) -> str | None:
     The states (``[b*h, nc, p, n]``: 2**31 elements at NAM56R's widths, b=8, l=4096) come first."""
     b, l, r, _, n = q.shape
     h, p, s = v.shape[2], v.shape[3], angles.shape[-1]
-    t = block_t or tile_tokens(r)
-    rows, nc = t * _pow2(r), -(-l // t)
+    t, nc = _tiling(l, r, block_t)
+    rows = t * _pow2(r)
     sizes = {"states [b*h, nc, p, n]": b * h * nc * p * n, "hand-off [b*h, nc, rows, rows]": b * h * nc * rows * rows,
              "hand-off [b*h, nc, rows, p]": b * h * nc * rows * p, "cos / sin [b, l, h, 2s]": b * l * h * 2 * s}
     name, size = max(sizes.items(), key=lambda kv: kv[1])

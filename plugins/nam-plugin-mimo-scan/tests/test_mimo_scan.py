@@ -105,16 +105,16 @@ def test_shapes_past_the_kernels_32_bit_offsets_are_refused_before_any_launch():
 
     from nam_plugin_mimo_scan.scan import index_problem, mimo_scan
 
-    def shapes(b, l=4096):
-        meta = dict(device="meta", dtype=torch.bfloat16)
-        return (torch.empty(b, l, 4, 8, 128, **meta), torch.empty(b, l, 128, 64, **meta),
-                torch.empty(b, l, 128, 32, **meta))
+    def shapes(b, l=4096):  # NAM56R's widths: 128 heads of 64, rank 4, d_state 128, 32 angles
+        return b, l, 128, 4, 128, 64, 32
 
     assert index_problem(*shapes(8)) is None
-    q, v, angles = shapes(9)
-    problem = index_problem(q, v, angles)
+    problem = index_problem(*shapes(9))
     assert "states" in problem and "2,415,919,104 elements" in problem and "micro_batch_size=8" in problem
     assert "even for one sequence" in index_problem(*shapes(1, l=4096 * 9))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, v, angles = (torch.empty(9, 4096, 4, 8, 128, **meta), torch.empty(9, 4096, 128, 64, **meta),
+                    torch.empty(9, 4096, 128, 32, **meta))
     mimo_x = torch.empty(128, 4, 64, device="meta")
     with pytest.raises(ValueError, match="32-bit offsets"):
         mimo_scan(q, q, v, None, None, None, None, None, angles, None, v, mimo_x, mimo_x, mimo_x)
@@ -230,6 +230,13 @@ def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment
     check = checks_of(recipe(*overrides))["kernel shapes"]
     assert check.status == FAIL and fragment in check.found, check.found
     assert hint in check.hint
+
+
+def test_config_check_refuses_a_micro_batch_past_the_kernels_32_bit_offsets():
+    assert checks_of(recipe("train.micro_batch_size=8"))["index range"].status == PASS
+    check = checks_of(recipe("train.micro_batch_size=9"))["index range"]
+    assert check.status == FAIL and check.found.startswith("micro-batch 9 x 4096 tokens: ")
+    assert "--set train.micro_batch_size=8" in check.found, check.found
 
 
 def test_the_host_wants_cuda_and_bf16_from_the_declaration():

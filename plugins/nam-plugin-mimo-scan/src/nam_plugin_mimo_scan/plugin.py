@@ -56,6 +56,17 @@ def kernel_shapes(spec) -> tuple[bool, str]:
     return problem is None, f"{widths}: {problem}" if problem else widths
 
 
+def index_range(spec) -> tuple[bool, str]:
+    """Whether every buffer of the scan at the run's micro-batch and sequence stays within 32-bit offsets."""
+    from nam_plugin_mimo_scan.scan import index_problem
+
+    model, b = spec.model, spec.train.micro_batch_size
+    found = f"micro-batch {b} x {model.seq_len} tokens"
+    problem = index_problem(b, model.seq_len, model.mamba_heads, model.mamba_mimo_rank, model.d_state,
+                            model.mamba_headdim, int(model.d_state * model.mamba_rope_fraction) // 2)
+    return problem is None, f"{found}: {problem}" if problem else found
+
+
 def shapes_hint(spec) -> str:
     if spec.model.mamba_mimo_rank < 2:
         return "--set ssm_backend=reference --plugins reference, or --set ssm_backend=mamba-ssm --plugins mamba-ssm"
@@ -79,6 +90,8 @@ PLUGIN = PluginInfo(
     checks=(
         ShapeCheck("kernel shapes", "MIMO (rank 2..16), d_state a power of two in [32, 256], headdim a power of two "
                    "in [16, 128]", kernel_shapes, shapes_hint),
+        ShapeCheck("index range", "every buffer of the scan under 2**31 elements (the kernels' offsets are 32-bit)",
+                   index_range, "a smaller train.micro_batch_size (the row names the largest that fits)"),
         LaunchCheck("kernel launch", "kernel == reference within 2e-2 (output and every input gradient, bf16, 4 heads "
                     "in 2 groups)", "nam_plugin_mimo_scan.selftest:launch",
                     f"report it with the seed; meanwhile {REFERENCE_HINT}"),

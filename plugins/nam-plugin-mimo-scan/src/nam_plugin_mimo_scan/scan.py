@@ -217,7 +217,8 @@ def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo
               block_t: int | None = None) -> torch.Tensor:
     """The MIMO scan, differentiable in every input. Arguments as ``nam56r.backends.SSMScan``; ``block_t``:
     tokens per kernel tile (a power of two; default ``tile_tokens(r)``). Returns ``[b, l, h, p]`` in v's dtype."""
-    problem = input_problem(q, v, angles, mimo_x) or index_problem(q, v, angles, block_t)
+    problem = input_problem(q, v, angles, mimo_x) or index_problem(
+        q.shape[0], q.shape[1], v.shape[2], q.shape[2], q.shape[-1], v.shape[3], angles.shape[-1], block_t)
     if problem:
         raise ValueError(f"mimo-scan: {problem}")
     return _MimoScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
@@ -243,11 +244,11 @@ INDEX_LIMIT = 2**31 - 1
 registers in kernels already at 255 a thread)."""
 
 
-def index_problem(q, v, angles, block_t: int | None = None) -> str | None:
-    """Why a buffer of the scan at these shapes would hold more elements than a 32-bit offset reaches, or None.
-    The states (``[b*h, nc, p, n]``: 2**31 elements at NAM56R's widths, b=8, l=4096) come first."""
-    b, l, r, _, n = q.shape
-    h, p, s = v.shape[2], v.shape[3], angles.shape[-1]
+def index_problem(b: int, l: int, h: int, r: int, n: int, p: int, s: int, block_t: int | None = None) -> str | None:
+    """Why a buffer of the scan would hold more elements than a 32-bit offset reaches, or None: ``b`` sequences of
+    ``l`` tokens, ``h`` heads of ``p``, rank ``r``, d_state ``n``, ``s`` angles. The states (``[b*h, nc, p, n]``:
+    2**31 elements at NAM56R's widths, b=8, l=4096) come first. ``mimo_scan`` asks it of every call, the plugin's
+    config check of the run's micro-batch."""
     t, nc = _tiling(l, r, block_t)
     rows = t * _pow2(r)
     sizes = {"states [b*h, nc, p, n]": b * h * nc * p * n, "hand-off [b*h, nc, rows, rows]": b * h * nc * rows * rows,

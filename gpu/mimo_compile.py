@@ -99,14 +99,17 @@ def compile_one(kernel, args, meta, warps, stages, maxnreg=None):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
+    defaults = {p.name: p.default for p in fn.params if p.has_default}
     for name in names[len(args):]:
         signature[name] = "constexpr"
+        if name not in constexprs and name in defaults:
+            constexprs[name] = defaults[name]
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages,
                                                                        **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def ptxas_info(compiled) -> str:
+def ptxas_info(compiled, dump_to: str | None = None) -> str:
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -120,13 +123,21 @@ def ptxas_info(compiled) -> str:
             dump = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
                                   capture_output=True, text=True).stdout
             sass = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", dump, re.M))
+            # barriers and shuffles: what a cross-warp (intra-warp) reduction or layout change costs
+            counts = {op: len(re.findall(pattern, dump)) for op, pattern in
+                      (("BAR", r" BAR\."), ("SHFL", r" SHFL\."), ("STS", r" STS"))}
+            sass = f"{sass} SASS instructions ({', '.join(f'{n} {op}' for op, n in counts.items())})"
+            if dump_to:  # for gpu/ncu_lines.py: the same build, disassembled with its source lines
+                with open(dump_to, "w") as f:
+                    f.write(subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-g", "-c", cubin],
+                                           capture_output=True, text=True).stdout)
     text = done.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if done.returncode or not regs:
         return f"ptxas ({ptxas}) said: {text.strip().splitlines()[:2]}"
     return (f"regs {regs.group(1)}, spill stores {spill.group(1) if spill else '?'} B, "
-            f"loads {spill.group(2) if spill else '?'} B, {sass} SASS instructions")
+            f"loads {spill.group(2) if spill else '?'} B, {sass}")
 
 
 def main() -> int:
@@ -136,7 +147,11 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--maxnreg", type=int, default=None, help="cap the registers a thread (Triton's maxnreg)")
     ap.add_argument("--ns", type=int, default=None, help="the bwd kernel's NS (dq / dk column windows)")
+    ap.add_argument("--cpp", type=int, default=None, help="the bwd kernel's CPP (per-head pass: chunks a program)")
+    ap.add_argument("--fs", type=int, default=None, help="the bwd kernel's FS (1: sums sharing an axis in one reduction)")
     ap.add_argument("--all-configs", action="store_true", help="every config of kernels.CONFIGS, not the first")
+    ap.add_argument("--dump", default=None, metavar="DIR",
+                    help="write each build's disassembly with source lines (nvdisasm -g) here, for gpu/ncu_lines.py")
     a = ap.parse_args()
     from nam_plugin_mimo_scan import kernels
 
@@ -150,12 +165,22 @@ def main() -> int:
             extra = dict(config.kwargs) if config else {}
             if a.ns and "NS" in extra and not meta.get("CHUNK"):
                 extra["NS"] = a.ns
+            if a.cpp and "CPP" in extra and meta.get("CHUNK"):
+                extra["CPP"] = a.cpp
+            if a.fs is not None and name == "bwd":
+                extra["FS"] = a.fs
             t0 = time.time()
             compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages, a.maxnreg)
             flags = "".join(k for k, v in meta.items() if v is True)
             label = f"{name}[{flags}]" if flags else name
+            dump_to = None
+            if a.dump:
+                os.makedirs(a.dump, exist_ok=True)
+                dump_to = os.path.join(a.dump, re.sub(r"[^A-Za-z0-9_]+", "_", f"{label}_w{warps}_s{stages}_{extra}")
+                                       + ".sass")
             print(f"{label} warps={warps} stages={stages} maxnreg={a.maxnreg} {extra}: "
-                  f"shared {compiled.metadata.shared} B, {ptxas_info(compiled)} ({time.time() - t0:.0f} s)", flush=True)
+                  f"shared {compiled.metadata.shared} B, {ptxas_info(compiled, dump_to)} ({time.time() - t0:.0f} s)",
+                  flush=True)
     return 0
 
 

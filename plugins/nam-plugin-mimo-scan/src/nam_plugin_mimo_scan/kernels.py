@@ -106,6 +106,16 @@ def _dy(dout, mo, z, mz):
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
 def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
@@ -227,6 +237,168 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
 
 
 @triton.jit
+def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW: tl.constexpr, HALF: tl.constexpr,
+                   FUSED_SUMS: tl.constexpr):
+    """A bias's gradient partials over this chunk's tokens, ``[RP, NW]`` at ``ptr`` (lo) and ``ptr + HALF`` (hi)."""
+    if FUSED_SUMS:
+        lo, hi = tl.reduce((tl.reshape(u_lo, (T, RP, NW)), tl.reshape(u_hi, (T, RP, NW))), 0, _add2)
+    else:
+        lo = tl.sum(tl.reshape(u_lo, (T, RP, NW)), axis=0)
+        hi = tl.sum(tl.reshape(u_hi, (T, RP, NW)), axis=0)
+    tl.store(ptr, lo, mask=rmask)
+    tl.store(ptr + HALF, hi, mask=rmask)
+
+
+@triton.jit
+def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr,
+               mo_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R,
+               NC, x_base, x_sl, z_base, z_sl, do_base, do_sl,
+               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr,
+               FUSED_SUMS: tl.constexpr):
+    """Column block ``hp`` of the per-head pass's ``PH`` blocks of the head dim (its ``[M, P/PH]`` tiles live
+    only here): dx, dz and the d mimo_* partials of those columns. Returns the block's shares of three per-row
+    sums: d c's inter-chunk part, d Lambda, dD."""
+    DT = qlo_d.dtype
+    bh = b * H + h
+    toks = c * T + tl.arange(0, T)
+    ranks = tl.arange(0, RP)
+    tmask = (toks < L)[:, None]
+    rmask = (ranks < R)[:, None]
+    hcols = tl.arange(0, HALF)
+    cols = hp * (P // PH) + tl.arange(0, P // PH)
+    stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
+    x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols)
+    mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
+    vb = x * mx
+    z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols)
+    mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
+    d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols) * _load_proj(mo_ptr, h, rank, valid, R,
+                                                                            P, cols)
+    zm = z * mz
+    sg = tl.sigmoid(zm)
+    dyb = d_o * zm * sg
+    y = tl.dot(mmat, vb.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
+                                                 + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
+    dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
+           + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT)))
+    dv = tl.dot(tl.trans(mmat), dyb.to(DT)) + inter * dvi
+    dvt = dv + dskip * dyb
+    ypd = y + dskip * vb
+    out_off = ((b * L + toks[:, None]) * H + h) * P + cols[None, :]  # dx, dz contiguous [b, l, h, p]
+    part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + cols[None, :]
+    dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
+    # dL/d mimo_o = dout * ypd * silu(zm); d_o = dout * mimo_o, so divide nothing: reload dout
+    dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols)
+    # sums that share an axis are one reduction (one set of shuffles and barriers, the same sums):
+    # over the ranks (dx, dz), over the tokens (d mimo_x, _z, _o partials; rows spread over the warps)
+    if FUSED_SUMS:
+        dxs, dzs = tl.reduce((tl.reshape(dvt * mx, (T, RP, P // PH)), tl.reshape(dzm * mz, (T, RP, P // PH))), 1,
+                             _add2)
+        dmxs, dmzs, dmos = tl.reduce((tl.reshape(dvt * x, (T, RP, P // PH)), tl.reshape(dzm * z, (T, RP, P // PH)),
+                                      tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH))), 0, _add3)
+        rows_dc, rows_dcs, rows_dd = tl.reduce((vb * dvi, dyb * y - vb * dv, dyb * vb), 1, _add3)
+    else:
+        dxs = tl.sum(tl.reshape(dvt * mx, (T, RP, P // PH)), axis=1)
+        dzs = tl.sum(tl.reshape(dzm * mz, (T, RP, P // PH)), axis=1)
+        dmxs = tl.sum(tl.reshape(dvt * x, (T, RP, P // PH)), axis=0)
+        dmzs = tl.sum(tl.reshape(dzm * z, (T, RP, P // PH)), axis=0)
+        dmos = tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH)), axis=0)
+        rows_dc = tl.sum(vb * dvi, axis=1)
+        rows_dcs = tl.sum(dyb * y - vb * dv, axis=1)
+        rows_dd = tl.sum(dyb * vb, axis=1)
+    tl.store(dx_ptr + out_off, dxs.to(dx_ptr.dtype.element_ty), mask=tmask)
+    tl.store(dz_ptr + out_off, dzs.to(dz_ptr.dtype.element_ty), mask=tmask)
+    tl.store(dmx_ptr + part, dmxs, mask=rmask)
+    tl.store(dmz_ptr + part, dmzs, mask=rmask)
+    tl.store(dmo_ptr + part, dmos, mask=rmask)
+    return rows_dc, rows_dcs, rows_dd
+
+
+@triton.jit
+def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+               cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr,
+               dmo_ptr, dd_ptr, hq_ptr, hy_ptr, L, H, R, S, NC, q_base, q_sl, q_sr, k_base, k_sl, k_sr,
+               x_base, x_sl, z_base, z_sl, do_base, do_sl,
+               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr,
+               FUSED_SUMS: tl.constexpr):
+    """The per-head pass (``bwd_kernel``'s ``CHUNK``) for chunk ``c`` of head ``h``; the head dim in a loop over
+    ``PH`` column blocks (``_head_cols``)."""
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    bh = b * H + h
+    pcols = tl.arange(0, P)
+    tok, rank, valid = _rows(c, L, R, T, RP)
+    toks = c * T + tl.arange(0, T)
+    qb_base = h * R * 2 * HALF
+    cs = tl.load(cs_ptr + bh * LP + tok)
+    cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+    cc = tl.load(c_ptr + bh * LP + tok)
+    ecs = tl.exp(cs)
+    to_end = tl.exp(cs_end - cs)
+    inter = (to_end * cc)[:, None]
+    cos, sin = _cos_sin(rot_ptr, c, L, (b * L * H + h) * 2 * S, H * 2 * S, S, 0, T, RP, HALF)
+    rows = tl.arange(0, T * RP)
+    hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
+    qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, 0, HALF,
+                        HALF)
+    qlo_d = qlo.to(DT)
+    qhi_d = qhi.to(DT)
+    klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, 0, HALF,
+                        HALF)
+    klo_d = klo.to(DT)
+    khi_d = khi.to(DT)
+    v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
+                                                                        pcols)
+    vd = v.to(DT)
+    dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
+             _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+             _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols),
+             _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+    dyd = dy.to(DT)
+    # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+    same = tok[:, None] == tok[None, :]
+    decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+    wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+    dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
+    dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+    # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
+    tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
+    tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
+    qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
+    # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
+    e = dmd * qk
+    if FUSED_SUMS:
+        dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
+    else:
+        dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
+        e_col = tl.sum(e, axis=0)
+    tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+    dc_col = e_col - dgam_col
+    mmat = (qk * decay * wmat).to(DT)
+    dskip = tl.load(d_ptr + h)
+    dc_row = tl.zeros((T * RP,), tl.float32)
+    dcs_row = tl.zeros((T * RP,), tl.float32)
+    dd_row = tl.zeros((T * RP,), tl.float32)
+    for hp in range(PH):
+        dc_b, dcs_b, dd_b = _head_cols(
+            hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
+            s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R, NC,
+            x_base, x_sl, z_base, z_sl, do_base, do_sl, T, RP, HALF, P, PH, FUSED_SUMS)
+        dc_row += dc_b
+        dcs_row += dcs_b
+        dd_row += dd_b
+    if FUSED_SUMS:
+        dc_t, dcs_t = tl.reduce((tl.reshape(dc_col + to_end * dc_row, (T, RP)), tl.reshape(dcs_row, (T, RP))), 1,
+                                _add2)
+    else:
+        dc_t = tl.sum(tl.reshape(dc_col + to_end * dc_row, (T, RP)), axis=1)
+        dcs_t = tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1)
+    tl.store(dc_ptr + bh * LP + toks, dc_t)
+    tl.store(dcs_ptr + bh * LP + toks, dcs_t)
+    tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(dd_row, axis=0))
+
+
+@triton.jit
 def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr,
                dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr, dmo_ptr, dd_ptr,
@@ -235,7 +407,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr, NS: tl.constexpr):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr, FS: tl.constexpr = 1):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
@@ -258,19 +430,24 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     """
     tl.static_assert((CHUNK + DQ + DK == 1) and (PER_HEAD == CHUNK) and (NS == 1 or not CHUNK),
                      "one pass a launch: CHUNK per head (NS 1), or DQ, or DK over the group's heads")
-    NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n
-    if PER_HEAD:  # grid (nc, b*h), one head: no head loop, so nothing is hoisted out of one (registers)
-        c = tl.program_id(0)
+    if PER_HEAD:  # grid (nc, b*h): one chunk of one head
         b = tl.program_id(1) // H
-        h0 = tl.program_id(1) % H
-        g = h0 // HPG
-        col0 = 0
-    else:  # grid (nc*NS, b*g), the group's heads in turn; a chunk's NS windows are adjacent programs, so they
-        c = tl.program_id(0) // NS  # run together and all but the first read the hand-off from L2
-        b = tl.program_id(1) // G
-        g = tl.program_id(1) % G
-        h0 = g * HPG
-        col0 = (tl.program_id(0) % NS) * NW
+        h = tl.program_id(1) % H
+        g = h // HPG
+        args = (b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+                cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr,
+                dmo_ptr, dd_ptr, hq_ptr, hy_ptr, L, H, R, S, NC, b * q_sb + g * q_sg, q_sl, q_sr,
+                b * k_sb + g * k_sg, k_sl, k_sr, b * x_sb + h * x_sh, x_sl, b * z_sb + h * z_sh, z_sl,
+                b * do_sb + h * do_sh, do_sl)
+        _head_pass(tl.program_id(0), *args, T, RP, HALF, P, PH, FS)
+        return
+    NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n
+    # grid (nc*NS, b*g), the group's heads in turn; a chunk's NS windows are adjacent programs, so they
+    c = tl.program_id(0) // NS  # run together and all but the first read the hand-off from L2
+    b = tl.program_id(1) // G
+    g = tl.program_id(1) % G
+    h0 = g * HPG
+    col0 = (tl.program_id(0) % NS) * NW
     LP = NC * T
     DT = q_ptr.dtype.element_ty
     pcols = tl.arange(0, P)
@@ -288,7 +465,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     dq_hi = tl.zeros((T * RP, NW), tl.float32)
     dk_lo = tl.zeros((T * RP, NW), tl.float32)
     dk_hi = tl.zeros((T * RP, NW), tl.float32)
-    for j in range(1 if PER_HEAD else HPG):
+    for j in range(HPG):
         h = h0 + j
         bh = b * H + h
         ph_base = (b * L * H + h) * S  # d phase [b, l, h, s]
@@ -307,83 +484,6 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, col0, T, RP, NW)
         rows = tl.arange(0, T * RP)
         hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
-        if CHUNK:
-            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, 0, HALF,
-                                HALF)
-            qlo_d = qlo.to(DT)
-            qhi_d = qhi.to(DT)
-            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, 0, HALF,
-                                HALF)
-            klo_d = klo.to(DT)
-            khi_d = khi.to(DT)
-            v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols) * _load_proj(mx_ptr, h, rank, valid, R, P,
-                                                                                pcols)
-            vd = v.to(DT)
-            dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols),
-                     _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                     _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols),
-                     _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-            dyd = dy.to(DT)
-            # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
-            same = tok[:, None] == tok[None, :]
-            decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
-            wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
-            dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
-            dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
-            # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
-            tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
-            tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
-            qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
-            # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
-            e = dmd * qk
-            dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
-            tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-            dc_col = tl.sum(e, axis=0) - dgam_col
-            mmat = (qk * decay * wmat).to(DT)
-            dskip = tl.load(d_ptr + h)
-            dc_row = tl.zeros((T * RP,), tl.float32)
-            dcs_row = tl.zeros((T * RP,), tl.float32)
-            dd_row = tl.zeros((T * RP,), tl.float32)
-            # the head dim in PH column blocks: each block's [M, P/PH] tiles live only within its step
-            for hp in range(PH):
-                cols = hp * (P // PH) + tl.arange(0, P // PH)
-                stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
-                x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols)
-                mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
-                vb = x * mx
-                z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols)
-                mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
-                d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols) * _load_proj(mo_ptr, h, rank, valid, R,
-                                                                                        P, cols)
-                zm = z * mz
-                sg = tl.sigmoid(zm)
-                dyb = d_o * zm * sg
-                y = tl.dot(mmat, vb.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
-                                                             + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
-                dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
-                       + tl.dot(khi_d, tl.load(ds_ptr + stt + HALF).to(DT)))
-                dv = tl.dot(tl.trans(mmat), dyb.to(DT)) + inter * dvi
-                dc_row += tl.sum(vb * dvi, axis=1)
-                dcs_row += tl.sum(dyb * y - vb * dv, axis=1)
-                dd_row += tl.sum(dyb * vb, axis=1)
-                dvt = dv + dskip * dyb
-                ypd = y + dskip * vb
-                out_off = ((b * L + toks[:, None]) * H + h) * P + cols[None, :]  # dx, dz contiguous [b, l, h, p]
-                part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + cols[None, :]
-                dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
-                tl.store(dx_ptr + out_off, tl.sum(tl.reshape(dvt * mx, (T, RP, P // PH)), axis=1).to(
-                    dx_ptr.dtype.element_ty), mask=tmask)
-                tl.store(dmx_ptr + part, tl.sum(tl.reshape(dvt * x, (T, RP, P // PH)), axis=0), mask=rmask)
-                tl.store(dz_ptr + out_off, tl.sum(tl.reshape(dzm * mz, (T, RP, P // PH)), axis=1).to(
-                    dz_ptr.dtype.element_ty), mask=tmask)
-                tl.store(dmz_ptr + part, tl.sum(tl.reshape(dzm * z, (T, RP, P // PH)), axis=0), mask=rmask)
-                # dL/d mimo_o = dout * ypd * silu(zm); d_o = dout * mimo_o, so divide nothing: reload dout
-                dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols)
-                tl.store(dmo_ptr + part, tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH)), axis=0),
-                         mask=rmask)
-            tl.store(dc_ptr + bh * LP + toks, tl.sum(tl.reshape(dc_col + to_end * dc_row, (T, RP)), axis=1))
-            tl.store(dcs_ptr + bh * LP + toks, tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1))
-            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(dd_row, axis=0))
 
         # dq~ = dqk k~ + exp(cs_t) dy S_in; dk~ = dqk^T q~ + exp(cs_end - cs_u) c_u v dS_out; u = R^T d
         bpart = (((b * NC + c) * H + h) * R + ranks[:, None]) * (2 * HALF) + ncols[None, :]
@@ -400,8 +500,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             u_hi = d_hi * cos - d_lo * sin
             dq_lo += u_lo
             dq_hi += u_hi
-            tl.store(dqb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, NW)), axis=0), mask=rmask)
-            tl.store(dqb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, NW)), axis=0), mask=rmask)
+            _bias_partials(dqb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF, FS)
             rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DK:
@@ -416,8 +515,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             u_hi = d_hi * cos - d_lo * sin
             dk_lo += u_lo
             dk_hi += u_hi
-            tl.store(dkb_ptr + bpart, tl.sum(tl.reshape(u_lo, (T, RP, NW)), axis=0), mask=rmask)
-            tl.store(dkb_ptr + bpart + HALF, tl.sum(tl.reshape(u_hi, (T, RP, NW)), axis=0), mask=rmask)
+            _bias_partials(dkb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF, FS)
             rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DQ or DK:

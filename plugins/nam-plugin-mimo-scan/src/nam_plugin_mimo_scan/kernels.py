@@ -451,7 +451,6 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     LP = NC * T
     DT = q_ptr.dtype.element_ty
     pcols = tl.arange(0, P)
-    hcols = tl.arange(0, HALF)
     ncols = col0 + tl.arange(0, NW)
     tok, rank, valid = _rows(c, L, R, T, RP)
     toks = c * T + tl.arange(0, T)
@@ -471,8 +470,6 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         ph_base = (b * L * H + h) * S  # d phase [b, l, h, s]
         rot_base = 2 * ph_base  # the cos / sin table [b, l, h, 2s]
         x_base = b * x_sb + h * x_sh
-        z_base = b * z_sb + h * z_sh
-        do_base = b * do_sb + h * do_sh
         qb_base = h * R * 2 * HALF
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)

@@ -147,8 +147,6 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--maxnreg", type=int, default=None, help="cap the registers a thread (Triton's maxnreg)")
     ap.add_argument("--ns", type=int, default=None, help="the bwd kernel's NS (dq / dk column windows)")
-    ap.add_argument("--cpp", type=int, default=None, help="the bwd kernel's CPP (per-head pass: chunks a program)")
-    ap.add_argument("--fs", type=int, default=None, help="the bwd kernel's FS (1: sums sharing an axis in one reduction)")
     ap.add_argument("--all-configs", action="store_true", help="every config of kernels.CONFIGS, not the first")
     ap.add_argument("--dump", default=None, metavar="DIR",
                     help="write each build's disassembly with source lines (nvdisasm -g) here, for gpu/ncu_lines.py")
@@ -165,10 +163,6 @@ def main() -> int:
             extra = dict(config.kwargs) if config else {}
             if a.ns and "NS" in extra and not meta.get("CHUNK"):
                 extra["NS"] = a.ns
-            if a.cpp and "CPP" in extra and meta.get("CHUNK"):
-                extra["CPP"] = a.cpp
-            if a.fs is not None and name == "bwd":
-                extra["FS"] = a.fs
             t0 = time.time()
             compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages, a.maxnreg)
             flags = "".join(k for k, v in meta.items() if v is True)

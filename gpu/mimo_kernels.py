@@ -63,8 +63,6 @@ def main() -> None:
     ap.add_argument("--ph", type=int, default=None)
     ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS[,MAXNREG]]")
     ap.add_argument("--chunk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,MAXNREG]")
-    ap.add_argument("--fs", type=int, default=None, help="the bwd kernel's FS (1, its default: sums that share "
-                    "an axis in one reduction; 0: one reduction a sum)")
     ap.add_argument("--unchecked-per-head", action="store_true",
                     help="offer the per-head pass every --bwd-configs config at NS 1, not only "
                          "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
@@ -77,10 +75,7 @@ def main() -> None:
     if a.bwd_configs:  # NS 1 and MAXNREG 0 (no cap) unless given
         kernels.CONFIGS["bwd"] = [kernels._config(w, st, r or None, NS=ns) for w, st, ns, r in
                                   (_ints(c, 1, 0) for c in a.bwd_configs)]
-    if a.fs is not None:  # the bwd kernel's FS for every config: sums sharing an axis in one reduction, or not
-        kernels.CONFIGS["bwd"] = [kernels._config(c.num_warps, c.num_stages, c.maxnreg, **{**c.kwargs, "FS": a.fs})
-                                  for c in kernels.CONFIGS["bwd"]]
-    if a.bwd_configs or a.fs is not None:
+    if a.bwd_configs:
         kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
         if a.unchecked_per_head:
             kernels.PER_HEAD_CONFIGS = {(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS["bwd"]}
@@ -127,7 +122,7 @@ def main() -> None:
     print(f"first call {took:.1f} s; tuning left every tensor bit-identical to the next call: {all(same.values())} "
           f"{[n for n, v in same.items() if not v]}", flush=True)
     # a digest of every result, so that two runs (two kernel variants, same inputs) can be compared bit for bit
-    digest = hashlib.sha1(b"".join(t.cpu().numpy().tobytes() for t in second)).hexdigest()[:16]
+    digest = hashlib.sha1(b"".join(t.detach().cpu().numpy().tobytes() for t in second)).hexdigest()[:16]
     print(f"digest of the output and every gradient: {digest}", flush=True)
     fwd_ms, fwd_bwd_ms = (median_ms(f, warmup=0, iters=5) for f in (fwd, fwd_bwd))
     print(f"fwd {fwd_ms:.2f} ms, fwd+bwd {fwd_bwd_ms:.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)

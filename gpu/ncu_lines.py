@@ -1,9 +1,9 @@
 """Nsight Compute's warp-stall samples by source line, from the SASS page and a disassembly with line info.
 
-    ncu -i REPORT.ncu-rep --page source --csv --print-source sass > SASS.csv      (on the GPU host)
-    nvdisasm -g -c KERNEL.cubin > KERNEL.sass                                     (here: the same kernel, compiled
-                                                                                  offline, gpu/mimo_compile.py --cubin)
-    python gpu/ncu_lines.py SASS.csv[.gz] KERNEL.sass [--source kernels.py] [--top 40] [--json OUT]
+    on the GPU host:  ncu -i REPORT.ncu-rep --page source --csv --print-source sass > SASS.csv
+    here:             python gpu/mimo_compile.py KERNEL --warps W --stages S --dump DIR   (the launch's config)
+                      python gpu/ncu_lines.py SASS.csv[.gz] DIR/KERNEL....sass [--source kernels.py] [--section N]
+                          [--top 40] [--json OUT]
 
 ncu's CUDA-source page came out without counters for Triton's kernels (r37), but its SASS page has them per
 instruction. A kernel compiled offline by the same Triton and ptxas for the same config is the same SASS; this
@@ -23,12 +23,15 @@ import re
 import sys
 
 
-def read_sass_csv(path: str) -> tuple[list[str], list[list[str]]]:
-    """The first kernel section of ncu's SASS page: (header, rows)."""
+def read_sass_csv(path: str, section: int = 0) -> tuple[list[str], list[list[str]]]:
+    """Kernel launch ``section`` (0: the first) of ncu's SASS page: (header, rows)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         lines = [line for line in f.read().split("\n") if line]
-    start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
+    starts = [i for i, line in enumerate(lines) if line.startswith('"Address"')]
+    if section >= len(starts):
+        raise SystemExit(f"error: {path} holds {len(starts)} kernel launches; there is no section {section}")
+    start = starts[section]
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith('"Kernel Name"')), len(lines))
     header, *rows = list(csv.reader(lines[start:end]))
     return header, rows
@@ -62,10 +65,11 @@ def main() -> int:
     ap.add_argument("disassembly")
     ap.add_argument("--source", default=None, help="the kernel source the disassembly was compiled from, to show")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--section", type=int, default=0, help="which kernel launch of the page (0: the first)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    header, rows = read_sass_csv(a.sass_csv)
+    header, rows = read_sass_csv(a.sass_csv, a.section)
     dis = read_disassembly(a.disassembly)
     col = {h: i for i, h in enumerate(header)}
     if len(rows) != len(dis):
@@ -106,7 +110,8 @@ def main() -> int:
         cum += share
         stalls = ", ".join(f"{k} {v / (e['samples'] or 1):.0%}" for k, v in e["stalls"].most_common(3))
         ops = ", ".join(f"{k} {v / (e['samples'] or 1):.0%}" for k, v in e["opcodes"].most_common(2))
-        text = source[line - 1].strip()[:70] if source and 0 < line <= len(source) else path.rsplit("/", 1)[-1]
+        own = source and "/triton/" not in path and 0 < line <= len(source)  # Triton's own: tl.sum, tl.sigmoid
+        text = source[line - 1].strip()[:70] if own else f"({path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]})"
         print(f"{share:6.1%} {cum:6.1%} {line:5d} {e['sass']:5d}  {stalls}; {ops} | {text}")
         report.append({"line": line, "file": path, "share": share, "sass": e["sass"], "samples": e["samples"],
                        "instructions": e["instructions"], "stalls": dict(e["stalls"]), "source": text})

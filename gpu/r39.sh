@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record of what ran: --fs (mimo_kernels.py) was removed after this round with the FS 0 variant (the same
+# time: 6.785 against 6.782 ms for the per-head pass), so the script no longer runs as it stands; the digest
+# line failed in this round (a tensor that required grad), fixed since.
 # Round 39 (2026-11-29, fourth session), one H200, after `source gpu/host.sh`. r37's Nsight Compute profile of the
 # per-head pass, attributed to source lines offline (gpu/ncu_lines.py over r37's SASS page and the same build
 # disassembled here): ~27% of its stall samples sit in the cross-warp and cross-lane sums (shuffles, barriers) of

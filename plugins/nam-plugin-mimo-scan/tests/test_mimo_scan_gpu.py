@@ -33,6 +33,37 @@ def test_matches_the_reference_in_bf16_at_nam56r_widths(g, block_t):
     assert not bad, f"seed {seed}: max error over {MAX_TOLERANCE}: {bad}"
 
 
+def test_the_kernels_sigmoid_is_within_a_few_ulp_of_tritons_and_of_the_exact_value():
+    """``kernels._sigmoid`` (ex2.approx, rcp.approx, denormals flushed) against ``tl.sigmoid`` (div.full), which
+    the kernels took before, and against float64: within 4 fp32 ulp of Triton's over x in [-87, 87] (outputs in
+    fp32's normal range); against the exact value both carry the rounding of x * log2(e) into the exponent, up to
+    |x| 2^-24 relative (~4e-6 at |x| = 80), so that bound is |x| 2^-23 + 4 ulp."""
+    import triton
+    import triton.language as tl
+
+    from nam_plugin_mimo_scan import kernels
+
+    @triton.jit
+    def both(x_ptr, ours_ptr, theirs_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        tl.store(ours_ptr + i, kernels._sigmoid(x), mask=i < n)
+        tl.store(theirs_ptr + i, tl.sigmoid(x), mask=i < n)
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.cat([torch.linspace(-87, 87, 1 << 18, device="cuda"),
+                   torch.randn(1 << 18, device="cuda", generator=gen) * 8, torch.zeros(1, device="cuda")]).clamp(-87, 87)
+    ours, theirs = torch.empty_like(x), torch.empty_like(x)
+    both[(triton.cdiv(x.numel(), 1024),)](x, ours, theirs, x.numel(), BLOCK=1024)
+    exact = torch.sigmoid(x.double())
+    ulp = (torch.nextafter(exact.float(), torch.full_like(x, 2.0)) - exact.float()).double()
+    assert ((ours.double() - theirs.double()).abs() <= 4 * ulp).all(), \
+        f"over 4 ulp of tl.sigmoid: {((ours.double() - theirs.double()).abs() / ulp).max():.1f} ulp"
+    bound = x.double().abs() * 2.0**-23 * exact + 4 * ulp
+    assert ((ours.double() - exact).abs() <= bound).all()
+    assert ours[-1].item() == 0.5  # sigmoid(0), exactly
+
+
 def _inputs(b=1, l=256, h=16, g=2):
     from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
 

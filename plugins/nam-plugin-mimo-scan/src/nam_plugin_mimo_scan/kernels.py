@@ -98,11 +98,28 @@ def _decay_weights(tok, cs, gam, cc, T: tl.constexpr, RP: tl.constexpr):
     return decay * tl.where(ti == tj, gam[None, :], cc[None, :]), decay
 
 
+_SIGMOID_ASM: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+"""On a GPU ``_sigmoid`` is one PTX sequence (the interpreter runs no PTX, and takes ``1 / (1 + exp(-x))``)."""
+
+
+@triton.jit
+def _sigmoid(x):
+    """1 / (1 + 2^(-x log2 e)): ex2.approx, an add and rcp.approx (1 ulp), flushing denormals to zero. Triton's
+    ``tl.sigmoid`` divides with ``div.full`` (range-scaled: ~20 SASS instructions an element; r40's profile of
+    the per-head pass put 12% of its stall samples there); both are within a few ulp of the exact value."""
+    if _SIGMOID_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 e; ex2.approx.ftz.f32 e, $1; add.ftz.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",
+            "=r,r", [x * -1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / (1.0 + tl.exp(-x))
+
+
 @triton.jit
 def _dy(dout, mo, z, mz):
     """dL/dy_tr = dout_t * mimo_o_r * silu(z_t mimo_z_r)."""
     zm = z * mz
-    return dout * mo * zm * tl.sigmoid(zm)
+    return dout * mo * zm * _sigmoid(zm)
 
 
 @triton.jit
@@ -229,7 +246,7 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
     y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
     zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols) * _load_proj(mz_ptr, h, rank, valid, R, P,
                                                                                        pcols)
-    o = (y + tl.load(d_ptr + h) * v) * zm * tl.sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
+    o = (y + tl.load(d_ptr + h) * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
     out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)  # [T, p]
     toks = c * T + tl.arange(0, T)
     tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
@@ -237,14 +254,10 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
 
 
 @triton.jit
-def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW: tl.constexpr, HALF: tl.constexpr,
-                   FUSED_SUMS: tl.constexpr):
+def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW: tl.constexpr,
+                   HALF: tl.constexpr):
     """A bias's gradient partials over this chunk's tokens, ``[RP, NW]`` at ``ptr`` (lo) and ``ptr + HALF`` (hi)."""
-    if FUSED_SUMS:
-        lo, hi = tl.reduce((tl.reshape(u_lo, (T, RP, NW)), tl.reshape(u_hi, (T, RP, NW))), 0, _add2)
-    else:
-        lo = tl.sum(tl.reshape(u_lo, (T, RP, NW)), axis=0)
-        hi = tl.sum(tl.reshape(u_hi, (T, RP, NW)), axis=0)
+    lo, hi = tl.reduce((tl.reshape(u_lo, (T, RP, NW)), tl.reshape(u_hi, (T, RP, NW))), 0, _add2)
     tl.store(ptr, lo, mask=rmask)
     tl.store(ptr + HALF, hi, mask=rmask)
 
@@ -253,8 +266,7 @@ def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW
 def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr,
                mo_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R,
                NC, x_base, x_sl, z_base, z_sl, do_base, do_sl,
-               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr,
-               FUSED_SUMS: tl.constexpr):
+               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr):
     """Column block ``hp`` of the per-head pass's ``PH`` blocks of the head dim (its ``[M, P/PH]`` tiles live
     only here): dx, dz and the d mimo_* partials of those columns. Returns the block's shares of three per-row
     sums: d c's inter-chunk part, d Lambda, dD."""
@@ -275,7 +287,7 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols) * _load_proj(mo_ptr, h, rank, valid, R,
                                                                             P, cols)
     zm = z * mz
-    sg = tl.sigmoid(zm)
+    sg = _sigmoid(zm)
     dyb = d_o * zm * sg
     y = tl.dot(mmat, vb.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
                                                  + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
@@ -291,21 +303,11 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols)
     # sums that share an axis are one reduction (one set of shuffles and barriers, the same sums):
     # over the ranks (dx, dz), over the tokens (d mimo_x, _z, _o partials; rows spread over the warps)
-    if FUSED_SUMS:
-        dxs, dzs = tl.reduce((tl.reshape(dvt * mx, (T, RP, P // PH)), tl.reshape(dzm * mz, (T, RP, P // PH))), 1,
-                             _add2)
-        dmxs, dmzs, dmos = tl.reduce((tl.reshape(dvt * x, (T, RP, P // PH)), tl.reshape(dzm * z, (T, RP, P // PH)),
-                                      tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH))), 0, _add3)
-        rows_dc, rows_dcs, rows_dd = tl.reduce((vb * dvi, dyb * y - vb * dv, dyb * vb), 1, _add3)
-    else:
-        dxs = tl.sum(tl.reshape(dvt * mx, (T, RP, P // PH)), axis=1)
-        dzs = tl.sum(tl.reshape(dzm * mz, (T, RP, P // PH)), axis=1)
-        dmxs = tl.sum(tl.reshape(dvt * x, (T, RP, P // PH)), axis=0)
-        dmzs = tl.sum(tl.reshape(dzm * z, (T, RP, P // PH)), axis=0)
-        dmos = tl.sum(tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH)), axis=0)
-        rows_dc = tl.sum(vb * dvi, axis=1)
-        rows_dcs = tl.sum(dyb * y - vb * dv, axis=1)
-        rows_dd = tl.sum(dyb * vb, axis=1)
+    dxs, dzs = tl.reduce((tl.reshape(dvt * mx, (T, RP, P // PH)), tl.reshape(dzm * mz, (T, RP, P // PH))), 1,
+                         _add2)
+    dmxs, dmzs, dmos = tl.reduce((tl.reshape(dvt * x, (T, RP, P // PH)), tl.reshape(dzm * z, (T, RP, P // PH)),
+                                  tl.reshape(dout * ypd * zm * sg, (T, RP, P // PH))), 0, _add3)
+    rows_dc, rows_dcs, rows_dd = tl.reduce((vb * dvi, dyb * y - vb * dv, dyb * vb), 1, _add3)
     tl.store(dx_ptr + out_off, dxs.to(dx_ptr.dtype.element_ty), mask=tmask)
     tl.store(dz_ptr + out_off, dzs.to(dz_ptr.dtype.element_ty), mask=tmask)
     tl.store(dmx_ptr + part, dmxs, mask=rmask)
@@ -319,8 +321,7 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
                cs_ptr, gam_ptr, c_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dgam_ptr, dc_ptr, dcs_ptr, dmx_ptr, dmz_ptr,
                dmo_ptr, dd_ptr, hq_ptr, hy_ptr, L, H, R, S, NC, q_base, q_sl, q_sr, k_base, k_sl, k_sr,
                x_base, x_sl, z_base, z_sl, do_base, do_sl,
-               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr,
-               FUSED_SUMS: tl.constexpr):
+               T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr):
     """The per-head pass (``bwd_kernel``'s ``CHUNK``) for chunk ``c`` of head ``h``; the head dim in a loop over
     ``PH`` column blocks (``_head_cols``)."""
     LP = NC * T
@@ -367,11 +368,7 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
     qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
     # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
     e = dmd * qk
-    if FUSED_SUMS:
-        dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
-    else:
-        dgam_col = tl.sum(tl.where(same, e, 0.0), axis=0)
-        e_col = tl.sum(e, axis=0)
+    dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
     tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
     dc_col = e_col - dgam_col
     mmat = (qk * decay * wmat).to(DT)
@@ -383,16 +380,12 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
         dc_b, dcs_b, dd_b = _head_cols(
             hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
             s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R, NC,
-            x_base, x_sl, z_base, z_sl, do_base, do_sl, T, RP, HALF, P, PH, FUSED_SUMS)
+            x_base, x_sl, z_base, z_sl, do_base, do_sl, T, RP, HALF, P, PH)
         dc_row += dc_b
         dcs_row += dcs_b
         dd_row += dd_b
-    if FUSED_SUMS:
-        dc_t, dcs_t = tl.reduce((tl.reshape(dc_col + to_end * dc_row, (T, RP)), tl.reshape(dcs_row, (T, RP))), 1,
-                                _add2)
-    else:
-        dc_t = tl.sum(tl.reshape(dc_col + to_end * dc_row, (T, RP)), axis=1)
-        dcs_t = tl.sum(tl.reshape(dcs_row, (T, RP)), axis=1)
+    dc_t, dcs_t = tl.reduce((tl.reshape(dc_col + to_end * dc_row, (T, RP)), tl.reshape(dcs_row, (T, RP))), 1,
+                            _add2)
     tl.store(dc_ptr + bh * LP + toks, dc_t)
     tl.store(dcs_ptr + bh * LP + toks, dcs_t)
     tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(dd_row, axis=0))
@@ -407,7 +400,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr, NS: tl.constexpr, FS: tl.constexpr = 1):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
@@ -439,7 +432,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                 dmo_ptr, dd_ptr, hq_ptr, hy_ptr, L, H, R, S, NC, b * q_sb + g * q_sg, q_sl, q_sr,
                 b * k_sb + g * k_sg, k_sl, k_sr, b * x_sb + h * x_sh, x_sl, b * z_sb + h * z_sh, z_sl,
                 b * do_sb + h * do_sh, do_sl)
-        _head_pass(tl.program_id(0), *args, T, RP, HALF, P, PH, FS)
+        _head_pass(tl.program_id(0), *args, T, RP, HALF, P, PH)
         return
     NW: tl.constexpr = HALF // NS  # dq / dk: this program's window of each half of n
     # grid (nc*NS, b*g), the group's heads in turn; a chunk's NS windows are adjacent programs, so they
@@ -497,7 +490,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             u_hi = d_hi * cos - d_lo * sin
             dq_lo += u_lo
             dq_hi += u_hi
-            _bias_partials(dqb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF, FS)
+            _bias_partials(dqb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF)
             rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DK:
@@ -512,7 +505,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             u_hi = d_hi * cos - d_lo * sin
             dk_lo += u_lo
             dk_hi += u_hi
-            _bias_partials(dkb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF, FS)
+            _bias_partials(dkb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF)
             rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DQ or DK:

@@ -43,9 +43,19 @@ cases = {
 # dq and dk in column windows (config NS 2: each program a window of 16 of each half's 32 columns), the per-head
 # pass whole; 2 heads per group
 from nam_plugin_mimo_scan import kernels
-kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2), kernels._config(4, 2, NS=1)]
+kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2, GO=0), kernels._config(4, 2, NS=1, GO=0)]
 kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
 cases["r4_g2_windows"] = compare(1, 37, 4, 2, 64, 16, 4, **f32)
+# the loads a step ahead: the walks read the next chunk's phase table and log-decays while this one computes
+# (PF 1; 8-token tiles: 5 chunks, the last ragged), dq / dk the group's q and k once and the next head's table
+# (GO 1), in windows (NS 2); 2 heads per group
+kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2, GO=1), kernels._config(4, 2, NS=1, GO=0)]
+for name in ("state_walk", "dstate_walk"):
+    kernels.CONFIGS[name] = [kernels._config(4, PSPLIT=1, PF=1)]
+for name, kernel in (("bwd", kernels.bwd_kernel), ("state_walk", kernels.state_walk_kernel),
+                     ("dstate_walk", kernels.dstate_walk_kernel)):
+    kernels.KERNELS[name] = kernels._tuned(name, kernel)
+cases["r4_g2_ahead"] = compare(1, 37, 4, 2, 64, 16, 4, block_t=8, **f32)
 print(json.dumps(cases))
 """
 
@@ -55,7 +65,7 @@ def interpreted(run_interpreted):
     return run_interpreted(INTERPRETED)
 
 
-@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows"])
+@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows", "r4_g2_ahead"])
 def test_kernels_match_the_reference_in_output_and_every_gradient(interpreted, case):
     errors = dict(interpreted[case])
     seed = errors.pop("seed")

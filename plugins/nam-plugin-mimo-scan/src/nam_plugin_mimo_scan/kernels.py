@@ -34,22 +34,53 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
-    """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, n/2]`` fp32 (columns >= S: cos 1, sin 0), read
-    from the table the ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then sin) once per token ``[T, n/2]`` and
-    repeated over the ranks in registers (a row-wise load read each token RP times; in the 2-stage state walk it
-    took 123 KB of shared memory against 99 KB read per token, Triton 3.6 sm_90). q and k of a (token, head)
-    share them, so a kernel rotating both reads them once. Columns ``[col0, col0 + W)`` of the half
-    (``[T * RP, W]``)."""
+def _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, W: tl.constexpr):
+    """cos and sin of the phases of chunk ``c``'s tokens, ``[T, W]`` fp32 each: columns ``[col0, col0 + W)`` of
+    the half (columns >= S: cos 1, sin 0) of the table the ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then
+    sin)."""
     cols = col0 + tl.arange(0, W)
     toks = c * T + tl.arange(0, T)
     ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]
     m = (toks < L)[:, None] & (cols[None, :] < S)
-    cos = tl.load(ptr, mask=m, other=1.0)
-    sin = tl.load(ptr + S, mask=m, other=0.0)
+    return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + S, mask=m, other=0.0)
+
+
+@triton.jit
+def _over_ranks(cos, sin, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
+    """Per-token ``[T, W]`` tiles repeated over the ranks in registers, ``[T * RP, W]``."""
     cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (T, RP, W)), (T * RP, W))
     sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (T, RP, W)), (T * RP, W))
     return cos, sin
+
+
+@triton.jit
+def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
+    """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, W]`` fp32 (``_cos_sin_table``), read once per
+    token and repeated over the ranks in registers (a row-wise load read each token RP times; in the 2-stage state
+    walk it took 123 KB of shared memory against 99 KB read per token, Triton 3.6 sm_90). q and k of a (token,
+    head) share them, so a kernel rotating both reads them once."""
+    cos, sin = _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, W)
+    return _over_ranks(cos, sin, T, RP, W)
+
+
+@triton.jit
+def _raw_rows(x_ptr, tok, rank, valid, x_base, x_sl, x_sr, col0, HALF: tl.constexpr, W: tl.constexpr):
+    """x (q or k of a group) as loaded, columns ``[col0, col0 + W)`` of its two halves ``[M, W]``."""
+    cols = col0 + tl.arange(0, W)
+    m = valid[:, None]
+    ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
+    return tl.load(ptr, mask=m, other=0.0), tl.load(ptr + HALF, mask=m, other=0.0)
+
+
+@triton.jit
+def _plus_bias(lo, hi, bias_ptr, rank, valid, bias_base, col0, HALF: tl.constexpr, W: tl.constexpr):
+    """``_raw_rows``'s halves plus a head's bias, fp32 (0 on invalid rows)."""
+    cols = col0 + tl.arange(0, W)
+    m = valid[:, None]
+    bptr = bias_ptr + bias_base + rank[:, None] * (2 * HALF) + cols[None, :]
+    lo = tl.where(m, lo.to(tl.float32) + tl.load(bptr, mask=m, other=0.0), 0.0)
+    hi = tl.where(m, hi.to(tl.float32) + tl.load(bptr + HALF, mask=m, other=0.0), 0.0)
+    return lo, hi
 
 
 @triton.jit
@@ -57,14 +88,14 @@ def _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, col0,
          W: tl.constexpr):
     """x + bias, not rotated, as columns ``[col0, col0 + W)`` of its two halves ``[M, W]`` fp32 (0 on invalid
     rows)."""
-    cols = col0 + tl.arange(0, W)
-    m = valid[:, None]
-    ptr = x_ptr + x_base + tok[:, None] * x_sl + rank[:, None] * x_sr + cols[None, :]
-    bptr = bias_ptr + bias_base + rank[:, None] * (2 * HALF) + cols[None, :]
-    lo = tl.where(m, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + tl.load(bptr, mask=m, other=0.0), 0.0)
-    hi = tl.where(m, tl.load(ptr + HALF, mask=m, other=0.0).to(tl.float32)
-                  + tl.load(bptr + HALF, mask=m, other=0.0), 0.0)
-    return lo, hi
+    lo, hi = _raw_rows(x_ptr, tok, rank, valid, x_base, x_sl, x_sr, col0, HALF, W)
+    return _plus_bias(lo, hi, bias_ptr, rank, valid, bias_base, col0, HALF, W)
+
+
+@triton.jit
+def _rotate(lo, hi, cos, sin):
+    """The halves of x + bias rotated by the phase."""
+    return lo * cos - hi * sin, lo * sin + hi * cos
 
 
 @triton.jit
@@ -73,7 +104,7 @@ def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, c
     """(x + bias) rotated by the phase (cos, sin from ``_cos_sin`` at the same columns), as columns
     ``[col0, col0 + W)`` of its two halves ``[M, W]`` fp32."""
     lo, hi = _raw(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, col0, HALF, W)
-    return lo * cos - hi * sin, lo * sin + hi * cos
+    return _rotate(lo, hi, cos, sin)
 
 
 @triton.jit
@@ -133,10 +164,26 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _walk_scalars(rot_ptr, cs_ptr, c_ptr, c, L, rot_base, rot_sl, S, seq_base, T: tl.constexpr, RP: tl.constexpr,
+                  HALF: tl.constexpr, WITH_C: tl.constexpr):
+    """What a walk reads of chunk ``c`` besides its rows: the phase table ``[T, n/2]`` (cos, sin), the log-decays
+    of its rows and of its last token, and (``WITH_C``) its rows' trapezoid weights ``c`` (else 0)."""
+    cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, 0, T, HALF)
+    tok = c * T + tl.arange(0, T * RP) // RP
+    cs = tl.load(cs_ptr + seq_base + tok)
+    cs_end = tl.load(cs_ptr + seq_base + c * T + T - 1)
+    if WITH_C:
+        cc = tl.load(c_ptr + seq_base + tok)
+    else:
+        cc = tl.zeros_like(cs)
+    return cos_t, sin_t, cs, cs_end, cc
+
+
+@triton.jit
 def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-                      PSPLIT: tl.constexpr):
+                      PSPLIT: tl.constexpr, PF: tl.constexpr):
     """Grid (b*h, PSPLIT): ``S_in[c]`` for every chunk, chunks in order, the carry ``[p/PSPLIT, n]`` in fp32
     registers; stored in the dtype of ``s_ptr`` (q's: every reader rounds S_in to it for its dot anyway).
     S_in[0] = 0, S_in[c+1] = exp(cs_end[c]) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T."""
@@ -152,30 +199,54 @@ def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_pt
     rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
-    for c in range(NC):
-        tok, rank, valid = _rows(c, L, R, T, RP)
-        sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-        tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
-        tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0, HALF,
-                            HALF)
-        cs = tl.load(cs_ptr + bh * LP + tok)
-        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-        w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
-        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
-        vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
-        decay = tl.exp(cs_end)
-        carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
-        carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
+    if PF:
+        # PF: chunk c + 1's phase table and log-decays are loaded while chunk c computes (a chain of chunks: a load
+        # issued in the chunk that uses it waits out its whole latency)
+        cos_t, sin_t, cs, cs_end, cc = _walk_scalars(rot_ptr, cs_ptr, c_ptr, 0, L, rot_base, H * 2 * S, S, bh * LP,
+                                                     T, RP, HALF, True)
+        for c in range(NC):
+            tok, rank, valid = _rows(c, L, R, T, RP)
+            sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+            tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
+            tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
+            cos, sin = _over_ranks(cos_t, sin_t, T, RP, HALF)
+            w = tl.exp(cs_end - cs) * cc
+            decay = tl.exp(cs_end)
+            # the next chunk's (the last chunk loads its own again)
+            cos_t, sin_t, cs, cs_end, cc = _walk_scalars(rot_ptr, cs_ptr, c_ptr, tl.minimum(c + 1, NC - 1), L,
+                                                         rot_base, H * 2 * S, S, bh * LP, T, RP, HALF, True)
+            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0,
+                                HALF, HALF)
+            v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+                 * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+            vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
+            carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
+            carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
+    else:
+        for c in range(NC):
+            tok, rank, valid = _rows(c, L, R, T, RP)
+            sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+            tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
+            tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
+            cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0,
+                                HALF, HALF)
+            cs = tl.load(cs_ptr + bh * LP + tok)
+            cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+            w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
+            v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+                 * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+            vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
+            decay = tl.exp(cs_end)
+            carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
+            carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
 
 
 @triton.jit
 def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
                        L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
                        T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-                       PSPLIT: tl.constexpr):
+                       PSPLIT: tl.constexpr, PF: tl.constexpr):
     """Grid (b*h, PSPLIT): ``dS_out[c]`` = dL/dS_in[c+1] for every chunk, chunks in reverse, the carry in fp32
     registers, stored in the dtype of ``ds_ptr``. dS_out[last] = 0, dS_out[c-1] = exp(cs_end[c]) dS_out[c] +
     sum_t exp(cs_t) sum_r dy_tr q~_tr^T (chunk c's own dL/dS_in[c])."""
@@ -191,24 +262,50 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
     rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
-    for i in range(NC):
-        c = NC - 1 - i
-        tok, rank, valid = _rows(c, L, R, T, RP)
-        sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-        tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
-        tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0, HALF,
-                            HALF)
-        cs = tl.load(cs_ptr + bh * LP + tok)
-        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-        dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [BP, M]
-        decay = tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1))
-        carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
-        carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
+    if PF:
+        # PF: as in the state walk, chunk c - 1's phase table and log-decays are loaded while chunk c computes
+        cos_t, sin_t, cs, cs_end, _ = _walk_scalars(rot_ptr, cs_ptr, cs_ptr, NC - 1, L, rot_base, H * 2 * S, S,
+                                                    bh * LP, T, RP, HALF, False)
+        for i in range(NC):
+            c = NC - 1 - i
+            tok, rank, valid = _rows(c, L, R, T, RP)
+            sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+            tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
+            tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
+            cos, sin = _over_ranks(cos_t, sin_t, T, RP, HALF)
+            ecs = tl.exp(cs)
+            decay = tl.exp(cs_end)
+            # the next chunk's (the first chunk loads its own again)
+            cos_t, sin_t, cs, cs_end, _ = _walk_scalars(rot_ptr, cs_ptr, cs_ptr, tl.maximum(c - 1, 0), L, rot_base,
+                                                        H * 2 * S, S, bh * LP, T, RP, HALF, False)
+            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
+                                HALF, HALF)
+            dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+                     _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                     _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+                     _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+            dyt = tl.trans((dy * ecs[:, None]).to(DT))  # [BP, M]
+            carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
+            carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
+    else:
+        for i in range(NC):
+            c = NC - 1 - i
+            tok, rank, valid = _rows(c, L, R, T, RP)
+            sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+            tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
+            tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
+            cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
+                                HALF, HALF)
+            cs = tl.load(cs_ptr + bh * LP + tok)
+            dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+                     _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                     _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+                     _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+            dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [BP, M]
+            decay = tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1))
+            carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
+            carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
 
 
 @triton.jit
@@ -400,7 +497,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr, NS: tl.constexpr):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr, GO: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
@@ -457,6 +554,15 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     dq_hi = tl.zeros((T * RP, NW), tl.float32)
     dk_lo = tl.zeros((T * RP, NW), tl.float32)
     dk_hi = tl.zeros((T * RP, NW), tl.float32)
+    # GO: q and k are the group's, the same for each of its heads: loaded once, as stored (the heads differ in
+    # their biases and phases), and the next head's phase table and log-decays are loaded while this head computes
+    rot_sl = H * 2 * S
+    if GO:
+        q_lo, q_hi = _raw_rows(q_ptr, tok, rank, valid, q_base, q_sl, q_sr, col0, HALF, NW)
+        k_lo, k_hi = _raw_rows(k_ptr, tok, rank, valid, k_base, k_sl, k_sr, col0, HALF, NW)
+        cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, (b * L * H + h0) * 2 * S, rot_sl, S, col0, T, NW)
+        cs = tl.load(cs_ptr + (b * H + h0) * LP + tok)
+        cc = tl.load(c_ptr + (b * H + h0) * LP + tok)
     for j in range(HPG):
         h = h0 + j
         bh = b * H + h
@@ -464,14 +570,26 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         rot_base = 2 * ph_base  # the cos / sin table [b, l, h, 2s]
         x_base = b * x_sb + h * x_sh
         qb_base = h * R * 2 * HALF
-        cs = tl.load(cs_ptr + bh * LP + tok)
-        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-        cc = tl.load(c_ptr + bh * LP + tok)
-        ecs = tl.exp(cs)
-        to_end = tl.exp(cs_end - cs)
-        inter = (to_end * cc)[:, None]
-        st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]  # [p, NW] windows of the halves
-        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, col0, T, RP, NW)
+        if GO:
+            cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+            ecs = tl.exp(cs)
+            to_end = tl.exp(cs_end - cs)
+            inter = (to_end * cc)[:, None]
+            st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]  # [p, NW] windows of the halves
+            cos, sin = _over_ranks(cos_t, sin_t, T, RP, NW)
+            nxt = b * H + tl.minimum(h + 1, h0 + HPG - 1)  # the last head loads its own again
+            cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, 2 * (nxt - b * H + b * L * H) * S, rot_sl, S, col0, T, NW)
+            cs = tl.load(cs_ptr + nxt * LP + tok)
+            cc = tl.load(c_ptr + nxt * LP + tok)
+        else:
+            cs = tl.load(cs_ptr + bh * LP + tok)
+            cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+            cc = tl.load(c_ptr + bh * LP + tok)
+            ecs = tl.exp(cs)
+            to_end = tl.exp(cs_end - cs)
+            inter = (to_end * cc)[:, None]
+            st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]
+            cos, sin = _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, RP, NW)
         rows = tl.arange(0, T * RP)
         hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
 
@@ -480,8 +598,11 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         dph = dph_ptr + ph_base + toks[:, None] * (H * S) + ncols[None, :]
         dphi = tl.zeros((T * RP, NW), tl.float32)
         if DQ:
-            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, col0, HALF,
-                                NW)
+            if GO:
+                klo, khi = _rotate(*_plus_bias(k_lo, k_hi, kb_ptr, rank, valid, qb_base, col0, HALF, NW), cos, sin)
+            else:
+                klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, cos, sin, col0,
+                                    HALF, NW)
             dqk = tl.load(hq_ptr + hand[:, None] * (T * RP) + rows[None, :])
             dyd = tl.load(hy_ptr + hand[:, None] * P + pcols[None, :])
             d_lo = tl.dot(dqk, klo.to(DT)) + ecs[:, None] * tl.dot(dyd, tl.load(s_ptr + st).to(DT))
@@ -491,11 +612,17 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             dq_lo += u_lo
             dq_hi += u_hi
             _bias_partials(dqb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF)
-            rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, col0, HALF, NW)
+            if GO:
+                rlo, rhi = _plus_bias(q_lo, q_hi, qb_ptr, rank, valid, qb_base, col0, HALF, NW)
+            else:
+                rlo, rhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DK:
-            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, col0, HALF,
-                                NW)
+            if GO:
+                qlo, qhi = _rotate(*_plus_bias(q_lo, q_hi, qb_ptr, rank, valid, qb_base, col0, HALF, NW), cos, sin)
+            else:
+                qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, col0,
+                                    HALF, NW)
             dqkt = tl.load(hq_ptr + hand[None, :] * (T * RP) + rows[:, None])  # dL/d(q~.k~), transposed
             vd = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
                   * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
@@ -506,7 +633,10 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             dk_lo += u_lo
             dk_hi += u_hi
             _bias_partials(dkb_ptr + bpart, u_lo, u_hi, rmask, T, RP, NW, HALF)
-            rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, col0, HALF, NW)
+            if GO:
+                rlo, rhi = _plus_bias(k_lo, k_hi, kb_ptr, rank, valid, qb_base, col0, HALF, NW)
+            else:
+                rlo, rhi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, qb_base, col0, HALF, NW)
             dphi += u_hi * rlo - u_lo * rhi
         if DQ or DK:
             dphi_t = tl.sum(tl.reshape(dphi, (T, RP, NW)), axis=1)
@@ -615,9 +745,10 @@ CONFIGS = {
     # (2.80 at 4 warps PSPLIT 2). A walk has one program per (b, h): 256 at b2, so a walk runs in one wave only
     # if two programs fit an SM (shared memory <= ~113 KB, registers <= 255 a thread at 4 warps); with the
     # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM)
-    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1)],
-    "dstate_walk": [_config(8, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 2, PSPLIT=1),
-                    _config(4, 1, PSPLIT=1)],
+    "state_walk": [_config(4, 2, PSPLIT=1, PF=0), _config(4, 2, PSPLIT=2, PF=0), _config(4, 1, PSPLIT=1, PF=0),
+                   _config(4, 1, PSPLIT=1, PF=1), _config(4, 2, PSPLIT=2, PF=1)],
+    "dstate_walk": [_config(8, 2, PSPLIT=1, PF=0), _config(4, 2, PSPLIT=2, PF=0), _config(4, 2, PSPLIT=1, PF=0),
+                    _config(4, 1, PSPLIT=1, PF=0), _config(4, 1, PSPLIT=1, PF=1), _config(8, 2, PSPLIT=1, PF=1)],
     "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
@@ -630,8 +761,8 @@ CONFIGS = {
     # (4.02 at its best NS 1; 5.40 at NS 4), 3.52 with a chunk's windows adjacent (r36); dq 3.06 at NS 2 against
     # 2.96 at NS 1. NS 2 and 4 at 4 warps, 2 stages matched the reference at 16- and 32-token tiles
     # (gpu/mimo_fault.py, r33 and r35). A cap on registers (_config's maxnreg) was slower for every pass (r35)
-    "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),
-            _config(4, 2, NS=2)],
+    "bwd": [_config(4, NS=1, GO=0), _config(8, NS=1, GO=0), _config(16, NS=1, GO=0), _config(8, 2, NS=1, GO=0),
+            _config(4, 2, NS=1, GO=0), _config(4, 2, NS=2, GO=0), _config(4, NS=1, GO=1), _config(4, 2, NS=2, GO=1)],
 }
 """Under ``TRITON_INTERPRET=1`` each launch takes the first config ``_fits`` leaves it (nothing to time there)."""
 
@@ -648,8 +779,9 @@ def _bwd_may_take(config, per_head: bool, half: int) -> bool:
     """Whether a ``bwd`` pass may take this config (``_fits``): the per-head pass only ``PER_HEAD_CONFIGS``,
     whole (NS 1); dq / dk any but r30's 4 warps with 2 stages unwindowed, in windows of >= 16 columns."""
     ns = config.kwargs.get("NS", 1)
-    if per_head:
-        return (config.num_warps, config.num_stages, config.maxnreg) in PER_HEAD_CONFIGS and ns == 1
+    if per_head:  # GO is dq / dk's: the per-head pass's code is the same either way
+        return ((config.num_warps, config.num_stages, config.maxnreg) in PER_HEAD_CONFIGS and ns == 1
+                and not config.kwargs.get("GO"))
     return (config.num_warps, config.num_stages, ns) != (4, 2, 1) and half // ns >= 16
 
 

@@ -4,7 +4,6 @@ in windows of n's columns), 4 warps, 1 stage, NS 1 for the others, the prune rul
 (a fault ends the CUDA context):
 
     CUDA_LAUNCH_BLOCKING=1 python gpu/mimo_fault.py WARPS STAGES [--pass CHUNK] [--ns 1] [--block-t 32] [--maxnreg R]
-        [--go 1] [--pf 1]
 
 Prints ``ok`` with the worst error against the fp32 reference, or dies with the CUDA error.
 """
@@ -24,18 +23,11 @@ def main() -> None:
     ap.add_argument("--ns", type=int, default=1)
     ap.add_argument("--block-t", type=int, default=32)
     ap.add_argument("--maxnreg", type=int, default=None, help="the given config's cap on registers a thread")
-    ap.add_argument("--go", type=int, default=0, help="the given config's GO (dq / dk: the group's q and k once)")
-    ap.add_argument("--pf", type=int, default=0, help="the walks' PF (the next chunk's loads a step ahead), at "
-                    "4 warps, 1 stage, PSPLIT 1")
     a = ap.parse_args()
     from nam_plugin_mimo_scan import kernels
     from nam_plugin_mimo_scan.selftest import compare
 
-    given = kernels._config(a.warps, a.stages, a.maxnreg, NS=a.ns, GO=a.go)
-    other = kernels._config(4, 1, NS=1, GO=0)
-    for name, kernel in (("state_walk", kernels.state_walk_kernel), ("dstate_walk", kernels.dstate_walk_kernel)):
-        kernels.CONFIGS[name] = [kernels._config(4, 1, PSPLIT=1, PF=a.pf)]
-        kernels.KERNELS[name] = kernels._tuned(name, kernel)
+    given, other = kernels._config(a.warps, a.stages, a.maxnreg, NS=a.ns), kernels._config(4, 1, NS=1)
     kernels.CONFIGS["bwd"] = [given, other]
     kernels._fits = lambda configs, nargs, **kw: [given if kw.get(a.flag) else other]
     kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
@@ -43,8 +35,7 @@ def main() -> None:
                      norms=True)
     torch.cuda.synchronize()
     worst = max(v for v in errors.values() if isinstance(v, float))
-    print(f"ok {a.flag} warps={a.warps} stages={a.stages} maxnreg={a.maxnreg} NS={a.ns} GO={a.go} PF={a.pf} "
-          f"block_t={a.block_t}: "
+    print(f"ok {a.flag} warps={a.warps} stages={a.stages} maxnreg={a.maxnreg} NS={a.ns} block_t={a.block_t}: "
           f"worst relative error {worst:.2e}")
 
 

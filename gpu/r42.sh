@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# A record of what ran: the variants' flags (PF, GO; mimo_fault.py --go --pf) were removed after this round, each
+# kept where it won (the dstate walk always loads ahead, dq / dk in windows load the group's q and k once, the state
+# walk as before), so the script no longer runs as it stands. MF_DQ_32 ran out of its 40 s compiling; MP's last
+# test (the preflight launch) was cut by the step's limit after 8 passed.
 # Round 42 (2026-11-29, fourth session), one H200, after `source gpu/host.sh`. r41: fwd+bwd 21.77 ms (per head
 # 6.48, dk 3.41, dq 2.74, dstate_walk 2.14, fwd_chunk 2.23, state_walk 1.07); its profile by line (gpu/ncu_lines.py)
 # put dk's and dq's stalls on loads of the group's q / k (the same for all 16 heads of a group, loaded again for

@@ -40,22 +40,13 @@ cases = {
     # per-head backward pass walks it in 2 column blocks
     "r4_g4": compare(1, 37, 4, 4, 32, 32, 4, **f32),
 }
-# dq and dk in column windows (config NS 2: each program a window of 16 of each half's 32 columns), the per-head
-# pass whole; 2 heads per group
+# dq and dk in column windows (config NS 2: each program a window of 16 of each half's 32 columns), which load the
+# group's q and k once and the next head's phase table ahead; the per-head pass whole; 2 heads per group; 8-token
+# tiles (5 chunks, the last ragged: the dstate walk loads each next chunk's table ahead)
 from nam_plugin_mimo_scan import kernels
-kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2, GO=0), kernels._config(4, 2, NS=1, GO=0)]
+kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2), kernels._config(4, 2, NS=1)]
 kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
-cases["r4_g2_windows"] = compare(1, 37, 4, 2, 64, 16, 4, **f32)
-# the loads a step ahead: the walks read the next chunk's phase table and log-decays while this one computes
-# (PF 1; 8-token tiles: 5 chunks, the last ragged), dq / dk the group's q and k once and the next head's table
-# (GO 1), in windows (NS 2); 2 heads per group
-kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2, GO=1), kernels._config(4, 2, NS=1, GO=0)]
-for name in ("state_walk", "dstate_walk"):
-    kernels.CONFIGS[name] = [kernels._config(4, PSPLIT=1, PF=1)]
-for name, kernel in (("bwd", kernels.bwd_kernel), ("state_walk", kernels.state_walk_kernel),
-                     ("dstate_walk", kernels.dstate_walk_kernel)):
-    kernels.KERNELS[name] = kernels._tuned(name, kernel)
-cases["r4_g2_ahead"] = compare(1, 37, 4, 2, 64, 16, 4, block_t=8, **f32)
+cases["r4_g2_windows"] = compare(1, 37, 4, 2, 64, 16, 4, block_t=8, **f32)
 print(json.dumps(cases))
 """
 
@@ -65,7 +56,7 @@ def interpreted(run_interpreted):
     return run_interpreted(INTERPRETED)
 
 
-@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows", "r4_g2_ahead"])
+@pytest.mark.parametrize("case", ["r2_g1", "r3_g2", "r4_g4", "r4_g2_windows"])
 def test_kernels_match_the_reference_in_output_and_every_gradient(interpreted, case):
     errors = dict(interpreted[case])
     seed = errors.pop("seed")
@@ -210,7 +201,7 @@ def test_the_tuner_offers_each_pass_only_the_launch_configs_measured_correct_and
         assert {(4, 1, 1), (4, 2, 2)} <= windows
     for walk in ("state_walk", "dstate_walk"):
         assert offered(walk) == {(c.num_warps, c.num_stages, c.kwargs["PSPLIT"]) for c in kernels.CONFIGS[walk]}
-        assert any(c.num_stages == 2 and c.num_warps == 4 for c in kernels.CONFIGS[walk])
+        assert any(c.num_stages == 2 for c in kernels.CONFIGS[walk])
 
 
 def test_requesting_the_plugin_selects_the_scan_and_an_explicit_choice_wins():

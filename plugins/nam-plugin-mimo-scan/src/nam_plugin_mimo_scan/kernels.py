@@ -164,26 +164,22 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _walk_scalars(rot_ptr, cs_ptr, c_ptr, c, L, rot_base, rot_sl, S, seq_base, T: tl.constexpr, RP: tl.constexpr,
-                  HALF: tl.constexpr, WITH_C: tl.constexpr):
-    """What a walk reads of chunk ``c`` besides its rows: the phase table ``[T, n/2]`` (cos, sin), the log-decays
-    of its rows and of its last token, and (``WITH_C``) its rows' trapezoid weights ``c`` (else 0)."""
+def _walk_scalars(rot_ptr, cs_ptr, c, L, rot_base, rot_sl, S, seq_base, T: tl.constexpr, RP: tl.constexpr,
+                  HALF: tl.constexpr):
+    """What the dstate walk reads of chunk ``c`` besides its rows: the phase table ``[T, n/2]`` (cos, sin) and the
+    log-decays of its rows and of its last token."""
     cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, 0, T, HALF)
     tok = c * T + tl.arange(0, T * RP) // RP
     cs = tl.load(cs_ptr + seq_base + tok)
     cs_end = tl.load(cs_ptr + seq_base + c * T + T - 1)
-    if WITH_C:
-        cc = tl.load(c_ptr + seq_base + tok)
-    else:
-        cc = tl.zeros_like(cs)
-    return cos_t, sin_t, cs, cs_end, cc
+    return cos_t, sin_t, cs, cs_end
 
 
 @triton.jit
 def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-                      PSPLIT: tl.constexpr, PF: tl.constexpr):
+                      PSPLIT: tl.constexpr):
     """Grid (b*h, PSPLIT): ``S_in[c]`` for every chunk, chunks in order, the carry ``[p/PSPLIT, n]`` in fp32
     registers; stored in the dtype of ``s_ptr`` (q's: every reader rounds S_in to it for its dot anyway).
     S_in[0] = 0, S_in[c+1] = exp(cs_end[c]) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T."""
@@ -199,54 +195,30 @@ def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_pt
     rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
-    if PF:
-        # PF: chunk c + 1's phase table and log-decays are loaded while chunk c computes (a chain of chunks: a load
-        # issued in the chunk that uses it waits out its whole latency)
-        cos_t, sin_t, cs, cs_end, cc = _walk_scalars(rot_ptr, cs_ptr, c_ptr, 0, L, rot_base, H * 2 * S, S, bh * LP,
-                                                     T, RP, HALF, True)
-        for c in range(NC):
-            tok, rank, valid = _rows(c, L, R, T, RP)
-            sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-            tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
-            tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-            cos, sin = _over_ranks(cos_t, sin_t, T, RP, HALF)
-            w = tl.exp(cs_end - cs) * cc
-            decay = tl.exp(cs_end)
-            # the next chunk's (the last chunk loads its own again)
-            cos_t, sin_t, cs, cs_end, cc = _walk_scalars(rot_ptr, cs_ptr, c_ptr, tl.minimum(c + 1, NC - 1), L,
-                                                         rot_base, H * 2 * S, S, bh * LP, T, RP, HALF, True)
-            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0,
-                                HALF, HALF)
-            v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-                 * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
-            vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
-            carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
-            carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
-    else:
-        for c in range(NC):
-            tok, rank, valid = _rows(c, L, R, T, RP)
-            sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-            tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
-            tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-            cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
-            klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0,
-                                HALF, HALF)
-            cs = tl.load(cs_ptr + bh * LP + tok)
-            cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-            w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
-            v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
-                 * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
-            vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
-            decay = tl.exp(cs_end)
-            carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
-            carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
+    for c in range(NC):
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
+        tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0,
+                            HALF, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+        vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
+        decay = tl.exp(cs_end)
+        carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
+        carry_hi = carry_hi * decay + tl.dot(vw, khi.to(DT))
 
 
 @triton.jit
 def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs_ptr, ds_ptr,
                        L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh,
                        T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-                       PSPLIT: tl.constexpr, PF: tl.constexpr):
+                       PSPLIT: tl.constexpr):
     """Grid (b*h, PSPLIT): ``dS_out[c]`` = dL/dS_in[c+1] for every chunk, chunks in reverse, the carry in fp32
     registers, stored in the dtype of ``ds_ptr``. dS_out[last] = 0, dS_out[c-1] = exp(cs_end[c]) dS_out[c] +
     sum_t exp(cs_t) sum_r dy_tr q~_tr^T (chunk c's own dL/dS_in[c])."""
@@ -262,51 +234,32 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
     rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
-    if PF:
-        # PF: as in the state walk, chunk c - 1's phase table and log-decays are loaded while chunk c computes
-        cos_t, sin_t, cs, cs_end, _ = _walk_scalars(rot_ptr, cs_ptr, cs_ptr, NC - 1, L, rot_base, H * 2 * S, S,
-                                                    bh * LP, T, RP, HALF, False)
-        for i in range(NC):
-            c = NC - 1 - i
-            tok, rank, valid = _rows(c, L, R, T, RP)
-            sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-            tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
-            tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-            cos, sin = _over_ranks(cos_t, sin_t, T, RP, HALF)
-            ecs = tl.exp(cs)
-            decay = tl.exp(cs_end)
-            # the next chunk's (the first chunk loads its own again)
-            cos_t, sin_t, cs, cs_end, _ = _walk_scalars(rot_ptr, cs_ptr, cs_ptr, tl.maximum(c - 1, 0), L, rot_base,
-                                                        H * 2 * S, S, bh * LP, T, RP, HALF, False)
-            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
-                                HALF, HALF)
-            dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-                     _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                     _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-                     _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-            dyt = tl.trans((dy * ecs[:, None]).to(DT))  # [BP, M]
-            carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
-            carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
-    else:
-        for i in range(NC):
-            c = NC - 1 - i
-            tok, rank, valid = _rows(c, L, R, T, RP)
-            sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
-            tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
-            tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
-            cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
-            qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
-                                HALF, HALF)
-            cs = tl.load(cs_ptr + bh * LP + tok)
-            dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
-                     _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                     _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
-                     _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-            dyt = tl.trans((dy * tl.exp(cs)[:, None]).to(DT))  # [BP, M]
-            decay = tl.exp(tl.load(cs_ptr + bh * LP + c * T + T - 1))
-            carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
-            carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
-
+    # chunk c - 1's phase table and log-decays are loaded while chunk c computes: the walk is a chain of chunks,
+    # where a load issued in the chunk that uses it waits out its whole latency (r42: 2.15 -> 1.36 ms at NAM56R's
+    # b2; the state walk, the same way, went 1.07 -> 1.21 ms and loads its own)
+    cos_t, sin_t, cs, cs_end = _walk_scalars(rot_ptr, cs_ptr, NC - 1, L, rot_base, H * 2 * S, S, bh * LP, T, RP,
+                                             HALF)
+    for i in range(NC):
+        c = NC - 1 - i
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        sp = ds_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+        tl.store(sp, carry_lo.to(ds_ptr.dtype.element_ty))
+        tl.store(sp + HALF, carry_hi.to(ds_ptr.dtype.element_ty))
+        cos, sin = _over_ranks(cos_t, sin_t, T, RP, HALF)
+        ecs = tl.exp(cs)
+        decay = tl.exp(cs_end)
+        # the next chunk's (the first chunk loads its own again)
+        cos_t, sin_t, cs, cs_end = _walk_scalars(rot_ptr, cs_ptr, tl.maximum(c - 1, 0), L, rot_base, H * 2 * S, S,
+                                                 bh * LP, T, RP, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
+                            HALF, HALF)
+        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+        dyt = tl.trans((dy * ecs[:, None]).to(DT))  # [BP, M]
+        carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
+        carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
 
 @triton.jit
 def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
@@ -497,7 +450,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, do_sb, do_sl, do_sh, G,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
                CHUNK: tl.constexpr, DQ: tl.constexpr, DK: tl.constexpr, PH: tl.constexpr,
-               PER_HEAD: tl.constexpr, NS: tl.constexpr, GO: tl.constexpr):
+               PER_HEAD: tl.constexpr, NS: tl.constexpr):
     """One of the backward's three passes over a chunk, launched in turn (a flag each):
 
     * ``CHUNK`` (``PER_HEAD``: grid (nc, b*h), one head a program): everything but dq and dk: dx, dz, the
@@ -554,8 +507,12 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     dq_hi = tl.zeros((T * RP, NW), tl.float32)
     dk_lo = tl.zeros((T * RP, NW), tl.float32)
     dk_hi = tl.zeros((T * RP, NW), tl.float32)
-    # GO: q and k are the group's, the same for each of its heads: loaded once, as stored (the heads differ in
-    # their biases and phases), and the next head's phase table and log-decays are loaded while this head computes
+    # GO (in windows, NS > 1): q and k are the group's, the same for each of its heads: loaded once, as stored (the
+    # heads differ in their biases and phases), and the next head's phase table and log-decays are loaded while
+    # this head computes. r42 (H200, NAM56R's b2), 4 warps 2 stages in 2 windows: dq 3.11 -> 2.77 ms, dk 3.52 ->
+    # 2.94; unwindowed (4 warps 1 stage) the held tiles spill (584 -> 832 B for dq), dq 2.87 -> 3.37, so NS 1
+    # loads them per head as before
+    GO: tl.constexpr = NS > 1
     rot_sl = H * 2 * S
     if GO:
         q_lo, q_hi = _raw_rows(q_ptr, tok, rank, valid, q_base, q_sl, q_sr, col0, HALF, NW)
@@ -745,10 +702,8 @@ CONFIGS = {
     # (2.80 at 4 warps PSPLIT 2). A walk has one program per (b, h): 256 at b2, so a walk runs in one wave only
     # if two programs fit an SM (shared memory <= ~113 KB, registers <= 255 a thread at 4 warps); with the
     # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM)
-    "state_walk": [_config(4, 2, PSPLIT=1, PF=0), _config(4, 2, PSPLIT=2, PF=0), _config(4, 1, PSPLIT=1, PF=0),
-                   _config(4, 1, PSPLIT=1, PF=1), _config(4, 2, PSPLIT=2, PF=1)],
-    "dstate_walk": [_config(8, 2, PSPLIT=1, PF=0), _config(4, 2, PSPLIT=2, PF=0), _config(4, 2, PSPLIT=1, PF=0),
-                    _config(4, 1, PSPLIT=1, PF=0), _config(4, 1, PSPLIT=1, PF=1), _config(8, 2, PSPLIT=1, PF=1)],
+    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1)],
+    "dstate_walk": [_config(4, 1, PSPLIT=1), _config(8, 2, PSPLIT=1)],
     "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
@@ -761,8 +716,8 @@ CONFIGS = {
     # (4.02 at its best NS 1; 5.40 at NS 4), 3.52 with a chunk's windows adjacent (r36); dq 3.06 at NS 2 against
     # 2.96 at NS 1. NS 2 and 4 at 4 warps, 2 stages matched the reference at 16- and 32-token tiles
     # (gpu/mimo_fault.py, r33 and r35). A cap on registers (_config's maxnreg) was slower for every pass (r35)
-    "bwd": [_config(4, NS=1, GO=0), _config(8, NS=1, GO=0), _config(16, NS=1, GO=0), _config(8, 2, NS=1, GO=0),
-            _config(4, 2, NS=1, GO=0), _config(4, 2, NS=2, GO=0), _config(4, NS=1, GO=1), _config(4, 2, NS=2, GO=1)],
+    "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),
+            _config(4, 2, NS=2)],
 }
 """Under ``TRITON_INTERPRET=1`` each launch takes the first config ``_fits`` leaves it (nothing to time there)."""
 
@@ -779,9 +734,8 @@ def _bwd_may_take(config, per_head: bool, half: int) -> bool:
     """Whether a ``bwd`` pass may take this config (``_fits``): the per-head pass only ``PER_HEAD_CONFIGS``,
     whole (NS 1); dq / dk any but r30's 4 warps with 2 stages unwindowed, in windows of >= 16 columns."""
     ns = config.kwargs.get("NS", 1)
-    if per_head:  # GO is dq / dk's: the per-head pass's code is the same either way
-        return ((config.num_warps, config.num_stages, config.maxnreg) in PER_HEAD_CONFIGS and ns == 1
-                and not config.kwargs.get("GO"))
+    if per_head:
+        return (config.num_warps, config.num_stages, config.maxnreg) in PER_HEAD_CONFIGS and ns == 1
     return (config.num_warps, config.num_stages, ns) != (4, 2, 1) and half // ns >= 16
 
 

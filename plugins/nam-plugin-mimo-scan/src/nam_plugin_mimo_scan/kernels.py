@@ -261,6 +261,7 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
         carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
         carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
 
+
 @triton.jit
 def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                      cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
@@ -608,6 +609,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     if DK:
         tl.store(dk_ptr + out, dk_lo.to(dk_ptr.dtype.element_ty), mask=m)
         tl.store(dk_ptr + out + HALF, dk_hi.to(dk_ptr.dtype.element_ty), mask=m)
+
 
 @triton.jit
 def _tanh(x):

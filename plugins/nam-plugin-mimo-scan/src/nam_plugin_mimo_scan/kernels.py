@@ -305,6 +305,13 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
 
 
 @triton.jit
+def _decays(cs, cs_end, cc):
+    """A chunk's rows' exp(cs_t), exp(cs_end - cs_u) and the inter-chunk weight exp(cs_end - cs_u) c_u ``[M, 1]``."""
+    to_end = tl.exp(cs_end - cs)
+    return tl.exp(cs), to_end, (to_end * cc)[:, None]
+
+
+@triton.jit
 def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW: tl.constexpr,
                    HALF: tl.constexpr):
     """A bias's gradient partials over this chunk's tokens, ``[RP, NW]`` at ``ptr`` (lo) and ``ptr + HALF`` (hi)."""
@@ -385,9 +392,7 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
     cs = tl.load(cs_ptr + bh * LP + tok)
     cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
     cc = tl.load(c_ptr + bh * LP + tok)
-    ecs = tl.exp(cs)
-    to_end = tl.exp(cs_end - cs)
-    inter = (to_end * cc)[:, None]
+    ecs, to_end, inter = _decays(cs, cs_end, cc)
     cos, sin = _cos_sin(rot_ptr, c, L, (b * L * H + h) * 2 * S, H * 2 * S, S, 0, T, RP, HALF)
     rows = tl.arange(0, T * RP)
     hand = (bh * NC + c) * (T * RP) + rows  # this (chunk, head)'s rows of the hand-off buffers
@@ -530,9 +535,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         qb_base = h * R * 2 * HALF
         if GO:
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
-            ecs = tl.exp(cs)
-            to_end = tl.exp(cs_end - cs)
-            inter = (to_end * cc)[:, None]
+            ecs, to_end, inter = _decays(cs, cs_end, cc)
             st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]  # [p, NW] windows of the halves
             cos, sin = _over_ranks(cos_t, sin_t, T, RP, NW)
             nxt = b * H + tl.minimum(h + 1, h0 + HPG - 1)  # the last head loads its own again
@@ -543,9 +546,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             cs = tl.load(cs_ptr + bh * LP + tok)
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
             cc = tl.load(c_ptr + bh * LP + tok)
-            ecs = tl.exp(cs)
-            to_end = tl.exp(cs_end - cs)
-            inter = (to_end * cc)[:, None]
+            ecs, to_end, inter = _decays(cs, cs_end, cc)
             st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]
             cos, sin = _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, RP, NW)
         rows = tl.arange(0, T * RP)

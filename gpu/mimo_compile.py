@@ -99,11 +99,8 @@ def compile_one(kernel, args, meta, warps, stages, maxnreg=None):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
-    defaults = {p.name: p.default for p in fn.params if p.has_default}
     for name in names[len(args):]:
         signature[name] = "constexpr"
-        if name not in constexprs and name in defaults:
-            constexprs[name] = defaults[name]
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages,
                                                                        **({"maxnreg": maxnreg} if maxnreg else {})})
@@ -127,10 +124,15 @@ def ptxas_info(compiled, dump_to: str | None = None) -> str:
             counts = {op: len(re.findall(pattern, dump)) for op, pattern in
                       (("BAR", r" BAR\."), ("SHFL", r" SHFL\."), ("STS", r" STS"))}
             sass = f"{sass} SASS instructions ({', '.join(f'{n} {op}' for op, n in counts.items())})"
-            if dump_to:  # for gpu/ncu_lines.py: the same build, disassembled with its source lines
-                with open(dump_to, "w") as f:
-                    f.write(subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-g", "-c", cubin],
-                                           capture_output=True, text=True).stdout)
+            if dump_to:  # for gpu/ncu_lines.py: the same build, disassembled with its source lines (written whole
+                # or not at all: a failed nvdisasm is reported on the row instead)
+                dis = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-g", "-c", cubin],
+                                     capture_output=True, text=True)
+                if dis.returncode:
+                    sass += f"; nvdisasm failed, nothing written: {dis.stderr.strip().splitlines()[:1]}"
+                else:
+                    with open(dump_to, "w") as f:
+                        f.write(dis.stdout)
     text = done.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)

@@ -75,7 +75,6 @@ def main() -> None:
     if a.bwd_configs:  # NS 1 and MAXNREG 0 (no cap) unless given
         kernels.CONFIGS["bwd"] = [kernels._config(w, st, r or None, NS=ns) for w, st, ns, r in
                                   (_ints(c, 1, 0) for c in a.bwd_configs)]
-    if a.bwd_configs:
         kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
         if a.unchecked_per_head:
             kernels.PER_HEAD_CONFIGS = {(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS["bwd"]}

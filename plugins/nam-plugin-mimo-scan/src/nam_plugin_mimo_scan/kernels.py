@@ -164,12 +164,12 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _walk_scalars(rot_ptr, cs_ptr, c, L, rot_base, rot_sl, S, seq_base, T: tl.constexpr, RP: tl.constexpr,
+def _walk_scalars(rot_ptr, cs_ptr, c, L, R, rot_base, rot_sl, S, seq_base, T: tl.constexpr, RP: tl.constexpr,
                   HALF: tl.constexpr):
     """What the dstate walk reads of chunk ``c`` besides its rows: the phase table ``[T, n/2]`` (cos, sin) and the
     log-decays of its rows and of its last token."""
     cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, 0, T, HALF)
-    tok = c * T + tl.arange(0, T * RP) // RP
+    tok, _, _ = _rows(c, L, R, T, RP)
     cs = tl.load(cs_ptr + seq_base + tok)
     cs_end = tl.load(cs_ptr + seq_base + c * T + T - 1)
     return cos_t, sin_t, cs, cs_end
@@ -237,8 +237,8 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
     # chunk c - 1's phase table and log-decays are loaded while chunk c computes: the walk is a chain of chunks,
     # where a load issued in the chunk that uses it waits out its whole latency (r42: 2.15 -> 1.36 ms at NAM56R's
     # b2; the state walk, the same way, went 1.07 -> 1.21 ms and loads its own)
-    cos_t, sin_t, cs, cs_end = _walk_scalars(rot_ptr, cs_ptr, NC - 1, L, rot_base, H * 2 * S, S, bh * LP, T, RP,
-                                             HALF)
+    cos_t, sin_t, cs, cs_end = _walk_scalars(rot_ptr, cs_ptr, NC - 1, L, R, rot_base, H * 2 * S, S, bh * LP, T,
+                                             RP, HALF)
     for i in range(NC):
         c = NC - 1 - i
         tok, rank, valid = _rows(c, L, R, T, RP)
@@ -249,8 +249,8 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
         ecs = tl.exp(cs)
         decay = tl.exp(cs_end)
         # the next chunk's (the first chunk loads its own again)
-        cos_t, sin_t, cs, cs_end = _walk_scalars(rot_ptr, cs_ptr, tl.maximum(c - 1, 0), L, rot_base, H * 2 * S, S,
-                                                 bh * LP, T, RP, HALF)
+        cos_t, sin_t, cs, cs_end = _walk_scalars(rot_ptr, cs_ptr, tl.maximum(c - 1, 0), L, R, rot_base, H * 2 * S,
+                                                 S, bh * LP, T, RP, HALF)
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
                             HALF, HALF)
         dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),

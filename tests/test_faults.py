@@ -250,6 +250,31 @@ def test_a_held_folder_is_refused_naming_its_owner_and_nothing_is_written(tmp_pa
     assert not run_dir.exists()  # the holder created it and took it back
 
 
+def test_a_holder_that_has_not_written_its_pid_yet_is_waited_for_and_then_named(tmp_path):
+    """The window between another start's flock and its pid reaching the file (what two starts at once can
+    meet): the refusal waits for the pid and names it; a holder that never writes one is described as starting."""
+    import fcntl
+    import threading
+    from nam_core.errors import RunFolderError
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fd = os.open(run_dir / rundir.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, the file still empty
+    owner = json.dumps({"pid": 424242, "host": "elsewhere", "started": "now"}).encode()
+    writer = threading.Timer(0.3, os.pwrite, (fd, owner, 0))
+    writer.start()
+    with pytest.raises(RunFolderError, match="in use by another run: pid 424242 on elsewhere") as info:
+        rundir.RunFolder(run_dir).acquire()
+    assert "kill -INT 424242" in info.value.hint
+    writer.join()
+    os.ftruncate(fd, 0)
+    with pytest.raises(RunFolderError, match="a process that has not written its pid yet"):
+        rundir.RunFolder(run_dir).acquire()
+    os.close(fd)
+    assert sorted(p.name for p in run_dir.iterdir()) == [rundir.LOCK]  # the refused starts wrote nothing
+
+
 def test_a_folder_whose_run_stopped_before_its_first_checkpoint_starts_afresh(tmp_path, corpus, capsys):
     """What a kill, a NaN or a bad value before the first save leaves: config.json and a few metrics lines.
     Without --resume it restarts (its outputs moved aside); --resume auto does the same, with a note."""

@@ -297,7 +297,7 @@ class RunFolder:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner, pid = describe_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
+                owner, pid = self._read_owner(fd)
                 os.close(fd)
                 raise RunFolderError(
                     f"run folder {self.path} is in use by another run: {owner}",
@@ -315,8 +315,20 @@ class RunFolder:
         if previous.strip():
             self.stale = (f"took over {self.lock_path} from {describe_owner(previous)[0]}: that process ended "
                           f"without letting go of it (killed?) and holds it no longer")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, _owner_text().encode(), 0)
+        text = _owner_text().encode()
+        os.pwrite(fd, text, 0)  # then cut to length: no moment at which the file is empty
+        os.ftruncate(fd, len(text))
+
+    @staticmethod
+    def _read_owner(fd: int, wait: float = 2.0) -> tuple[str, int | None]:
+        """The holder's description; a holder that has the flock but has not written its pid yet (it took
+        the lock a moment ago) is given up to ``wait`` seconds to write it, so the refusal can name it."""
+        deadline = time.monotonic() + wait
+        while True:
+            owner, pid = describe_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
+            if pid is not None or time.monotonic() >= deadline:
+                return owner, pid
+            time.sleep(0.01)
 
     def release(self) -> None:
         """Remove the lock file (while still holding it), let go, and remove folders this start created

@@ -3,6 +3,7 @@ background in one process without a process group; bit-exact load; what the trai
 save has returned; integrity by sha256; a crafted index refused without running it; a full disk during the
 background write. The kill during the write and the CLI's view are in tests/test_faults.py."""
 
+import gc
 import os
 import pickle
 import threading
@@ -245,15 +246,18 @@ def test_registered_host_mirror_locks_each_tensor_on_pages_of_its_own_and_stages
     state into it value for value."""
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-    registered = []
+    registered, unregistered = [], []
     monkeypatch.setattr(async_checkpoint, "_register", lambda ptr, size: registered.append((ptr, size)))
+    monkeypatch.setattr(async_checkpoint, "_unregister", unregistered.append)
     gen = torch.Generator().manual_seed(9)
     state = {"w": torch.randn(3, 5, generator=gen), "opt": {"state": {0: {"step": torch.tensor(4.0),
              "exp_avg": torch.randn(17, generator=gen).bfloat16()}}, "groups": [{"lr": 1e-3, "params": [0]}]},
-             "empty": torch.zeros(0), "n": 7}
+             "pair": (torch.randn(2, generator=gen), 3), "empty": torch.zeros(0), "n": 7}
     mirror = async_checkpoint.host_mirror(state, pinned=True, how="register")
+    gc.collect()
+    assert unregistered == []  # locked for as long as the mirror lives
     locked = [t for t in async_checkpoint._tensors(mirror) if t.numel()]
-    assert len(locked) == 3 and [ptr for ptr, _ in registered] == [t.data_ptr() for t in locked]
+    assert len(locked) == 4 and [ptr for ptr, _ in registered] == [t.data_ptr() for t in locked]
     page = async_checkpoint.PAGE
     for (ptr, size), t in zip(registered, locked):
         assert ptr % page == 0 and size % page == 0 and size >= t.numel() * t.element_size()
@@ -265,7 +269,10 @@ def test_registered_host_mirror_locks_each_tensor_on_pages_of_its_own_and_stages
     for got, want in zip(async_checkpoint._tensors(staged), async_checkpoint._tensors(state)):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert [t.data_ptr() for t in async_checkpoint._tensors(staged) if t.numel()] == [p for p, _ in registered]
-    assert staged["n"] == 7 and staged["opt"]["groups"] == [{"lr": 1e-3, "params": [0]}]
+    assert staged["n"] == 7 and staged["opt"]["groups"] == [{"lr": 1e-3, "params": [0]}] and staged["pair"][1] == 3
+    del mirror, staged, stager, locked, got, want, t
+    gc.collect()
+    assert sorted(unregistered) == sorted(ptr for ptr, _ in registered)  # and unlocked once it is gone
 
 
 def test_a_one_file_checkpoint_of_before_loads_and_files_hash_side_by_side_as_one_by_one(tmp_path, monkeypatch):

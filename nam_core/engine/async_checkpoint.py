@@ -300,8 +300,8 @@ def _loading(folder: Path):
 HOST_BUFFERS = "alloc"
 """How pinned host buffers are page-locked: ``"alloc"`` (``cudaHostAlloc`` through torch's pinned allocator, as
 DCP's stager does; measured on our GPU host) or ``"register"`` (``registered_buffers``: a shared mapping, each
-tensor on pages of its own, touched, then ``cudaHostRegister`` per tensor; the megatron engine's way, not yet
-measured in this engine). Not a setting: ``bench/host_buffers.py`` and ``bench/checkpoint.py --host-buffers`` set
+tensor on pages of its own, touched, then ``cudaHostRegister`` per tensor; the megatron engine's way; r13's one
+measurement in this engine copied into pages already unlocked, a bug since fixed, so not yet measured here). Not a setting: ``bench/host_buffers.py`` and ``bench/checkpoint.py --host-buffers`` set
 it to compare the two on a GPU."""
 
 
@@ -432,10 +432,24 @@ def host_mirror(state: dict, *, pinned: bool, how: str | None = None) -> dict:
             t.zero_()  # faults the pages in here, so the first copy into them is not slower
         return mirror
     buffers, _ = registered_buffers([(tuple(t.shape), t.dtype) for t in tensors])
-    with torch.no_grad():
-        for t, buf in zip(tensors, buffers):
-            t.set_(buf)  # the same tensor object (the stager copies into it), on a registered page of its own
-    return mirror
+    # the buffers themselves take the tensors' places: each unlocks its pages when it goes, so a tensor that only
+    # shared a buffer's storage (``set_``) left the buffer to go at once and its pages unlocked under the mirror
+    return _put_tensors(mirror, iter(buffers))
+
+
+def _put_tensors(obj, new):
+    """``obj`` with each non-empty tensor, depth first (``_tensors``' order), replaced by the next of ``new``: dicts
+    and lists changed in place, tuples rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return next(new) if obj.numel() else obj
+    if isinstance(obj, (dict, list)):
+        for key in (obj.keys() if isinstance(obj, dict) else range(len(obj))):
+            obj[key] = _put_tensors(obj[key], new)
+        return obj
+    if isinstance(obj, tuple):
+        items = [_put_tensors(v, new) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def refit_mirror(mirror, state, *, pinned: bool) -> int:

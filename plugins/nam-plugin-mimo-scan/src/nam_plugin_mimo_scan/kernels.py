@@ -316,8 +316,8 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
     y = tl.dot((qk * amat).to(DT), v.to(DT))
     sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
     y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
-    zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols, c, L, T, RP) * _load_proj(mz_ptr, h, rank, valid, R, P,
-                                                                                       pcols, T, RP)
+    zm = (_load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols, c, L, T, RP)
+          * _load_proj(mz_ptr, h, rank, valid, R, P, pcols, T, RP))
     o = (y + tl.load(d_ptr + h) * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP)
     out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)  # [T, p]
     toks = c * T + tl.arange(0, T)
@@ -363,8 +363,8 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     vb = x * mx
     z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols, c, L, T, RP)
     mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols, T, RP)
-    d_o = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols, c, L, T, RP) * _load_proj(mo_ptr, h, rank, valid, R,
-                                                                            P, cols, T, RP)
+    d_o = (_load_rows(do_ptr, do_base, tok, do_sl, valid, cols, c, L, T, RP)
+           * _load_proj(mo_ptr, h, rank, valid, R, P, cols, T, RP))
     zm = z * mz
     sg = _sigmoid(zm)
     dyb = d_o * zm * sg
@@ -425,8 +425,8 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
                         HALF)
     klo_d = klo.to(DT)
     khi_d = khi.to(DT)
-    v = _load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP) * _load_proj(mx_ptr, h, rank, valid, R, P,
-                                                                        pcols, T, RP)
+    v = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
+         * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP))
     vd = v.to(DT)
     dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols, c, L, T, RP),
              _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP),

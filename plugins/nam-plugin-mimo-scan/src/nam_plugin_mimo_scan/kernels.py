@@ -112,6 +112,11 @@ _ONCE: tl.constexpr = tl.constexpr(int(os.environ.get("NAM_MIMO_ONCE", "0")))
 a head's projections once and repeats them over the tokens (0: row by row, as before)."""
 
 
+_FOLD: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_FOLD") == "1")
+"""r43's variant, for one round: the per-head pass forms dL/dM in its column loop, block by block, from the rows it
+loads there anyway, rather than from a whole-row load of x, z and dout before the loop (0: before the loop)."""
+
+
 @triton.jit
 def _load_rows(ptr, base, tok, sl, valid, pcols, c, L, T: tl.constexpr, RP: tl.constexpr):
     """``[M, BP]`` fp32: row i reads token ``tok[i]`` (a per-token tensor repeated over the ranks)."""
@@ -344,7 +349,7 @@ def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW
 @triton.jit
 def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr,
                mo_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R,
-               NC, x_base, x_sl, z_base, z_sl, do_base, do_sl,
+               NC, x_base, x_sl, z_base, z_sl, do_base, do_sl, dmd, hy_ptr, hand,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr):
     """Column block ``hp`` of the per-head pass's ``PH`` blocks of the head dim (its ``[M, P/PH]`` tiles live
     only here): dx, dz and the d mimo_* partials of those columns. Returns the block's shares of three per-row
@@ -368,6 +373,9 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     zm = z * mz
     sg = _sigmoid(zm)
     dyb = d_o * zm * sg
+    if _FOLD:  # dL/dM's share of these columns (not yet times the decay), and dy handed to dq / dk
+        tl.store(hy_ptr + hand[:, None] * P + cols[None, :], dyb.to(DT))
+        dmd = tl.dot(dyb.to(DT), tl.trans(vb.to(DT)), dmd)
     y = tl.dot(mmat, vb.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
                                                  + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
     dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
@@ -392,7 +400,7 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     tl.store(dmx_ptr + part, dmxs, mask=rmask)
     tl.store(dmz_ptr + part, dmzs, mask=rmask)
     tl.store(dmo_ptr + part, dmos, mask=rmask)
-    return rows_dc, rows_dcs, rows_dd
+    return rows_dc, rows_dcs, rows_dd, dmd
 
 
 @triton.jit
@@ -425,42 +433,60 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
                         HALF)
     klo_d = klo.to(DT)
     khi_d = khi.to(DT)
-    v = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
-         * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP))
-    vd = v.to(DT)
-    dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols, c, L, T, RP),
-             _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP),
-             _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols, c, L, T, RP),
-             _load_proj(mz_ptr, h, rank, valid, R, P, pcols, T, RP))
-    dyd = dy.to(DT)
-    # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
-    same = tok[:, None] == tok[None, :]
-    decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
-    wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
-    dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
-    dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
-    # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
-    tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
-    tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
-    qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
-    # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
-    e = dmd * qk
-    dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
-    tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-    dc_col = e_col - dgam_col
-    mmat = (qk * decay * wmat).to(DT)
+    if _FOLD:
+        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+        same = tok[:, None] == tok[None, :]
+        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+        qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
+        mmat = (qk * decay * wmat).to(DT)
+        dmd = tl.zeros((T * RP, T * RP), tl.float32)
+    else:
+        v = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP))
+        vd = v.to(DT)
+        dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols, c, L, T, RP),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP),
+                 _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols, c, L, T, RP),
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols, T, RP))
+        dyd = dy.to(DT)
+        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+        same = tok[:, None] == tok[None, :]
+        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+        dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
+        dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+        # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
+        tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
+        tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
+        qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
+        # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
+        e = dmd * qk
+        dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
+        tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+        dc_col = e_col - dgam_col
+        mmat = (qk * decay * wmat).to(DT)
     dskip = tl.load(d_ptr + h)
     dc_row = tl.zeros((T * RP,), tl.float32)
     dcs_row = tl.zeros((T * RP,), tl.float32)
     dd_row = tl.zeros((T * RP,), tl.float32)
     for hp in range(PH):
-        dc_b, dcs_b, dd_b = _head_cols(
+        dc_b, dcs_b, dd_b, dmd_b = _head_cols(
             hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
             s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R, NC,
-            x_base, x_sl, z_base, z_sl, do_base, do_sl, T, RP, HALF, P, PH)
+            x_base, x_sl, z_base, z_sl, do_base, do_sl, dmd if _FOLD else 0.0, hy_ptr, hand, T, RP, HALF, P, PH)
         dc_row += dc_b
         dcs_row += dcs_b
         dd_row += dd_b
+        if _FOLD:
+            dmd = dmd_b
+    if _FOLD:
+        dmd = dmd * decay  # dL/dM * decay [M, M]
+        tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], (dmd * wmat).to(DT))  # dL/d(q~.k~)
+        e = dmd * (tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d)))  # q~ k~^T again
+        dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
+        tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+        dc_col = e_col - dgam_col
     dc_t, dcs_t = tl.reduce((tl.reshape(dc_col + to_end * dc_row, (T, RP)), tl.reshape(dcs_row, (T, RP))), 1,
                             _add2)
     tl.store(dc_ptr + bh * LP + toks, dc_t)

@@ -300,9 +300,10 @@ def _loading(folder: Path):
 HOST_BUFFERS = "alloc"
 """How pinned host buffers are page-locked: ``"alloc"`` (``cudaHostAlloc`` through torch's pinned allocator, as
 DCP's stager does; measured on our GPU host) or ``"register"`` (``registered_buffers``: a shared mapping, each
-tensor on pages of its own, touched, then ``cudaHostRegister`` per tensor; the megatron engine's way; r13's one
-measurement in this engine copied into pages already unlocked, a bug since fixed, so not yet measured here). Not a setting: ``bench/host_buffers.py`` and ``bench/checkpoint.py --host-buffers`` set
-it to compare the two on a GPU."""
+tensor on pages of its own, touched, then ``cudaHostRegister`` per tensor; the megatron engine's way; not yet
+measured in this engine: r13's one run copied into pages ``host_mirror`` had already let go of, a bug since
+fixed). Not a setting: ``bench/host_buffers.py`` and ``bench/checkpoint.py --host-buffers`` set it to compare the
+two on a GPU."""
 
 
 @dataclass

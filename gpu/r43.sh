@@ -8,7 +8,7 @@
 #  - NAM_MIMO_FOLD=1: the per-head pass forms dL/dM block by block in its column loop from the rows it loads there
 #    (offline sm_90 at 4 warps 2 stages: 4,608 -> 3,752 SASS instructions, 0 -> 44 B of spills);
 #  - NAM_MIMO_ONCE=1: every kernel loads a token's row once and repeats it over the ranks in registers (per-head
-#    pass 4,608 -> 4,256; with FOLD 3,688 and 16 B of spills; dstate walk 204 -> 312 B of spills).
+#    pass 4,608 -> 4,248; with FOLD 3,688 and 16 B of spills; dstate walk 204 -> 312 B of spills).
 #  MK0   gpu/mimo_kernels.py as committed
 #  MKF   NAM_MIMO_FOLD=1 (only the per-head pass differs)
 #  MKFO  NAM_MIMO_FOLD=1 NAM_MIMO_ONCE=1 (every kernel's ONCE against MKF's, the per-head pass's both together)

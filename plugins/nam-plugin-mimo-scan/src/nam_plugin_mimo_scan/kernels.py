@@ -46,11 +46,15 @@ def _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, W:
 
 
 @triton.jit
+def _repeat_ranks(t, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
+    """A per-token ``[T, W]`` tile repeated over the ranks in registers, ``[T * RP, W]``."""
+    return tl.reshape(tl.broadcast_to(t[:, None, :], (T, RP, W)), (T * RP, W))
+
+
+@triton.jit
 def _over_ranks(cos, sin, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
     """Per-token ``[T, W]`` tiles repeated over the ranks in registers, ``[T * RP, W]``."""
-    cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (T, RP, W)), (T * RP, W))
-    sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (T, RP, W)), (T * RP, W))
-    return cos, sin
+    return _repeat_ranks(cos, T, RP, W), _repeat_ranks(sin, T, RP, W)
 
 
 @triton.jit
@@ -107,9 +111,9 @@ def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, c
     return _rotate(lo, hi, cos, sin)
 
 
-_ONCE: tl.constexpr = tl.constexpr(int(os.environ.get("NAM_MIMO_ONCE", "0")))
-"""r43's variant, for one round: 1 loads a per-token row once and repeats it over the ranks in registers, 2 also
-a head's projections once and repeats them over the tokens (0: row by row, as before)."""
+_ONCE: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_ONCE") == "1")
+"""r43's variant, for one round: a per-token row loaded once and repeated over the ranks in registers (0: row by
+row, as before)."""
 
 
 _FOLD: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_FOLD") == "1")
@@ -120,29 +124,19 @@ loads there anyway, rather than from a whole-row load of x, z and dout before th
 @triton.jit
 def _load_rows(ptr, base, tok, sl, valid, pcols, c, L, T: tl.constexpr, RP: tl.constexpr):
     """``[M, BP]`` fp32: row i reads token ``tok[i]`` (a per-token tensor repeated over the ranks)."""
-    if _ONCE >= 1:
-        BP: tl.constexpr = pcols.shape[0]
+    if _ONCE:
         toks = c * T + tl.arange(0, T)
         one = tl.load(ptr + base + toks[:, None] * sl + pcols[None, :], mask=(toks < L)[:, None], other=0.0)
-        rows = tl.reshape(tl.broadcast_to(one.to(tl.float32)[:, None, :], (T, RP, BP)), (T * RP, BP))
-        return tl.where(valid[:, None], rows, 0.0)
+        return tl.where(valid[:, None], _repeat_ranks(one.to(tl.float32), T, RP, pcols.shape[0]), 0.0)
     else:
         return tl.load(ptr + base + tok[:, None] * sl + pcols[None, :], mask=valid[:, None],
                        other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _load_proj(ptr, h, rank, valid, R, P, pcols, T: tl.constexpr, RP: tl.constexpr):
+def _load_proj(ptr, h, rank, valid, R, P, pcols):
     """``[M, BP]`` fp32: row i reads ``mimo_*[h, rank[i], pcols]``."""
-    if _ONCE >= 2:
-        BP: tl.constexpr = pcols.shape[0]
-        ranks = tl.arange(0, RP)
-        one = tl.load(ptr + (h * R + ranks[:, None]) * P + pcols[None, :], mask=(ranks < R)[:, None], other=0.0)
-        rows = tl.reshape(tl.broadcast_to(one.to(tl.float32)[None, :, :], (T, RP, BP)), (T * RP, BP))
-        return tl.where(valid[:, None], rows, 0.0)
-    else:
-        return tl.load(ptr + (h * R + rank[:, None]) * P + pcols[None, :], mask=valid[:, None],
-                       other=0.0).to(tl.float32)
+    return tl.load(ptr + (h * R + rank[:, None]) * P + pcols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -233,7 +227,7 @@ def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_pt
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
         w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
         v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols, c, L, T, RP)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP))
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
         vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
         decay = tl.exp(cs_end)
         carry_lo = carry_lo * decay + tl.dot(vw, klo.to(DT))
@@ -280,9 +274,9 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
                             HALF, HALF)
         dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols, c, L, T, RP),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
                  _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols, c, L, T, RP),
-                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols, T, RP))
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
         dyt = tl.trans((dy * ecs[:, None]).to(DT))  # [BP, M]
         carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
         carry_hi = carry_hi * decay + tl.dot(dyt, qhi.to(DT))
@@ -317,13 +311,13 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
     amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), tl.load(c_ptr + bh * LP + tok), T, RP)
     qk = tl.dot(qlo, tl.trans(klo.to(DT))) + tl.dot(qhi, tl.trans(khi.to(DT)))  # [M, M]
     x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols, c, L, T, RP)
-    v = x * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP)
+    v = x * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
     y = tl.dot((qk * amat).to(DT), v.to(DT))
     sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
     y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
     zm = (_load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols, c, L, T, RP)
-          * _load_proj(mz_ptr, h, rank, valid, R, P, pcols, T, RP))
-    o = (y + tl.load(d_ptr + h) * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP)
+          * _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+    o = (y + tl.load(d_ptr + h) * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
     out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)  # [T, p]
     toks = c * T + tl.arange(0, T)
     tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
@@ -364,12 +358,12 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     cols = hp * (P // PH) + tl.arange(0, P // PH)
     stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
     x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols, c, L, T, RP)
-    mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols, T, RP)
+    mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
     vb = x * mx
     z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols, c, L, T, RP)
-    mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols, T, RP)
+    mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
     d_o = (_load_rows(do_ptr, do_base, tok, do_sl, valid, cols, c, L, T, RP)
-           * _load_proj(mo_ptr, h, rank, valid, R, P, cols, T, RP))
+           * _load_proj(mo_ptr, h, rank, valid, R, P, cols))
     zm = z * mz
     sg = _sigmoid(zm)
     dyb = d_o * zm * sg
@@ -443,12 +437,12 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
         dmd = tl.zeros((T * RP, T * RP), tl.float32)
     else:
         v = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP))
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
         vd = v.to(DT)
         dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols, c, L, T, RP),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols, T, RP),
+                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
                  _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols, c, L, T, RP),
-                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols, T, RP))
+                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
         dyd = dy.to(DT)
         # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
         same = tok[:, None] == tok[None, :]
@@ -631,7 +625,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                                     HALF, NW)
             dqkt = tl.load(hq_ptr + hand[None, :] * (T * RP) + rows[:, None])  # dL/d(q~.k~), transposed
             vd = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
-                  * _load_proj(mx_ptr, h, rank, valid, R, P, pcols, T, RP)).to(DT)
+                  * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
             d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(vd, tl.load(ds_ptr + st).to(DT))
             d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(vd, tl.load(ds_ptr + st + HALF).to(DT))
             u_lo = d_lo * cos + d_hi * sin

@@ -22,6 +22,8 @@ import json
 import re
 import sys
 
+import ncu_stalls  # gpu/, beside this script: the opcode of a SASS line, as the stall summary groups them
+
 
 def read_sass_csv(path: str, section: int = 0) -> tuple[list[str], list[list[str]]]:
     """Kernel launch ``section`` (0: the first) of ncu's SASS page: (header, rows)."""
@@ -52,11 +54,8 @@ def read_disassembly(path: str) -> list[tuple[str, int, str]]:
 
 
 def opcode(instruction: str) -> str:
-    words = instruction.replace("{", " ").split()
-    if not words:
-        return "?"
-    word = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-    return word.split(".")[0]
+    """``ncu_stalls.opcode``, a dual-issue brace of nvdisasm's output passed over."""
+    return ncu_stalls.opcode(instruction.replace("{", " "))
 
 
 def main() -> int:

@@ -111,26 +111,20 @@ def _rotated(x_ptr, bias_ptr, tok, rank, valid, x_base, x_sl, x_sr, bias_base, c
     return _rotate(lo, hi, cos, sin)
 
 
-_ONCE: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_ONCE") == "1")
-"""r43's variant, for one round: a per-token row loaded once and repeated over the ranks in registers (0: row by
-row, as before)."""
-
-
-_FOLD: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_FOLD") == "1")
-"""r43's variant, for one round: the per-head pass forms dL/dM in its column loop, block by block, from the rows it
-loads there anyway, rather than from a whole-row load of x, z and dout before the loop (0: before the loop)."""
+@triton.jit
+def _load_rows(ptr, base, tok, sl, valid, pcols):
+    """``[M, BP]`` fp32: row i reads token ``tok[i]`` (a per-token tensor repeated over the ranks)."""
+    return tl.load(ptr + base + tok[:, None] * sl + pcols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _load_rows(ptr, base, tok, sl, valid, pcols, c, L, T: tl.constexpr, RP: tl.constexpr):
-    """``[M, BP]`` fp32: row i reads token ``tok[i]`` (a per-token tensor repeated over the ranks)."""
-    if _ONCE:
-        toks = c * T + tl.arange(0, T)
-        one = tl.load(ptr + base + toks[:, None] * sl + pcols[None, :], mask=(toks < L)[:, None], other=0.0)
-        return tl.where(valid[:, None], _repeat_ranks(one.to(tl.float32), T, RP, pcols.shape[0]), 0.0)
-    else:
-        return tl.load(ptr + base + tok[:, None] * sl + pcols[None, :], mask=valid[:, None],
-                       other=0.0).to(tl.float32)
+def _token_rows(ptr, base, sl, valid, pcols, c, L, T: tl.constexpr, RP: tl.constexpr):
+    """``_load_rows``' tile with each token's row loaded once and repeated over the ranks in registers. The
+    per-head pass takes it (r43, H200, NAM56R's b2: 6.48 -> 5.77 ms); the walks, the forward and dk were slower
+    with it (dstate walk 1.37 -> 1.69 ms: more spilled registers) and dq the same, so they load row by row."""
+    toks = c * T + tl.arange(0, T)
+    one = tl.load(ptr + base + toks[:, None] * sl + pcols[None, :], mask=(toks < L)[:, None], other=0.0)
+    return tl.where(valid[:, None], _repeat_ranks(one.to(tl.float32), T, RP, pcols.shape[0]), 0.0)
 
 
 @triton.jit
@@ -226,7 +220,7 @@ def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_pt
         cs = tl.load(cs_ptr + bh * LP + tok)
         cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
         w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
-        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols, c, L, T, RP)
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
              * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
         vw = tl.trans((v * w[:, None]).to(DT))  # [BP, M]
         decay = tl.exp(cs_end)
@@ -273,9 +267,9 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
                                                  S, bh * LP, T, RP, HALF)
         qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, 0,
                             HALF, HALF)
-        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols, c, L, T, RP),
+        dy = _dy(_load_rows(do_ptr, b * do_sb + h * do_sh, tok, do_sl, valid, pcols),
                  _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols, c, L, T, RP),
+                 _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols),
                  _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
         dyt = tl.trans((dy * ecs[:, None]).to(DT))  # [BP, M]
         carry_lo = carry_lo * decay + tl.dot(dyt, qlo.to(DT))
@@ -310,13 +304,13 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
     cs = tl.load(cs_ptr + bh * LP + tok)
     amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), tl.load(c_ptr + bh * LP + tok), T, RP)
     qk = tl.dot(qlo, tl.trans(klo.to(DT))) + tl.dot(qhi, tl.trans(khi.to(DT)))  # [M, M]
-    x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols, c, L, T, RP)
+    x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
     v = x * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
     y = tl.dot((qk * amat).to(DT), v.to(DT))
     sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
     y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
-    zm = (_load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols, c, L, T, RP)
-          * _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+    zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols) * _load_proj(mz_ptr, h, rank, valid, R, P,
+                                                                                       pcols)
     o = (y + tl.load(d_ptr + h) * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
     out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)  # [T, p]
     toks = c * T + tl.arange(0, T)
@@ -343,7 +337,7 @@ def _bias_partials(ptr, u_lo, u_hi, rmask, T: tl.constexpr, RP: tl.constexpr, NW
 @triton.jit
 def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr,
                mo_ptr, s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R,
-               NC, x_base, x_sl, z_base, z_sl, do_base, do_sl, dmd, hy_ptr, hand,
+               NC, x_base, x_sl, z_base, z_sl, do_base, do_sl,
                T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, PH: tl.constexpr):
     """Column block ``hp`` of the per-head pass's ``PH`` blocks of the head dim (its ``[M, P/PH]`` tiles live
     only here): dx, dz and the d mimo_* partials of those columns. Returns the block's shares of three per-row
@@ -357,19 +351,16 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     hcols = tl.arange(0, HALF)
     cols = hp * (P // PH) + tl.arange(0, P // PH)
     stt = ((bh * NC + c) * P + cols[None, :]) * (2 * HALF) + hcols[:, None]  # [n/2, P/PH] halves
-    x = _load_rows(x_ptr, x_base, tok, x_sl, valid, cols, c, L, T, RP)
+    x = _token_rows(x_ptr, x_base, x_sl, valid, cols, c, L, T, RP)
     mx = _load_proj(mx_ptr, h, rank, valid, R, P, cols)
     vb = x * mx
-    z = _load_rows(z_ptr, z_base, tok, z_sl, valid, cols, c, L, T, RP)
+    z = _token_rows(z_ptr, z_base, z_sl, valid, cols, c, L, T, RP)
     mz = _load_proj(mz_ptr, h, rank, valid, R, P, cols)
-    d_o = (_load_rows(do_ptr, do_base, tok, do_sl, valid, cols, c, L, T, RP)
-           * _load_proj(mo_ptr, h, rank, valid, R, P, cols))
+    d_o = _token_rows(do_ptr, do_base, do_sl, valid, cols, c, L, T, RP) * _load_proj(mo_ptr, h, rank, valid, R, P,
+                                                                                       cols)
     zm = z * mz
     sg = _sigmoid(zm)
     dyb = d_o * zm * sg
-    if _FOLD:  # dL/dM's share of these columns (not yet times the decay), and dy handed to dq / dk
-        tl.store(hy_ptr + hand[:, None] * P + cols[None, :], dyb.to(DT))
-        dmd = tl.dot(dyb.to(DT), tl.trans(vb.to(DT)), dmd)
     y = tl.dot(mmat, vb.to(DT)) + ecs[:, None] * (tl.dot(qlo_d, tl.load(s_ptr + stt).to(DT))
                                                  + tl.dot(qhi_d, tl.load(s_ptr + stt + HALF).to(DT)))
     dvi = (tl.dot(klo_d, tl.load(ds_ptr + stt).to(DT))
@@ -381,7 +372,7 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     part = (((b * NC + c) * H + h) * R + ranks[:, None]) * P + cols[None, :]
     dzm = d_o * ypd * sg * (1.0 + zm * (1.0 - sg))
     # dL/d mimo_o = dout * ypd * silu(zm); d_o = dout * mimo_o, so divide nothing: reload dout
-    dout = _load_rows(do_ptr, do_base, tok, do_sl, valid, cols, c, L, T, RP)
+    dout = _token_rows(do_ptr, do_base, do_sl, valid, cols, c, L, T, RP)
     # sums that share an axis are one reduction (one set of shuffles and barriers, the same sums):
     # over the ranks (dx, dz), over the tokens (d mimo_x, _z, _o partials; rows spread over the warps)
     dxs, dzs = tl.reduce((tl.reshape(dvt * mx, (T, RP, P // PH)), tl.reshape(dzm * mz, (T, RP, P // PH))), 1,
@@ -394,7 +385,7 @@ def _head_cols(hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z
     tl.store(dmx_ptr + part, dmxs, mask=rmask)
     tl.store(dmz_ptr + part, dmzs, mask=rmask)
     tl.store(dmo_ptr + part, dmos, mask=rmask)
-    return rows_dc, rows_dcs, rows_dd, dmd
+    return rows_dc, rows_dcs, rows_dd
 
 
 @triton.jit
@@ -427,60 +418,42 @@ def _head_pass(c, b, h, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_
                         HALF)
     klo_d = klo.to(DT)
     khi_d = khi.to(DT)
-    if _FOLD:
-        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
-        same = tok[:, None] == tok[None, :]
-        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
-        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
-        qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
-        mmat = (qk * decay * wmat).to(DT)
-        dmd = tl.zeros((T * RP, T * RP), tl.float32)
-    else:
-        v = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
-             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
-        vd = v.to(DT)
-        dy = _dy(_load_rows(do_ptr, do_base, tok, do_sl, valid, pcols, c, L, T, RP),
-                 _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
-                 _load_rows(z_ptr, z_base, tok, z_sl, valid, pcols, c, L, T, RP),
-                 _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
-        dyd = dy.to(DT)
-        # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
-        same = tok[:, None] == tok[None, :]
-        decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
-        wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
-        dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
-        dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
-        # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
-        tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
-        tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
-        qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
-        # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
-        e = dmd * qk
-        dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
-        tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-        dc_col = e_col - dgam_col
-        mmat = (qk * decay * wmat).to(DT)
+    v = _token_rows(x_ptr, x_base, x_sl, valid, pcols, c, L, T, RP) * _load_proj(mx_ptr, h, rank, valid, R, P,
+                                                                                  pcols)
+    vd = v.to(DT)
+    dy = _dy(_token_rows(do_ptr, do_base, do_sl, valid, pcols, c, L, T, RP),
+             _load_proj(mo_ptr, h, rank, valid, R, P, pcols),
+             _token_rows(z_ptr, z_base, z_sl, valid, pcols, c, L, T, RP),
+             _load_proj(mz_ptr, h, rank, valid, R, P, pcols))
+    dyd = dy.to(DT)
+    # M = (q~ k~^T) * decay * W, W = gamma_u on the token diagonal, c_u below it
+    same = tok[:, None] == tok[None, :]
+    decay = tl.exp(tl.where(tok[:, None] >= tok[None, :], cs[:, None] - cs[None, :], float("-inf")))
+    wmat = tl.where(same, tl.load(gam_ptr + bh * LP + tok)[None, :], cc[None, :])
+    dmd = tl.dot(dyd, tl.trans(vd)) * decay  # dL/dM * decay [M, M]
+    dqk = (dmd * wmat).to(DT)  # dL/d(q~.k~)
+    # handed to the dq and dk passes as the dots take them (q's dtype), so they need not form them again
+    tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], dqk)
+    tl.store(hy_ptr + hand[:, None] * P + pcols[None, :], dyd)
+    qk = tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d))  # [M, M]
+    # weights: E[i, j] = dM[i, j] (q~_i . k~_j) exp(cs_i - cs_j); gamma on the token diagonal, c below
+    e = dmd * qk
+    dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
+    tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
+    dc_col = e_col - dgam_col
+    mmat = (qk * decay * wmat).to(DT)
     dskip = tl.load(d_ptr + h)
     dc_row = tl.zeros((T * RP,), tl.float32)
     dcs_row = tl.zeros((T * RP,), tl.float32)
     dd_row = tl.zeros((T * RP,), tl.float32)
     for hp in range(PH):
-        dc_b, dcs_b, dd_b, dmd_b = _head_cols(
+        dc_b, dcs_b, dd_b = _head_cols(
             hp, mmat, qlo_d, qhi_d, klo_d, khi_d, ecs, inter, dskip, x_ptr, z_ptr, do_ptr, mx_ptr, mz_ptr, mo_ptr,
             s_ptr, ds_ptr, dx_ptr, dz_ptr, dmx_ptr, dmz_ptr, dmo_ptr, tok, rank, valid, b, c, h, L, H, R, NC,
-            x_base, x_sl, z_base, z_sl, do_base, do_sl, dmd if _FOLD else 0.0, hy_ptr, hand, T, RP, HALF, P, PH)
+            x_base, x_sl, z_base, z_sl, do_base, do_sl, T, RP, HALF, P, PH)
         dc_row += dc_b
         dcs_row += dcs_b
         dd_row += dd_b
-        if _FOLD:
-            dmd = dmd_b
-    if _FOLD:
-        dmd = dmd * decay  # dL/dM * decay [M, M]
-        tl.store(hq_ptr + hand[:, None] * (T * RP) + rows[None, :], (dmd * wmat).to(DT))  # dL/d(q~.k~)
-        e = dmd * (tl.dot(qlo_d, tl.trans(klo_d)) + tl.dot(qhi_d, tl.trans(khi_d)))  # q~ k~^T again
-        dgam_col, e_col = tl.reduce((tl.where(same, e, 0.0), e), 0, _add2)
-        tl.store(dgam_ptr + bh * LP + toks, tl.sum(tl.reshape(dgam_col, (T, RP)), axis=1))
-        dc_col = e_col - dgam_col
     dc_t, dcs_t = tl.reduce((tl.reshape(dc_col + to_end * dc_row, (T, RP)), tl.reshape(dcs_row, (T, RP))), 1,
                             _add2)
     tl.store(dc_ptr + bh * LP + toks, dc_t)
@@ -624,7 +597,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
                 qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, qb_base, cos, sin, col0,
                                     HALF, NW)
             dqkt = tl.load(hq_ptr + hand[None, :] * (T * RP) + rows[:, None])  # dL/d(q~.k~), transposed
-            vd = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols, c, L, T, RP)
+            vd = (_load_rows(x_ptr, x_base, tok, x_sl, valid, pcols)
                   * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)).to(DT)
             d_lo = tl.dot(dqkt, qlo.to(DT)) + inter * tl.dot(vd, tl.load(ds_ptr + st).to(DT))
             d_hi = tl.dot(dqkt, qhi.to(DT)) + inter * tl.dot(vd, tl.load(ds_ptr + st + HALF).to(DT))

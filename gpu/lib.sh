@@ -44,3 +44,21 @@ collect_runs() {  # collect_runs SRC DEST: each run folder under SRC, its JSON, 
     cp "$d"/*.json "$d"/*.jsonl "$d"/*.log "$2/$(basename "$d")/" 2>/dev/null
   done
 }
+
+ncu_profile() {  # ncu_profile NAME KERNEL_REGEX LAUNCHES SECONDS CMD...: Nsight Compute over LAUNCHES launches of CMD's
+  # profiled range (source counters, warp states, occupancy, launch, speed of light); keeps in $OUT the SASS page
+  # (NAME.sass.csv.gz, for gpu/ncu_lines.py), the details page (NAME.details.log, its headline lines appended to
+  # $SUMMARY) and the stall table (NAME.stalls.txt, gpu/ncu_stalls.py); the report itself is dropped (too large)
+  local name=$1 regex=$2 count=$3 secs=$4 ncu; shift 4
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  step "$secs" "$name" "$ncu" --profile-from-start off --clock-control none --kernel-name regex:"$regex" \
+    --launch-count "$count" --import-source yes --section SourceCounters --section WarpStateStats \
+    --section Occupancy --section LaunchStats --section SpeedOfLight -o "$OUT/$name" -f "$@"
+  [[ -f $OUT/$name.ncu-rep ]] || return
+  step 60 "$name.sass" bash -c "'$ncu' -i '$OUT/$name.ncu-rep' --page source --csv --print-source sass > '$OUT/$name.sass.csv'"
+  step 30 "$name.details" "$ncu" -i "$OUT/$name.ncu-rep" --page details
+  step 20 "$name.stalls" bash -c "python gpu/ncu_stalls.py '$OUT/$name.sass.csv' > '$OUT/$name.stalls.txt'"
+  rm -f "$OUT/$name.ncu-rep" && gzip -f "$OUT/$name.sass.csv"
+  grep -E "^  [a-z_]+kernel|Duration|Registers Per|Achieved Occupancy|Block Size|Grid Size" \
+    "$OUT/$name.details$STEP_EXT" >> "$OUT/${SUMMARY:-/dev/null}"
+}

@@ -3,7 +3,8 @@
 The math is ``nam56r/reference/mamba3.py``'s (kernels-and-math.md section 1.2); the kernels are in kernels.py.
 Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the sequence where it is a recurrence::
 
-    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi), as cos, sin
+    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi), as cos, sin;
+                                                    the log-decay's cumulative sum within each tile
     forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
     backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)
@@ -13,8 +14,8 @@ Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the se
               bwd (DQ, DK)  grid (nc*NS, b*g) x 2  dq, then dk, summed over the group's heads in registers; d phase
               time_grads    grid (b*h)              reverse sums over time: d adt, d angles, the phase's d dt
 
-Cheap [b, h, l] work is torch: sigmoid and the trapezoid weights, the chunk-local cumsum of adt, the chain
-rule through sigmoid, the sums of per-chunk partials. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
+Cheap [b, h, l] work is torch: sigmoid and the trapezoid weights, the chain rule through sigmoid, the sums of
+per-chunk partials. ``d adt`` uses d Lambda_t = sum_r dy_tr.y_tr -
 sum_r v_tr.dv_tr (row minus column sums of dA*A over the whole causal matrix; the diagonal cancels), so no
 kernel needs a segment-sum of its own.
 
@@ -90,8 +91,8 @@ class _Geometry:
         shifted = F.pad((1 - self.lam[..., 1:]) * dt[..., 1:], (0, 1))
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
-        self.cs = F.pad(adt.float(), (0, pad)).unflatten(-1, (self.nc, self.t)).cumsum(-1).flatten(-2).contiguous()
-        self.rot = _rotation(angles, dt)  # cos, sin of the phase [b, l, h, 2s]
+        # cos, sin of the phase [b, l, h, 2s]; the log-decay's cumsum within each tile [b, h, nc*T]
+        self.rot, self.cs = _phase_and_decay(angles, dt, adt, self.t, self.nc)
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
@@ -185,16 +186,19 @@ TIME_BLOCK = 64
 """Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
 
 
-def _rotation(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+def _phase_and_decay(angles: torch.Tensor, dt: torch.Tensor, adt: torch.Tensor, t: int,
+                     nc: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of ``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, 2s]`` (cos, then
-    sin), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads."""
+    sin), and the cumulative sum of ``adt`` within each tile of ``t`` tokens, fp32 ``[b, h, nc*t]`` (0 past the
+    sequence), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads."""
     from nam_plugin_mimo_scan.kernels import phase_kernel
 
     b, l, h, s = angles.shape
     rot = torch.empty(b, l, h, 2 * s, device=angles.device, dtype=torch.float32)
-    phase_kernel[(b * h,)](angles, dt, rot, l, h, s, *angles.stride(), *dt.stride(), BT=TIME_BLOCK,
-                           SP=max(16, _pow2(s)), num_warps=4)
-    return rot
+    cs = torch.empty(b, h, nc * t, device=angles.device, dtype=torch.float32)
+    phase_kernel[(b * h,)](angles, dt, adt, rot, cs, l, nc * t, h, s, *angles.stride(), *dt.stride(),
+                           *adt.stride(), BT=max(TIME_BLOCK, t), SP=max(16, _pow2(s)), T=t, num_warps=4)
+    return rot, cs
 
 
 def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True):

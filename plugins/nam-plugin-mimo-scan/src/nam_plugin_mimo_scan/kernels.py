@@ -633,26 +633,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _rate(ang_ptr, dt_ptr, b, h, toks, tmask, cols, cmask, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl):
-    """The phase's rate pi tanh(angle_t) dt_t, fp32 ``[tokens, SP]`` (0 past the sequence and the angles)."""
-    m = tmask[:, None] & cmask[None, :]
-    a = tl.load(ang_ptr + b * a_sb + toks[:, None] * a_sl + h * a_sh + cols[None, :] * a_ss, mask=m, other=0.0)
-    dt = tl.load(dt_ptr + b * dt_sb + h * dt_sh + toks * dt_sl, mask=tmask, other=0.0)
-    return 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
-
-
-@triton.jit
 def phase_kernel(ang_ptr, dt_ptr, adt_ptr, rot_ptr, cs_ptr, L, LP, H, S, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh,
-                 dt_sl, ad_sb, ad_sh, ad_sl, BT: tl.constexpr, SEG: tl.constexpr, SP: tl.constexpr,
-                 T: tl.constexpr):
-    """Grid (b*h, segments of ``SEG`` tokens): each program walks its segment in blocks of ``BT`` tokens (a
-    multiple of the tile ``T``), after summing the phase's rate over the tokens before it in ``SEG``-token
-    blocks (a sum, not a walk: its loads are independent, so segments run side by side; one walk per (b, h)
-    took 0.38 ms at NAM56R's b2, r47). It writes
+                 dt_sl, ad_sb, ad_sh, ad_sl, BT: tl.constexpr, SP: tl.constexpr, T: tl.constexpr):
+    """Grid (b*h,), walking the sequence in blocks of ``BT`` tokens (a multiple of the tile ``T``):
 
     * the rotary phase phi_t = (sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi, the running sum in fp32 (the mod is
-      taken of the full sum, as the reference takes it), as its cos and sin, fp32 ``[b, l, h, 2s]`` (cos in
-      columns [0, s), sin in [s, 2s)), so that the kernels rotating q and k read them instead of evaluating cos
+      taken of the full sum, as the reference takes it), written as its cos and sin, fp32 ``[b, l, h, 2s]`` (cos
+      in columns [0, s), sin in [s, 2s)), so that the kernels rotating q and k read them instead of evaluating cos
       and sin per (token, rank) row: libdevice's cosf / sinf carry a branch to a slow argument reduction for every
       element, and were a large part of each kernel's code (ncu, 2026-11-29: instruction-cache stalls were 18-32%
       of the samples);
@@ -660,27 +647,24 @@ def phase_kernel(ang_ptr, dt_ptr, adt_ptr, rot_ptr, cs_ptr, L, LP, H, S, a_sb, a
       the sequence padded to whole tiles; adt 0 past ``L``). A torch cumsum over 16-token rows took 0.38 ms at
       NAM56R's b2 (r46), twice a step."""
     bh = tl.program_id(0)
-    seg0 = tl.program_id(1) * SEG
     b = bh // H
     h = bh % H
     cols = tl.arange(0, SP)
     cmask = cols < S
     carry = tl.zeros((SP,), tl.float32)
-    for p0 in range(0, seg0, SEG):
-        toks = p0 + tl.arange(0, SEG)
-        carry += tl.sum(_rate(ang_ptr, dt_ptr, b, h, toks, toks < L, cols, cmask, a_sb, a_sl, a_sh, a_ss, dt_sb,
-                              dt_sh, dt_sl), axis=0)
-    for t0 in range(seg0, seg0 + SEG, BT):
+    for t0 in range(0, LP, BT):
         toks = t0 + tl.arange(0, BT)
         tmask = toks < L
         adt = tl.load(adt_ptr + b * ad_sb + h * ad_sh + toks * ad_sl, mask=tmask, other=0.0).to(tl.float32)
         cs = tl.reshape(tl.cumsum(tl.reshape(adt, (BT // T, T)), axis=1), (BT,))
         tl.store(cs_ptr + bh * LP + toks, cs, mask=toks < LP)
-        rate = _rate(ang_ptr, dt_ptr, b, h, toks, tmask, cols, cmask, a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl)
+        m = tmask[:, None] & cmask[None, :]
+        a = tl.load(ang_ptr + b * a_sb + toks[:, None] * a_sl + h * a_sh + cols[None, :] * a_ss, mask=m, other=0.0)
+        dt = tl.load(dt_ptr + b * dt_sb + h * dt_sh + toks * dt_sl, mask=tmask, other=0.0)
+        rate = 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
         phi = carry[None, :] + tl.cumsum(rate, axis=0)
         phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
         rot = rot_ptr + ((b * L + toks[:, None]) * H + h) * (2 * S) + cols[None, :]
-        m = tmask[:, None] & cmask[None, :]
         tl.store(rot, tl.cos(phi), mask=m)
         tl.store(rot + S, tl.sin(phi), mask=m)
         carry += tl.sum(rate, axis=0)

@@ -184,28 +184,20 @@ class _MimoScanFn(torch.autograd.Function):
 
 TIME_BLOCK = 64
 """Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
-PHASE_SEGMENTS = 8
-"""The phase kernel's programs per (b, h), at most: each walks one segment of the sequence (8 of 512 tokens at
-l=4096)."""
 
 
 def _phase_and_decay(angles: torch.Tensor, dt: torch.Tensor, adt: torch.Tensor, t: int,
                      nc: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of ``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, 2s]`` (cos, then
     sin), and the cumulative sum of ``adt`` within each tile of ``t`` tokens, fp32 ``[b, h, nc*t]`` (0 past the
-    sequence), in one kernel, up to ``PHASE_SEGMENTS`` programs per (b, h) each walking a segment of the sequence;
-    angles may be a stride-0 view over the heads."""
+    sequence), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads."""
     from nam_plugin_mimo_scan.kernels import phase_kernel
 
     b, l, h, s = angles.shape
     rot = torch.empty(b, l, h, 2 * s, device=angles.device, dtype=torch.float32)
     cs = torch.empty(b, h, nc * t, device=angles.device, dtype=torch.float32)
-    bt = max(TIME_BLOCK, t)
-    blocks = -(-nc * t // bt)
-    seg = bt * _pow2(-(-blocks // PHASE_SEGMENTS))  # whole blocks, a power of two of them (tl.arange)
-    phase_kernel[(b * h, -(-nc * t // seg))](angles, dt, adt, rot, cs, l, nc * t, h, s, *angles.stride(),
-                                             *dt.stride(), *adt.stride(), BT=bt, SEG=seg, SP=max(16, _pow2(s)),
-                                             T=t, num_warps=4)
+    phase_kernel[(b * h,)](angles, dt, adt, rot, cs, l, nc * t, h, s, *angles.stride(), *dt.stride(),
+                           *adt.stride(), BT=max(TIME_BLOCK, t), SP=max(16, _pow2(s)), T=t, num_warps=4)
     return rot, cs
 
 

@@ -19,12 +19,13 @@ NAME = "mimo-scan"
 GPU_HINT = "pip install 'nam-plugin-mimo-scan[gpu]'"
 REFERENCE_HINT = "or the pure-PyTorch scan: --set ssm_backend=reference --plugins reference"
 
-SMEM_BYTES = 73_728
+SMEM_BYTES = 65_536
 """Shared memory per block a device must offer so that every kernel has a launch config that fits: the largest,
 over the kernels, of the smallest config's need at NAM56R's widths (d_state 128, headdim 64, rank 4, 16-token
-tiles). It is the per-head backward pass at 16 warps (at 4 warps with 2 stages, its faster config: 78,848 B);
+tiles). It is the per-head backward pass at 16 warps (at 4 warps with 2 stages, its faster config: 75,264 B);
 the walks' 1-stage configs take 16,384 B, dq 32,768 B, the rest <= 24,576 B. From Triton 3.6's sm_90 build
-(``gpu/mimo_compile.py``, 2026-11-29, again after r42; the GPU's ``.metadata.shared`` per launch lands in ``scan.SHARED_BYTES``).
+(``gpu/mimo_compile.py``, 2026-11-29, again after r47, whose per-head pass loads each token's row once: 73,728 ->
+65,536 B at 16 warps; the GPU's ``.metadata.shared`` per launch lands in ``scan.SHARED_BYTES``).
 Configs that need more (the walks' 2-stage configs ~82-115 KB, dq / dk with 2 stages ~70-143 KB) are timed where
 they fit and skipped by the autotuner where they do not. Under sm_121's (GB10) 101,376 B, so the declared
 requirements pass a ``--device-profile gb10``

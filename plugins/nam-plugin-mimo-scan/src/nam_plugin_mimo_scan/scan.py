@@ -3,8 +3,8 @@
 The math is ``nam56r/reference/mamba3.py``'s (kernels-and-math.md section 1.2); the kernels are in kernels.py.
 Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the sequence where it is a recurrence::
 
-    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi), as cos, sin;
-                                                    the log-decay's cumulative sum within each tile
+    both      phase         grid (b*h)              the rotary phase, a cumulative sum over time (mod 2 pi), as cos,
+                                                    sin; the log-decay's cumulative sum within each tile
     forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
     backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)

@@ -29,13 +29,10 @@ def read_sass_csv(path: str, section: int = 0) -> tuple[list[str], list[list[str
     """Kernel launch ``section`` (0: the first) of ncu's SASS page: (header, rows)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        lines = [line for line in f.read().split("\n") if line]
-    starts = [i for i, line in enumerate(lines) if line.startswith('"Address"')]
-    if section >= len(starts):
-        raise SystemExit(f"error: {path} holds {len(starts)} kernel launches; there is no section {section}")
-    start = starts[section]
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith('"Kernel Name"')), len(lines))
-    header, *rows = list(csv.reader(lines[start:end]))
+        launches = ncu_stalls.sections(f.read())
+    if section >= len(launches):
+        raise SystemExit(f"error: {path} holds {len(launches)} kernel launches; there is no section {section}")
+    header, *rows = list(csv.reader(launches[section][1]))
     return header, rows
 
 

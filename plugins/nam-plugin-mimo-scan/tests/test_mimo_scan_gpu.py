@@ -65,6 +65,42 @@ def test_the_kernels_sigmoid_is_within_a_few_ulp_of_tritons_and_of_the_exact_val
     assert ours[-1].item() == 0.5  # sigmoid(0), exactly
 
 
+def test_the_kernels_cos_and_sin_of_a_phase_are_within_2e_6_of_the_exact_values():
+    """``kernels._cos_sin_mod`` (the phase reduced into [-pi, pi), then cos.approx / sin.approx) against float64
+    cos and sin of the same fp32 phases, over [0, 2 pi) (what the walk's unreduced sum reduces to) and over
+    phases up to 1e4 (a long sequence's sum): within 2e-6 absolute. The reduction is exact to fp32's rounding
+    of phi near 2 pi k: at |phi| = 1e4 one ulp of phi is 1e-3, which no cos / sin of that fp32 value can undo, so
+    the large phases are compared with the float64 reduction of the same fp32 value."""
+    import math
+
+    import triton
+    import triton.language as tl
+
+    from nam_plugin_mimo_scan import kernels
+
+    @triton.jit
+    def both(x_ptr, cos_ptr, sin_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cos, sin = kernels._cos_sin_mod(tl.load(x_ptr + i, mask=i < n, other=0.0))
+        tl.store(cos_ptr + i, cos, mask=i < n)
+        tl.store(sin_ptr + i, sin, mask=i < n)
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    small = torch.rand(1 << 18, device="cuda", generator=gen) * (2 * math.pi)
+    large = (torch.rand(1 << 18, device="cuda", generator=gen) - 0.5) * 2e4
+    x = torch.cat([small, large, torch.zeros(1, device="cuda")])
+    cos, sin = torch.empty_like(x), torch.empty_like(x)
+    both[(triton.cdiv(x.numel(), 1024),)](x, cos, sin, x.numel(), BLOCK=1024)
+    red = torch.remainder(x.double(), 2 * math.pi)  # the exact reduction of each fp32 phase
+    for name, ours, exact in (("cos", cos, torch.cos(red)), ("sin", sin, torch.sin(red))):
+        err = (ours.double() - exact).abs()
+        assert err[: small.numel()].max() <= 2e-6, f"{name} on [0, 2 pi): {err[: small.numel()].max():.2e}"
+        # |phi| up to 1e4: the fp32 product 2 pi k in the reduction rounds by up to half an ulp of phi
+        slack = (x.double().abs() * 2.0**-23).clamp(min=2e-6)
+        assert (err <= slack + 2e-6).all(), f"{name}: {(err - slack).max():.2e} over"
+    assert cos[-1].item() == 1.0 and sin[-1].item() == 0.0  # phase 0
+
+
 def _inputs(b=1, l=256, h=16, g=2):
     from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
 

@@ -1,7 +1,7 @@
 """Per-kernel facts of the mimo-scan at NAM56R's bench shape (issue 32's GPU round), for choosing the next design.
 
     python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S[,NS[,R]] ...]
-        [--chunk-configs W,S[,CPB[,R]] ...] [--unchecked-per-head]
+        [--chunk-configs W,S[,R] ...] [--unchecked-per-head]
 
 The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
 and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
@@ -10,7 +10,7 @@ tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's a
 warps,stages[,NS[,R]] in place of ``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns; R: a cap
 on the registers a thread, Triton's ``maxnreg``, 0 for none; ``kernels._fits`` still decides which pass may take
 which, unless ``--unchecked-per-head`` lets the per-head pass take any) and ``--chunk-configs`` (the same for
-``fwd_chunk``, warps,stages[,CPB[,R]], CPB its chunks a program) try other launch settings.
+``fwd_chunk``) try other launch settings.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--block-t", type=int, default=None)
     ap.add_argument("--ph", type=int, default=None)
     ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS[,MAXNREG]]")
-    ap.add_argument("--chunk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,CPB[,MAXNREG]]")
+    ap.add_argument("--chunk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,MAXNREG]")
     ap.add_argument("--unchecked-per-head", action="store_true",
                     help="offer the per-head pass every --bwd-configs config at NS 1, not only "
                          "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
@@ -79,14 +79,13 @@ def main() -> None:
         if a.unchecked_per_head:
             kernels.PER_HEAD_CONFIGS = {(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS["bwd"]}
     if a.chunk_configs:
-        kernels.CONFIGS["fwd_chunk"] = [kernels._config(w, st, r or None, CPB=cpb) for w, st, cpb, r in
-                                        (_ints(c, 1, 0) for c in a.chunk_configs)]
+        kernels.CONFIGS["fwd_chunk"] = [kernels._config(w, st, r or None) for w, st, r in
+                                        (_ints(c, 0) for c in a.chunk_configs)]
         kernels.KERNELS["fwd_chunk"] = kernels._tuned("fwd_chunk", kernels.fwd_chunk_kernel)
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "
           f"per-head {sorted(kernels.PER_HEAD_CONFIGS, key=str)}, fwd_chunk configs "
-          f"{[(c.num_warps, c.num_stages, c.kwargs.get('CPB'), c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}",
-          flush=True)
+          f"{[(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}", flush=True)
     h, g = HEADS, GROUPS
     leaves, args, dout = bench_inputs(a.b, a.l)
     wrt = list(leaves.values())
@@ -138,11 +137,21 @@ def main() -> None:
         events.setdefault(_label(name, meta), []).append((start, end))
         return compiled
 
-    scan._launch = timed_launch
+    real_phase = scan._phase_and_decay
+
+    def timed_phase(*args, **kwargs):  # launched directly, not through scan._launch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = real_phase(*args, **kwargs)
+        end.record()
+        events.setdefault("phase", []).append((start, end))
+        return out
+
+    scan._launch, scan._phase_and_decay = timed_launch, timed_phase
     for _ in range(5):
         fwd_bwd()
     torch.cuda.synchronize()
-    scan._launch = real_launch
+    scan._launch, scan._phase_and_decay = real_launch, real_phase
     for name, pairs in events.items():
         print(f"launch {name}: {statistics.median(s.elapsed_time(e) for s, e in pairs):.3f} ms (median of "
               f"{len(pairs)})")

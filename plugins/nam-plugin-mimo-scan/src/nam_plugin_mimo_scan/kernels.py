@@ -143,8 +143,9 @@ def _decay_weights(tok, cs, gam, cc, T: tl.constexpr, RP: tl.constexpr):
     return decay * tl.where(ti == tj, gam[None, :], cc[None, :]), decay
 
 
-_SIGMOID_ASM: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
-"""On a GPU ``_sigmoid`` is one PTX sequence (the interpreter runs no PTX, and takes ``1 / (1 + exp(-x))``)."""
+_PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+"""On a GPU ``_sigmoid`` and ``_cos_sin_mod`` are PTX (the interpreter runs no PTX, and takes
+``1 / (1 + exp(-x))``, ``tl.cos``, ``tl.sin``)."""
 
 
 @triton.jit
@@ -152,7 +153,7 @@ def _sigmoid(x):
     """1 / (1 + 2^(-x log2 e)): ex2.approx, an add and rcp.approx (1 ulp), flushing denormals to zero. Triton's
     ``tl.sigmoid`` divides with ``div.full`` (range-scaled: ~20 SASS instructions an element; r40's profile of
     the per-head pass put 12% of its stall samples there); both are within a few ulp of the exact value."""
-    if _SIGMOID_ASM:
+    if _PTX:
         return tl.inline_asm_elementwise(
             "{ .reg .f32 e; ex2.approx.ftz.f32 e, $1; add.ftz.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",
             "=r,r", [x * -1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1)
@@ -164,10 +165,11 @@ def _sigmoid(x):
 def _cos_sin_mod(phi):
     """cos and sin of a phase, taken mod 2 pi first (into [-pi, pi): the same cos and sin as the reference's
     [0, 2 pi)). On a GPU ``cos.approx`` / ``sin.approx`` (one MUFU instruction each, absolute error <= 2^-20.5 on
-    [-pi, pi], what mamba-ssm's kernels take under fast math); libdevice's ``cosf`` / ``sinf`` carry a slow
-    argument reduction that a reduced phase never takes, and were 77% of the phase kernel's code (sm_90 build)."""
+    [-pi, pi]; mamba-ssm's MIMO kernels take cos and sin the same way, under TileLang's fast math); libdevice's
+    ``cosf`` / ``sinf`` carry a slow argument reduction that a reduced phase never takes, and were 2,732 of the
+    phase kernel's 3,528 SASS instructions (sm_90 build; 952 with these)."""
     red = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586 + 0.5)
-    if _SIGMOID_ASM:
+    if _PTX:
         cos = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=r,r", [red], dtype=tl.float32,
                                         is_pure=True, pack=1)
         sin = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=r,r", [red], dtype=tl.float32,
@@ -207,35 +209,13 @@ def _walk_scalars(rot_ptr, cs_ptr, c, L, R, rot_base, rot_sl, S, seq_base, T: tl
 
 
 @triton.jit
-def _phase_tile(ang_ptr, dt_ptr, adt_ptr, toks, L, S, carry, a_base, a_sl, a_ss, dt_base, dt_sl, ad_base, ad_sl,
-                W: tl.constexpr):
-    """One tile of the walk along the sequence for tokens ``toks``: the log-decay's cumsum within the tile ``[T]``,
-    the phase phi_t = (carry + sum_{i<=t} pi tanh(angle_i) dt_i) mod 2 pi as cos and sin ``[T, W]`` (columns >= S:
-    cos 1, sin 0), and the carry with this tile's rates added (the unreduced sum, as the reference reduces it)."""
-    tmask = toks < L
-    cols = tl.arange(0, W)
-    m = tmask[:, None] & (cols < S)[None, :]
-    adt = tl.load(adt_ptr + ad_base + toks * ad_sl, mask=tmask, other=0.0).to(tl.float32)
-    a = tl.load(ang_ptr + a_base + toks[:, None] * a_sl + cols[None, :] * a_ss, mask=m, other=0.0)
-    dt = tl.load(dt_ptr + dt_base + toks * dt_sl, mask=tmask, other=0.0)
-    rate = 3.141592653589793 * _tanh(a.to(tl.float32)) * dt.to(tl.float32)[:, None]
-    phi = carry[None, :] + tl.cumsum(rate, axis=0)
-    cos, sin = _cos_sin_mod(phi)
-    keep = (cols < S)[None, :]
-    return tl.cumsum(adt, axis=0), tl.where(keep, cos, 1.0), tl.where(keep, sin, 0.0), carry + tl.sum(rate, axis=0)
-
-
-@triton.jit
-def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr, ang_ptr, dt_ptr, adt_ptr,
+def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_ptr,
                       L, H, HPG, R, S, NC, k_sb, k_sl, k_sr, k_sg, x_sb, x_sl, x_sh,
-                      a_sb, a_sl, a_sh, a_ss, dt_sb, dt_sh, dt_sl, ad_sb, ad_sh, ad_sl,
                       T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr,
-                      PSPLIT: tl.constexpr, PHASE: tl.constexpr):
+                      PSPLIT: tl.constexpr):
     """Grid (b*h, PSPLIT): ``S_in[c]`` for every chunk, chunks in order, the carry ``[p/PSPLIT, n]`` in fp32
     registers; stored in the dtype of ``s_ptr`` (q's: every reader rounds S_in to it for its dot anyway).
-    S_in[0] = 0, S_in[c+1] = exp(cs_end[c]) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T.
-    ``PHASE``: the walk also takes the phase and the tiles' log-decay cumsums along (``_phase_tile``) and writes
-    them (the cos / sin table and ``cs``, program 0 of the split) for the kernels after it; else it reads them."""
+    S_in[0] = 0, S_in[c+1] = exp(cs_end[c]) S_in[c] + sum_u exp(cs_end - cs_u) c_u sum_r v_ur k~_ur^T."""
     bh = tl.program_id(0)
     BP: tl.constexpr = P // PSPLIT
     pcols = tl.program_id(1) * BP + tl.arange(0, BP)
@@ -248,32 +228,16 @@ def state_walk_kernel(k_ptr, kb_ptr, rot_ptr, x_ptr, mx_ptr, cs_ptr, c_ptr, s_pt
     rot_base = (b * L * H + h) * 2 * S
     carry_lo = tl.zeros((BP, HALF), tl.float32)
     carry_hi = tl.zeros((BP, HALF), tl.float32)
-    phase = tl.zeros((HALF,), tl.float32)
     for c in range(NC):
         tok, rank, valid = _rows(c, L, R, T, RP)
         sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
         tl.store(sp, carry_lo.to(s_ptr.dtype.element_ty))
         tl.store(sp + HALF, carry_hi.to(s_ptr.dtype.element_ty))
-        if PHASE:
-            toks = c * T + tl.arange(0, T)
-            cs_t, cos_t, sin_t, phase = _phase_tile(ang_ptr, dt_ptr, adt_ptr, toks, L, S, phase, b * a_sb + h * a_sh,
-                                                    a_sl, a_ss, b * dt_sb + h * dt_sh, dt_sl, b * ad_sb + h * ad_sh,
-                                                    ad_sl, HALF)
-            rot = rot_ptr + rot_base + toks[:, None] * (H * 2 * S) + hcols[None, :]
-            writer = (toks * 0 + tl.program_id(1)) == 0  # one program of the split writes them
-            rm = (writer & (toks < L))[:, None] & (hcols < S)[None, :]
-            tl.store(rot, cos_t, mask=rm)
-            tl.store(rot + S, sin_t, mask=rm)
-            tl.store(cs_ptr + bh * LP + toks, cs_t, mask=writer)
-            cos, sin = _over_ranks(cos_t, sin_t, T, RP, HALF)
-            cs = tl.reshape(tl.broadcast_to(cs_t[:, None], (T, RP)), (T * RP,))
-            cs_end = tl.sum(tl.where(tl.arange(0, T) == T - 1, cs_t, 0.0), axis=0)
-        else:
-            cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
-            cs = tl.load(cs_ptr + bh * LP + tok)
-            cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
         klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, 0,
                             HALF, HALF)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
         w = tl.exp(cs_end - cs) * tl.load(c_ptr + bh * LP + tok)
         v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
              * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
@@ -332,11 +296,16 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
 
 
 @triton.jit
-def _fwd_one(c, b, h, bh, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
-             cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr, L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr,
-             k_sg, x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
-             T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-    """Chunk ``c``'s output of head ``h``: intra-chunk plus ``S_in[c]``'s, gated and summed over ranks."""
+def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+                     cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
+                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
+                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*h): one chunk's output, intra-chunk plus ``S_in[c]``'s, gated and summed over ranks."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
     g = h // HPG
     LP = NC * T
     DT = q_ptr.dtype.element_ty
@@ -366,28 +335,6 @@ def _fwd_one(c, b, h, bh, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, m
     toks = c * T + tl.arange(0, T)
     tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(toks < L)[:, None])
-
-
-@triton.jit
-def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
-                     cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
-                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
-                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, CPB: tl.constexpr):
-    """Grid (cdiv(nc, CPB), b*h): ``CPB`` chunks' outputs (``_fwd_one``), in a loop when ``CPB`` > 1 (with 2
-    stages the next chunk's loads are issued while this one computes)."""
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    args = (b, h, bh, q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr, cs_ptr,
-            gam_ptr, c_ptr, s_ptr, out_ptr, L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
-            x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh)
-    if CPB == 1:
-        _fwd_one(tl.program_id(0), *args, T, RP, HALF, P)
-    else:
-        c0 = tl.program_id(0) * CPB
-        for c in range(c0, tl.minimum(c0 + CPB, NC)):
-            _fwd_one(c, *args, T, RP, HALF, P)
 
 
 @triton.jit
@@ -798,9 +745,10 @@ CONFIGS = {
     # (2.80 at 4 warps PSPLIT 2). A walk has one program per (b, h): 256 at b2, so a walk runs in one wave only
     # if two programs fit an SM (shared memory <= ~113 KB, registers <= 255 a thread at 4 warps); with the
     # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM)
-    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1), _config(4, 1, PSPLIT=2)],
-    "dstate_walk": [_config(4, 1, PSPLIT=1), _config(8, 2, PSPLIT=1)],
-    "fwd_chunk": [_config(4, CPB=1), _config(8, CPB=1), _config(4, 2, CPB=2), _config(4, 2, CPB=4)],
+    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1),
+                   _config(4, 1, 128, PSPLIT=2)],
+    "dstate_walk": [_config(4, 1, PSPLIT=1), _config(8, 2, PSPLIT=1), _config(4, 1, 128, PSPLIT=2)],
+    "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
     # SM. 2 stages prefetch the next column block (head). Which pass may take which config: _fits. r32 (H200,

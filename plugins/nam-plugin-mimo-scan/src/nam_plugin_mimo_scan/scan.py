@@ -25,8 +25,6 @@ model's ``chunk_size`` (the chunking is exact for any tile, so ``chunk_size`` do
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +36,6 @@ SHARED_BYTES: dict[str, int] = {}
 PASSES = ((True, False, False), (False, True, False), (False, False, True))
 """The backward's ``bwd`` launches, (CHUNK, DQ, DK) in order: the per-head gradients, dq, dk (which adds to
 dq's d phase)."""
-PHASE_IN_WALK = os.environ.get("NAM_MIMO_PHASE", "walk") == "walk"
-"""EXPERIMENT (r49): the state walk computes the phase table and cs (no phase kernel)."""
 COLUMN_BLOCKS = 4
 """Column blocks of the head dim in the per-head backward pass (``bwd`` ``PH``, a loop, each block >= 16
 columns). Triton 3.6 for sm_90, headdim 64, 4 warps with 2 stages (the pass's faster config; 2026-11-29): spills
@@ -96,12 +92,7 @@ class _Geometry:
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
         # cos, sin of the phase [b, l, h, 2s]; the log-decay's cumsum within each tile [b, h, nc*T]
-        self.angles, self.dt, self.adt = angles, dt, adt
-        if PHASE_IN_WALK:  # written by the state walk (states()), the first kernel of each pass
-            self.rot = torch.empty(self.b, self.l, self.h, 2 * self.s, device=q.device, dtype=torch.float32)
-            self.cs = torch.empty(self.b, self.h, self.nc * self.t, device=q.device, dtype=torch.float32)
-        else:
-            self.rot, self.cs = _phase_and_decay(angles, dt, adt, self.t, self.nc)
+        self.rot, self.cs = _phase_and_decay(angles, dt, adt, self.t, self.nc)
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
@@ -114,9 +105,8 @@ class _Geometry:
         carry in fp32 registers."""
         s_in = torch.empty(self.b * self.h, self.nc, self.p, self.n, device=q.device, dtype=q.dtype)
         _launch("state_walk", self.grid_walk, k, k_bias, self.rot, v, mimo_x, self.cs, self.c, s_in,
-                self.angles, self.dt, self.adt, self.l, self.h, self.h // self.g, self.r, self.s, self.nc,
-                *k.stride()[:4], *v.stride()[:3], *self.angles.stride(), *self.dt.stride(), *self.adt.stride(),
-                **self.meta(), PHASE=PHASE_IN_WALK)
+                self.l, self.h, self.h // self.g, self.r, self.s, self.nc,
+                *k.stride()[:4], *v.stride()[:3], **self.meta())
         return s_in
 
 
@@ -131,7 +121,7 @@ class _MimoScanFn(torch.autograd.Function):
         common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
                   *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
         s_in = geo.states(q, k, qb, kb, v, mx)
-        _launch("fwd_chunk", lambda meta: (-(-geo.nc // meta["CPB"]), geo.b * geo.h), q, k, qb, kb, geo.rot, v, z, mx, mz, mo, dd, geo.cs,
+        _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.rot, v, z, mx, mz, mo, dd, geo.cs,
                 geo.gamma, geo.c, s_in, out, *common, **geo.meta())
         ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
         ctx.block_t = block_t

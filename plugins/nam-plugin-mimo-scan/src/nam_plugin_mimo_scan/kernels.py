@@ -744,10 +744,11 @@ CONFIGS = {
     # walk 1.92 ms at 4 warps PSPLIT 1 (1.95 at 8 warps, 2.62 at PSPLIT 2); dstate walk 2.71 at 8 warps PSPLIT 1
     # (2.80 at 4 warps PSPLIT 2). A walk has one program per (b, h): 256 at b2, so a walk runs in one wave only
     # if two programs fit an SM (shared memory <= ~113 KB, registers <= 255 a thread at 4 warps); with the
-    # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM)
-    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1),
-                   _config(4, 1, 128, PSPLIT=2)],
-    "dstate_walk": [_config(4, 1, PSPLIT=1), _config(8, 2, PSPLIT=1), _config(4, 1, 128, PSPLIT=2)],
+    # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM).
+    # r50: PSPLIT 2 capped at 128 registers (four programs an SM, b2's 512 in one wave; 324 / 444 B of spills)
+    # took 2.00 ms (state walk) and 2.74 (dstate walk) against 1.07 / 1.36 at PSPLIT 1
+    "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1)],
+    "dstate_walk": [_config(4, 1, PSPLIT=1), _config(8, 2, PSPLIT=1)],
     "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an

@@ -166,7 +166,8 @@ def main() -> int:
             if a.ns and "NS" in extra and not meta.get("CHUNK"):
                 extra["NS"] = a.ns
             t0 = time.time()
-            compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages, a.maxnreg)
+            maxnreg = a.maxnreg or (config.maxnreg if config else None)
+            compiled = compile_one(kernel, args, {**meta, **extra}, warps, stages, maxnreg)
             flags = "".join(k for k, v in meta.items() if v is True)
             label = f"{name}[{flags}]" if flags else name
             dump_to = None
@@ -174,7 +175,7 @@ def main() -> int:
                 os.makedirs(a.dump, exist_ok=True)
                 dump_to = os.path.join(a.dump, re.sub(r"[^A-Za-z0-9_]+", "_", f"{label}_w{warps}_s{stages}_{extra}")
                                        + ".sass")
-            print(f"{label} warps={warps} stages={stages} maxnreg={a.maxnreg} {extra}: "
+            print(f"{label} warps={warps} stages={stages} maxnreg={maxnreg} {extra}: "
                   f"shared {compiled.metadata.shared} B, {ptxas_info(compiled, dump_to)} ({time.time() - t0:.0f} s)",
                   flush=True)
     return 0

@@ -46,9 +46,6 @@ cases = {
 from nam_plugin_mimo_scan import kernels
 kernels.CONFIGS["bwd"] = [kernels._config(4, NS=2), kernels._config(4, 2, NS=1)]
 kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
-# the forward in 2 windows of each half's 32 columns (NWIN 2): with 16 angles the second is not rotated
-kernels.CONFIGS["fwd_chunk"] = [kernels._config(4, NWIN=2)]
-kernels.KERNELS["fwd_chunk"] = kernels._tuned("fwd_chunk", kernels.fwd_chunk_kernel)
 cases["r4_g2_windows"] = compare(1, 37, 4, 2, 64, 16, 4, block_t=8, **f32)
 print(json.dumps(cases))
 """

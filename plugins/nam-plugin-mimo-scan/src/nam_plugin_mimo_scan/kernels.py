@@ -296,40 +296,12 @@ def dstate_walk_kernel(q_ptr, qb_ptr, rot_ptr, z_ptr, do_ptr, mz_ptr, mo_ptr, cs
 
 
 @triton.jit
-def _fwd_window(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, s_ptr, tok, rank, valid, b, c, h, g, bh, L, H, R, S, NC,
-                q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg, col0, T: tl.constexpr, RP: tl.constexpr,
-                HALF: tl.constexpr, P: tl.constexpr, W: tl.constexpr, ROTATE: tl.constexpr):
-    """Columns ``[col0, col0 + W)`` of both halves of n: their shares of q~ k~^T ``[M, M]`` and of q~ S_in^T
-    ``[M, p]``; q and k rotated by the phase (``ROTATE``) or, for a window past the angles, not."""
-    DT = q_ptr.dtype.element_ty
-    q_base = b * q_sb + g * q_sg
-    k_base = b * k_sb + g * k_sg
-    if ROTATE:
-        cos, sin = _cos_sin(rot_ptr, c, L, (b * L * H + h) * 2 * S, H * 2 * S, S, col0, T, RP, W)
-        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, cos, sin, col0,
-                            HALF, W)
-        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, cos, sin, col0,
-                            HALF, W)
-    else:
-        qlo, qhi = _raw(q_ptr, qb_ptr, tok, rank, valid, q_base, q_sl, q_sr, h * R * 2 * HALF, col0, HALF, W)
-        klo, khi = _raw(k_ptr, kb_ptr, tok, rank, valid, k_base, k_sl, k_sr, h * R * 2 * HALF, col0, HALF, W)
-    qlo = qlo.to(DT)
-    qhi = qhi.to(DT)
-    qk = tl.dot(qlo, tl.trans(klo.to(DT))) + tl.dot(qhi, tl.trans(khi.to(DT)))
-    pcols = tl.arange(0, P)
-    sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + (col0 + tl.arange(0, W))[:, None]  # [W, p]
-    return qk, tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT))
-
-
-@triton.jit
 def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
                      cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
                      L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                      x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
-                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, NWIN: tl.constexpr):
-    """Grid (nc, b*h): one chunk's output, intra-chunk plus ``S_in[c]``'s, gated and summed over ranks. q~ k~^T
-    and q~ S_in^T are summed over ``NWIN`` windows of each half of n (``_fwd_window``, a loop: fewer live tiles,
-    and a window past the angles is not rotated)."""
+                     T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+    """Grid (nc, b*h): one chunk's output, intra-chunk plus ``S_in[c]``'s, gated and summed over ranks."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -337,29 +309,25 @@ def fwd_chunk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr
     g = h // HPG
     LP = NC * T
     DT = q_ptr.dtype.element_ty
-    W: tl.constexpr = HALF // NWIN
     pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
     tok, rank, valid = _rows(c, L, R, T, RP)
-    win = (q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, s_ptr, tok, rank, valid, b, c, h, g, bh, L, H, R, S, NC,
-           q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg)
-    if NWIN == 1:
-        qk, ys = _fwd_window(*win, 0, T, RP, HALF, P, W, True)
-    else:
-        qk = tl.zeros((T * RP, T * RP), tl.float32)
-        ys = tl.zeros((T * RP, P), tl.float32)
-        for w in range(NWIN):
-            if w * W < S:
-                qk_w, ys_w = _fwd_window(*win, w * W, T, RP, HALF, P, W, True)
-            else:
-                qk_w, ys_w = _fwd_window(*win, w * W, T, RP, HALF, P, W, False)
-            qk += qk_w
-            ys += ys_w
+    rot_base = (b * L * H + h) * 2 * S
+    cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+    qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF, cos, sin,
+                        0, HALF, HALF)
+    klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF, cos, sin,
+                        0, HALF, HALF)
+    qlo = qlo.to(DT)
+    qhi = qhi.to(DT)
     cs = tl.load(cs_ptr + bh * LP + tok)
     amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), tl.load(c_ptr + bh * LP + tok), T, RP)
+    qk = tl.dot(qlo, tl.trans(klo.to(DT))) + tl.dot(qhi, tl.trans(khi.to(DT)))  # [M, M]
     x = _load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
     v = x * _load_proj(mx_ptr, h, rank, valid, R, P, pcols)
     y = tl.dot((qk * amat).to(DT), v.to(DT))
-    y += tl.exp(cs)[:, None] * ys
+    sp = s_ptr + ((bh * NC + c) * P + pcols[None, :]) * (2 * HALF) + hcols[:, None]  # S_in^T halves [n/2, p]
+    y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.load(sp).to(DT)) + tl.dot(qhi, tl.load(sp + HALF).to(DT)))
     zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols) * _load_proj(mz_ptr, h, rank, valid, R, P,
                                                                                        pcols)
     o = (y + tl.load(d_ptr + h) * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
@@ -781,7 +749,11 @@ CONFIGS = {
     # took 2.00 ms (state walk) and 2.74 (dstate walk) against 1.07 / 1.36 at PSPLIT 1
     "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1)],
     "dstate_walk": [_config(4, 1, PSPLIT=1), _config(8, 2, PSPLIT=1)],
-    "fwd_chunk": [_config(4, NWIN=1), _config(8, NWIN=1), _config(4, NWIN=4), _config(4, 1, 168, NWIN=4)],
+    # fwd_chunk one chunk a program, n whole. Slower, measured (H200, NAM56R's b2): 2 / 4 chunks a program in a
+    # loop with 2 stages, 5.49 / 4.98 ms against 2.22 (r49: 189 KB of shared memory, one program an SM); q~ k~^T
+    # and q~ S_in^T summed over 4 windows of 16 columns, those past the angles not rotated, 3.76 ms (3.07 capped
+    # at 168 registers: three programs an SM) against 2.40 for the same code in one window (r51)
+    "fwd_chunk": [_config(4), _config(8)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
     # SM. 2 stages prefetch the next column block (head). Which pass may take which config: _fits. r32 (H200,
@@ -821,8 +793,7 @@ def _fits(configs, nargs, **kwargs):
     ``bwd`` pass only at ``PER_HEAD_CONFIGS``, whole (NS 1); dq and dk not at 4 warps with 2 stages unwindowed:
     r30 (H200), the one round that offered them that (178 B of spills, 214 KB of shared memory, 8.4 ms for dk
     against 5.05 at 1 stage), faulted with an illegal address while the tuner timed ``bwd`` at 32-token tiles."""
-    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16
-           and kwargs["HALF"] // c.kwargs.get("NWIN", 1) >= 16]
+    fit = [c for c in configs if kwargs["P"] // c.kwargs.get("PSPLIT", 1) >= 16]
     if "CHUNK" in kwargs:  # the bwd kernel
         fit = [c for c in fit if _bwd_may_take(c, kwargs["CHUNK"], kwargs["HALF"])]
     fit = fit or [c for c in configs if c.kwargs.get("PSPLIT", 1) == 1 and c.kwargs.get("NS", 1) == 1][:1]

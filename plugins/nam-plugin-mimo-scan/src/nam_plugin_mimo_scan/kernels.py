@@ -63,8 +63,18 @@ def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, RP: tl.c
     token and repeated over the ranks in registers (a row-wise load read each token RP times; in the 2-stage state
     walk it took 123 KB of shared memory against 99 KB read per token, Triton 3.6 sm_90). q and k of a (token,
     head) share them, so a kernel rotating both reads them once."""
+    if _TABLE_ROWS:  # EXPERIMENT (r52): each (token, rank) row loads its token's row of the table
+        rows = tl.arange(0, T * RP)
+        toks = c * T + rows // RP
+        cols = col0 + tl.arange(0, W)
+        ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]
+        m = ((toks < L) & (rows % RP < RP))[:, None] & (cols[None, :] < S)
+        return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + S, mask=m, other=0.0)
     cos, sin = _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, W)
     return _over_ranks(cos, sin, T, RP, W)
+
+
+_TABLE_ROWS: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_TABLE_ROWS") == "1")
 
 
 @triton.jit

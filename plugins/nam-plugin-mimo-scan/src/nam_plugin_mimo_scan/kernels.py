@@ -34,15 +34,21 @@ def _rows(c, L, R, T: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, W: tl.constexpr):
-    """cos and sin of the phases of chunk ``c``'s tokens, ``[T, W]`` fp32 each: columns ``[col0, col0 + W)`` of
+def _table_rows(rot_ptr, toks, L, rot_base, rot_sl, S, col0, W: tl.constexpr):
+    """cos and sin of the phases of tokens ``toks``, ``[len(toks), W]`` fp32 each: columns ``[col0, col0 + W)`` of
     the half (columns >= S: cos 1, sin 0) of the table the ``phase`` kernel writes (``[b, l, h, 2S]``: cos, then
     sin)."""
     cols = col0 + tl.arange(0, W)
-    toks = c * T + tl.arange(0, T)
     ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]
     m = (toks < L)[:, None] & (cols[None, :] < S)
     return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + S, mask=m, other=0.0)
+
+
+@triton.jit
+def _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, W: tl.constexpr):
+    """``_table_rows`` of chunk ``c``'s tokens, ``[T, W]``: the dstate walk and the dq / dk windows load it a
+    step ahead and repeat it over the ranks (``_over_ranks``) when they use it."""
+    return _table_rows(rot_ptr, c * T + tl.arange(0, T), L, rot_base, rot_sl, S, col0, W)
 
 
 @triton.jit
@@ -59,22 +65,14 @@ def _over_ranks(cos, sin, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T: tl.constexpr, RP: tl.constexpr, W: tl.constexpr):
-    """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, W]`` fp32 (``_cos_sin_table``), read once per
-    token and repeated over the ranks in registers (a row-wise load read each token RP times; in the 2-stage state
-    walk it took 123 KB of shared memory against 99 KB read per token, Triton 3.6 sm_90). q and k of a (token,
-    head) share them, so a kernel rotating both reads them once."""
-    if _TABLE_ROWS:  # EXPERIMENT (r52): each (token, rank) row loads its token's row of the table
-        rows = tl.arange(0, T * RP)
-        toks = c * T + rows // RP
-        cols = col0 + tl.arange(0, W)
-        ptr = rot_ptr + rot_base + toks[:, None] * rot_sl + cols[None, :]
-        m = ((toks < L) & (rows % RP < RP))[:, None] & (cols[None, :] < S)
-        return tl.load(ptr, mask=m, other=1.0), tl.load(ptr + S, mask=m, other=0.0)
-    cos, sin = _cos_sin_table(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, W)
-    return _over_ranks(cos, sin, T, RP, W)
-
-
-_TABLE_ROWS: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_TABLE_ROWS") == "1")
+    """cos and sin of the phases of chunk ``c``'s rows, ``[T * RP, W]`` fp32: each (token, rank) row loads its
+    token's row of the table (``_table_rows``; RP loads a token, from L1). Loaded once per token and repeated over
+    the ranks in registers instead (a layout change through shared memory), the state walk, fwd_chunk and the
+    per-head pass were slower (r52, H200, NAM56R's b2: 1.08 / 2.25 / 5.83 ms against 1.03 / 1.97 / 5.73), and
+    fwd_chunk took 248 registers against 188 (capped at 168 it spills 548 B against 64: three programs an SM).
+    The dstate walk and the dq / dk windows hold a per-token table a step ahead (``_cos_sin_table``: a quarter of
+    the registers). q and k of a (token, head) share them, so a kernel rotating both reads them once."""
+    return _table_rows(rot_ptr, c * T + tl.arange(0, T * RP) // RP, L, rot_base, rot_sl, S, col0, W)
 
 
 @triton.jit
@@ -763,7 +761,9 @@ CONFIGS = {
     # loop with 2 stages, 5.49 / 4.98 ms against 2.22 (r49: 189 KB of shared memory, one program an SM); q~ k~^T
     # and q~ S_in^T summed over 4 windows of 16 columns, those past the angles not rotated, 3.76 ms (3.07 capped
     # at 168 registers: three programs an SM) against 2.40 for the same code in one window (r51)
-    "fwd_chunk": [_config(4), _config(8)],
+    # r52: with the cos / sin table read per row (_cos_sin), 1.97 ms at 4 warps capped at 168 registers (64 B of
+    # spills, three programs an SM) against 2.33 uncapped and 3.80 at 8 warps
+    "fwd_chunk": [_config(4, 1, 168), _config(4)],
     # one program per chunk and head (the per-head pass, a loop over column blocks) or per chunk and group (dq, dk:
     # a loop over heads). Registers are near 255 a thread at 4 and 8 warps: two blocks of 4 warps (one of 8) fit an
     # SM. 2 stages prefetch the next column block (head). Which pass may take which config: _fits. r32 (H200,

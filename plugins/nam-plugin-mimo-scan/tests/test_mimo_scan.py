@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 import nam_plugin_mimo_scan.plugin as plugin
-from nam56r.recipes import apply_overrides, get_recipe
 from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError
 from nam_core.host import PluginHost

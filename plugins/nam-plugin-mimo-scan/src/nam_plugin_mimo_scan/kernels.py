@@ -752,7 +752,8 @@ CONFIGS = {
     # walk 1.92 ms at 4 warps PSPLIT 1 (1.95 at 8 warps, 2.62 at PSPLIT 2); dstate walk 2.71 at 8 warps PSPLIT 1
     # (2.80 at 4 warps PSPLIT 2). A walk has one program per (b, h): 256 at b2, so a walk runs in one wave only
     # if two programs fit an SM (shared memory <= ~113 KB, registers <= 255 a thread at 4 warps); with the
-    # cos / sin table read per token (r32) PSPLIT 1 at 2 stages takes 99 KB (123 KB in r30: one program an SM).
+    # cos / sin table read per token (r32) PSPLIT 1 at 2 stages took 99 KB (123 KB in r30 and again since r52, the
+    # table read per row: one program an SM; the 1-stage config, 16 KB, is the one taken).
     # r50: PSPLIT 2 capped at 128 registers (four programs an SM, b2's 512 in one wave; 324 / 444 B of spills)
     # took 2.00 ms (state walk) and 2.74 (dstate walk) against 1.07 / 1.36 at PSPLIT 1
     "state_walk": [_config(4, 2, PSPLIT=1), _config(4, 2, PSPLIT=2), _config(4, 1, PSPLIT=1)],

@@ -27,9 +27,9 @@ the walks' 1-stage configs take 16,384 B, dq 32,768 B, the rest <= 24,576 B. Fro
 (``gpu/mimo_compile.py``, 2026-11-29, again after r47, whose per-head pass loads each token's row once: 73,728 ->
 65,536 B at 16 warps; the GPU's ``.metadata.shared`` per launch lands in ``scan.SHARED_BYTES``).
 Configs that need more (the walks' 2-stage configs ~107-123 KB since r52's per-row table read, dq / dk with 2
-stages ~70-143 KB) are timed where they fit and skipped by the autotuner where they do not. Under sm_121's (GB10) 101,376 B, so the declared
-requirements pass a ``--device-profile gb10``
-preflight; the sm_121 build itself is not measured."""
+stages ~70-143 KB) are timed where they fit and skipped by the autotuner where they do not. Under sm_121's
+(GB10) 101,376 B, so the declared requirements pass a ``--device-profile gb10`` preflight; the sm_121 build
+itself is not measured."""
 
 
 

@@ -129,23 +129,21 @@ def main() -> None:
     # each launch timed with CUDA events (the profiler lumps the three bwd passes under one name)
     events = {}
 
-    def timed_launch(name, grid, *args, **meta):
+    def timed(label, call):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        compiled = real_launch(name, grid, *args, **meta)
+        out = call()
         end.record()
-        events.setdefault(_label(name, meta), []).append((start, end))
-        return compiled
+        events.setdefault(label, []).append((start, end))
+        return out
 
     real_phase = scan._phase_and_decay
 
+    def timed_launch(name, grid, *args, **meta):
+        return timed(_label(name, meta), lambda: real_launch(name, grid, *args, **meta))
+
     def timed_phase(*args, **kwargs):  # launched directly, not through scan._launch
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = real_phase(*args, **kwargs)
-        end.record()
-        events.setdefault("phase", []).append((start, end))
-        return out
+        return timed("phase", lambda: real_phase(*args, **kwargs))
 
     scan._launch, scan._phase_and_decay = timed_launch, timed_phase
     for _ in range(5):

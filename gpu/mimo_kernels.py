@@ -1,7 +1,7 @@
 """Per-kernel facts of the mimo-scan at NAM56R's bench shape (issue 32's GPU round), for choosing the next design.
 
     python gpu/mimo_kernels.py [--b 2] [--l 4096] [--block-t T] [--ph PH] [--bwd-configs W,S[,NS[,R]] ...]
-        [--chunk-configs W,S[,R] ...] [--unchecked-per-head]
+        [--chunk-configs W,S[,R] ...] [--walk-configs W,S[,PSPLIT[,R]] ...] [--unchecked-per-head]
 
 The first call (compile + autotune) against the second, bit for bit (a timed run must leave no trace); forward
 and forward + backward medians (CUDA events, 5 runs); then every kernel's autotuner timings per config (ms),
@@ -10,7 +10,9 @@ tile), ``--ph`` (``scan.COLUMN_BLOCKS``) and ``--bwd-configs`` (the backward's a
 warps,stages[,NS[,R]] in place of ``kernels.CONFIGS["bwd"]``; NS: dq / dk in windows of n's columns; R: a cap
 on the registers a thread, Triton's ``maxnreg``, 0 for none; ``kernels._fits`` still decides which pass may take
 which, unless ``--unchecked-per-head`` lets the per-head pass take any) and ``--chunk-configs`` (the same for
-``fwd_chunk``) try other launch settings.
+``fwd_chunk``) and ``--walk-configs`` (both walks', PSPLIT 1 unless given) try other launch settings. The inputs
+and the output gradient are seeded, so the digest compares two runs (two configs, or two kernel versions) bit for
+bit.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def bench_inputs(b: int, l: int):
     x = random_inputs(b, l, HEADS, GROUPS, 128, 64, 4, device="cuda", seed=11)
     leaves = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t).requires_grad_() for k, t in x.items()}
     args = [leaves[k] if k != "angles" else leaves[k].expand(b, l, HEADS, -1) for k in INPUT_NAMES]
-    return leaves, args, torch.randn(b, l, HEADS, 64, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    return leaves, args, torch.randn(b, l, HEADS, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
 
 
 def _label(name: str, meta: dict) -> str:
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--ph", type=int, default=None)
     ap.add_argument("--bwd-configs", nargs="+", default=None, metavar="WARPS,STAGES[,NS[,MAXNREG]]")
     ap.add_argument("--chunk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,MAXNREG]")
+    ap.add_argument("--walk-configs", nargs="+", default=None, metavar="WARPS,STAGES[,PSPLIT[,MAXNREG]]")
     ap.add_argument("--unchecked-per-head", action="store_true",
                     help="offer the per-head pass every --bwd-configs config at NS 1, not only "
                          "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
@@ -82,10 +86,17 @@ def main() -> None:
         kernels.CONFIGS["fwd_chunk"] = [kernels._config(w, st, r or None) for w, st, r in
                                         (_ints(c, 0) for c in a.chunk_configs)]
         kernels.KERNELS["fwd_chunk"] = kernels._tuned("fwd_chunk", kernels.fwd_chunk_kernel)
+    if a.walk_configs:
+        for name, kernel in (("state_walk", kernels.state_walk_kernel), ("dstate_walk", kernels.dstate_walk_kernel)):
+            kernels.CONFIGS[name] = [kernels._config(w, st, r or None, PSPLIT=ps) for w, st, ps, r in
+                                     (_ints(c, 1, 0) for c in a.walk_configs)]
+            kernels.KERNELS[name] = kernels._tuned(name, kernel)
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "
           f"per-head {sorted(kernels.PER_HEAD_CONFIGS, key=str)}, fwd_chunk configs "
-          f"{[(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}", flush=True)
+          f"{[(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}, walk configs "
+          f"{[(c.num_warps, c.num_stages, c.kwargs.get('PSPLIT'), c.maxnreg) for c in kernels.CONFIGS['state_walk']]}",
+          flush=True)
     h, g = HEADS, GROUPS
     leaves, args, dout = bench_inputs(a.b, a.l)
     wrt = list(leaves.values())

@@ -775,16 +775,20 @@ CONFIGS = {
     # a program); the per-head pass takes NS 1. r33 (H200, NAM56R's b2): dk 3.63 ms at NS 2, 4 warps, 2 stages
     # (4.02 at its best NS 1; 5.40 at NS 4), 3.52 with a chunk's windows adjacent (r36); dq 3.06 at NS 2 against
     # 2.96 at NS 1. NS 2 and 4 at 4 warps, 2 stages matched the reference at 16- and 32-token tiles
-    # (gpu/mimo_fault.py, r33 and r35). A cap on registers (_config's maxnreg) was slower for every pass (r35)
+    # (gpu/mimo_fault.py, r33 and r35). A cap on registers (_config's maxnreg) was slower for every pass in r35;
+    # r54 (the per-head pass at 4 column blocks since r43): the per-head pass at 4 warps, 2 stages capped at 168
+    # registers (132 B of spills, 75 KB of shared memory: three programs an SM) 5.15 ms against 5.85 uncapped; dq
+    # / dk capped slower (NS 2 at 168: 2.89 / 4.27 against 2.80 / 2.94; NS 4 at 128: 2.93 / 4.55; at 168: 3.12 /
+    # 3.98)
     "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),
-            _config(4, 2, NS=2)],
+            _config(4, 2, 168, NS=1), _config(4, 2, NS=2)],
 }
 """Under ``TRITON_INTERPRET=1`` each launch takes the first config ``_fits`` leaves it (nothing to time there)."""
 
 
-PER_HEAD_CONFIGS = {(4, 2, None), (16, 1, None)}
+PER_HEAD_CONFIGS = {(4, 2, None), (4, 2, 168), (16, 1, None)}
 """(warps, stages, maxnreg) the per-head ``bwd`` pass may take: those it has been measured correct at, on an
-H200, at both 16- and 32-token tiles. At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt,
+H200, at both 16- and 32-token tiles ((4, 2, 168): r55). At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt,
 d mimo_*) at 32-token tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps
 with 1 stage was checked at 16-token tiles, and at 32 only capped at 168 registers (r35, both right; 1 stage is
 slower: 9.23 ms against 7.66 in r32)."""

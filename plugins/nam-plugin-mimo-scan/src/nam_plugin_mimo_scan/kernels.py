@@ -187,6 +187,29 @@ def _cos_sin_mod(phi):
         return tl.cos(red), tl.sin(red)
 
 
+_PREFETCH: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_PREFETCH", "1") == "1")
+_TABLE_PF: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_TABLE_PF", "0") == "1")
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """Ask L1 for the lines at ``ptrs`` (PTX ``prefetch.global.L1``: a hint, nothing returned, nothing written);
+    nothing under the interpreter."""
+    if _PTX:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_biases(qb_ptr, kb_ptr, h, R, col0, HALF: tl.constexpr, RP: tl.constexpr):
+    """The lines of head ``h``'s q and k biases that a dq / dk window reads (columns ``col0`` onwards of each
+    rank's two halves: one 128-byte line each at 32 fp32 columns)."""
+    i = tl.arange(0, 2 * RP)
+    off = h * R * 2 * HALF + tl.minimum(i // 2, R - 1) * (2 * HALF) + (i % 2) * HALF + col0
+    _prefetch_l1(qb_ptr + off)
+    _prefetch_l1(kb_ptr + off)
+
+
 @triton.jit
 def _dy(dout, mo, z, mz):
     """dL/dy_tr = dout_t * mimo_o_r * silu(z_t mimo_z_r)."""
@@ -564,9 +587,12 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     if GO:
         q_lo, q_hi = _raw_rows(q_ptr, tok, rank, valid, q_base, q_sl, q_sr, col0, HALF, NW)
         k_lo, k_hi = _raw_rows(k_ptr, tok, rank, valid, k_base, k_sl, k_sr, col0, HALF, NW)
-        cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, (b * L * H + h0) * 2 * S, rot_sl, S, col0, T, NW)
+        if not _TABLE_PF:
+            cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, (b * L * H + h0) * 2 * S, rot_sl, S, col0, T, NW)
         cs = tl.load(cs_ptr + (b * H + h0) * LP + tok)
         cc = tl.load(c_ptr + (b * H + h0) * LP + tok)
+        if _PREFETCH:
+            _prefetch_biases(qb_ptr, kb_ptr, h0, R, col0, HALF, RP)
     for j in range(HPG):
         h = h0 + j
         bh = b * H + h
@@ -578,11 +604,23 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
             ecs, to_end, inter = _decays(cs, cs_end, cc)
             st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]  # [p, NW] windows of the halves
-            cos, sin = _over_ranks(cos_t, sin_t, T, RP, NW)
             nxt = b * H + tl.minimum(h + 1, h0 + HPG - 1)  # the last head loads its own again
-            cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, 2 * (nxt - b * H + b * L * H) * S, rot_sl, S, col0, T, NW)
+            if _TABLE_PF:
+                cos, sin = _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, RP, NW)
+                if _PTX:
+                    tt = c * T + tl.arange(0, 2 * T) // 2
+                    _prefetch_l1(rot_ptr + 2 * (nxt - b * H + b * L * H) * S + tl.minimum(tt, L - 1) * rot_sl
+                                 + (tl.arange(0, 2 * T) % 2) * S + col0)
+            else:
+                cos, sin = _over_ranks(cos_t, sin_t, T, RP, NW)
+                cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, 2 * (nxt - b * H + b * L * H) * S, rot_sl, S, col0,
+                                              T, NW)
             cs = tl.load(cs_ptr + nxt * LP + tok)
             cc = tl.load(c_ptr + nxt * LP + tok)
+            if _PREFETCH:
+                _prefetch_biases(qb_ptr, kb_ptr, nxt - b * H, R, col0, HALF, RP)
+                if DK:  # this head's d phase, which the dq pass wrote and the end of this iteration adds to
+                    _prefetch_l1(dph_ptr + ph_base + toks * (H * S) + col0)
         else:
             cs = tl.load(cs_ptr + bh * LP + tok)
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)

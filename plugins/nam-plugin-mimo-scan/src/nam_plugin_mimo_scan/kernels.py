@@ -187,8 +187,8 @@ def _cos_sin_mod(phi):
         return tl.cos(red), tl.sin(red)
 
 
-_PREFETCH: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_PREFETCH", "1") == "1")
-_TABLE_PF: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_TABLE_PF", "0") == "1")
+_PF_DQ: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_PREFETCH", "dq") in ("dq", "dqdk"))
+_PF_DK: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_PREFETCH", "dq") == "dqdk")
 
 
 @triton.jit
@@ -587,11 +587,10 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     if GO:
         q_lo, q_hi = _raw_rows(q_ptr, tok, rank, valid, q_base, q_sl, q_sr, col0, HALF, NW)
         k_lo, k_hi = _raw_rows(k_ptr, tok, rank, valid, k_base, k_sl, k_sr, col0, HALF, NW)
-        if not _TABLE_PF:
-            cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, (b * L * H + h0) * 2 * S, rot_sl, S, col0, T, NW)
+        cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, (b * L * H + h0) * 2 * S, rot_sl, S, col0, T, NW)
         cs = tl.load(cs_ptr + (b * H + h0) * LP + tok)
         cc = tl.load(c_ptr + (b * H + h0) * LP + tok)
-        if _PREFETCH:
+        if (DQ and _PF_DQ) or (DK and _PF_DK):
             _prefetch_biases(qb_ptr, kb_ptr, h0, R, col0, HALF, RP)
     for j in range(HPG):
         h = h0 + j
@@ -604,23 +603,13 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
             ecs, to_end, inter = _decays(cs, cs_end, cc)
             st = ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + ncols[None, :]  # [p, NW] windows of the halves
+            cos, sin = _over_ranks(cos_t, sin_t, T, RP, NW)
             nxt = b * H + tl.minimum(h + 1, h0 + HPG - 1)  # the last head loads its own again
-            if _TABLE_PF:
-                cos, sin = _cos_sin(rot_ptr, c, L, rot_base, rot_sl, S, col0, T, RP, NW)
-                if _PTX:
-                    tt = c * T + tl.arange(0, 2 * T) // 2
-                    _prefetch_l1(rot_ptr + 2 * (nxt - b * H + b * L * H) * S + tl.minimum(tt, L - 1) * rot_sl
-                                 + (tl.arange(0, 2 * T) % 2) * S + col0)
-            else:
-                cos, sin = _over_ranks(cos_t, sin_t, T, RP, NW)
-                cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, 2 * (nxt - b * H + b * L * H) * S, rot_sl, S, col0,
-                                              T, NW)
+            cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, 2 * (nxt - b * H + b * L * H) * S, rot_sl, S, col0, T, NW)
             cs = tl.load(cs_ptr + nxt * LP + tok)
             cc = tl.load(c_ptr + nxt * LP + tok)
-            if _PREFETCH:
+            if (DQ and _PF_DQ) or (DK and _PF_DK):
                 _prefetch_biases(qb_ptr, kb_ptr, nxt - b * H, R, col0, HALF, RP)
-                if DK:  # this head's d phase, which the dq pass wrote and the end of this iteration adds to
-                    _prefetch_l1(dph_ptr + ph_base + toks * (H * S) + col0)
         else:
             cs = tl.load(cs_ptr + bh * LP + tok)
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)

@@ -187,10 +187,6 @@ def _cos_sin_mod(phi):
         return tl.cos(red), tl.sin(red)
 
 
-_PF_DQ: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_PREFETCH", "dq") in ("dq", "dqdk"))
-_PF_DK: tl.constexpr = tl.constexpr(os.environ.get("NAM_MIMO_PREFETCH", "dq") == "dqdk")
-
-
 @triton.jit
 def _prefetch_l1(ptrs):
     """Ask L1 for the lines at ``ptrs`` (PTX ``prefetch.global.L1``: a hint, nothing returned, nothing written);
@@ -203,7 +199,9 @@ def _prefetch_l1(ptrs):
 @triton.jit
 def _prefetch_biases(qb_ptr, kb_ptr, h, R, col0, HALF: tl.constexpr, RP: tl.constexpr):
     """The lines of head ``h``'s q and k biases that a dq / dk window reads (columns ``col0`` onwards of each
-    rank's two halves: one 128-byte line each at 32 fp32 columns)."""
+    rank's two halves: one 128-byte line each at 32 fp32 columns), asked for a head ahead. Without it the bias
+    loads at each head's start waited on L2 for 25% / 22% of dq's / dk's stall samples (r46, r56). H200,
+    NAM56R's b2, one run each way (r57): dq 2.66 -> 2.51 ms, dk 2.81 -> 2.80; the same bits out."""
     i = tl.arange(0, 2 * RP)
     off = h * R * 2 * HALF + tl.minimum(i // 2, R - 1) * (2 * HALF) + (i % 2) * HALF + col0
     _prefetch_l1(qb_ptr + off)
@@ -590,8 +588,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
         cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, (b * L * H + h0) * 2 * S, rot_sl, S, col0, T, NW)
         cs = tl.load(cs_ptr + (b * H + h0) * LP + tok)
         cc = tl.load(c_ptr + (b * H + h0) * LP + tok)
-        if (DQ and _PF_DQ) or (DK and _PF_DK):
-            _prefetch_biases(qb_ptr, kb_ptr, h0, R, col0, HALF, RP)
+        _prefetch_biases(qb_ptr, kb_ptr, h0, R, col0, HALF, RP)
     for j in range(HPG):
         h = h0 + j
         bh = b * H + h
@@ -608,8 +605,7 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
             cos_t, sin_t = _cos_sin_table(rot_ptr, c, L, 2 * (nxt - b * H + b * L * H) * S, rot_sl, S, col0, T, NW)
             cs = tl.load(cs_ptr + nxt * LP + tok)
             cc = tl.load(c_ptr + nxt * LP + tok)
-            if (DQ and _PF_DQ) or (DK and _PF_DK):
-                _prefetch_biases(qb_ptr, kb_ptr, nxt - b * H, R, col0, HALF, RP)
+            _prefetch_biases(qb_ptr, kb_ptr, nxt - b * H, R, col0, HALF, RP)
         else:
             cs = tl.load(cs_ptr + bh * LP + tok)
             cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)

@@ -3,6 +3,7 @@
 # prefetch in both dq and dk, no switch: the same SASS as r57's MKD, checked offline).
 #  MK   gpu/mimo_kernels.py (its digest against r55-r57's 85d88b6746c5ee36)
 #  MP   the plugin's GPU tests (r57's run reached the last test at its 220 s limit)
+# Result: fwd+bwd 17.38 ms (dq 2.53, dk 2.80), digest 85d88b6746c5ee36; the GPU tests 10 passed (239 s).
 set -u
 TOP=$OUT OUT=$OUT/r58 && mkdir -p "$OUT"  # only $TOP/r58.tgz comes back
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"

@@ -198,10 +198,11 @@ def _prefetch_l1(ptrs):
 
 @triton.jit
 def _prefetch_biases(qb_ptr, kb_ptr, h, R, col0, HALF: tl.constexpr, RP: tl.constexpr):
-    """The lines of head ``h``'s q and k biases that a dq / dk window reads (columns ``col0`` onwards of each
-    rank's two halves: one 128-byte line each at 32 fp32 columns), asked for a head ahead. Without it the bias
-    loads at each head's start waited on L2 for 25% / 22% of dq's / dk's stall samples (r46, r56). H200,
-    NAM56R's b2, one run each way (r57): dq 2.66 -> 2.51 ms, dk 2.81 -> 2.80; the same bits out."""
+    """Head ``h``'s q and k bias lines that a dq / dk window reads, asked of L1 a head ahead: the line at column
+    ``col0`` of each rank's two halves (the whole window at NAM56R's NS 2: 32 fp32 columns, 128 bytes). Without
+    it the bias loads at each head's start were 25% / 22% of dq's / dk's stall samples, mostly waiting on global
+    memory (r46's ncu). H200, NAM56R's b2, one run each way (r57): dq 2.66 -> 2.51 ms, dk 2.81 -> 2.80; the same
+    bits out."""
     i = tl.arange(0, 2 * RP)
     off = h * R * 2 * HALF + tl.minimum(i // 2, R - 1) * (2 * HALF) + (i % 2) * HALF + col0
     _prefetch_l1(qb_ptr + off)

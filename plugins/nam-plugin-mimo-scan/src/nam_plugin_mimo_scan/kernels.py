@@ -577,8 +577,8 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     dk_lo = tl.zeros((T * RP, NW), tl.float32)
     dk_hi = tl.zeros((T * RP, NW), tl.float32)
     # GO (in windows, NS > 1): q and k are the group's, the same for each of its heads: loaded once, as stored (the
-    # heads differ in their biases and phases), and the next head's phase table and log-decays are loaded while
-    # this head computes. r42 (H200, NAM56R's b2), 4 warps 2 stages in 2 windows: dq 3.11 -> 2.77 ms, dk 3.52 ->
+    # heads differ in their biases and phases), and the next head's phase table and log-decays are loaded (its
+    # bias lines prefetched into L1, _prefetch_biases) while this head computes. r42 (H200, NAM56R's b2), 4 warps 2 stages in 2 windows: dq 3.11 -> 2.77 ms, dk 3.52 ->
     # 2.94; unwindowed (4 warps 1 stage) the held tiles spill (584 -> 832 B for dq), dq 2.87 -> 3.37, so NS 1
     # loads them per head as before
     GO: tl.constexpr = NS > 1
@@ -803,7 +803,7 @@ CONFIGS = {
     # r54 (the per-head pass at 4 column blocks since r43): the per-head pass at 4 warps, 2 stages capped at 168
     # registers (132 B of spills, 75 KB of shared memory: three programs an SM) 5.15 ms against 5.85 uncapped; dq
     # / dk capped slower (NS 2 at 168: 2.89 / 4.27 against 2.80 / 2.94; NS 4 at 128: 2.93 / 4.55; at 168: 3.12 /
-    # 3.98)
+    # 3.98), and at 8 warps NS 2 (r55: capped at 128 3.39 / 3.80, uncapped 4.46 / 4.46)
     "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),
             _config(4, 2, 168, NS=1), _config(4, 2, NS=2)],
 }
@@ -812,10 +812,11 @@ CONFIGS = {
 
 PER_HEAD_CONFIGS = {(4, 2, None), (4, 2, 168), (16, 1, None)}
 """(warps, stages, maxnreg) the per-head ``bwd`` pass may take: those it has been measured correct at, on an
-H200, at both 16- and 32-token tiles ((4, 2, 168): r55). At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt,
-d mimo_*) at 32-token tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps
-with 1 stage was checked at 16-token tiles, and at 32 only capped at 168 registers (r35, both right; 1 stage is
-slower: 9.23 ms against 7.66 in r32)."""
+H200, at both 16- and 32-token tiles ((4, 2, 168): r55, ``gpu/mimo_fault.py 4 2 --maxnreg 168``, and the same
+bits as uncapped). At 8 warps with 1 stage it returned non-finite gradients (dx, dz, d adt, d mimo_*) at 32-token
+tiles (r31's parity test, where the tuner chose it; r32 ``gpu/mimo_fault.py 8 1``); 4 warps with 1 stage was
+checked at 16-token tiles, and at 32 only capped at 168 registers (r35, both right; 1 stage is slower: 9.23 ms
+against 7.66 in r32)."""
 
 
 def _bwd_may_take(config, per_head: bool, half: int) -> bool:

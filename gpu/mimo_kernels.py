@@ -76,21 +76,22 @@ def main() -> None:
 
     if a.ph is not None:
         scan.COLUMN_BLOCKS = a.ph
+    def offer(name, kernel, configs):  # a kernel's autotune list replaced, and the kernel wrapped again over it
+        kernels.CONFIGS[name] = configs
+        kernels.KERNELS[name] = kernels._tuned(name, kernel)
+
     if a.bwd_configs:  # NS 1 and MAXNREG 0 (no cap) unless given
-        kernels.CONFIGS["bwd"] = [kernels._config(w, st, r or None, NS=ns) for w, st, ns, r in
-                                  (_ints(c, 1, 0) for c in a.bwd_configs)]
-        kernels.KERNELS["bwd"] = kernels._tuned("bwd", kernels.bwd_kernel)
+        offer("bwd", kernels.bwd_kernel, [kernels._config(w, st, r or None, NS=ns) for w, st, ns, r in
+                                          (_ints(c, 1, 0) for c in a.bwd_configs)])
         if a.unchecked_per_head:
             kernels.PER_HEAD_CONFIGS = {(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS["bwd"]}
     if a.chunk_configs:
-        kernels.CONFIGS["fwd_chunk"] = [kernels._config(w, st, r or None) for w, st, r in
-                                        (_ints(c, 0) for c in a.chunk_configs)]
-        kernels.KERNELS["fwd_chunk"] = kernels._tuned("fwd_chunk", kernels.fwd_chunk_kernel)
+        offer("fwd_chunk", kernels.fwd_chunk_kernel, [kernels._config(w, st, r or None) for w, st, r in
+                                                      (_ints(c, 0) for c in a.chunk_configs)])
     if a.walk_configs:
         for name, kernel in (("state_walk", kernels.state_walk_kernel), ("dstate_walk", kernels.dstate_walk_kernel)):
-            kernels.CONFIGS[name] = [kernels._config(w, st, r or None, PSPLIT=ps) for w, st, ps, r in
-                                     (_ints(c, 1, 0) for c in a.walk_configs)]
-            kernels.KERNELS[name] = kernels._tuned(name, kernel)
+            offer(name, kernel, [kernels._config(w, st, r or None, PSPLIT=ps) for w, st, ps, r in
+                                 (_ints(c, 1, 0) for c in a.walk_configs)])
     print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "
           f"per-head {sorted(kernels.PER_HEAD_CONFIGS, key=str)}, fwd_chunk configs "

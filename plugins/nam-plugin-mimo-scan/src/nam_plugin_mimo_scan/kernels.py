@@ -578,9 +578,9 @@ def bwd_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, do_ptr, mx_p
     dk_hi = tl.zeros((T * RP, NW), tl.float32)
     # GO (in windows, NS > 1): q and k are the group's, the same for each of its heads: loaded once, as stored (the
     # heads differ in their biases and phases), and the next head's phase table and log-decays are loaded (its
-    # bias lines prefetched into L1, _prefetch_biases) while this head computes. r42 (H200, NAM56R's b2), 4 warps 2 stages in 2 windows: dq 3.11 -> 2.77 ms, dk 3.52 ->
-    # 2.94; unwindowed (4 warps 1 stage) the held tiles spill (584 -> 832 B for dq), dq 2.87 -> 3.37, so NS 1
-    # loads them per head as before
+    # bias lines prefetched into L1, _prefetch_biases) while this head computes. r42 (H200, NAM56R's b2), 4 warps
+    # 2 stages in 2 windows: dq 3.11 -> 2.77 ms, dk 3.52 -> 2.94; unwindowed (4 warps 1 stage) the held tiles
+    # spill (584 -> 832 B for dq), dq 2.87 -> 3.37, so NS 1 loads them per head as before
     GO: tl.constexpr = NS > 1
     rot_sl = H * 2 * S
     if GO:

@@ -157,11 +157,16 @@ def main() -> None:
     def timed_phase(*args, **kwargs):  # launched directly, not through scan._launch
         return timed("phase", lambda: real_phase(*args, **kwargs))
 
-    scan._launch, scan._phase_and_decay = timed_launch, timed_phase
+    real_time_grads = scan._time_grads
+
+    def timed_time_grads(*args, **kwargs):  # the same
+        return timed("time_grads", lambda: real_time_grads(*args, **kwargs))
+
+    scan._launch, scan._phase_and_decay, scan._time_grads = timed_launch, timed_phase, timed_time_grads
     for _ in range(5):
         fwd_bwd()
     torch.cuda.synchronize()
-    scan._launch, scan._phase_and_decay = real_launch, real_phase
+    scan._launch, scan._phase_and_decay, scan._time_grads = real_launch, real_phase, real_time_grads
     for name, pairs in events.items():
         print(f"launch {name}: {statistics.median(s.elapsed_time(e) for s, e in pairs):.3f} ms (median of "
               f"{len(pairs)})")

@@ -179,8 +179,10 @@ def test_gb10_shared_memory_is_enough():
 
 def test_the_tuner_offers_each_pass_only_the_launch_configs_measured_correct_and_every_walk_config():
     """On an H200 the per-head backward pass returned non-finite gradients at 8 warps with 1 stage (32-token tiles,
-    r31 and r32), and r30 faulted in the one round that offered dq / dk 4 warps with 2 stages. The rule that keeps
-    those out must not reach the walks: r32's first version dropped their 2-stage configs."""
+    r31 and r32) and reads out of range at 4 warps with 1 stage (r63), and r30 faulted in the one round that
+    offered dq / dk 4 warps with 2 stages. 3 stages were checked for dq only, at 64-row tiles (at 128 rows it needs
+    more shared memory than an SM has). The rule that keeps those out must not reach the walks: r32's first
+    version dropped their 2-stage configs."""
     from nam_plugin_mimo_scan import kernels
 
     shape = dict(P=64, T=16, RP=4, HALF=64)
@@ -192,12 +194,17 @@ def test_the_tuner_offers_each_pass_only_the_launch_configs_measured_correct_and
     per_head = {(c.num_warps, c.num_stages, c.maxnreg) for c in
                 kernels._fits(kernels.CONFIGS["bwd"], {}, **shape, CHUNK=True, DQ=False, DK=False)}
     assert per_head == kernels.PER_HEAD_CONFIGS
-    assert (8, 1, None) not in per_head
+    assert (8, 1, None) not in per_head and (4, 1, None) not in per_head
     for flags in (dict(DQ=True, DK=False), dict(DQ=False, DK=True)):
         windows = {(c.num_warps, c.num_stages, c.kwargs["NS"]) for c in
                    kernels._fits(kernels.CONFIGS["bwd"], {}, **shape, CHUNK=False, **flags)}
         assert (4, 2, 1) not in windows
         assert {(4, 1, 1), (4, 2, 2)} <= windows
+        assert ((4, 3, 2) in windows) == flags["DQ"]  # dq only
+    wide = dict(shape, T=32)  # 32-token tiles: 128 rows
+    dq_wide = {(c.num_warps, c.num_stages, c.kwargs["NS"]) for c in
+               kernels._fits(kernels.CONFIGS["bwd"], {}, **wide, CHUNK=False, DQ=True, DK=False)}
+    assert (4, 2, 2) in dq_wide and not any(st > 2 for _, st, _ in dq_wide)
     for walk in ("state_walk", "dstate_walk"):
         assert offered(walk) == {(c.num_warps, c.num_stages, c.kwargs["PSPLIT"]) for c in kernels.CONFIGS[walk]}
         assert any(c.num_stages == 2 for c in kernels.CONFIGS[walk])

@@ -20,7 +20,8 @@ import torch
 
 
 SHIPPED = {"CHUNK": (4, 2, 168, 1), "DQ": (4, 2, None, 2), "DK": (4, 2, None, 2)}
-"""(warps, stages, maxnreg, NS) each ``bwd`` pass took on an H200 at NAM56R's b2 (r61's tuner)."""
+"""(warps, stages, maxnreg, NS) each ``bwd`` pass took on an H200 at NAM56R's b2 (r61's tuner; since r64 dq takes 3
+stages at 16-token tiles, which ``4 3 --pass DQ --ns 2 --block-t 16`` checks: 2 stages stay offered to it)."""
 
 
 def main() -> None:

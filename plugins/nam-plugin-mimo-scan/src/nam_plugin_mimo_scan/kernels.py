@@ -832,7 +832,7 @@ CONFIGS = {
     # / dk capped slower (NS 2 at 168: 2.89 / 4.27 against 2.80 / 2.94; NS 4 at 128: 2.93 / 4.55; at 168: 3.12 /
     # 3.98), and at 8 warps NS 2 (r55: capped at 128 3.39 / 3.80, uncapped 4.46 / 4.46)
     # r62 / r64: dq at NS 2 with 3 stages (110.6 KB of shared memory: still two programs an SM) 2.55 ms against
-    # 2.63 at 2 stages in the tuner's timings (the launch 2.50 -> 2.42, the same bits); dk there 3.94 against 2.92
+    # 2.63 at 2 stages in the tuner's timings (the launch 2.42 in r62 against 2.50 in r61; the same bits); dk 3.94 / 2.92
     # (135 KB: one an SM). _fits offers it to dq at 64-row tiles only (at 128 rows it needs 246 KB, over what an
     # SM has); r65: gpu/mimo_fault.py 4 3 --pass DQ --ns 2 --block-t 16 within the bf16 bounds, memcheck clean
     "bwd": [_config(4, NS=1), _config(8, NS=1), _config(16, NS=1), _config(8, 2, NS=1), _config(4, 2, NS=1),

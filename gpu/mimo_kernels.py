@@ -149,20 +149,17 @@ def main() -> None:
         events.setdefault(label, []).append((start, end))
         return out
 
-    real_phase = scan._phase_and_decay
+    real_phase, real_time_grads = scan._phase_and_decay, scan._time_grads
 
     def timed_launch(name, grid, *args, **meta):
         return timed(_label(name, meta), lambda: real_launch(name, grid, *args, **meta))
 
-    def timed_phase(*args, **kwargs):  # launched directly, not through scan._launch
-        return timed("phase", lambda: real_phase(*args, **kwargs))
+    def timed_call(label, fn):  # the walks along time launch directly, not through scan._launch
+        return lambda *args, **kwargs: timed(label, lambda: fn(*args, **kwargs))
 
-    real_time_grads = scan._time_grads
-
-    def timed_time_grads(*args, **kwargs):  # the same
-        return timed("time_grads", lambda: real_time_grads(*args, **kwargs))
-
-    scan._launch, scan._phase_and_decay, scan._time_grads = timed_launch, timed_phase, timed_time_grads
+    scan._launch = timed_launch
+    scan._phase_and_decay = timed_call("phase", real_phase)
+    scan._time_grads = timed_call("time_grads", real_time_grads)
     for _ in range(5):
         fwd_bwd()
     torch.cuda.synchronize()

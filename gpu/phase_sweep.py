@@ -22,33 +22,22 @@ def main() -> None:
     ap.add_argument("--b", type=int, default=2)
     ap.add_argument("--l", type=int, default=4096)
     a = ap.parse_args()
-    from nam_plugin_mimo_scan import kernels, scan
+    from nam_plugin_mimo_scan import scan
 
-    leaves, args, _ = bench_inputs(a.b, a.l)
+    _, args, _ = bench_inputs(a.b, a.l)
     named = dict(zip(scan.INPUT_NAMES, args))
     angles, dt, adt = named["angles"], named["dt"], named["adt"]
     b, l, h, s = angles.shape
     t, nc = scan._tiling(l, named["q"].shape[2], None)
-    sp = max(16, scan._pow2(s))
     gen = torch.Generator(device="cuda").manual_seed(13)
     dphase = torch.randn(b, l, h, s, device="cuda", generator=gen)
     dcs = torch.randn(b, h, nc * t, device="cuda", generator=gen)
 
-    def phase(bt, warps):
-        rot = torch.empty(b, l, h, 2 * s, device="cuda")
-        cs = torch.empty(b, h, nc * t, device="cuda")
-        kernels.phase_kernel[(b * h,)](angles, dt, adt, rot, cs, l, nc * t, h, s, *angles.stride(), *dt.stride(),
-                                       *adt.stride(), BT=max(bt, t), SP=sp, T=t, num_warps=warps)
-        return rot, cs
+    def phase(bt, warps):  # scan.py's launch, at another step length and warp count
+        return scan._phase_and_decay(angles, dt, adt, t, nc, block=bt, warps=warps)
 
     def time_grads(bt, warps):
-        dadt = torch.empty(b, h, l, device="cuda")
-        ddt = torch.empty_like(dadt)
-        dang = torch.empty_like(dphase)
-        kernels.time_grads_kernel[(b * h,)](dphase, dcs, angles, dt, dang, ddt, dadt, l, nc * t, h, s,
-                                            *angles.stride(), *dt.stride(), BT=bt, SP=sp, CUMULATIVE=True,
-                                            num_warps=warps)
-        return dadt, dang, ddt
+        return scan._time_grads(dphase, dcs, angles, dt, block=bt, warps=warps)
 
     for name, fn, launched in (("phase", phase, (max(scan.TIME_BLOCK, t), 4)),
                                ("time_grads", time_grads, (scan.TIME_BLOCK, 4))):

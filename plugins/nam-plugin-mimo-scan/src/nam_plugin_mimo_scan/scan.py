@@ -186,25 +186,28 @@ TIME_BLOCK = 64
 """Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
 
 
-def _phase_and_decay(angles: torch.Tensor, dt: torch.Tensor, adt: torch.Tensor, t: int,
-                     nc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _phase_and_decay(angles: torch.Tensor, dt: torch.Tensor, adt: torch.Tensor, t: int, nc: int, *,
+                     block: int | None = None, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of ``angle_phase(angles, dt)`` (nam56r.reference.mamba3), fp32 ``[b, l, h, 2s]`` (cos, then
     sin), and the cumulative sum of ``adt`` within each tile of ``t`` tokens, fp32 ``[b, h, nc*t]`` (0 past the
-    sequence), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads."""
+    sequence), in one kernel walking the sequence per (b, h); angles may be a stride-0 view over the heads.
+    ``block`` (tokens a step, at least ``t``; ``TIME_BLOCK`` unless given) and ``warps``: for
+    ``gpu/phase_sweep.py``."""
     from nam_plugin_mimo_scan.kernels import phase_kernel
 
     b, l, h, s = angles.shape
     rot = torch.empty(b, l, h, 2 * s, device=angles.device, dtype=torch.float32)
     cs = torch.empty(b, h, nc * t, device=angles.device, dtype=torch.float32)
     phase_kernel[(b * h,)](angles, dt, adt, rot, cs, l, nc * t, h, s, *angles.stride(), *dt.stride(),
-                           *adt.stride(), BT=max(TIME_BLOCK, t), SP=max(16, _pow2(s)), T=t, num_warps=4)
+                           *adt.stride(), BT=max(block or TIME_BLOCK, t), SP=max(16, _pow2(s)), T=t, num_warps=warps)
     return rot, cs
 
 
-def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True):
+def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True, block: int | None = None, warps: int = 4):
     """The reverse sums along the sequence, in one kernel per (b, h): ``(d adt [b, h, l], d angles [b, l, h, s],
     the phase's share of d dt [b, h, l])``, fp32, from d phi ``[b, l, h, s]`` and d Lambda ``dcs [b, h, nc*T]``.
-    ``cumulative=False`` leaves the sums out (the CPU tests' wrong gradient)."""
+    ``cumulative=False`` leaves the sums out (the CPU tests' wrong gradient); ``block`` (tokens a step,
+    ``TIME_BLOCK`` unless given) and ``warps``: for ``gpu/phase_sweep.py``."""
     from nam_plugin_mimo_scan.kernels import time_grads_kernel
 
     b, l, h, s = dphase.shape
@@ -212,8 +215,8 @@ def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True):
     ddt = torch.empty_like(dadt)
     dangles = torch.empty_like(dphase)
     time_grads_kernel[(b * h,)](dphase, dcs, angles, dt, dangles, ddt, dadt, l, dcs.shape[-1], h, s,
-                                *angles.stride(), *dt.stride(), BT=TIME_BLOCK, SP=max(16, _pow2(s)),
-                                CUMULATIVE=cumulative, num_warps=4)
+                                *angles.stride(), *dt.stride(), BT=block or TIME_BLOCK, SP=max(16, _pow2(s)),
+                                CUMULATIVE=cumulative, num_warps=warps)
     return dadt, dangles, ddt
 
 

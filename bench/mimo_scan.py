@@ -6,7 +6,14 @@ Rows, each built and timed in its own process (so each one's compile, first call
   batch, length, heads and groups dynamic (nam's lane without the static-shapes entry): the default baseline
   (``--baseline ROW`` picks another, e.g. ``mamba-ssm-static`` where the dynamic build would cost too long);
 * ``mamba-ssm static``: the same kernels built for the exact sizes (the ``mamba3-mimo-static-shapes`` entry);
-* ``mimo-scan``: nam's own chunk-parallel Triton kernels (``nam-plugin-mimo-scan``).
+* ``mimo-scan``: nam's own chunk-parallel Triton kernels (``nam-plugin-mimo-scan``), as the host builds it
+  (its forward keeps the chunk states for the backward inside nam's activation checkpoint only);
+* ``mimo-scan-kept``: the same with ``keep_states=True``: the backward skips its state walk, at 1 GiB more
+  (b2) held from the forward to the backward.
+
+``--recompute`` runs every row's scan under nam's activation checkpoint (``nam56r.recompute.checkpointed``, as
+``train.recompute=mamba-scan`` runs the mixer's part past its in_proj): the forward is timed as the first pass,
+forward + backward includes the replay.
 
 Shape: sequence 4096, 128 heads of 64, 8 groups, d_state 128, rank 4, chunk 16, bf16 activations, the scan's
 fp32 inputs as the mixer hands them. Per row and batch: the forward's median time (with autograd recording, as
@@ -36,17 +43,18 @@ from pathlib import Path
 
 SHAPE = {"l": 4096, "h": 128, "g": 8, "n": 128, "p": 64, "r": 4}
 CHUNK = 16
-ROWS = ("mamba-ssm-dynamic", "mamba-ssm-static", "mimo-scan")
+ROWS = ("mamba-ssm-dynamic", "mamba-ssm-static", "mimo-scan", "mimo-scan-kept")
 BASELINE = ROWS[0]
 KERNELS = ("fwd", "bwd_fwd", "bwd_bwd")
+RECOMPUTED = "; every row under nam's activation checkpoint (the forward replayed in the backward)"
 
 
 def _scan(row: str, logs: dict, switch: dict):
     """The ``SSMScan`` of ``row``; mamba-ssm's kernels wrapped so each launch can be timed."""
-    if row == "mimo-scan":
+    if row.startswith("mimo-scan"):
         from nam_plugin_mimo_scan.scan import MimoScan
 
-        return MimoScan()
+        return MimoScan(keep_states=True if row == "mimo-scan-kept" else None)
     from nam_plugin_mamba_ssm import mimo, patches, upstream
     from nam_plugin_mamba_ssm.scan import MambaSSMScan
     from timing import TimedLaunches
@@ -74,6 +82,7 @@ def one_row(args) -> int:
     """One row, in this process: build, time, compare with the baseline's tensors; write ``args.out``."""
     import torch
 
+    from nam56r.recompute import checkpointed
     from nam_core.testing import max_rel_error
     from nam_plugin_mamba_ssm.selftest import INPUT_NAMES, random_inputs
     from timing import median_ms
@@ -81,7 +90,7 @@ def one_row(args) -> int:
     logs, switch = {k: [] for k in KERNELS}, {"on": False}
     scan = _scan(args.row, logs, switch)
     activations = {"q", "k", "v", "z", "trap"}
-    record = {"row": args.row, "batches": []}
+    record = {"row": args.row, "recompute": args.recompute, "batches": []}
     for b in args.batch:
         x = random_inputs(b, SHAPE["l"], SHAPE["h"], SHAPE["g"], SHAPE["n"], SHAPE["p"], SHAPE["r"],
                           device="cuda", seed=1234 + b)
@@ -93,8 +102,14 @@ def one_row(args) -> int:
 
         per_head = {"angles": lambda a: a.expand(-1, -1, SHAPE["h"], -1)}  # the mixer's broadcast view
 
+        def call(*tensors):
+            return scan(*tensors, chunk_size=CHUNK)
+
         def forward():
-            return scan(*(per_head.get(k, lambda t: t)(leaves[k]) for k in INPUT_NAMES), chunk_size=CHUNK)
+            tensors = [per_head.get(k, lambda t: t)(leaves[k]) for k in INPUT_NAMES]
+            if args.recompute:
+                return checkpointed(lambda *a: call(*a[:-1]), None, *tensors)
+            return call(*tensors)
 
         def step():
             for t in leaves.values():
@@ -165,6 +180,8 @@ def main_run(args) -> int:
             cmd = [sys.executable, __file__, "_row", "--row", row, "--batch", ",".join(map(str, args.batch)),
                    "--ref", str(work), "--out", str(out), "--warmup", str(args.warmup), "--iters", str(args.iters),
                    "--baseline", args.baseline]
+            if args.recompute:
+                cmd.append("--recompute")
             if args.profile:
                 cmd += ["--profile", str(args.profile)]
             print(f"[{row}] building and timing ...", flush=True)
@@ -192,7 +209,7 @@ def main_run(args) -> int:
     print(f"\nMamba-3 MIMO scan, sequence {SHAPE['l']}, {SHAPE['h']} heads of {SHAPE['p']}, {SHAPE['g']} groups, "
           f"d_state {SHAPE['n']}, rank {SHAPE['r']}, chunk {CHUNK}, bf16, {torch.cuda.get_device_name()}; ms "
           f"(median of {args.iters}); mamba-ssm's kernels fwd / bwd_fwd / bwd_bwd per launch; baseline "
-          f"{args.baseline}\n")
+          f"{args.baseline}{RECOMPUTED if args.recompute else ''}\n")
     print("| row | batch | fwd ms | bwd ms | scan fwd+bwd ms | vs baseline | kernels ms | peak GiB | first call s "
           "| worst diff vs baseline |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -218,7 +235,7 @@ def main_run(args) -> int:
                 versions[dist] = None
         meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "versions": versions, "shape": SHAPE, "chunk": CHUNK,
-                "warmup": args.warmup, "iters": args.iters}
+                "warmup": args.warmup, "iters": args.iters, "recompute": args.recompute}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
         print(f"\nwrote {args.json}")
@@ -231,6 +248,8 @@ def main() -> int:
     common.add_argument("--warmup", type=int, default=3)
     common.add_argument("--iters", type=int, default=10)
     common.add_argument("--profile", type=Path, default=None, help="folder for per-kernel profiles")
+    common.add_argument("--recompute", action="store_true",
+                        help="each row's scan under nam's activation checkpoint (train.recompute=mamba-scan)")
     common.add_argument("--baseline", choices=ROWS, default=BASELINE,
                         help="the row the others are timed and compared against (runs first)")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[common])

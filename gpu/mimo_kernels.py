@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--unchecked-per-head", action="store_true",
                     help="offer the per-head pass every --bwd-configs config at NS 1, not only "
                          "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
+    ap.add_argument("--keep-states", action="store_true",
+                    help="the forward keeps S_in for the backward (scan.mimo_scan's keep_states): the backward "
+                         "runs no state walk; the digest must not change")
     a = ap.parse_args()
 
     from nam_plugin_mimo_scan import kernels, scan
@@ -92,7 +95,7 @@ def main() -> None:
         for name, kernel in (("state_walk", kernels.state_walk_kernel), ("dstate_walk", kernels.dstate_walk_kernel)):
             offer(name, kernel, [kernels._config(w, st, r or None, PSPLIT=ps) for w, st, ps, r in
                                  (_ints(c, 1, 0) for c in a.walk_configs)])
-    print(f"block_t {a.block_t or scan.tile_tokens(4)}, PH {scan.COLUMN_BLOCKS}, bwd configs "
+    print(f"block_t {a.block_t or scan.tile_tokens(4)}, states kept {a.keep_states}, PH {scan.COLUMN_BLOCKS}, bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "
           f"per-head {sorted(kernels.PER_HEAD_CONFIGS, key=str)}, fwd_chunk configs "
           f"{[(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}, walk configs "
@@ -107,7 +110,7 @@ def main() -> None:
             return scan.mimo_scan(*args, block_t=a.block_t)
 
     def fwd_bwd():
-        out = scan.mimo_scan(*args, block_t=a.block_t)
+        out = scan.mimo_scan(*args, block_t=a.block_t, keep_states=a.keep_states or None)
         return (out, *torch.autograd.grad(out, wrt, dout))
 
     names = ["out", *(f"d{k}" for k in leaves)]

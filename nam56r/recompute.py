@@ -24,6 +24,7 @@ strategies return the selection the first pass made (nam56r/backends.py), and it
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -35,16 +36,33 @@ KIND_OF_LAYER = {"mamba": "mamba", "moe": "moe", "mla": "attention", "dsa": "att
 """A layer's kind (``LayerSpec.kind``) -> the recompute kind that covers its mixer."""
 
 
+_CHECKPOINTED: ContextVar[bool] = ContextVar("nam_checkpointed", default=False)
+
+
+def inside_checkpointed() -> bool:
+    """Whether this code runs in the body of ``checkpointed`` (its first pass or its replay): what a forward
+    saves for backward here is dropped at once and rebuilt by the replay inside backward, so saving a tensor
+    costs memory only from the replay to that op's backward. A backend may then save what it would otherwise
+    compute again in its backward (nam-plugin-mimo-scan's chunk states). Both passes answer alike, as torch's
+    checkpoint wants: it matches the tensors the replay saves to the first pass's, one for one. Megatron's own
+    (reentrant) recompute is not ``checkpointed``: False there."""
+    return _CHECKPOINTED.get()
+
+
 def checkpointed(fn: Callable[..., torch.Tensor], state: ForwardState | None, *args: torch.Tensor) -> torch.Tensor:
     """``fn(*args, state)``, its activations recomputed in backward (see the module docstring)."""
     passes = []
 
     def body(*inputs):
         passes.append(None)
-        if len(passes) == 1 or state is None:
-            return fn(*inputs, state)
-        with replaying(state):
-            return fn(*inputs, state)
+        token = _CHECKPOINTED.set(True)
+        try:
+            if len(passes) == 1 or state is None:
+                return fn(*inputs, state)
+            with replaying(state):
+                return fn(*inputs, state)
+        finally:
+            _CHECKPOINTED.reset(token)
 
     return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
 

@@ -83,6 +83,51 @@ def test_the_parity_check_catches_a_wrong_gradient(run_interpreted):
     assert {k for k, v in errors.items() if v > 0.1} == {"dadt", "dangles"}, errors
 
 
+KEPT_STATES = """
+import json, torch
+import nam_plugin_mimo_scan.scan as scan
+from nam56r.recompute import checkpointed
+from nam_plugin_mimo_scan.selftest import INPUT_NAMES, random_inputs
+walks = []
+launch = scan._launch
+def counted(name, *a, **kw):
+    walks.append(name)
+    return launch(name, *a, **kw)
+scan._launch = counted
+b, l, h = 1, 37, 4
+x = random_inputs(b, l, h, 2, 32, 16, 4, device="cpu", seed=11, dtype=torch.float32)
+dout = torch.randn(b, l, h, 16, generator=torch.Generator().manual_seed(12))
+def run(how):
+    leaves = {k: t.clone().requires_grad_() for k, t in x.items()}
+    args = [leaves[k].expand(b, l, h, -1) if k == "angles" else leaves[k] for k in INPUT_NAMES]
+    walks.clear()
+    if how == "checkpointed":
+        out = checkpointed(lambda *a: scan.mimo_scan(*a[:-1], block_t=8), None, *args)
+    else:
+        out = scan.mimo_scan(*args, block_t=8, keep_states={"kept": True, "plain": None}[how])
+    forward = walks.count("state_walk")
+    out.backward(dout)
+    grads = [out.detach()] + [leaves[k].grad for k in INPUT_NAMES]
+    return grads, forward, walks.count("state_walk") - forward
+ref, *ref_walks = run("plain")
+result = {"plain": ref_walks}
+for how in ("kept", "checkpointed"):
+    grads, *counts = run(how)
+    result[how] = counts + [all(torch.equal(a, r) for a, r in zip(grads, ref))]
+print(json.dumps(result))
+"""
+
+
+def test_states_kept_from_the_forward_spare_the_backward_its_state_walk_with_the_same_bits(run_interpreted):
+    """``keep_states=True``, and nam's activation checkpoint (whose replay rebuilds what the forward saves),
+    hand the forward's chunk states to the backward, which then does not walk the chunks again; the output and
+    every gradient are bit-identical to a plain call's. (state walks in the forward, in the backward, same bits)"""
+    walks = run_interpreted(KEPT_STATES)
+    assert walks["plain"] == [1, 1]  # without a checkpoint the backward walks again by default
+    assert walks["kept"] == [1, 0, True]
+    assert walks["checkpointed"] == [1, 1, True]  # the walk in the backward is the replay's forward's
+
+
 # --- registration ------------------------------------------------------------------------------
 def test_the_scan_satisfies_the_protocol_and_refuses_siso():
     import torch

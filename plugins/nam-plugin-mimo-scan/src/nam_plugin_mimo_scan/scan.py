@@ -7,7 +7,8 @@ Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the se
                                                     sin; the log-decay's cumulative sum within each tile
     forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
-    backward  state_walk    again (S_in is recomputed, not saved: 1 GiB bf16 at NAM56R's b2)
+    backward  state_walk    again, unless the forward kept S_in (``keep_states``: by default inside nam's
+                                                    activation checkpoint, which rebuilds it in its replay)
               dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
               bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD,
                                                     d mimo_*; hands dL/d(q~.k~) and dy on (1.07 GB at NAM56R's b2)
@@ -112,7 +113,8 @@ class _Geometry:
 
 class _MimoScanFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, block_t):
+    def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, block_t,
+                keep_states):
         q, k, v, z = (_lastdim_contiguous(t) for t in (q, k, v, z))
         params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
         qb, kb, dd, mx, mz, mo = params
@@ -123,7 +125,8 @@ class _MimoScanFn(torch.autograd.Function):
         s_in = geo.states(q, k, qb, kb, v, mx)
         _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.rot, v, z, mx, mz, mo, dd, geo.cs,
                 geo.gamma, geo.c, s_in, out, *common, **geo.meta())
-        ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params)
+        ctx.kept = _rebuilt_by_replay() if keep_states is None else keep_states
+        ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params, *([s_in] if ctx.kept else []))
         ctx.block_t = block_t
         ctx.dtypes = [t.dtype for t in (q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z,
                                         mimo_o)]
@@ -131,13 +134,13 @@ class _MimoScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, adt, dt, trap, angles, z, qb, kb, dd, mx, mz, mo = ctx.saved_tensors
+        q, k, v, adt, dt, trap, angles, z, qb, kb, dd, mx, mz, mo, *kept = ctx.saved_tensors
         dout = _lastdim_contiguous(dout)
         geo = _Geometry(q, v, adt, dt, trap, angles, ctx.block_t)
         b, l, h, p, r, g, n, nc = geo.b, geo.l, geo.h, geo.p, geo.r, geo.g, geo.n, geo.nc
         common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc)
         dev, f32 = q.device, torch.float32
-        s_in = geo.states(q, k, qb, kb, v, mx)
+        s_in = kept[0] if ctx.kept else geo.states(q, k, qb, kb, v, mx)
 
         ds_out = torch.empty_like(s_in)
         _launch("dstate_walk", geo.grid_walk, q, qb, geo.rot, z, dout, mz, mo, geo.cs, ds_out, *common,
@@ -179,7 +182,16 @@ class _MimoScanFn(torch.autograd.Function):
         ddt = ddt + ddt_phase
         grads = (dq, dk, dx, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_part.sum((0, 1)), dz,
                  dmx.sum((0, 1)), dmz.sum((0, 1)), dmo.sum((0, 1)))
-        return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None)
+        return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None, None)
+
+
+def _rebuilt_by_replay() -> bool:
+    """Whether what this forward saves is dropped at once and rebuilt by a replay inside the backward: the scan
+    runs in nam's activation checkpoint (``train.recompute`` ``mamba-scan``, ``mamba``, ``layer`` on the local
+    engine; ``nam56r.recompute.inside_checkpointed``)."""
+    from nam56r.recompute import inside_checkpointed
+
+    return inside_checkpointed()
 
 
 TIME_BLOCK = 64
@@ -221,15 +233,22 @@ def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True, block: int 
 
 
 def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
-              block_t: int | None = None) -> torch.Tensor:
+              block_t: int | None = None, keep_states: bool | None = None) -> torch.Tensor:
     """The MIMO scan, differentiable in every input. Arguments as ``nam56r.backends.SSMScan``; ``block_t``:
-    tokens per kernel tile (a power of two; default ``tile_tokens(r)``). Returns ``[b, l, h, p]`` in v's dtype."""
+    tokens per kernel tile (a power of two; default ``tile_tokens(r)``). Returns ``[b, l, h, p]`` in v's dtype.
+
+    ``keep_states``: whether the forward keeps the chunk states ``S_in`` (q's dtype, ``[b*h, nc, p, n]``: 1 GiB
+    at NAM56R's b2) for the backward, which then skips its state walk (the same kernel on the same inputs, so
+    the same bits). None (the default) keeps them inside nam's activation checkpoint (``_rebuilt_by_replay``),
+    which drops them after the first pass and rebuilds them in its replay, right before the backward that holds
+    S_in anyway (recomputed or kept): there they cost no memory past the backward's own. True keeps them
+    always, at that memory per layer from the forward to its backward; False never."""
     problem = input_problem(q, v, angles, mimo_x) or index_problem(
         q.shape[0], q.shape[1], v.shape[2], q.shape[2], q.shape[-1], v.shape[3], angles.shape[-1], block_t)
     if problem:
         raise ValueError(f"mimo-scan: {problem}")
     return _MimoScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
-                             block_t)
+                             block_t, keep_states)
 
 
 def input_problem(q, v, angles, mimo_x) -> str | None:
@@ -274,18 +293,24 @@ class MimoScan:
     """``SSMScan`` backend ``mimo-scan``: nam's Triton MIMO kernels (CUDA; any device under TRITON_INTERPRET=1).
 
     ``chunk_size`` is accepted and ignored: the kernels tile ``tile_tokens(r)`` tokens (16 at rank 4), and the
-    chunked math is exact for any tile, so the result does not depend on it.
+    chunked math is exact for any tile, so the result does not depend on it. ``keep_states``: ``mimo_scan``'s
+    (the host builds it with the default: kept inside nam's activation checkpoint only).
     """
+
+    def __init__(self, keep_states: bool | None = None):
+        self.keep_states = keep_states
 
     def __call__(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
                  chunk_size: int) -> torch.Tensor:
-        return mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o)
+        return mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
+                         keep_states=self.keep_states)
 
 
-def forward_backward(inputs: dict, dout: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+def forward_backward(inputs: dict, dout: torch.Tensor, *, block_t: int | None = None,
+                     keep_states: bool | None = None) -> torch.Tensor:
     """One forward and backward (for benchmarks): ``inputs`` by ``SSMScan`` name, leaves with requires_grad
     where a gradient is wanted; returns the output (gradients land in ``.grad``)."""
-    out = mimo_scan(*(inputs[k] for k in INPUT_NAMES), block_t=block_t)
+    out = mimo_scan(*(inputs[k] for k in INPUT_NAMES), block_t=block_t, keep_states=keep_states)
     out.backward(dout)
     return out
 

@@ -8,12 +8,13 @@ Rows, each built and timed in its own process (so each one's compile, first call
 * ``mamba-ssm static``: the same kernels built for the exact sizes (the ``mamba3-mimo-static-shapes`` entry);
 * ``mimo-scan``: nam's own chunk-parallel Triton kernels (``nam-plugin-mimo-scan``), as the host builds it
   (its forward keeps the chunk states for the backward inside nam's activation checkpoint only);
-* ``mimo-scan-kept``: the same with ``keep_states=True``: the backward skips its state walk, at 1 GiB more
-  (b2) held from the forward to the backward.
+* ``mimo-scan-kept``: the same with ``keep_states=True``: the backward skips its state walk and phase kernel,
+  at 1.5 GiB more (b2: the states and the phase table) held from the forward to the backward.
 
-``--recompute`` runs every row's scan under nam's activation checkpoint (``nam56r.recompute.checkpointed``, as
-``train.recompute=mamba-scan`` runs the mixer's part past its in_proj): the forward is timed as the first pass,
-forward + backward includes the replay.
+``--recompute`` runs every row's scan under nam's activation checkpoint (``nam56r.recompute.checkpointed``) as
+the Mamba-3 mixer does under ``train.recompute=mamba-scan``: the replay asks the backend's ``for_backward_only``
+(mamba-ssm skips its forward kernel; mimo-scan runs only the phase and the state walk, whose results it keeps
+for the backward). The forward is timed as the first pass; forward + backward includes the replay.
 
 Shape: sequence 4096, 128 heads of 64, 8 groups, d_state 128, rank 4, chunk 16, bf16 activations, the scan's
 fp32 inputs as the mixer hands them. Per row and batch: the forward's median time (with autograd recording, as
@@ -102,14 +103,18 @@ def one_row(args) -> int:
 
         per_head = {"angles": lambda a: a.expand(-1, -1, SHAPE["h"], -1)}  # the mixer's broadcast view
 
-        def call(*tensors):
-            return scan(*tensors, chunk_size=CHUNK)
-
         def forward():
             tensors = [per_head.get(k, lambda t: t)(leaves[k]) for k in INPUT_NAMES]
-            if args.recompute:
-                return checkpointed(lambda *a: call(*a[:-1]), None, *tensors)
-            return call(*tensors)
+            if not args.recompute:
+                return scan(*tensors, chunk_size=CHUNK)
+            passes = []
+
+            def between(*a):  # as the Mamba-3 mixer runs it: the replay's output is not read
+                passes.append(None)
+                fn = scan if len(passes) == 1 else getattr(scan, "for_backward_only", scan)
+                return fn(*a[:-1], chunk_size=CHUNK)
+
+            return checkpointed(between, None, *tensors)
 
         def step():
             for t in leaves.values():

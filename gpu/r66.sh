@@ -2,9 +2,9 @@
 # Round 66, 2026-12-07 (tenth session), one H200, after `source gpu/host.sh` (no kernel cache: this session's
 # checkout had none, so every build is cold).
 #  MB    bench/mimo_scan.py, one run: mamba-ssm static, mimo-scan, mimo-scan-kept (keep_states=True: the backward
-#        runs no state walk), b2, with per-kernel profiles
-#  MBR   the same under nam's activation checkpoint (--recompute, as train.recompute=mamba-scan runs the scan):
-#        mamba-ssm static against mimo-scan, which keeps its states there by default
+#        runs no state walk and no phase kernel), b2, with per-kernel profiles
+#  MBR   the same under nam's activation checkpoint as the mixer runs train.recompute=mamba-scan (--recompute; the
+#        replay through for_backward_only): mamba-ssm static against mimo-scan, which keeps its states there
 #  MK0   gpu/mimo_kernels.py: per-launch times and the digest (r55-r65: 85d88b6746c5ee36)
 #  MKK   the same with --keep-states: the digest must not change
 # Result: (filled in after the round)

@@ -88,44 +88,61 @@ import json, torch
 import nam_plugin_mimo_scan.scan as scan
 from nam56r.recompute import checkpointed
 from nam_plugin_mimo_scan.selftest import INPUT_NAMES, random_inputs
-walks = []
-launch = scan._launch
+launches = []
+launch, phase = scan._launch, scan._phase_and_decay
 def counted(name, *a, **kw):
-    walks.append(name)
+    launches.append(name)
     return launch(name, *a, **kw)
-scan._launch = counted
+def counted_phase(*a, **kw):
+    launches.append("phase")
+    return phase(*a, **kw)
+scan._launch, scan._phase_and_decay = counted, counted_phase
 b, l, h = 1, 37, 4
 x = random_inputs(b, l, h, 2, 32, 16, 4, device="cpu", seed=11, dtype=torch.float32)
 dout = torch.randn(b, l, h, 16, generator=torch.Generator().manual_seed(12))
+backend = scan.MimoScan()
 def run(how):
     leaves = {k: t.clone().requires_grad_() for k, t in x.items()}
     args = [leaves[k].expand(b, l, h, -1) if k == "angles" else leaves[k] for k in INPUT_NAMES]
-    walks.clear()
-    if how == "checkpointed":
-        out = checkpointed(lambda *a: scan.mimo_scan(*a[:-1], block_t=8), None, *args)
-    else:
-        out = scan.mimo_scan(*args, block_t=8, keep_states={"kept": True, "plain": None}[how])
-    forward = walks.count("state_walk")
+    launches.clear()
+    if how == "kept":
+        out = scan.mimo_scan(*args, block_t=8, keep_states=True)
+    elif how == "plain":
+        out = scan.mimo_scan(*args, block_t=8)
+    else:  # nam's checkpoint; "replay": as the Mamba-3 mixer under train.recompute=mamba-scan
+        passes = []
+        def between(*a):
+            passes.append(None)
+            fn = backend if how == "checkpointed" or len(passes) == 1 else backend.for_backward_only
+            return fn(*a[:-1], chunk_size=8)
+        out = checkpointed(between, None, *args)
+    forward = list(launches)
     out.backward(dout)
     grads = [out.detach()] + [leaves[k].grad for k in INPUT_NAMES]
-    return grads, forward, walks.count("state_walk") - forward
-ref, *ref_walks = run("plain")
-result = {"plain": ref_walks}
-for how in ("kept", "checkpointed"):
-    grads, *counts = run(how)
-    result[how] = counts + [all(torch.equal(a, r) for a, r in zip(grads, ref))]
+    backward = launches[len(forward):]
+    return grads, {name: [forward.count(name), backward.count(name)] for name in ("phase", "state_walk", "fwd_chunk")}
+scan.TILE_ROWS = 32  # 8-token tiles at rank 4, as block_t=8 (the backend takes the default tile)
+ref, plain = run("plain")
+result = {"plain": plain}
+for how in ("kept", "checkpointed", "replay"):
+    grads, counts = run(how)
+    result[how] = {**counts, "same": all(torch.equal(a, r) for a, r in zip(grads, ref))}
 print(json.dumps(result))
 """
 
 
-def test_states_kept_from_the_forward_spare_the_backward_its_state_walk_with_the_same_bits(run_interpreted):
+def test_states_kept_from_the_forward_spare_the_backward_its_walks_with_the_same_bits(run_interpreted):
     """``keep_states=True``, and nam's activation checkpoint (whose replay rebuilds what the forward saves),
-    hand the forward's chunk states to the backward, which then does not walk the chunks again; the output and
-    every gradient are bit-identical to a plain call's. (state walks in the forward, in the backward, same bits)"""
-    walks = run_interpreted(KEPT_STATES)
-    assert walks["plain"] == [1, 1]  # without a checkpoint the backward walks again by default
-    assert walks["kept"] == [1, 0, True]
-    assert walks["checkpointed"] == [1, 1, True]  # the walk in the backward is the replay's forward's
+    hand the forward's chunk states and phase table to the backward, which then runs neither the state walk
+    nor the phase kernel; the replay of ``train.recompute=mamba-scan`` (``for_backward_only``) also skips
+    ``fwd_chunk``. The output and every gradient are bit-identical to a plain call's. Counts are [forward,
+    backward] launches; a checkpoint's replay runs in the backward."""
+    runs = run_interpreted(KEPT_STATES)
+    walk_again = {"phase": [1, 1], "state_walk": [1, 1], "fwd_chunk": [1, 0]}
+    assert runs["plain"] == walk_again  # without a checkpoint the backward walks again by default
+    assert runs["kept"] == {"phase": [1, 0], "state_walk": [1, 0], "fwd_chunk": [1, 0], "same": True}
+    assert runs["checkpointed"] == {**walk_again, "fwd_chunk": [1, 1], "same": True}  # the replay's forward
+    assert runs["replay"] == {**walk_again, "same": True}  # the replay: phase and walk, no fwd_chunk
 
 
 # --- registration ------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ Chunk-parallel, as Mamba-2's SSD, where the work is parallel; walks along the se
                                                     sin; the log-decay's cumulative sum within each tile
     forward   state_walk    grid (b*h, split)       chunks in order: S_in[c] [b*h, nc, p, n] in q's dtype, fp32 carry
               fwd_chunk     grid (nc, b*h)          intra-chunk + S_in's contribution, gate, rank sum -> out
-    backward  state_walk    again, unless the forward kept S_in (``keep_states``: by default inside nam's
-                                                    activation checkpoint, which rebuilds it in its replay)
+    backward  phase, state_walk  again, unless the forward kept S_in and the phase table (``keep_states``: by
+                                                    default inside nam's activation checkpoint, whose replay
+                                                    rebuilds them right before the backward)
               dstate_walk   grid (b*h, split)       chunks in reverse: dS_out[c] = dL/dS_in[c+1]
               bwd (CHUNK)   grid (nc, b*h)          dx, dz, per-token d gamma / d c / d Lambda, partials of dD,
                                                     d mimo_*; hands dL/d(q~.k~) and dy on (1.07 GB at NAM56R's b2)
@@ -79,7 +80,7 @@ def _launch(name, grid, *args, **meta):
 class _Geometry:
     """Shapes and the torch-side coefficients both passes need."""
 
-    def __init__(self, q, v, adt, dt, trap, angles, block_t):
+    def __init__(self, q, v, adt, dt, trap, angles, block_t, phase=None):
         self.b, self.l, self.r, self.g, self.n = q.shape
         self.h, self.p = v.shape[2], v.shape[3]
         self.s = angles.shape[-1]
@@ -92,8 +93,9 @@ class _Geometry:
         shifted = F.pad((1 - self.lam[..., 1:]) * dt[..., 1:], (0, 1))
         self.gamma = F.pad(gamma, (0, pad)).contiguous()  # [b, h, nc*T]
         self.c = F.pad(gamma + shifted, (0, pad)).contiguous()
-        # cos, sin of the phase [b, l, h, 2s]; the log-decay's cumsum within each tile [b, h, nc*T]
-        self.rot, self.cs = _phase_and_decay(angles, dt, adt, self.t, self.nc)
+        # cos, sin of the phase [b, l, h, 2s]; the log-decay's cumsum within each tile [b, h, nc*T] (``phase``:
+        # the forward's, kept with its states)
+        self.rot, self.cs = phase or _phase_and_decay(angles, dt, adt, self.t, self.nc)
 
     def meta(self):
         return dict(T=self.t, RP=self.rp, HALF=self.n // 2, P=self.p)
@@ -114,19 +116,23 @@ class _Geometry:
 class _MimoScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, block_t,
-                keep_states):
+                keep_states, output_used):
         q, k, v, z = (_lastdim_contiguous(t) for t in (q, k, v, z))
         params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
         qb, kb, dd, mx, mz, mo = params
-        geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
-        out = torch.empty(geo.b, geo.l, geo.h, geo.p, device=v.device, dtype=v.dtype)
-        common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
-                  *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
-        s_in = geo.states(q, k, qb, kb, v, mx)
-        _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.rot, v, z, mx, mz, mo, dd, geo.cs,
-                geo.gamma, geo.c, s_in, out, *common, **geo.meta())
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)  # [b, l, h, p]
         ctx.kept = _rebuilt_by_replay() if keep_states is None else keep_states
-        ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params, *([s_in] if ctx.kept else []))
+        kept = []
+        if output_used or ctx.kept:  # else (a replay whose backward walks again) no kernel at all
+            geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
+            s_in = geo.states(q, k, qb, kb, v, mx)
+            kept = [s_in, geo.rot, geo.cs] if ctx.kept else []
+        if output_used:
+            common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc, *q.stride()[:4], *k.stride()[:4],
+                      *v.stride()[:3], *z.stride()[:3], *out.stride()[:3])
+            _launch("fwd_chunk", (geo.nc, geo.b * geo.h), q, k, qb, kb, geo.rot, v, z, mx, mz, mo, dd, geo.cs,
+                    geo.gamma, geo.c, s_in, out, *common, **geo.meta())
+        ctx.save_for_backward(q, k, v, adt, dt, trap, angles, z, *params, *kept)
         ctx.block_t = block_t
         ctx.dtypes = [t.dtype for t in (q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z,
                                         mimo_o)]
@@ -136,7 +142,7 @@ class _MimoScanFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, adt, dt, trap, angles, z, qb, kb, dd, mx, mz, mo, *kept = ctx.saved_tensors
         dout = _lastdim_contiguous(dout)
-        geo = _Geometry(q, v, adt, dt, trap, angles, ctx.block_t)
+        geo = _Geometry(q, v, adt, dt, trap, angles, ctx.block_t, phase=tuple(kept[1:]) if ctx.kept else None)
         b, l, h, p, r, g, n, nc = geo.b, geo.l, geo.h, geo.p, geo.r, geo.g, geo.n, geo.nc
         common = (geo.l, geo.h, geo.h // geo.g, geo.r, geo.s, geo.nc)
         dev, f32 = q.device, torch.float32
@@ -182,7 +188,7 @@ class _MimoScanFn(torch.autograd.Function):
         ddt = ddt + ddt_phase
         grads = (dq, dk, dx, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_part.sum((0, 1)), dz,
                  dmx.sum((0, 1)), dmz.sum((0, 1)), dmo.sum((0, 1)))
-        return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None, None)
+        return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None, None, None)
 
 
 def _rebuilt_by_replay() -> bool:
@@ -233,22 +239,24 @@ def _time_grads(dphase, dcs, angles, dt, *, cumulative: bool = True, block: int 
 
 
 def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
-              block_t: int | None = None, keep_states: bool | None = None) -> torch.Tensor:
+              block_t: int | None = None, keep_states: bool | None = None, output_used: bool = True) -> torch.Tensor:
     """The MIMO scan, differentiable in every input. Arguments as ``nam56r.backends.SSMScan``; ``block_t``:
     tokens per kernel tile (a power of two; default ``tile_tokens(r)``). Returns ``[b, l, h, p]`` in v's dtype.
 
     ``keep_states``: whether the forward keeps the chunk states ``S_in`` (q's dtype, ``[b*h, nc, p, n]``: 1 GiB
-    at NAM56R's b2) for the backward, which then skips its state walk (the same kernel on the same inputs, so
-    the same bits). None (the default) keeps them inside nam's activation checkpoint (``_rebuilt_by_replay``),
+    at NAM56R's b2) and the phase table (fp32 ``[b, l, h, 2s]``, 0.5 GiB) for the backward, which then skips its
+    state walk and phase kernel (the same kernels on the same inputs, so the same bits). None (the default) keeps them inside nam's activation checkpoint (``_rebuilt_by_replay``),
     which drops them after the first pass and rebuilds them in its replay, right before the backward that holds
     S_in anyway (recomputed or kept): there they cost no memory past the backward's own. True keeps them
-    always, at that memory per layer from the forward to its backward; False never."""
+    always, at that memory per layer from the forward to its backward; False never. ``output_used`` False: the
+    result's values are not read (``MimoScan.for_backward_only``), so the forward launches only what it keeps
+    (the phase and the state walk when it keeps the states; nothing otherwise)."""
     problem = input_problem(q, v, angles, mimo_x) or index_problem(
         q.shape[0], q.shape[1], v.shape[2], q.shape[2], q.shape[-1], v.shape[3], angles.shape[-1], block_t)
     if problem:
         raise ValueError(f"mimo-scan: {problem}")
     return _MimoScanFn.apply(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
-                             block_t, keep_states)
+                             block_t, keep_states, output_used)
 
 
 def input_problem(q, v, angles, mimo_x) -> str | None:
@@ -304,6 +312,15 @@ class MimoScan:
                  chunk_size: int) -> torch.Tensor:
         return mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
                          keep_states=self.keep_states)
+
+    def for_backward_only(self, q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o, *,
+                          chunk_size: int) -> torch.Tensor:
+        """``nam56r.backends.SSMScan.for_backward_only``: a call whose output values are not read (the replay of
+        ``train.recompute=mamba-scan``): the same saved tensors, no ``fwd_chunk``; inside nam's activation
+        checkpoint it keeps the states, so the replay runs the phase and the state walk and the backward
+        neither."""
+        return mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo_z, mimo_o,
+                         keep_states=self.keep_states, output_used=False)
 
 
 def forward_backward(inputs: dict, dout: torch.Tensor, *, block_t: int | None = None,

@@ -71,8 +71,9 @@ def main() -> None:
                     help="offer the per-head pass every --bwd-configs config at NS 1, not only "
                          "kernels.PER_HEAD_CONFIGS: for timing; check the chosen one with gpu/mimo_fault.py")
     ap.add_argument("--keep-states", action="store_true",
-                    help="the forward keeps S_in for the backward (scan.mimo_scan's keep_states): the backward "
-                         "runs no state walk; the digest must not change")
+                    help="the forward keeps S_in and the phase table for the backward (scan.mimo_scan's "
+                         "keep_states): the backward runs no state walk and no phase kernel; checks its result "
+                         "bit for bit against a call that keeps nothing")
     a = ap.parse_args()
 
     from nam_plugin_mimo_scan import kernels, scan
@@ -109,8 +110,8 @@ def main() -> None:
         with torch.no_grad():
             return scan.mimo_scan(*args, block_t=a.block_t)
 
-    def fwd_bwd():
-        out = scan.mimo_scan(*args, block_t=a.block_t, keep_states=a.keep_states or None)
+    def fwd_bwd(keep=a.keep_states or None):
+        out = scan.mimo_scan(*args, block_t=a.block_t, keep_states=keep)
         return (out, *torch.autograd.grad(out, wrt, dout))
 
     names = ["out", *(f"d{k}" for k in leaves)]
@@ -138,6 +139,10 @@ def main() -> None:
     # a digest of every result, so that two runs (two kernel variants, same inputs) can be compared bit for bit
     digest = hashlib.sha1(b"".join(t.detach().cpu().numpy().tobytes() for t in second)).hexdigest()[:16]
     print(f"digest of the output and every gradient: {digest}", flush=True)
+    if a.keep_states:  # the same inputs through a call that keeps nothing: the kept states must change no bit
+        plain = [t.float() for t in fwd_bwd(keep=False)]
+        same = [n for n, x, y in zip(names, second, plain) if not torch.equal(x, y)]
+        print(f"states kept: bit-identical to a call that walks again in its backward: {not same} {same}", flush=True)
     fwd_ms, fwd_bwd_ms = (median_ms(f, warmup=0, iters=5) for f in (fwd, fwd_bwd))
     print(f"fwd {fwd_ms:.2f} ms, fwd+bwd {fwd_bwd_ms:.2f} ms (b={a.b} l={a.l} h={h} g={g})", flush=True)
 

@@ -5,19 +5,26 @@
 #        runs no state walk and no phase kernel), b2, with per-kernel profiles
 #  MBR   the same under nam's activation checkpoint as the mixer runs train.recompute=mamba-scan (--recompute; the
 #        replay through for_backward_only): mamba-ssm static against mimo-scan, which keeps its states there
-#  MK0   gpu/mimo_kernels.py: per-launch times and the digest (r55-r65: 85d88b6746c5ee36)
-#  MKK   the same with --keep-states: the digest must not change
+#  MKK   gpu/mimo_kernels.py --keep-states: per-launch times and the digest (r55-r65, plain: 85d88b6746c5ee36),
+#        the kept result against a plain call's in the same process, bit for bit
+#  SS32  memcheck over mimo_fault.py: the shipped set at 32-token tiles (dq / dk at NS 2, 2 stages)
+#  PH16  memcheck over mimo_fault.py: the per-head pass at 16 warps, 1 stage (a config the tuner times), 16-token
+#        tiles
 # Result: (filled in after the round)
 set -u
 TOP=$OUT OUT=$OUT/r66 && mkdir -p "$OUT"  # only $TOP/r66.tgz and $TOP/kcache.tgz come back
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BUDGET=${BUDGET:-540} STEP_MIN=30 STEP_EXT=.log SUMMARY=summary.txt
-show() { grep -E "^\| |digest|^fwd |^launch |rror|Traceback" "$OUT/$1.log" | head -n "${2:-30}" | tee -a "$OUT/$SUMMARY"; }
-step 300 MB python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan mimo-scan-kept \
+show() { grep -E "^\| |digest|bit-identical|^fwd |^launch |rror|Traceback" "$OUT/$1.log" | head -n "${2:-30}" | tee -a "$OUT/$SUMMARY"; }
+step 330 MB python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan mimo-scan-kept \
   --baseline mamba-ssm-static --profile "$OUT/prof" --json "$OUT/mimo_scan.json"; show MB
-step 200 MBR python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan --baseline mamba-ssm-static \
+step 150 MBR python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan --baseline mamba-ssm-static \
   --recompute --json "$OUT/mimo_scan_recompute.json"; show MBR
-step 150 MK0 python gpu/mimo_kernels.py; show MK0
-step 80 MKK python gpu/mimo_kernels.py --keep-states; show MKK
+step 120 MKK python gpu/mimo_kernels.py --keep-states; show MKK
+san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+mc=("$san" --tool memcheck --kernel-name kns=bwd_kernel --print-limit 4 python gpu/mimo_fault.py)
+shown() { grep -E "^ok |ERROR SUMMARY|Out-of|Invalid|at bwd_kernel|rror" "$OUT/$1.log" | head -n 8 | tee -a "$OUT/$SUMMARY"; }
+step 70 SS32 "${mc[@]}" 4 2 --pass DQ --ns 2 --block-t 32; shown SS32
+step 70 PH16 "${mc[@]}" 16 1 --pass CHUNK --block-t 16; shown PH16
 OUT=$TOP kcache_pack
 tar -C "$TOP" -czf "$TOP/r66.tgz" r66 && rm -rf "$OUT"

@@ -17,9 +17,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BUDGET=${BUDGET:-540} STEP_MIN=30 STEP_EXT=.log SUMMARY=summary.txt
 show() { grep -E "^\| |digest|bit-identical|^fwd |^launch |rror|Traceback" "$OUT/$1.log" | head -n "${2:-30}" | tee -a "$OUT/$SUMMARY"; }
 step 330 MB python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan mimo-scan-kept \
-  --baseline mamba-ssm-static --profile "$OUT/prof" --json "$OUT/mimo_scan.json"; show MB
+  --baseline mamba-ssm-static --warmup 2 --iters 5 --timeout 200 --profile "$OUT/prof" --json "$OUT/mimo_scan.json"; show MB
 step 150 MBR python bench/mimo_scan.py --batch 2 --rows mamba-ssm-static mimo-scan --baseline mamba-ssm-static \
-  --recompute --json "$OUT/mimo_scan_recompute.json"; show MBR
+  --warmup 2 --iters 5 --timeout 140 --recompute --json "$OUT/mimo_scan_recompute.json"; show MBR
 step 120 MKK python gpu/mimo_kernels.py --keep-states; show MKK
 san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 mc=("$san" --tool memcheck --kernel-name kns=bwd_kernel --print-limit 4 python gpu/mimo_fault.py)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 66, 2026-12-07 (tenth session), one H200, after `source gpu/host.sh` (no kernel cache: this session's
+# Round 66, 2026-12-07 (tenth session), one H100 (no H200 came; the call took either), after `source gpu/host.sh` (no kernel cache: this session's
 # checkout had none, so every build is cold).
 #  MB    bench/mimo_scan.py, one run: mamba-ssm static, mimo-scan, mimo-scan-kept (keep_states=True: the backward
 #        runs no state walk and no phase kernel), b2, with per-kernel profiles
@@ -10,7 +10,11 @@
 #  SS32  memcheck over mimo_fault.py: the shipped set at 32-token tiles (dq / dk at NS 2, 2 stages)
 #  PH16  memcheck over mimo_fault.py: the per-head pass at 16 warps, 1 stage (a config the tuner times), 16-token
 #        tiles
-# Result: (filled in after the round)
+# Result (H100 80GB HBM3, ran BUDGET=440): MB static 16.11 ms fwd+bwd, mimo-scan 17.53 (0.92x), mimo-scan-kept 16.24
+# (0.99x; the backward 14.02 -> 12.70), peak 4.49 GiB both (the backward holds the states either way); GPU time
+# (profiles) 15.76 / 16.94 / 15.67 ms. MBR (--recompute): static 17.07, mimo-scan 18.66 (0.92x). MKK: digest
+# 85d88b6746c5ee36 (the H200 rounds' r55-r65), kept bit-identical to a plain call; fwd+bwd 16.10. SS32 ok
+# (1.49e-2), PH16 ok (1.33e-2), memcheck 0 errors in both.
 set -u
 TOP=$OUT OUT=$OUT/r66 && mkdir -p "$OUT"  # only $TOP/r66.tgz and $TOP/kcache.tgz come back
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"

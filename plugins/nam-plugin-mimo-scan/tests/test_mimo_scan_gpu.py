@@ -160,6 +160,38 @@ def test_forward_and_backward_capture_in_a_cuda_graph():
         assert torch.equal(e, gr), name
 
 
+def test_kept_states_and_the_mamba_scan_replay_give_the_same_bits_in_bf16():
+    """At NAM56R's widths in bf16 (h=128 in 8 groups, l=1000: a ragged last tile): the states kept from the
+    forward (``keep_states=True``), and a call under nam's activation checkpoint whose replay asks
+    ``for_backward_only`` (as the Mamba-3 mixer under ``train.recompute=mamba-scan``), give the output and every
+    gradient of a plain call bit for bit: the kept states are the same kernel's on the same inputs."""
+    from nam56r.recompute import checkpointed
+    from nam_plugin_mimo_scan.scan import MimoScan, mimo_scan
+
+    leaves, args = _inputs(l=1000, h=128, g=8)
+    wrt = list(leaves.values())
+    dout = torch.randn(1, 1000, 128, P, device="cuda", dtype=torch.bfloat16,
+                       generator=torch.Generator(device="cuda").manual_seed(5))
+    backend, passes = MimoScan(), []
+
+    def between(*a):
+        passes.append(None)
+        fn = backend if len(passes) == 1 else backend.for_backward_only
+        return fn(*a[:-1], chunk_size=16)
+
+    runs = {"plain": lambda: mimo_scan(*args), "kept": lambda: mimo_scan(*args, keep_states=True),
+            "replayed": lambda: checkpointed(between, None, *args)}
+    results = {}
+    for name, run in runs.items():
+        out = run()
+        results[name] = [out.detach(), *torch.autograd.grad(out, wrt, dout)]
+    assert len(passes) == 2  # the first pass and the replay
+    names = ["out", *leaves]
+    for name in ("kept", "replayed"):
+        differ = [n for n, a, b in zip(names, results[name], results["plain"]) if not torch.equal(a, b)]
+        assert not differ, f"{name}: {differ}"
+
+
 def test_the_first_call_autotunes_without_a_trace():
     """The first call of a new shape times several configs of some kernels; a timed run that adds into an
     output (the dk pass adds to d phase) must be undone (kernels.RESTORE), so the first call's gradients equal

@@ -96,7 +96,8 @@ def main() -> None:
         for name, kernel in (("state_walk", kernels.state_walk_kernel), ("dstate_walk", kernels.dstate_walk_kernel)):
             offer(name, kernel, [kernels._config(w, st, r or None, PSPLIT=ps) for w, st, ps, r in
                                  (_ints(c, 1, 0) for c in a.walk_configs)])
-    print(f"block_t {a.block_t or scan.tile_tokens(4)}, states kept {a.keep_states}, PH {scan.COLUMN_BLOCKS}, bwd configs "
+    print(f"block_t {a.block_t or scan.tile_tokens(4)}, states kept {a.keep_states}, PH {scan.COLUMN_BLOCKS}, "
+          f"bwd configs "
           f"{[(c.num_warps, c.num_stages, c.kwargs.get('NS'), c.maxnreg) for c in kernels.CONFIGS['bwd']]}, "
           f"per-head {sorted(kernels.PER_HEAD_CONFIGS, key=str)}, fwd_chunk configs "
           f"{[(c.num_warps, c.num_stages, c.maxnreg) for c in kernels.CONFIGS['fwd_chunk']]}, walk configs "

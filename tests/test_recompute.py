@@ -160,6 +160,31 @@ def test_a_replay_sees_state_recompute_and_leaves_the_state_as_it_was():
     assert torch.equal(x.grad, x.detach().cos())
 
 
+def test_inside_checkpointed_answers_true_in_both_passes_and_false_outside():
+    """A backend that saves more inside ``checkpointed`` (nam-plugin-mimo-scan's chunk states) must be told so in
+    the first pass and in the replay alike (torch's checkpoint matches the replay's saved tensors to the first
+    pass's one for one), and not outside, nor after the region (also when a replay raised)."""
+    seen = []
+
+    def block(x, state):
+        seen.append(recompute.inside_checkpointed())
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    assert not recompute.inside_checkpointed()
+    y = recompute.checkpointed(block, None, x)
+    assert not recompute.inside_checkpointed()
+    y.sum().backward()
+    assert seen == [True, True] and not recompute.inside_checkpointed()
+
+    def failing(x, state):
+        raise RuntimeError("in the body")
+
+    with pytest.raises(RuntimeError, match="in the body"):
+        recompute.checkpointed(failing, None, x)
+    assert not recompute.inside_checkpointed()
+
+
 def test_recompute_config_presets_and_refusals():
     assert recompute_kinds(TrainConfig()) == ()
     assert recompute_kinds(TrainConfig(recompute=("mixers",))) == ("mamba", "moe", "attention")

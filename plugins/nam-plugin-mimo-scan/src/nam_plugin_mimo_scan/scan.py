@@ -245,10 +245,11 @@ def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo
 
     ``keep_states``: whether the forward keeps the chunk states ``S_in`` (q's dtype, ``[b*h, nc, p, n]``: 1 GiB
     at NAM56R's b2) and the phase table (fp32 ``[b, l, h, 2s]``, 0.5 GiB) for the backward, which then skips its
-    state walk and phase kernel (the same kernels on the same inputs, so the same bits). None (the default) keeps them inside nam's activation checkpoint (``_rebuilt_by_replay``),
-    which drops them after the first pass and rebuilds them in its replay, right before the backward that holds
-    S_in anyway (recomputed or kept): there they cost no memory past the backward's own. True keeps them
-    always, at that memory per layer from the forward to its backward; False never. ``output_used`` False: the
+    state walk and phase kernel (the same kernels on the same inputs, so the same bits). None (the default)
+    keeps them inside nam's activation checkpoint (``_rebuilt_by_replay``), which drops them after the first
+    pass and rebuilds them in its replay, right before the backward that holds them anyway (recomputed or
+    kept): there they cost no memory past the backward's own. True keeps them always, at that memory per layer
+    from the forward to its backward; False never. ``output_used`` False: the
     result's values are not read (``MimoScan.for_backward_only``), so the forward launches only what it keeps
     (the phase and the state walk when it keeps the states; nothing otherwise)."""
     problem = input_problem(q, v, angles, mimo_x) or index_problem(
@@ -323,11 +324,10 @@ class MimoScan:
                          keep_states=self.keep_states, output_used=False)
 
 
-def forward_backward(inputs: dict, dout: torch.Tensor, *, block_t: int | None = None,
-                     keep_states: bool | None = None) -> torch.Tensor:
+def forward_backward(inputs: dict, dout: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
     """One forward and backward (for benchmarks): ``inputs`` by ``SSMScan`` name, leaves with requires_grad
     where a gradient is wanted; returns the output (gradients land in ``.grad``)."""
-    out = mimo_scan(*(inputs[k] for k in INPUT_NAMES), block_t=block_t, keep_states=keep_states)
+    out = mimo_scan(*(inputs[k] for k in INPUT_NAMES), block_t=block_t)
     out.backward(dout)
     return out
 

@@ -163,7 +163,7 @@ def test_a_replay_sees_state_recompute_and_leaves_the_state_as_it_was():
 def test_inside_checkpointed_answers_true_in_both_passes_and_false_outside():
     """A backend that saves more inside ``checkpointed`` (nam-plugin-mimo-scan's chunk states) must be told so in
     the first pass and in the replay alike (torch's checkpoint matches the replay's saved tensors to the first
-    pass's one for one), and not outside, nor after the region (also when a replay raised)."""
+    pass's one for one), and not outside, nor after the region (also after a body that raised)."""
     seen = []
 
     def block(x, state):

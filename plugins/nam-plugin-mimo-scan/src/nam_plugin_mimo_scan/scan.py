@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nam56r.recompute import inside_checkpointed
+
 TILE_ROWS = 64
 """(token, rank) rows per tile: 16 tokens at rank 4. On the H100, 128-row tiles (32 tokens) ran 3x slower
 (fp32 [128, 128] score tiles and [128, 64] row tiles spill registers)."""
@@ -121,7 +123,7 @@ class _MimoScanFn(torch.autograd.Function):
         params = [t.float().contiguous() for t in (q_bias, k_bias, d, mimo_x, mimo_z, mimo_o)]
         qb, kb, dd, mx, mz, mo = params
         out = torch.empty_like(v, memory_format=torch.contiguous_format)  # [b, l, h, p]
-        ctx.kept = _rebuilt_by_replay() if keep_states is None else keep_states
+        ctx.kept = inside_checkpointed() if keep_states is None else keep_states
         kept = []
         if output_used or ctx.kept:  # else (a replay whose backward walks again) no kernel at all
             geo = _Geometry(q, v, adt, dt, trap, angles, block_t)
@@ -191,15 +193,6 @@ class _MimoScanFn(torch.autograd.Function):
         return (*(gr.to(dtype) for gr, dtype in zip(grads, ctx.dtypes)), None, None, None)
 
 
-def _rebuilt_by_replay() -> bool:
-    """Whether what this forward saves is dropped at once and rebuilt by a replay inside the backward: the scan
-    runs in nam's activation checkpoint (``train.recompute`` ``mamba-scan``, ``mamba``, ``layer`` on the local
-    engine; ``nam56r.recompute.inside_checkpointed``)."""
-    from nam56r.recompute import inside_checkpointed
-
-    return inside_checkpointed()
-
-
 TIME_BLOCK = 64
 """Tokens per step of the two walks along the sequence (the phase, and the reverse sums of the backward)."""
 
@@ -246,12 +239,13 @@ def mimo_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, mimo_x, mimo
     ``keep_states``: whether the forward keeps the chunk states ``S_in`` (q's dtype, ``[b*h, nc, p, n]``: 1 GiB
     at NAM56R's b2) and the phase table (fp32 ``[b, l, h, 2s]``, 0.5 GiB) for the backward, which then skips its
     state walk and phase kernel (the same kernels on the same inputs, so the same bits). None (the default)
-    keeps them inside nam's activation checkpoint (``_rebuilt_by_replay``), which drops them after the first
-    pass and rebuilds them in its replay, right before the backward that holds them anyway (recomputed or
-    kept): there they cost no memory past the backward's own. True keeps them always, at that memory per layer
-    from the forward to its backward; False never. ``output_used`` False: the
-    result's values are not read (``MimoScan.for_backward_only``), so the forward launches only what it keeps
-    (the phase and the state walk when it keeps the states; nothing otherwise)."""
+    keeps them inside nam's activation checkpoint (``nam56r.recompute.inside_checkpointed``: ``train.recompute``
+    ``mamba-scan``, ``mamba``, ``layer`` on the local engine), which drops them after the first pass and
+    rebuilds them in its replay, right before the backward that holds them anyway (recomputed or kept): there
+    they cost no memory past the backward's own. True keeps them always, at that memory per layer from the
+    forward to its backward; False never. ``output_used`` False: the result's values are not read
+    (``MimoScan.for_backward_only``), so the forward launches only what it keeps (the phase and the state walk
+    when it keeps the states; nothing otherwise)."""
     problem = input_problem(q, v, angles, mimo_x) or index_problem(
         q.shape[0], q.shape[1], v.shape[2], q.shape[2], q.shape[-1], v.shape[3], angles.shape[-1], block_t)
     if problem:

@@ -43,8 +43,9 @@ def nam56r() -> Recipe:
         summary="full NAM56R (52 layers, hidden 4096, 4.73B parameters) on GPUs",
         model=NAM56RConfig(
             # The fastest MIMO scan that passes its parity self-test (run at activation on a real GPU): mamba-ssm
-            # with exact-size kernels, 16.2 ms fwd+bwd at b2 x 4096 against 66.6 ms for nam's mimo-scan, H100
-            # (bench/mimo_scan.py, results/mimo_scan.json). mimo-scan stays selectable by name.
+            # with exact-size kernels, 16.11 ms fwd+bwd at b2 x 4096 against 17.53 ms for nam's mimo-scan (0.92x),
+            # and 17.07 against 18.66 under train.recompute=mamba-scan, one H100 run (bench/mimo_scan.py, r66 in
+            # bench/README.md). mimo-scan stays selectable by name.
             ssm_backend="mamba-ssm", attention_backend="sparse-mla", indexer_kernels_backend="sparse-mla",
             # The LM + MTP heads: hopper-ce with its gradients in the forward (three products, fp32 logits):
             # 86.9 ms fwd+bwd at 16384 x 4096 x 131072 against 113.9 for liger, H200 (bench/hopper_ce.py); the

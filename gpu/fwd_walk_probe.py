@@ -1,0 +1,147 @@
+"""Probe (2026-12-07, not a shipped kernel): the mimo-scan forward as one walk per (b, h), the output of each
+chunk computed where the state walk reaches it (S_in from the fp32 carry in registers, rounded as the stored
+states are; ``STORE`` also writes S_in for the backward), in place of ``state_walk`` + ``fwd_chunk``.
+
+    TRITON_INTERPRET=1 python gpu/fwd_walk_probe.py interp   # fp32 on the CPU: the same bits as the split forward
+    python gpu/fwd_walk_probe.py compile                     # sm_90 registers / spills (the Triton 3.6 venv of
+                                                             # gpu/mimo_compile.py), beside the shipped two kernels
+
+Result (2026-12-07): the interpreter gives the split forward's output and S_in bit for bit (b1 l37 h4 g2 n32 p16
+r4). Offline on sm_90 the walk takes 255 registers at 8 warps (12 B of spills; 36 B with ``STORE``), so one
+program an SM, and NAM56R's b2 has 256 programs: two waves of 256 steps each. Capped at 128 registers (two an SM,
+one wave) it spills 768 B; at 4 warps 532 B uncapped, 1,492 B at 168. One wave would have to take under ~12 us a
+step to beat state_walk + fwd_chunk (3.07 ms on the H100, r66), where the state walk's own step, a third of this
+work, takes ~4.3 us: not built, not run on a GPU.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch, triton
+import triton.language as tl
+from nam_plugin_mimo_scan import kernels as K, scan
+from nam_plugin_mimo_scan.kernels import (_rows, _cos_sin, _rotated, _decay_weights, _load_rows, _load_proj, _sigmoid)
+
+
+@triton.jit
+def fwd_walk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr, mz_ptr, mo_ptr, d_ptr,
+                    cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
+                    L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
+                    x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
+                    T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, STORE: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    g = h // HPG
+    LP = NC * T
+    DT = q_ptr.dtype.element_ty
+    pcols = tl.arange(0, P)
+    hcols = tl.arange(0, HALF)
+    rot_base = (b * L * H + h) * 2 * S
+    carry_lo = tl.zeros((P, HALF), tl.float32)
+    carry_hi = tl.zeros((P, HALF), tl.float32)
+    dskip = tl.load(d_ptr + h)
+    for c in range(NC):
+        tok, rank, valid = _rows(c, L, R, T, RP)
+        cos, sin = _cos_sin(rot_ptr, c, L, rot_base, H * 2 * S, S, 0, T, RP, HALF)
+        qlo, qhi = _rotated(q_ptr, qb_ptr, tok, rank, valid, b * q_sb + g * q_sg, q_sl, q_sr, h * R * 2 * HALF,
+                            cos, sin, 0, HALF, HALF)
+        klo, khi = _rotated(k_ptr, kb_ptr, tok, rank, valid, b * k_sb + g * k_sg, k_sl, k_sr, h * R * 2 * HALF,
+                            cos, sin, 0, HALF, HALF)
+        qlo = qlo.to(DT)
+        qhi = qhi.to(DT)
+        klo = klo.to(DT)
+        khi = khi.to(DT)
+        cs = tl.load(cs_ptr + bh * LP + tok)
+        cs_end = tl.load(cs_ptr + bh * LP + c * T + T - 1)
+        cc = tl.load(c_ptr + bh * LP + tok)
+        amat, _ = _decay_weights(tok, cs, tl.load(gam_ptr + bh * LP + tok), cc, T, RP)
+        qk = tl.dot(qlo, tl.trans(klo)) + tl.dot(qhi, tl.trans(khi))
+        v = (_load_rows(x_ptr, b * x_sb + h * x_sh, tok, x_sl, valid, pcols)
+             * _load_proj(mx_ptr, h, rank, valid, R, P, pcols))
+        y = tl.dot((qk * amat).to(DT), v.to(DT))
+        s_lo = carry_lo.to(DT)
+        s_hi = carry_hi.to(DT)
+        if STORE:
+            sp = s_ptr + ((bh * NC + c) * P + pcols[:, None]) * (2 * HALF) + hcols[None, :]
+            tl.store(sp, s_lo)
+            tl.store(sp + HALF, s_hi)
+        y += tl.exp(cs)[:, None] * (tl.dot(qlo, tl.trans(s_lo)) + tl.dot(qhi, tl.trans(s_hi)))
+        zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols) * _load_proj(mz_ptr, h, rank, valid, R,
+                                                                                           P, pcols)
+        o = (y + dskip * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
+        out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)
+        toks = c * T + tl.arange(0, T)
+        tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(toks < L)[:, None])
+        w = tl.exp(cs_end - cs) * cc
+        vw = tl.trans((v * w[:, None]).to(DT))
+        decay = tl.exp(cs_end)
+        carry_lo = carry_lo * decay + tl.dot(vw, klo)
+        carry_hi = carry_hi * decay + tl.dot(vw, khi)
+
+
+def launches(b, l, h, g, n, p, r, device, dtype, seed=1):
+    """The split forward's fwd_chunk args recorded, then both forwards run on them: (out_split, out_walk, S)."""
+    from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+    x = random_inputs(b, l, h, g, n, p, r, device=device, seed=seed, dtype=torch.float32)
+    x = {k: (t.to(dtype) if k in ACTIVATIONS else t) for k, t in x.items()}
+    args = [x[k] if k != "angles" else x[k].expand(b, l, h, -1) for k in INPUT_NAMES]
+    rec = {}
+    real = scan._launch
+    def spy(name, grid, *a, **meta):
+        rec[name] = (grid, a, meta)
+        return real(name, grid, *a, **meta)
+    scan._launch = spy
+    with torch.no_grad():
+        out = scan.mimo_scan(*args)
+    scan._launch = real
+    return out, rec
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "interp":  # TRITON_INTERPRET=1, fp32
+        b, l, h, g, n, p, r = 1, 37, 4, 2, 32, 16, 4
+        out, rec = launches(b, l, h, g, n, p, r, "cpu", torch.float32)
+        grid, a, meta = rec["fwd_chunk"]
+        a = list(a)
+        s_in = a[14]
+        out2 = torch.empty_like(out)
+        s2 = torch.empty_like(s_in)
+        a[14], a[15] = s2, out2
+        fwd_walk_kernel[(b * h,)](*a, **meta, STORE=True)
+        print("out max abs diff", (out - out2).abs().max().item(), "max", out.abs().max().item())
+        print("S_in max abs diff", (s_in - s2).abs().max().item(), "max", s_in.abs().max().item())
+        print("S_in equal", torch.equal(s_in, s2), "out equal", torch.equal(out, out2))
+    else:  # compile for sm_90
+        from mimo_compile import compile_one, ptxas_info  # gpu/mimo_compile.py
+        b, l, h, g, n, p, r = 2, 256, 128, 8, 128, 64, 4
+        import nam_plugin_mimo_scan.scan as sc
+        # record args without running: CPU bf16 tensors, the launch recorded only
+        from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
+        x = random_inputs(b, l, h, g, n, p, r, device="cpu", seed=1)
+        x = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t) for k, t in x.items()}
+        args = [x[k] if k != "angles" else x[k].expand(b, l, h, -1) for k in INPUT_NAMES]
+        rec = {}
+        sc._launch = lambda name, grid, *a, **meta: rec.__setitem__(name, (grid, a, meta))
+        sc._phase_and_decay = lambda angles, dt, adt, t, nc, **kw: (
+            torch.zeros(b, l, h, 2 * angles.shape[-1]), torch.zeros(b, h, nc * t))
+        with torch.no_grad():
+            sc.mimo_scan(*args)
+        grid, a, meta = rec["fwd_chunk"]
+        for warps, stages, maxnreg, store in [(4, 1, None, 0), (4, 1, None, 1), (8, 1, None, 0), (8, 1, None, 1),
+                                              (8, 1, 128, 0), (8, 2, None, 0), (4, 1, 168, 0)]:
+            comp = compile_one(fwd_walk_kernel, a, {**meta, "STORE": bool(store)}, warps, stages, maxnreg)
+            print(f"fwd_walk STORE={store} warps={warps} stages={stages} maxnreg={maxnreg}: shared "
+                  f"{comp.metadata.shared} B, {ptxas_info(comp)}", flush=True)
+        for name in ("state_walk", "fwd_chunk"):
+            cfg = K.CONFIGS[name]
+            for c in cfg:
+                kern = {"state_walk": K.state_walk_kernel, "fwd_chunk": K.fwd_chunk_kernel}[name]
+                g2, a2, m2 = rec[name]
+                comp = compile_one(kern, a2, {**m2, **c.kwargs}, c.num_warps, c.num_stages, c.maxnreg)
+                print(f"{name} {c}: shared {comp.metadata.shared} B, {ptxas_info(comp)}", flush=True)
+
+
+main()

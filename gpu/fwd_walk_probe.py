@@ -5,13 +5,14 @@ states are; ``STORE`` also writes S_in for the backward), in place of ``state_wa
     TRITON_INTERPRET=1 python gpu/fwd_walk_probe.py interp   # fp32 on the CPU: the same bits as the split forward
     python gpu/fwd_walk_probe.py compile                     # sm_90 registers / spills (the Triton 3.6 venv of
                                                              # gpu/mimo_compile.py), beside the shipped two kernels
+    python gpu/fwd_walk_probe.py time                        # on the GPU host: its time against the two kernels'
 
 Result (2026-12-07): the interpreter gives the split forward's output and S_in bit for bit (b1 l37 h4 g2 n32 p16
 r4). Offline on sm_90 the walk takes 255 registers at 8 warps (12 B of spills; 36 B with ``STORE``), so one
 program an SM, and NAM56R's b2 has 256 programs: two waves of 256 steps each. Capped at 128 registers (two an SM,
 one wave) it spills 768 B; at 4 warps 532 B uncapped, 1,492 B at 168. One wave would have to take under ~12 us a
 step to beat state_walk + fwd_chunk (3.07 ms on the H100, r66), where the state walk's own step, a third of this
-work, takes ~4.3 us: not built, not run on a GPU.
+work, takes ~4.3 us: not built; `time` is ready for a GPU round, not run yet.
 """
 import sys
 from pathlib import Path
@@ -114,6 +115,37 @@ def main():
         print("out max abs diff", (out - out2).abs().max().item(), "max", out.abs().max().item())
         print("S_in max abs diff", (s_in - s2).abs().max().item(), "max", s_in.abs().max().item())
         print("S_in equal", torch.equal(s_in, s2), "out equal", torch.equal(out, out2))
+    elif mode == "time":  # on the GPU host: NAM56R's b2, bf16, CUDA events, medians of 10 after 2 warm-ups
+        b, l, h, g, n, p, r = 2, 4096, 128, 8, 128, 64, 4
+        out, rec = launches(b, l, h, g, n, p, r, "cuda", torch.bfloat16)
+        (sg, sa, sm), (fg, fa, fm) = rec["state_walk"], rec["fwd_chunk"]
+        s_in = fa[14]
+
+        def timed(fn):
+            for _ in range(2):
+                fn()
+            times = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return sorted(times)[len(times) // 2]
+
+        base = timed(lambda: (scan._launch("state_walk", sg, *sa, **sm), scan._launch("fwd_chunk", fg, *fa, **fm)))
+        print(f"| forward | ms | vs split | output, S_in bits |\n|---|---|---|---|\n| state_walk + fwd_chunk "
+              f"({scan.CHOSEN.get('state_walk')}; {scan.CHOSEN.get('fwd_chunk')}) | {base:.3f} | 1.00x | |", flush=True)
+        for warps, maxnreg, store in [(8, None, False), (8, 128, False), (4, None, False), (8, None, True)]:
+            a = list(fa)
+            a[14], a[15] = torch.empty_like(s_in), torch.empty_like(out)
+            extra = {"maxnreg": maxnreg} if maxnreg else {}
+            run = lambda: fwd_walk_kernel[(b * h,)](*a, **fm, STORE=store, num_warps=warps, num_stages=1, **extra)
+            ms = timed(run)
+            same = f"{torch.equal(a[15], out)}, {torch.equal(a[14], s_in) if store else '-'}"
+            print(f"| fwd_walk {warps} warps, maxnreg {maxnreg}, STORE {store} | {ms:.3f} | {base / ms:.2f}x | "
+                  f"{same} (max diff {(a[15].float() - out.float()).abs().max().item():.2e}) |", flush=True)
     else:  # compile for sm_90
         from mimo_compile import compile_one, ptxas_info  # gpu/mimo_compile.py
         b, l, h, g, n, p, r = 2, 256, 128, 8, 128, 64, 4

@@ -121,18 +121,11 @@ def main():
         (sg, sa, sm), (fg, fa, fm) = rec["state_walk"], rec["fwd_chunk"]
         s_in = fa[14]
 
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        from timing import median_ms  # bench/timing.py: the benches' CUDA-event median
+
         def timed(fn):
-            for _ in range(2):
-                fn()
-            times = []
-            for _ in range(10):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            return sorted(times)[len(times) // 2]
+            return median_ms(fn, warmup=2, iters=10)
 
         base = timed(lambda: (scan._launch("state_walk", sg, *sa, **sm), scan._launch("fwd_chunk", fg, *fa, **fm)))
         print(f"| forward | ms | vs split | output, S_in bits |\n|---|---|---|---|\n| state_walk + fwd_chunk "

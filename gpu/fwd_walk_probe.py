@@ -83,7 +83,8 @@ def fwd_walk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr,
 
 
 def launches(b, l, h, g, n, p, r, device, dtype, seed=1):
-    """The split forward's fwd_chunk args recorded, then both forwards run on them: (out_split, out_walk, S)."""
+    """The split forward run once on random inputs (bf16 activations when ``dtype`` is): its output and each
+    launch's ``(grid, args, meta)`` by kernel name, for the walk to take the same arguments."""
     from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
     x = random_inputs(b, l, h, g, n, p, r, device=device, seed=seed, dtype=torch.float32)
     x = {k: (t.to(dtype) if k in ACTIVATIONS else t) for k, t in x.items()}
@@ -94,9 +95,11 @@ def launches(b, l, h, g, n, p, r, device, dtype, seed=1):
         rec[name] = (grid, a, meta)
         return real(name, grid, *a, **meta)
     scan._launch = spy
-    with torch.no_grad():
-        out = scan.mimo_scan(*args)
-    scan._launch = real
+    try:
+        with torch.no_grad():
+            out = scan.mimo_scan(*args)
+    finally:
+        scan._launch = real
     return out, rec
 
 
@@ -140,33 +143,20 @@ def main():
             print(f"| fwd_walk {warps} warps, maxnreg {maxnreg}, STORE {store} | {ms:.3f} | {base / ms:.2f}x | "
                   f"{same} (max diff {(a[15].float() - out.float()).abs().max().item():.2e}) |", flush=True)
     else:  # compile for sm_90
-        from mimo_compile import compile_one, ptxas_info  # gpu/mimo_compile.py
-        b, l, h, g, n, p, r = 2, 256, 128, 8, 128, 64, 4
-        import nam_plugin_mimo_scan.scan as sc
-        # record args without running: CPU bf16 tensors, the launch recorded only
-        from nam_plugin_mimo_scan.selftest import ACTIVATIONS, INPUT_NAMES, random_inputs
-        x = random_inputs(b, l, h, g, n, p, r, device="cpu", seed=1)
-        x = {k: (t.to(torch.bfloat16) if k in ACTIVATIONS else t) for k, t in x.items()}
-        args = [x[k] if k != "angles" else x[k].expand(b, l, h, -1) for k in INPUT_NAMES]
-        rec = {}
-        sc._launch = lambda name, grid, *a, **meta: rec.__setitem__(name, (grid, a, meta))
-        sc._phase_and_decay = lambda angles, dt, adt, t, nc, **kw: (
-            torch.zeros(b, l, h, 2 * angles.shape[-1]), torch.zeros(b, h, nc * t))
-        with torch.no_grad():
-            sc.mimo_scan(*args)
-        grid, a, meta = rec["fwd_chunk"]
+        from mimo_compile import compile_one, ptxas_info, record_launches  # gpu/mimo_compile.py
+
+        # the scan's launches at b2, l=256, NAM56R's widths, bf16, recorded, not run (mimo_compile's recorder)
+        rec = {name: (kernel, a, meta) for name, kernel, a, meta in record_launches()}
+        _, a, meta = rec["fwd_chunk"]
         for warps, stages, maxnreg, store in [(4, 1, None, 0), (4, 1, None, 1), (8, 1, None, 0), (8, 1, None, 1),
                                               (8, 1, 128, 0), (8, 2, None, 0), (4, 1, 168, 0)]:
             comp = compile_one(fwd_walk_kernel, a, {**meta, "STORE": bool(store)}, warps, stages, maxnreg)
             print(f"fwd_walk STORE={store} warps={warps} stages={stages} maxnreg={maxnreg}: shared "
                   f"{comp.metadata.shared} B, {ptxas_info(comp)}", flush=True)
-        for name in ("state_walk", "fwd_chunk"):
-            cfg = K.CONFIGS[name]
-            for c in cfg:
-                kern = {"state_walk": K.state_walk_kernel, "fwd_chunk": K.fwd_chunk_kernel}[name]
-                g2, a2, m2 = rec[name]
-                comp = compile_one(kern, a2, {**m2, **c.kwargs}, c.num_warps, c.num_stages, c.maxnreg)
+        for name in ("state_walk", "fwd_chunk"):  # the shipped pair, each config of theirs
+            kernel, a, meta = rec[name]
+            for c in K.CONFIGS[name]:
+                comp = compile_one(kernel, a, {**meta, **c.kwargs}, c.num_warps, c.num_stages, c.maxnreg)
                 print(f"{name} {c}: shared {comp.metadata.shared} B, {ptxas_info(comp)}", flush=True)
-
 
 main()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Round 66, 2026-12-07 (tenth session), one H100 (no H200 came; the call took either), after `source gpu/host.sh` (no kernel cache: this session's
-# checkout had none, so every build is cold).
+# Round 66, 2026-12-07 (tenth session), one H100 (no H200 came; the call took either), after `source gpu/host.sh`
+# (no kernel cache: this session's checkout had none, so every build is cold).
 #  MB    bench/mimo_scan.py, one run: mamba-ssm static, mimo-scan, mimo-scan-kept (keep_states=True: the backward
 #        runs no state walk and no phase kernel), b2, with per-kernel profiles
 #  MBR   the same under nam's activation checkpoint as the mixer runs train.recompute=mamba-scan (--recompute; the

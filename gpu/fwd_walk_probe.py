@@ -7,12 +7,18 @@ states are; ``STORE`` also writes S_in for the backward), in place of ``state_wa
                                                              # gpu/mimo_compile.py), beside the shipped two kernels
     python gpu/fwd_walk_probe.py time                        # on the GPU host: its time against the two kernels'
 
-Result (2026-12-07): the interpreter gives the split forward's output and S_in bit for bit (b1 l37 h4 g2 n32 p16
-r4). Offline on sm_90 the walk takes 255 registers at 8 warps (12 B of spills; 36 B with ``STORE``), so one
-program an SM, and NAM56R's b2 has 256 programs: two waves of 256 steps each. Capped at 128 registers (two an SM,
-one wave) it spills 768 B; at 4 warps 532 B uncapped, 1,492 B at 168. One wave would have to take under ~12 us a
-step to beat state_walk + fwd_chunk (3.07 ms on the H100, r66), where the state walk's own step, a third of this
-work, takes ~4.3 us: not built; `time` is ready for a GPU round, not run yet.
+Result (2026-12-07): the interpreter gives the split forward's output and S_in bit for bit (b1 l37 h4 g2 n32 p32
+r4, whole and split in two along p). Offline on sm_90 the walk takes 255 registers at 8 warps (12 B of spills; 36 B
+with ``STORE``), so one program an SM, and NAM56R's b2 has 256 programs: two waves of 256 steps each. Capped at 128
+registers (two an SM, one wave) it spills 768 B; at 4 warps 532 B uncapped, 1,492 B at 168. One wave would have to
+take under ~12 us a step to beat state_walk + fwd_chunk (3.07 ms on the H100, r66), where the state walk's own
+step, a third of this work, takes ~4.3 us.
+
+``PS`` (2026-12-07, later) splits the head dim over PS programs a (b, h) (grid ``(b*h, PS)``), as the
+state walk's PSPLIT does: each carries ``[p / PS, n]`` of the state and writes its columns of the output; q~k~^T
+and the decay weights are formed by each of them. Offline: PS 2 at 4 warps 255 registers, 136 B of spills (two
+programs an SM; 512 programs at b2); at 8 warps 244 registers, none; PS 4 at 4 warps 255 / 68 B, at 8 warps 244 /
+none. `time` (on the GPU host) runs them beside the whole walk; none was run on a GPU yet.
 """
 import sys
 from pathlib import Path
@@ -29,18 +35,20 @@ def fwd_walk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr,
                     cs_ptr, gam_ptr, c_ptr, s_ptr, out_ptr,
                     L, H, HPG, R, S, NC, q_sb, q_sl, q_sr, q_sg, k_sb, k_sl, k_sr, k_sg,
                     x_sb, x_sl, x_sh, z_sb, z_sl, z_sh, o_sb, o_sl, o_sh,
-                    T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, STORE: tl.constexpr):
+                    T: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, STORE: tl.constexpr,
+                    PS: tl.constexpr = 1):
     bh = tl.program_id(0)
+    PW: tl.constexpr = P // PS  # PS programs a (b, h), each P / PS of the head dim (grid (b*h, PS))
     b = bh // H
     h = bh % H
     g = h // HPG
     LP = NC * T
     DT = q_ptr.dtype.element_ty
-    pcols = tl.arange(0, P)
+    pcols = tl.program_id(1) * PW + tl.arange(0, PW)
     hcols = tl.arange(0, HALF)
     rot_base = (b * L * H + h) * 2 * S
-    carry_lo = tl.zeros((P, HALF), tl.float32)
-    carry_hi = tl.zeros((P, HALF), tl.float32)
+    carry_lo = tl.zeros((PW, HALF), tl.float32)
+    carry_hi = tl.zeros((PW, HALF), tl.float32)
     dskip = tl.load(d_ptr + h)
     for c in range(NC):
         tok, rank, valid = _rows(c, L, R, T, RP)
@@ -71,7 +79,7 @@ def fwd_walk_kernel(q_ptr, k_ptr, qb_ptr, kb_ptr, rot_ptr, x_ptr, z_ptr, mx_ptr,
         zm = _load_rows(z_ptr, b * z_sb + h * z_sh, tok, z_sl, valid, pcols) * _load_proj(mz_ptr, h, rank, valid, R,
                                                                                            P, pcols)
         o = (y + dskip * v) * zm * _sigmoid(zm) * _load_proj(mo_ptr, h, rank, valid, R, P, pcols)
-        out = tl.sum(tl.reshape(o, (T, RP, P)), axis=1)
+        out = tl.sum(tl.reshape(o, (T, RP, PW)), axis=1)
         toks = c * T + tl.arange(0, T)
         tl.store(out_ptr + b * o_sb + toks[:, None] * o_sl + h * o_sh + pcols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(toks < L)[:, None])
@@ -106,18 +114,19 @@ def launches(b, l, h, g, n, p, r, device, dtype, seed=1):
 def main():
     mode = sys.argv[1]
     if mode == "interp":  # TRITON_INTERPRET=1, fp32
-        b, l, h, g, n, p, r = 1, 37, 4, 2, 32, 16, 4
+        b, l, h, g, n, p, r = 1, 37, 4, 2, 32, 32, 4
         out, rec = launches(b, l, h, g, n, p, r, "cpu", torch.float32)
         grid, a, meta = rec["fwd_chunk"]
-        a = list(a)
         s_in = a[14]
-        out2 = torch.empty_like(out)
-        s2 = torch.empty_like(s_in)
-        a[14], a[15] = s2, out2
-        fwd_walk_kernel[(b * h,)](*a, **meta, STORE=True)
-        print("out max abs diff", (out - out2).abs().max().item(), "max", out.abs().max().item())
-        print("S_in max abs diff", (s_in - s2).abs().max().item(), "max", s_in.abs().max().item())
-        print("S_in equal", torch.equal(s_in, s2), "out equal", torch.equal(out, out2))
+        for ps in (1, 2):
+            a = list(a)
+            out2 = torch.empty_like(out)
+            s2 = torch.empty_like(s_in)
+            a[14], a[15] = s2, out2
+            fwd_walk_kernel[(b * h, ps)](*a, **meta, STORE=True, PS=ps)
+            print(f"PS={ps}: out max abs diff", (out - out2).abs().max().item(), "max", out.abs().max().item(),
+                  "S_in max abs diff", (s_in - s2).abs().max().item(), "max", s_in.abs().max().item())
+            print(f"PS={ps}: S_in equal", torch.equal(s_in, s2), "out equal", torch.equal(out, out2))
     elif mode == "time":  # on the GPU host: NAM56R's b2, bf16, CUDA events, medians of 10 after 2 warm-ups
         b, l, h, g, n, p, r = 2, 4096, 128, 8, 128, 64, 4
         out, rec = launches(b, l, h, g, n, p, r, "cuda", torch.bfloat16)
@@ -133,14 +142,17 @@ def main():
         base = timed(lambda: (scan._launch("state_walk", sg, *sa, **sm), scan._launch("fwd_chunk", fg, *fa, **fm)))
         print(f"| forward | ms | vs split | output, S_in bits |\n|---|---|---|---|\n| state_walk + fwd_chunk "
               f"({scan.CHOSEN.get('state_walk')}; {scan.CHOSEN.get('fwd_chunk')}) | {base:.3f} | 1.00x | |", flush=True)
-        for warps, maxnreg, store in [(8, None, False), (8, 128, False), (4, None, False), (8, None, True)]:
+        for ps, warps, maxnreg, store in [(1, 8, None, False), (1, 8, 128, False), (1, 4, None, False),
+                                          (1, 8, None, True), (2, 4, None, False), (2, 8, None, False),
+                                          (2, 4, None, True), (4, 4, None, False), (4, 8, None, False)]:
             a = list(fa)
             a[14], a[15] = torch.empty_like(s_in), torch.empty_like(out)
             extra = {"maxnreg": maxnreg} if maxnreg else {}
-            run = lambda: fwd_walk_kernel[(b * h,)](*a, **fm, STORE=store, num_warps=warps, num_stages=1, **extra)
+            run = lambda: fwd_walk_kernel[(b * h, ps)](*a, **fm, STORE=store, PS=ps, num_warps=warps, num_stages=1,
+                                                       **extra)
             ms = timed(run)
             same = f"{torch.equal(a[15], out)}, {torch.equal(a[14], s_in) if store else '-'}"
-            print(f"| fwd_walk {warps} warps, maxnreg {maxnreg}, STORE {store} | {ms:.3f} | {base / ms:.2f}x | "
+            print(f"| fwd_walk PS {ps}, {warps} warps, maxnreg {maxnreg}, STORE {store} | {ms:.3f} | {base / ms:.2f}x | "
                   f"{same} (max diff {(a[15].float() - out.float()).abs().max().item():.2e}) |", flush=True)
     else:  # compile for sm_90
         from mimo_compile import compile_one, ptxas_info, record_launches  # gpu/mimo_compile.py
@@ -148,10 +160,12 @@ def main():
         # the scan's launches at b2, l=256, NAM56R's widths, bf16, recorded, not run (mimo_compile's recorder)
         rec = {name: (kernel, a, meta) for name, kernel, a, meta in record_launches()}
         _, a, meta = rec["fwd_chunk"]
-        for warps, stages, maxnreg, store in [(4, 1, None, 0), (4, 1, None, 1), (8, 1, None, 0), (8, 1, None, 1),
-                                              (8, 1, 128, 0), (8, 2, None, 0), (4, 1, 168, 0)]:
-            comp = compile_one(fwd_walk_kernel, a, {**meta, "STORE": bool(store)}, warps, stages, maxnreg)
-            print(f"fwd_walk STORE={store} warps={warps} stages={stages} maxnreg={maxnreg}: shared "
+        builds = [(1, 4, 1, None, 0), (1, 4, 1, None, 1), (1, 8, 1, None, 0), (1, 8, 1, None, 1),
+                  (1, 8, 1, 128, 0), (1, 8, 2, None, 0), (1, 4, 1, 168, 0)]
+        builds += [(ps, w, 1, m, 0) for ps in (2, 4) for w, m in ((4, None), (4, 168), (4, 128), (8, None), (8, 128))]
+        for ps, warps, stages, maxnreg, store in builds:
+            comp = compile_one(fwd_walk_kernel, a, {**meta, "STORE": bool(store), "PS": ps}, warps, stages, maxnreg)
+            print(f"fwd_walk PS={ps} STORE={store} warps={warps} stages={stages} maxnreg={maxnreg}: shared "
                   f"{comp.metadata.shared} B, {ptxas_info(comp)}", flush=True)
         for name in ("state_walk", "fwd_chunk"):  # the shipped pair, each config of theirs
             kernel, a, meta = rec[name]

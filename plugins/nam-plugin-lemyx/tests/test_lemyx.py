@@ -112,6 +112,40 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     assert max(errors.values()) < 5e-3, (seed, errors)  # fp16 tolerance (selftest.TOLERANCE)
 
 
+class _NaNInOneElement(torch.autograd.Function):
+    """Identity forward; backward hands back the gradient with one element NaN (a kernel's broken store)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        g.view(-1)[1] = float("nan")
+        return g
+
+
+def test_a_nan_in_one_gradient_fails_the_parity_self_test(monkeypatch):
+    """The preflight launch's number (``selftest.parity``): a fused kernel whose forward is right and whose dq has
+    one NaN (not first in the table) must come out worse than any tolerance. A plain ``max`` over the errors let
+    it through: ``max(1e-3, nan)`` is ``1e-3``."""
+    import nam_plugin_lemyx.kernel as kernel
+    from nam_plugin_lemyx import selftest
+    from nam_plugin_lemyx.reference import warmup_reference
+
+    def broken(q, kv, iq, ik, w, *, scale, d_v, block):
+        o, kl = warmup_reference(_NaNInOneElement.apply(q).float(), kv.float(), iq.float(), ik.float(), w.float(),
+                                 scale=scale, d_v=d_v)
+        return o.to(q.dtype), kl
+
+    monkeypatch.setattr(kernel, "fused_warmup", broken)
+    errors = selftest.compare(b=1, s=16, h=2, dk=32, dv=16, H=2, di=16, dtype=torch.float32, device="cpu")
+    assert errors["dq"] == float("inf") and errors["o"] < 1e-5 and errors["dkv"] < 1e-5, errors
+    worst, tolerance = selftest.parity(device="cpu", seq=16, dtype=torch.bfloat16)
+    assert worst == float("inf") > tolerance
+
+
 # --- options and the config check -------------------------------------------------------------------
 PLUGINS = ["reference", "lemyx"]
 

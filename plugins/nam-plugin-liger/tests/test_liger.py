@@ -284,6 +284,46 @@ def test_reproducer_tells_the_bug_from_the_fix():
     assert good.describe().startswith("FIX_VALIDATED")
 
 
+
+class OneNaN(torch.autograd.Function):
+    """Identity forward; backward hands the gradient back with one element (the 8th, not the first) NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        g.view(-1)[7] = float("nan")
+        return g
+
+
+def test_a_nan_gradient_never_validates_the_fix():
+    """A gradient with a NaN is not the fixed release's gradient: the errors are inf, not NaN (``max`` skips a
+    NaN that is not first, and ``nan > tolerance`` is false, which read as FIX_VALIDATED)."""
+    broken = patch.run_reproducer(flce=lambda h, w, y, r: flce_fixed(OneNaN.apply(h), w, y, r), device="cpu",
+                                  dtype=torch.float64)
+    assert broken.verdict == BUG_REPRODUCED
+    assert broken.errors == {"first-masked": float("inf"), "targets-kept": float("inf")}
+
+
+def test_the_launch_comparison_reports_a_nan_gradient_as_inf(monkeypatch):
+    """The preflight row's numbers (``smoke.compare_with_reference``) on the CPU, with a stand-in head whose dL/dW
+    has one NaN: inf, so the row's ``max(errors) <= tolerance`` fails."""
+    from nam_plugin_liger import smoke
+
+    class NaNWeightGradHead(ReferenceCEHead):
+        formulation = "stand-in"
+
+        def __call__(self, hidden, weight, target, mask):
+            return super().__call__(hidden, OneNaN.apply(weight), target, mask)
+
+    monkeypatch.setattr(head, "LigerCEHead", NaNWeightGradHead)
+    monkeypatch.setattr(head, "installed_version", lambda: "stand-in")
+    errors, formulation, version = smoke.compare_with_reference(device="cpu")
+    assert errors["dweight"] == float("inf") and errors["dhidden"] < 1e-2 and errors["loss"] < 1e-2, errors
+
 # --- config check and preflight -----------------------------------------------------------------------
 def test_the_host_wants_cuda_when_the_head_is_used_and_says_when_it_is_unused(liger_release):
     """liger declares ``train_device="cuda"``; the host writes the rows (the plugin has no config hook)."""

@@ -21,7 +21,7 @@ import pluggy
 from nam_core import checks, hookspecs
 from nam_core.cache import use_kernel_caches
 from nam_core.device import DeviceInfo
-from nam_core.errors import PluginActivationError
+from nam_core.errors import CannotRunHere, PluginActivationError
 from nam_core.kinds import RENAMED, Kind, installed_kinds, provider_hookspecs
 from nam_core.plugin import PluginInfo
 from nam_core.registry import Registry, RegistrationError
@@ -45,13 +45,19 @@ class InstalledPlugin:
 
 
 def discover() -> dict[str, InstalledPlugin]:
-    """Every installed plugin, by entry-point name. Imports nothing."""
+    """Every installed plugin, by entry-point name. Imports nothing. A name that two installed distributions
+    register is refused: which one ran would depend on the order of ``sys.path``."""
     found: dict[str, InstalledPlugin] = {}
     for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
         dist = ep.dist
-        found[ep.name] = InstalledPlugin(
-            ep.name, ep, dist.metadata["Name"] if dist else None, dist.version if dist else None
-        )
+        plugin = InstalledPlugin(ep.name, ep, dist.metadata["Name"] if dist else None, dist.version if dist else None)
+        first = found.setdefault(ep.name, plugin)
+        if first is not plugin and (first.distribution, first.entry_point.value) != (plugin.distribution, ep.value):
+            both = " and ".join(f"{p.distribution} {p.version} ({p.entry_point.value})" for p in (first, plugin))
+            raise CannotRunHere(
+                f"plugin {ep.name!r} is registered by two installed distributions: {both}; nam cannot tell "
+                "which one to run",
+                hint=f"pip uninstall the one you do not want: pip uninstall {plugin.distribution or first.distribution}")
     return dict(sorted(found.items()))
 
 

@@ -293,3 +293,30 @@ def test_evaluate_points_the_kernel_caches_at_nams_folder_before_a_plugin_loads(
     assert seen == {"TILELANG_CACHE_DIR": str(tmp_path / "nam" / "tilelang"),
                     "TRITON_CACHE_DIR": str(tmp_path / "mine"),
                     "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "nam" / "inductor"), "TRITON_CACHE_AUTOTUNING": "1"}
+
+
+def _dist(root, name: str, version: str, plugin: str, target: str) -> None:
+    """An installed distribution ``name`` (a .dist-info folder under ``root``) registering nam plugin ``plugin``."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[nam.plugins]\n{plugin} = {target}\n")
+
+
+def test_two_distributions_registering_one_plugin_name_are_refused(tmp_path, monkeypatch):
+    """Which of two same-named plugins ran followed the order of sys.path, silently: now neither runs and the
+    error names both distributions and what to uninstall."""
+    from nam_core.errors import CannotRunHere
+    from nam_core.host import discover
+
+    _dist(tmp_path, "nam-plugin-toy", "1.0", "toy", "toy_one:PLUGIN")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert discover()["toy"].distribution == "nam-plugin-toy"  # one is fine
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    _dist(other, "toy-fork", "2.0", "toy", "toy_two:PLUGIN")
+    monkeypatch.syspath_prepend(str(other))
+    with pytest.raises(CannotRunHere, match=r"plugin 'toy' is registered by two installed distributions: "
+                                            r"toy-fork 2.0 \(toy_two:PLUGIN\) and nam-plugin-toy 1.0") as err:
+        discover()
+    assert err.value.exit_code == 3 and err.value.hint.startswith("pip uninstall the one you do not want")

@@ -226,6 +226,12 @@ def test_config_check_on_cuda_requires_the_kernel_and_says_how_to_opt_out(fake_v
     assert checks["backend"].found.startswith("triton (default for cuda)")
     assert checks["CUDA capability"].needed == ">= sm_90"
     assert checks["kernel shapes"].status == PASS
+    # The fused kernel takes bf16 / fp16 operands: the tiny recipe's fp32 is refused here, not at step 1.
+    bad = checks["train.dtype"]
+    assert bad.status == FAIL and bad.found == "train.dtype=float32" and "bfloat16 or float16" in bad.needed
+    assert bad.hint == "--set train.dtype=bfloat16, or --set lemyx.backend=reference"
+    assert "train.dtype" not in config_checks(recipe("train.dtype=bfloat16", device="cuda"), H100)
+    assert "train.dtype" not in config_checks(recipe("lemyx.backend=reference", device="cuda"), H100)
     # A pre-Hopper GPU is refused with the reason and both ways out.
     checks = config_checks(recipe(device="cuda"), fake_a100)
     bad = checks["CUDA capability"]

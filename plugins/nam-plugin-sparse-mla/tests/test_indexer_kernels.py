@@ -205,10 +205,11 @@ def by_name(checks):
 
 
 def spec(recipe, *overrides):
-    """The RunSpec of ``--plugins sparse-mla`` on ``recipe`` on a fake H100 (the plugin selects its kernels)."""
+    """The RunSpec of ``--plugins sparse-mla`` on ``recipe`` on a fake H100 in bf16 (the plugin selects its
+    kernels)."""
     from nam56r.run import spec_for
 
-    return spec_for(recipe, *overrides, plugins=["sparse-mla"], device="cuda")
+    return spec_for(recipe, "train.dtype=bfloat16", *overrides, plugins=["sparse-mla"], device="cuda")
 
 
 def test_config_check_passes_nam56r_and_tiny_index_widths():

@@ -243,10 +243,10 @@ PLUGINS = ["reference", "sparse-mla"]
 
 
 def recipe(*overrides, device="cuda"):
-    """The RunSpec of `--plugins sparse-mla` on the tiny recipe on an H100 (fake)."""
+    """The RunSpec of `--plugins sparse-mla` on the tiny recipe on an H100 (fake), in bf16 (the kernels' dtype)."""
     from nam56r.run import spec_for
 
-    return spec_for("nam56r-tiny", *overrides, plugins=PLUGINS, device=device)
+    return spec_for("nam56r-tiny", "train.dtype=bfloat16", *overrides, plugins=PLUGINS, device=device)
 
 
 def by_name(checks):
@@ -309,6 +309,18 @@ def test_config_check_refuses_widths_the_kernels_cannot_take(overrides, fragment
 def failures(names, device, config=None):
     ev = PluginHost().evaluate(names, device, config)
     return {c.name: c for c in ev.failures if c.plugin == "sparse-mla"}
+
+
+def test_a_float32_run_is_refused_at_activation_not_at_its_first_step():
+    """The kernels take bf16 or fp16 operands only (``kernel.check_inputs``); the tiny recipe trains in fp32, and
+    without the row a CUDA run of it passed activation and stopped at step 1 on a bare TypeError."""
+    bad = failures(PLUGINS, H100, recipe("train.dtype=float32"))
+    assert set(bad) == {"train.dtype"}
+    assert bad["train.dtype"].found == "train.dtype=float32" and "bfloat16 or float16" in bad["train.dtype"].needed
+    assert bad["train.dtype"].hint == "--set train.dtype=bfloat16, or run without sparse-mla: " \
+                                      "--set attention_backend=reference"
+    assert not failures(PLUGINS, H100, recipe("train.dtype=float32", "attention_backend=reference",
+                                              "indexer_kernels_backend=reference"))  # unused: no dtype asked
 
 
 def test_activation_is_refused_on_the_cpu_profile():

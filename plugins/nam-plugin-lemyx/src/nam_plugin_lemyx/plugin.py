@@ -23,6 +23,8 @@ from nam_core.requirements import FAIL, PASS
 from nam_plugin_lemyx.options import NAME, OPTIONS, TRITON, option_problem, options_for, shape_problem
 
 GPU_HINT = f"pip install 'nam-plugin-lemyx[gpu]' on a Hopper GPU, or choose the unfused path: --set {NAME}.backend=reference"
+KERNEL_DTYPES = ("bfloat16", "float16")
+"""The run dtypes the fused kernel takes (``kernel.fused_warmup`` refuses others)."""
 KERNEL_NEEDS = (
     Requirement.cuda_capability((9, 0), reason="the fused kernel is built and tuned for Hopper (sm_90) and newer"),
     Requirement.package("triton>=3.3", install_hint=GPU_HINT),
@@ -108,6 +110,10 @@ def nam_check_config(config, device):
         for req in KERNEL_NEEDS:
             check = req.check(NAME, device)
             checks.append(check if check.ok else dataclasses.replace(check, hint=GPU_HINT))
+        if config.train.dtype not in KERNEL_DTYPES:
+            checks.append(Check(NAME, "train.dtype", FAIL, f"train.dtype {' or '.join(KERNEL_DTYPES)} (the fused "
+                                "kernel's operands)", f"train.dtype={config.train.dtype}",
+                                hint=f"--set train.dtype=bfloat16, or --set {NAME}.backend=reference"))
     model = config.model
     if opts.target == "per-head" and model.index_heads != model.attn_heads:
         checks.append(Check(NAME, "target", FAIL, "index heads == attention heads for the per-head target",

@@ -56,6 +56,7 @@ PLUGIN = PluginInfo(
         Requirement.package("triton>=3.3", install_hint=GPU_HINT),
     ),
     selects={"attention_backend": NAME, "indexer_kernels_backend": NAME},
+    train_dtypes=("bfloat16", "float16"),  # the kernels refuse other operands (kernel.check_inputs)
     checks=(
         ShapeCheck("kernel shapes", "dk, dv powers of two in [16, 256], dv <= dk, 1..128 heads", attention_shapes,
                    "--set kv_lora_rank=64 --set qk_rope_dim=64 (NAM56R's widths), or run the pure-PyTorch core: "

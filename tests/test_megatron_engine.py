@@ -110,6 +110,55 @@ def test_runtime_missing_megatron_is_named():
         engine.check_runtime({**READY, "megatron": None})
 
 
+def _fake_megatron(root: Path, core_init: str) -> None:
+    (root / "megatron" / "core").mkdir(parents=True, exist_ok=True)
+    (root / "megatron" / "__init__.py").write_text("")
+    (root / "megatron" / "core" / "__init__.py").write_text(core_init)
+    (root / "megatron" / "core" / "package_info.py").write_text("VERSION = (0, 19, 2)\n")
+
+
+@pytest.fixture
+def no_megatron_modules():
+    """sys.modules without any megatron module for the test, and exactly as it was after it (the stand-ins the
+    test imports must not reach later tests)."""
+    def ours():
+        return {m: sys.modules[m] for m in list(sys.modules) if m == "megatron" or m.startswith("megatron.")}
+
+    saved = ours()
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield lambda: [sys.modules.pop(name) for name in ours()]
+    finally:
+        for name in ours():
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("core_init, found", [
+    ("import a_dependency_that_is_not_there\n", "ModuleNotFoundError: No module named 'a_dependency_that_is_not_there'"),
+    ("from torch import a_name_this_torch_lacks\n", "ImportError: cannot import name 'a_name_this_torch_lacks'"),
+])
+def test_a_megatron_core_that_fails_to_import_is_not_called_absent(tmp_path, monkeypatch, no_megatron_modules,
+                                                                   core_init, found):
+    """Installed and broken (a dependency missing or mismatched) used to read as "not installed", whose hint is
+    to install it: the import's own error is what the user needs."""
+    from nam_core.engine.megatron.checks import megatron_version
+    from nam_core.errors import CannotRunHere
+
+    _fake_megatron(tmp_path, "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert megatron_version() == (0, 19, 2)  # the stand-in imports: its version
+    no_megatron_modules()
+    _fake_megatron(tmp_path, core_init)
+    with pytest.raises(CannotRunHere, match="megatron-core is installed but `import megatron.core` fails") as err:
+        megatron_version()
+    assert found in err.value.message and "pip install --force-reinstall 'megatron-core>=0.19'" in err.value.hint
+    no_megatron_modules()
+    monkeypatch.setitem(sys.modules, "megatron", None)  # not installed at all: None, as before
+    assert megatron_version() is None
+
+
 def test_flex_dispatcher_needs_the_deepep_plugin_which_owns_deepep_s_rows():
     from nam_core.engine.megatron.checks import check_dispatcher
 

@@ -462,6 +462,49 @@ def test_good_checkpoints_need_a_manifest_of_this_format_and_matching_files(tmp_
     assert engine.good_checkpoints(root) == []
 
 
+def _unsaved(folder, step):
+    """A finished save's hidden folder before ``_finish`` (its files, no manifest yet)."""
+    _megatron_checkpoint(folder, step)
+    (folder / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize("case", ["prune", "same step again"])
+def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_damaged_step_folder(tmp_path, monkeypatch, case):
+    """Rank 0's ``_finish`` deletes the checkpoint it prunes (and, saving a step again, the one it replaces): a
+    kill in the middle of that delete, here after its first file, must leave every ``step-*`` good (the old one
+    renamed aside first, hidden), the new save in place."""
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        _unsaved(root / f".step-{step:08d}.tmp", step)
+        checkpoint._finish(root / f".step-{step:08d}.tmp", root / f"step-{step:08d}", root, step, {}, keep=2)
+    real = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        inside = [p for p in sorted(Path(path).rglob("*")) if p.is_file()]
+        if not inside:  # nothing there (no folder to replace): as shutil does
+            return real(path, *args, **kwargs)
+        inside[0].unlink()
+        raise KeyboardInterrupt("killed")
+
+    new = 6 if case == "prune" else 4
+    _unsaved(root / f".step-{new:08d}.tmp", new)
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._finish(root / f".step-{new:08d}.tmp", root / f"step-{new:08d}", root, new, {"step": new}, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    steps = sorted(p.name for p in root.glob("step-*"))
+    assert all(checkpoint.inspect(root / name)[0] is not None for name in steps), \
+        {name: checkpoint.inspect(root / name)[1] for name in steps}
+    assert steps == (["step-00000004", "step-00000006"] if case == "prune" else ["step-00000002", "step-00000004"])
+    assert [p.name.split(".old-")[0] for p in root.glob(".step-*.old-*")] == \
+        [".step-00000002" if case == "prune" else ".step-00000004"]  # the leftover, hidden
+    _unsaved(root / ".step-00000008.tmp", 8)
+    checkpoint._finish(root / ".step-00000008.tmp", root / "step-00000008", root, 8, {}, keep=2)
+    assert not list(root.glob(".step-*"))  # the next save removed it
+
+
 def test_resume_takes_megatron_checkpoints_only(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     with pytest.raises(NamError, match="no good megatron-engine checkpoint under"):

@@ -336,6 +336,11 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     if not ranks.writes:
         engine.barrier()  # rank 0 prepares the data first (one writer into the cache)
     session.data, packed = _dataset(data, spec, quiet=quiet or not ranks.writes)
+    if spec.model.structure_vocab > 0 and not packed.dataset.has_structure:  # in run.log, and on screen
+        session.notes.append(f"warning: data: {session.data} carries no structure ids (prepared with "
+                             "--no-structure, or from token shards): the model's structure embedding gets no input "
+                             "and stays as initialised; prepare the data with them (nam data prepare SRC --out DIR) "
+                             "to train it")
     if ranks.writes and megatron:
         engine.barrier()
     session.held_out = _held_out(spec, packed.dataset, eval_data)

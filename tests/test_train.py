@@ -297,3 +297,24 @@ def test_step_lines_show_the_lm_loss_and_the_end_says_where_things_are(tmp_path,
     assert f"  {summary['continue_with']}\n" in captured.out and "--resume auto" in summary["continue_with"]
     assert f"metrics: {run_dir / 'metrics.jsonl'}" in captured.out
     assert f"checkpoint {checkpoint}: training paused" in (run_dir / "run.log").read_text()
+
+
+def test_data_without_structure_ids_is_said_in_the_run_log(tmp_path, corpus):
+    """Every NAM56R model has a structure embedding; data prepared with --no-structure gives it no input. That
+    trains (the ids are optional in the data), but not silently: run.log says so and how to prepare them."""
+    import inspect
+    import textwrap as module
+
+    from nam_core.data.prepare import prepare
+    from nam_core.data.tokenizer import load_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "m.py").write_text(inspect.getsource(module)[:20000])
+    bare = tmp_path / "bare"
+    prepare(src, bare, load_tokenizer("byte"), annotate=None, progress=False)
+    assert train(tmp_path / "run", bare, "--max-steps", "1") == 0
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert f"warning: data: {bare} carries no structure ids" in log and "nam data prepare SRC --out DIR" in log
+    assert train(tmp_path / "with", corpus, "--max-steps", "1") == 0
+    assert "structure ids" not in (tmp_path / "with" / "run.log").read_text()

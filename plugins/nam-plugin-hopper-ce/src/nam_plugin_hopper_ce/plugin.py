@@ -34,7 +34,7 @@ PLUGIN = PluginInfo(
     options=(
         Option("gradients", str, GRADIENTS[0], "where the head computes dL/dhidden and dL/dW: forward (three [t, d] x "
                "[d, v] products; each call holds its dh and dW in the weights' dtype until backward, 1.13 GiB per "
-               "call at 16384 tokens x 4096 x 131072; 1.31x the backward path at that shape on an H200) or backward "
+               "call at 16384 tokens x 4096 x 131072; 1.30x the backward path at that shape on an H200) or backward "
                "(the logits again in backward: four products, nothing held between forward and backward)",
                choices=GRADIENTS),
     ),

@@ -13,8 +13,9 @@
   1 < ngroups < nheads, NAM56R's setting. Fix: ``mimo.backward`` reduces the per-head dQ/dK per group.
   Detected while upstream's driver is bound and the installed tree lacks its own grouped reduction.
 * ``mamba3-mimo-host-overhead``: every MIMO call re-runs TileLang's front end before reaching the compiled
-  kernel (~775 ms a call on the H100 host against ~36 ms of GPU work for a full NAM56R layer). Fix: the
-  drivers of ``mimo.py``, which keep the compiled kernels. Detected while upstream's forward driver is bound:
+  kernel (the reproducer's warm call: 235 ms of host time on the H100, plugin README; ~775 ms when first seen at
+  a full NAM56R layer, against ~36 ms of its GPU work). Fix: the drivers of ``mimo.py``, which keep the compiled
+  kernels. Detected while upstream's forward driver is bound:
   no cheap check tells a fixed upstream from this one, so the reproducer measures it, and reports
   FIX_VALIDATED for an upstream that no longer pays it (then the patch is to be retired).
 
@@ -395,7 +396,7 @@ def make_patches() -> dict[str, Patch]:
         ),
         HOST: Patch(
             name=HOST, target=upstream.DISTRIBUTION, versions=VERSIONS,
-            summary="each Mamba-3 MIMO call re-runs TileLang's front end (~775 ms) before the compiled kernel; "
+            summary="each Mamba-3 MIMO call re-runs TileLang's front end (235-775 ms) before the compiled kernel; "
                     "nam's drivers compile once per static configuration and launch the kept kernel",
             retire_when=f"a mamba-ssm (or TileLang) release whose warm MIMO call costs under {HOST_MS_BUG:g} ms of "
                         "host time: `nam patches --plugins mamba-ssm --verify` then reports FIX_VALIDATED "

@@ -452,3 +452,16 @@ def test_the_peft_probe_reproducer_tells_the_bug_from_the_fix(liger_release, fak
     assert peft_probe.reproduce() == BUG_REPRODUCED
     peft_probe.apply()
     assert peft_probe.reproduce() == FIX_VALIDATED
+
+
+@pytest.mark.parametrize("forward, said", [
+    ("def forward(ctx, _input, weight, target, chunk_mem_const=1): ...", "chunk_mem_const=4: 1024-token chunks"),
+    ("def forward(ctx, _input, weight, target): ...", "256-token chunks: this release takes no chunk_mem_const"),
+])
+def test_the_launch_row_says_how_the_installed_release_chunks_the_head(fake_liger, forward, said):
+    """Releases before 0.8.3 take no chunk_mem_const and run NAM56R's head in 256-token chunks (~117 ms against
+    ~64): that is said in the preflight launch row's text, not taken silently."""
+    root = fake_liger()
+    (root / "liger_kernel" / "ops" / "fused_linear_cross_entropy.py").write_text(
+        f"class LigerFusedLinearCrossEntropyFunction:\n    @staticmethod\n    {forward}\n")
+    assert head.chunking().startswith(said)

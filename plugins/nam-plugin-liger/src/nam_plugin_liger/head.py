@@ -58,7 +58,19 @@ CHUNK_MEM_CONST = 4
 At NAM56R's head (8192 tokens x 4096 x 131072, bf16, H100) the default makes 256-token chunks, and reading and
 writing the 2 GiB fp32 dL/dW once per chunk dominates: 117 ms forward + backward. 4 makes 1024-token chunks
 (a [1024, 131072] bf16 logits buffer, 256 MiB, the reference head's chunk): 64 ms, same 3.06 GiB peak; 8
-gives 61 ms for 512 MiB (measured with liger-kernel 0.8.5, bench/liger.py)."""
+gives 61 ms for 512 MiB (measured with liger-kernel 0.8.5, bench/liger.py). Releases before 0.8.3 do not take it
+(0.8.3 and 0.8.4 read: they do; 0.8.2 does not): they run the 256-token chunks, which the preflight launch row says
+(``chunking``), not silently."""
+
+
+def chunking() -> str:
+    """How the installed Liger chunks NAM56R's head: the row text of the preflight launch check."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    if "chunk_mem_const" in inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters:
+        return f"chunk_mem_const={CHUNK_MEM_CONST}: 1024-token chunks at NAM56R's head"
+    return ("256-token chunks: this release takes no chunk_mem_const (~117 ms a NAM56R head call against ~64 with "
+            "it; liger-kernel >= 0.8.3 takes it)")
 
 IGNORE_INDEX = -100
 """Liger's default ``ignore_index``; masked tokens get it (a vocabulary id is never negative)."""
@@ -135,7 +147,7 @@ def liger_flce() -> FusedLinearCE:
         ignore_index=IGNORE_INDEX,
         accum_dtype=torch.float32,  # dL/dW summed over chunks in fp32, cast to the weight's dtype at the end
     )
-    if "chunk_mem_const" in signature.parameters:  # newer releases (0.8.5 has it, 0.8.2 does not)
+    if "chunk_mem_const" in signature.parameters:  # 0.8.3 and newer (``chunking`` says which ran)
         options["chunk_mem_const"] = CHUNK_MEM_CONST
 
     def flce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:

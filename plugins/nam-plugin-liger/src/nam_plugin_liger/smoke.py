@@ -39,7 +39,10 @@ def launch(spec) -> Measured:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return Measured(False, f"it raised {type(e).__name__}: {first}",
                         hint="python -m pytest plugins/nam-plugin-liger -m gpu -v runs the same call with a traceback")
-    found = ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" ({formulation}, liger-kernel {version})"
+    from nam_plugin_liger.head import chunking
+
+    found = ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + \
+        f" ({formulation}, liger-kernel {version}; {chunking()})"
     ok = errors.pop(MASKED) == 0.0 and max(errors.values()) <= TOLERANCE
     return Measured(ok, found)
 

@@ -465,3 +465,11 @@ def test_the_launch_row_says_how_the_installed_release_chunks_the_head(fake_lige
     (root / "liger_kernel" / "ops" / "fused_linear_cross_entropy.py").write_text(
         f"class LigerFusedLinearCrossEntropyFunction:\n    @staticmethod\n    {forward}\n")
     assert head.chunking().startswith(said)
+
+
+def test_hidden_and_weight_of_two_dtypes_are_refused_not_cast():
+    """Liger's matmul takes one dtype; fp32 hidden against a bf16 weight was cast down to bf16 without a word."""
+    hidden, weight, target, mask = ce_inputs()
+    with pytest.raises(NamError, match=r"one dtype; found torch.float64 and torch.float32") as err:
+        LigerCEHead(NONE_TIMES_MASK, flce=flce_fixed)(hidden, weight.float(), target, mask)
+    assert err.value.hint.startswith("--set train.dtype=bfloat16")

@@ -217,6 +217,7 @@ class LigerCEHead:
                          "--plugins reference",
                 )
             self._flce = liger_flce()
-        if hidden.dtype != weight.dtype:
-            hidden = hidden.to(weight.dtype)  # Liger's matmul takes one dtype; autograd casts the gradient back
+        if hidden.dtype != weight.dtype:  # Liger's matmul takes one dtype; a cast here would drop precision unsaid
+            raise NamError(f"the liger CE head takes hidden and weight of one dtype; found {hidden.dtype} and "
+                           f"{weight.dtype}", hint="--set train.dtype=bfloat16 (the model's hidden and weights in it)")
         return masked_sum(self._flce, self.formulation, hidden, weight, target, mask)

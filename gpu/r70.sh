@@ -22,7 +22,7 @@ show() { grep -E "^\| |rror|Traceback|OutOfMemory" "$OUT/$1.log" | head -n "${2:
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 log "GPU $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${mem} MiB"
 if (( mem < 120000 )); then
-  step 180 FW python gpu/fwd_walk_probe.py time; show FW
+  step 330 FW python gpu/fwd_walk_probe.py time; show FW
 else
   M=(python bench/megatron.py throughput --gpus 1 --mbs 4 --warmup 1 --iters 3 --engines local --recompute mamba-scan
      --te none,current)

@@ -144,6 +144,25 @@ def worst(errors: dict) -> float:
     return max((math.inf if math.isnan(v) else v) for v in values)
 
 
+class _NaNAt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, at):
+        ctx.at = at
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        g.view(-1)[ctx.at] = float("nan")
+        return g, None
+
+
+def nan_in_gradient(x: torch.Tensor, at: int = 7) -> torch.Tensor:
+    """``x`` as it is, whose gradient comes back with one element (flat index ``at``) NaN: a kernel's broken store,
+    for showing that a parity check does not let it through (``max`` over errors skips a NaN that is not first)."""
+    return _NaNAt.apply(x, at)
+
+
 class HostSyncError(AssertionError):
     pass
 

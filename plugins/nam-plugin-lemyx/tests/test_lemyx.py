@@ -112,30 +112,17 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter():
     assert max(errors.values()) < 5e-3, (seed, errors)  # fp16 tolerance (selftest.TOLERANCE)
 
 
-class _NaNInOneElement(torch.autograd.Function):
-    """Identity forward; backward hands back the gradient with one element NaN (a kernel's broken store)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        g.view(-1)[1] = float("nan")
-        return g
-
-
 def test_a_nan_in_one_gradient_fails_the_parity_self_test(monkeypatch):
     """The preflight launch's number (``selftest.parity``): a fused kernel whose forward is right and whose dq has
     one NaN (not first in the table) must come out worse than any tolerance. A plain ``max`` over the errors let
     it through: ``max(1e-3, nan)`` is ``1e-3``."""
     import nam_plugin_lemyx.kernel as kernel
+    from nam_core.testing import nan_in_gradient
     from nam_plugin_lemyx import selftest
     from nam_plugin_lemyx.reference import warmup_reference
 
     def broken(q, kv, iq, ik, w, *, scale, d_v, block):
-        o, kl = warmup_reference(_NaNInOneElement.apply(q).float(), kv.float(), iq.float(), ik.float(), w.float(),
+        o, kl = warmup_reference(nan_in_gradient(q, at=1).float(), kv.float(), iq.float(), ik.float(), w.float(),
                                  scale=scale, d_v=d_v)
         return o.to(q.dtype), kl
 

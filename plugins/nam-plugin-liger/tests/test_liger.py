@@ -23,7 +23,7 @@ from nam_core.host import PluginHost
 from nam_core.patches import APPLIED, BUG_REPRODUCED, FIX_VALIDATED, NEEDED, NOT_INSTALLED, RETIRED, apply_all
 from nam_core.registry import Entry
 from nam_core.requirements import FAIL, PASS, SKIP
-from nam_core.testing import fake_device
+from nam_core.testing import fake_device, nan_in_gradient
 from nam_plugin_liger import head, patch
 from nam_plugin_liger.head import IGNORE_INDEX, MEAN_TIMES_LIVE, NONE_TIMES_MASK, LigerCEHead
 
@@ -285,24 +285,10 @@ def test_reproducer_tells_the_bug_from_the_fix():
 
 
 
-class OneNaN(torch.autograd.Function):
-    """Identity forward; backward hands the gradient back with one element (the 8th, not the first) NaN."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        g.view(-1)[7] = float("nan")
-        return g
-
-
 def test_a_nan_gradient_never_validates_the_fix():
     """A gradient with a NaN is not the fixed release's gradient: the errors are inf, not NaN (``max`` skips a
     NaN that is not first, and ``nan > tolerance`` is false, which read as FIX_VALIDATED)."""
-    broken = patch.run_reproducer(flce=lambda h, w, y, r: flce_fixed(OneNaN.apply(h), w, y, r), device="cpu",
+    broken = patch.run_reproducer(flce=lambda h, w, y, r: flce_fixed(nan_in_gradient(h), w, y, r), device="cpu",
                                   dtype=torch.float64)
     assert broken.verdict == BUG_REPRODUCED
     assert broken.errors == {"first-masked": float("inf"), "targets-kept": float("inf")}
@@ -317,7 +303,7 @@ def test_the_launch_comparison_reports_a_nan_gradient_as_inf(monkeypatch):
         formulation = "stand-in"
 
         def __call__(self, hidden, weight, target, mask):
-            return super().__call__(hidden, OneNaN.apply(weight), target, mask)
+            return super().__call__(hidden, nan_in_gradient(weight), target, mask)
 
     monkeypatch.setattr(head, "LigerCEHead", NaNWeightGradHead)
     monkeypatch.setattr(head, "installed_version", lambda: "stand-in")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Round 69 (prepared 2026-12-07, not run: no device time was left), one GPU, after `source gpu/host.sh`, with the
-# kernel cache of r68 (.kcache/kcache.tgz taken along).
+# Round 69 (prepared 2026-12-07; its step ran as gpu/r70.sh's H100 branch, see there), one GPU, after
+# `source gpu/host.sh`, with the kernel cache of r68 (.kcache/kcache.tgz taken along).
 #  FW    gpu/fwd_walk_probe.py time: the forward as one walk per (b, h) at 8 warps (uncapped: one program an SM;
 #        capped at 128 registers: two), at 4 warps, and with S_in stored, and split over 2 or 4 programs along the
 #        head dim (PS), against state_walk + fwd_chunk at NAM56R's b2, bf16, CUDA events; the output's (and S_in's)

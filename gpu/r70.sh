@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Round 70 (2026-12-07, nineteenth session; the H100 branch ran: FW below; the H200 branch NOT RUN, no H200 came),
-# one GPU, after `source gpu/host.sh` with Transformer Engine taken along (.device-te, .te-cache: bash ../shared/device/fetch-te.sh, cp
-# ../shared/device/te-cache/* .te-cache/) and the slim stack bundle (gpu/slim-site.sh: with TE and the tree the full
-# one is over the 64 MiB a run takes along). Run: carry .device-wheels/site-slim.tar.xz, .device-wheels/install.sh,
+# one GPU, after `source gpu/host.sh` with Transformer Engine taken along (.device-te, .te-cache: bash
+# ../shared/device/fetch-te.sh, cp ../shared/device/te-cache/* .te-cache/) and the slim stack bundle
+# (gpu/slim-site.sh: with TE and the tree the full one is over the 64 MiB a run takes along). Run: carry .device-wheels/site-slim.tar.xz, .device-wheels/install.sh,
 # .device-te, .te-cache; command `mv .device-wheels/site-slim.tar.xz .device-wheels/site.tar.xz && export OUT &&
 # source gpu/host.sh && BUDGET=530 bash gpu/r70.sh` (host setup ~47 s of the 600).
 # Full NAM56R on the local engine at the recipe's settings (fp32-master, MBS 4, train.recompute=mamba-scan, the

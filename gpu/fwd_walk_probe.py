@@ -157,7 +157,8 @@ def main():
                                                        **extra)
             ms = timed(run)
             same = f"{torch.equal(a[15], out)}, {torch.equal(a[14], s_in) if store else '-'}"
-            print(f"| fwd_walk PS {ps}, {warps} warps, maxnreg {maxnreg}, STORE {store} | {ms:.3f} | {base / ms:.2f}x | "
+            print(f"| fwd_walk PS {ps}, {warps} warps, maxnreg {maxnreg}, STORE {store} | {ms:.3f} | {base / ms:.2f}x "
+                  f"| "
                   f"{same} (max diff {(a[15].float() - out.float()).abs().max().item():.2e}) |", flush=True)
     else:  # compile for sm_90
         from mimo_compile import compile_one, ptxas_info, record_launches  # gpu/mimo_compile.py

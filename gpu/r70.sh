@@ -2,8 +2,8 @@
 # Round 70 (2026-12-07, nineteenth session; the H100 branch ran: FW below; the H200 branch NOT RUN, no H200 came),
 # one GPU, after `source gpu/host.sh` with Transformer Engine taken along (.device-te, .te-cache: bash
 # ../shared/device/fetch-te.sh, cp ../shared/device/te-cache/* .te-cache/) and the slim stack bundle
-# (gpu/slim-site.sh: with TE and the tree the full one is over the 64 MiB a run takes along). Run: carry .device-wheels/site-slim.tar.xz, .device-wheels/install.sh,
-# .device-te, .te-cache; command `mv .device-wheels/site-slim.tar.xz .device-wheels/site.tar.xz && export OUT &&
+# (gpu/slim-site.sh: with TE and the tree the full one is over the 64 MiB a run takes along). Run: carry
+# .device-wheels/site-slim.tar.xz, .device-wheels/install.sh, .device-te, .te-cache; command `mv .device-wheels/site-slim.tar.xz .device-wheels/site.tar.xz && export OUT &&
 # source gpu/host.sh && BUDGET=530 bash gpu/r70.sh` (host setup ~47 s of the 600).
 # Full NAM56R on the local engine at the recipe's settings (fp32-master, MBS 4, train.recompute=mamba-scan, the
 # hopper-ce head), median of 3 steps after 1 warm-up:
@@ -12,7 +12,8 @@
 #      two regions that gained alone, ~+14 and ~+6 ms a step by the table; end to end only measured together with
 #      the losing regions, r2/r3)
 #  GF  TE FP8 current with compile_glue=true (the split in_proj is refused where TE swapped in_proj)
-# After L, the TileLang builds of the static b4 kernels (~150 s cold) are packed into $TOP/kcache.tgz for the next round.
+# After L, the TileLang builds of the static b4 kernels (~150 s cold) are packed into $TOP/kcache.tgz for the next
+# round.
 # On a GPU under 120 GiB (an H100: the full model at MBS 4 does not fit) only FW runs (gpu/r69.sh's step).
 # Result (H100, BUDGET=555): FW split pair 3.064 ms; one walk 8 warps 3.264, capped 128 6.557, 4 warps 3.003 (1.02x),
 # 8 warps storing S_in 3.400; PS 2 at 4 warps faulted (illegal address), the rows after it not run.

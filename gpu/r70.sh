@@ -30,6 +30,7 @@ else
   M=(python bench/megatron.py throughput --gpus 1 --mbs 4 --warmup 1 --iters 3 --engines local --recompute mamba-scan
      --te none,current)
   step 390 L "${M[@]}" --json "$OUT/local_mbs4_te_none_current.json"; show L
+  tar -C "$TOP" -czf "$TOP/r70.tgz" r70  # what L measured comes back even if the call's time runs out below
   tar -C .kcache -cf - nam/tilelang nam/inductor | xz -3 -T0 > "$TOP/kcache.tgz"; ls -la "$TOP/kcache.tgz"
   step 110 G "${M[@]/none,current/none}" --train-set compile_glue=true --train-set mamba_split_in_proj=true \
     --json "$OUT/local_mbs4_te_none_glue_split.json"; show G

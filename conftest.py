@@ -13,8 +13,8 @@ import torch
 # 2-core CI machine torch's default (a thread per core) spent more CPU on hand-offs than it saved
 # (tests/test_train.py: 146 -> 126 s wall, 192 -> 114 s of CPU), and left none for the second pytest-xdist worker.
 # Subprocesses (nam train, torchrun's ranks) inherit the variable.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if os.environ.setdefault("OMP_NUM_THREADS", "1").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 BENCH = Path(__file__).resolve().parent / "bench"
 

@@ -174,14 +174,21 @@ def finish_save(saver, ckpt_root: Path, model, optimizer) -> Path | None:
 
 def _into_place(tmp: Path, final: Path, ckpt_root: Path, keep: int) -> None:
     """Rename a finished save into place (the same step saved again replaces it), then prune to ``keep``."""
+    _rename_in(tmp, final, ckpt_root)
+    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        _remove(old)
+
+
+def _rename_in(tmp: Path, final: Path, ckpt_root: Path) -> None:
+    """Rename a finished save's hidden folder to ``final``. A folder already there (the same step saved again,
+    e.g. at the end of a resumed run) is renamed aside first and deleted after: a kill at any point leaves a good
+    ``final`` (old or new) and at most a hidden leftover. Both engines' saves end here."""
     replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():  # re-saving the same step (e.g. end of a resumed run): the new one replaces it
+    if final.exists():
         os.rename(final, replaced)
     os.rename(tmp, final)
     fsync_dir(ckpt_root)
     shutil.rmtree(replaced, ignore_errors=True)
-    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-        _remove(old)
 
 
 def save(ckpt_root: Path, step: int, *, model, optimizer, scheduler, extra: dict, keep: int) -> Path:

@@ -560,17 +560,12 @@ def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, 
         f.flush()
         os.fsync(f.fileno())
     files.fsync_dir(tmp)
-    # Old folders are renamed aside (hidden) before they are deleted, as the local engine's are: a kill in the
-    # middle of a delete leaves a hidden leftover, never a damaged step-* (nor, re-saving a step, no step at all);
-    # the next save removes such leftovers (one save is in flight at a time).
+    # Old folders are renamed aside (hidden) before they are deleted, as the local engine's are (``files._rename_in``,
+    # ``files._remove``): a kill in the middle of a delete leaves a hidden leftover, never a damaged step-* (nor,
+    # re-saving a step, no step at all); the next save removes such leftovers (one save is in flight at a time).
     for stale in ckpt_root.glob(".step-*.old-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    replaced = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():  # the same step saved again (end of a resumed run)
-        os.rename(final, replaced)
-    os.rename(tmp, final)
-    files.fsync_dir(ckpt_root)
-    shutil.rmtree(replaced, ignore_errors=True)
+    files._rename_in(tmp, final, ckpt_root)
     _VERIFIED.add(_verified_key(final, body["sha256"]))  # hashed just above: pruning need not hash it again
     for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
         files._remove(old)

@@ -72,19 +72,14 @@ def megatron_version() -> tuple[int, ...] | None:
     is there and fails to import (a missing or mismatched dependency) is an error that says so, not "absent"."""
     try:
         from megatron.core import package_info
-    except ModuleNotFoundError as e:
-        if e.name in ("megatron", "megatron.core", "megatron.core.package_info"):
-            return None
-        raise _broken(e) from e
     except ImportError as e:
-        raise _broken(e) from e
+        if isinstance(e, ModuleNotFoundError) and e.name in ("megatron", "megatron.core", "megatron.core.package_info"):
+            return None  # not installed: check_runtime says so, with the install command
+        raise CannotRunHere(f"megatron-core is installed but `import megatron.core` fails: {type(e).__name__}: {e}",
+                            hint="python -c 'import megatron.core' shows where; install what it lacks, or reinstall "
+                                 "it: pip install --force-reinstall "
+                                 f"'megatron-core>={'.'.join(map(str, MIN_MEGATRON))}'") from e
     return tuple(int(v) for v in package_info.VERSION[:3])
-
-
-def _broken(e: ImportError) -> CannotRunHere:
-    return CannotRunHere(f"megatron-core is installed but `import megatron.core` fails: {type(e).__name__}: {e}",
-                         hint="python -c 'import megatron.core' shows where; install what it lacks, or reinstall "
-                              f"it: pip install --force-reinstall 'megatron-core>={'.'.join(map(str, MIN_MEGATRON))}'")
 
 
 def runtime_facts() -> dict:

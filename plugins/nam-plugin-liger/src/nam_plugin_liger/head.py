@@ -63,11 +63,15 @@ gives 61 ms for 512 MiB (measured with liger-kernel 0.8.5, bench/liger.py). Rele
 (``chunking``), not silently."""
 
 
+def _takes_chunk_mem_const(forward_signature: inspect.Signature) -> bool:
+    return "chunk_mem_const" in forward_signature.parameters
+
+
 def chunking() -> str:
     """How the installed Liger chunks NAM56R's head: the row text of the preflight launch check."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-    if "chunk_mem_const" in inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters:
+    if _takes_chunk_mem_const(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward)):
         return f"chunk_mem_const={CHUNK_MEM_CONST}: 1024-token chunks at NAM56R's head"
     return ("256-token chunks: this release takes no chunk_mem_const (~117 ms a NAM56R head call against ~64 with "
             "it; liger-kernel >= 0.8.3 takes it)")
@@ -147,7 +151,7 @@ def liger_flce() -> FusedLinearCE:
         ignore_index=IGNORE_INDEX,
         accum_dtype=torch.float32,  # dL/dW summed over chunks in fp32, cast to the weight's dtype at the end
     )
-    if "chunk_mem_const" in signature.parameters:  # 0.8.3 and newer (``chunking`` says which ran)
+    if _takes_chunk_mem_const(signature):  # 0.8.3 and newer (``chunking`` says which ran)
         options["chunk_mem_const"] = CHUNK_MEM_CONST
 
     def flce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -3,8 +3,9 @@
 # one GPU, after `source gpu/host.sh` with Transformer Engine taken along (.device-te, .te-cache: bash
 # ../shared/device/fetch-te.sh, cp ../shared/device/te-cache/* .te-cache/) and the slim stack bundle
 # (gpu/slim-site.sh: with TE and the tree the full one is over the 64 MiB a run takes along). Run: carry
-# .device-wheels/site-slim.tar.xz, .device-wheels/install.sh, .device-te, .te-cache; command `mv .device-wheels/site-slim.tar.xz .device-wheels/site.tar.xz && export OUT &&
-# source gpu/host.sh && BUDGET=530 bash gpu/r70.sh` (host setup ~47 s of the 600).
+# .device-wheels/site-slim.tar.xz, .device-wheels/install.sh, .device-te, .te-cache; command
+# `mv .device-wheels/site-slim.tar.xz .device-wheels/site.tar.xz && export OUT && source gpu/host.sh &&
+# BUDGET=530 bash gpu/r70.sh` (host setup ~47 s of the 600).
 # Full NAM56R on the local engine at the recipe's settings (fp32-master, MBS 4, train.recompute=mamba-scan, the
 # hopper-ce head), median of 3 steps after 1 warm-up:
 #  L   TE none (the baseline) and TE FP8 current scaling (nam-plugin-te's linears), one process, two rows

@@ -845,10 +845,10 @@ def test_the_engine_lane_applies_for_a_scope_and_reverts():
     assert upstream[4:7] == (utils.local_multi_tensor_l2_norm, utils.local_multi_tensor_scale, None)  # no TE, no Apex
     entries = patches.lane()
     assert all(e.impl.state()[0] == "needed" for e in entries)
-    assert all(e.impl.reproduce() == "BUG_REPRODUCED" for e in entries)
+    assert {e.name: e.impl.reproduce() for e in entries} == {e.name: "BUG_REPRODUCED" for e in entries}
     with pytest.raises(RuntimeError, match="inside"), applied(entries) as reports:
         assert [r.state for r in reports] == ["applied"] * 7
-        assert all(e.impl.reproduce() == "FIX_VALIDATED" for e in entries)
+        assert {e.name: e.impl.reproduce() for e in entries} == {e.name: "FIX_VALIDATED" for e in entries}
         assert all(a is not b for a, b in zip(current(), upstream))
         raise RuntimeError("inside")
     assert current() == upstream

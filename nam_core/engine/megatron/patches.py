@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import pathlib
 import warnings
 from typing import Any, Callable
 
@@ -550,7 +551,10 @@ def _reads_detect() -> bool:
 
 def _reads_reproduce() -> str:
     """A two-file checkpoint (fresh random tensors, CPU) read back through Megatron's reader factory: the values
-    must come back equal, and a fixed reader opens the two files on two threads."""
+    must come back equal, and a fixed reader has both files open at once, each on a worker thread. Workers that
+    open a file wait at a barrier for the other file's worker (a thread pool may hand a finished worker the next
+    file, so distinct thread ids alone would not show it); a read on the calling thread does not wait, so
+    upstream's reader (the calling thread, one file after the other) costs no time here."""
     import tempfile
     import threading
 
@@ -559,25 +563,35 @@ def _reads_reproduce() -> str:
 
     gen = torch.Generator().manual_seed(11)
     state = {f"t{i}": torch.randn(64, 33 + i, generator=gen) for i in range(6)}
+    caller, opened = threading.get_ident(), set()
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=FileSystemWriter(folder, thread_count=2), no_dist=True)
+        data_files = len(list(pathlib.Path(folder).glob("*.distcp")))
+        together = threading.Barrier(max(data_files, 1), timeout=30)
         reader = _torch_strategy()._get_filesystem_reader(folder)
-        opened, opens = set(), reader.fs.create_stream
+        opens = reader.fs.create_stream
 
         def create_stream(path, mode):
             if "r" in mode and not str(path).endswith(".metadata"):
-                opened.add((threading.get_ident(), str(path)))
+                worker = threading.get_ident()
+                met = False
+                if worker != caller:
+                    try:
+                        together.wait()
+                        met = True
+                    except threading.BrokenBarrierError:
+                        pass
+                opened.add((worker, str(path), met))
             return opens(path, mode)
 
         reader.fs.create_stream = create_stream
         back = {k: torch.zeros_like(v) for k, v in state.items()}
         dcp.load(back, storage_reader=reader, no_dist=True)
-    files = {path for _, path in opened}
-    threads = {thread for thread, _ in opened}
-    if len(files) < 2 or any(not torch.equal(back[k], state[k]) for k in state):
+    files = {path for _, path, _ in opened}
+    if data_files < 2 or len(files) < 2 or any(not torch.equal(back[k], state[k]) for k in state):
         return BUG_REPRODUCED
-    return FIX_VALIDATED if len(threads) == len(files) else BUG_REPRODUCED
+    return FIX_VALIDATED if all(met for _, _, met in opened) else BUG_REPRODUCED
 
 
 def make_patches() -> list[Patch]:

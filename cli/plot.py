@@ -3,11 +3,14 @@
 Five panels from each folder's metrics.jsonl: the training LM loss (``lm_loss``; ``loss`` for a model that logs
 no split), the validation LM loss (``val_loss``, on the steps that evaluated), the learning rate, the gradient
 norm and tokens/s per device. matplotlib is an optional package (nam's ``plot`` extra); without it the command
-is a ConfigError that names it. Drawn off-screen (the Agg backend): no display needed.
+is a ConfigError that names it. Drawn off-screen (the Agg backend): no display needed. The PNG is rendered in
+memory and written in one rename (``nam_core.files.write_atomic``): an interrupted or failed plot leaves the file
+that was there, never a torn one; a --out whose folder is missing is refused before anything is read.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Annotated
 
@@ -87,7 +90,33 @@ def plot(
     out_path: Annotated[Path, typer.Option("--out", help="The PNG to write.")] = Path("nam-plot.png"),
 ) -> None:
     """Plot training and validation LM loss, learning rate, gradient norm and tokens/s against the step."""
+    _check_writable(out_path)
     fig = draw(run_dirs)
-    fig.savefig(out_path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    _write(out_path, png.getvalue())
     out.print(f"wrote {out_path} ({len(run_dirs)} run{'s' if len(run_dirs) > 1 else ''}: "
               f"{', '.join(_label(d, run_dirs) for d in run_dirs)})")
+
+
+def _check_writable(out_path: Path) -> None:
+    """--out names a file in an existing folder (checked before the runs are read and drawn)."""
+    from nam_core.errors import NamError
+
+    folder = out_path.parent
+    if not folder.is_dir():
+        raise NamError(f"cannot write {out_path}: {folder} is not a folder",
+                       hint=f"mkdir -p {folder}  (or pass --out in an existing folder)")
+    if out_path.is_dir():
+        raise NamError(f"cannot write {out_path}: it is a folder", hint=f"pass --out {out_path / 'nam-plot.png'}")
+
+
+def _write(out_path: Path, data: bytes) -> None:
+    from nam_core.errors import NamError
+    from nam_core.files import write_atomic
+
+    try:
+        write_atomic(out_path, data)
+    except OSError as exc:
+        raise NamError(f"cannot write {out_path}: {exc.strerror or exc}",
+                       hint="pass --out in a folder this user can write, with free space") from exc

@@ -55,3 +55,32 @@ def test_without_matplotlib_it_says_what_to_install(tmp_path, monkeypatch, capsy
     assert run(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
     assert "needs the 'matplotlib' package" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_plot_that_fails_while_saving_leaves_the_old_png_and_a_missing_folder_is_refused(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The PNG is rendered first and renamed into place: a save that raises partway (here after writing some
+    bytes) leaves the previous file as it was and no temporary file; --out in a folder that is not there is an
+    error before anything is drawn."""
+    from matplotlib.figure import Figure
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    png = tmp_path / "x.png"
+    png.write_bytes(b"the previous plot")
+    real = Figure.savefig
+
+    def torn(self, target, **kw):
+        real(self, target, **kw)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", torn)
+    with pytest.raises(OSError):
+        run(["plot", str(tmp_path), "--out", str(png)])
+    assert png.read_bytes() == b"the previous plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "x.png"]
+    monkeypatch.undo()
+
+    assert run(["plot", str(tmp_path), "--out", str(tmp_path / "missing" / "x.png")]) == 1
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and "mkdir -p" in err
+    assert not (tmp_path / "missing").exists()

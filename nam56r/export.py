@@ -89,7 +89,7 @@ def write(out: Path, state: Mapping[str, torch.Tensor], cfg: NAM56RConfig, *, st
     st = safetensors_torch()
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise NamError(f"{out} exists and is not empty", hint=f"choose another --out, or pass --overwrite")
+        raise NamError(f"{out} exists and is not empty", hint="choose another --out, or pass --overwrite")
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()})
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

@@ -65,7 +65,6 @@ def test_throughput_train_set_carries_model_fields_to_every_run(bench):
     each run's config (the train fields go through the train dict), so the full model's before/after is one flag."""
     from nam56r.recipes import apply_overrides, get_recipe
     from nam56r.run import resolve
-    from nam_core.engine.config import TrainConfig
 
     base = get_recipe("nam56r")
     recipe = apply_overrides(base, ["compile_glue=true", "train.lr=1e-4", "mamba-ssm.group_sums=fused"],

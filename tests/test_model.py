@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 
-from nam56r.config import NAM56RConfig
-from nam56r.model import Backends, build_model, count_parameters
+from nam56r.model import Backends, build_model
 from nam56r.pattern import resolve
 from nam56r.recipes import RECIPES, get_recipe
 from nam_cli.main import run

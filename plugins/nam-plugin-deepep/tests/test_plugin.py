@@ -11,7 +11,6 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import types
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import ConfigError, PluginActivationError
 from nam_core.host import PluginHost
-from nam_core.requirements import FAIL, PASS, SKIP
+from nam_core.requirements import FAIL, PASS
 
 CPU = DeviceInfo.profile("cpu")
 H100 = DeviceInfo.profile("h100")

@@ -3,7 +3,6 @@ engine adapter's refusals (one chunk per rank, per-token loss) and the auxiliary
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest

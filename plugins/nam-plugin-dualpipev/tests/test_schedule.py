@@ -159,6 +159,6 @@ def test_the_readme_patterns_bubble_4p_minus_5_and_2p_plus_1_activations_on_ever
                                                      (4, 16, 118, 114)])
 def test_the_readme_numbers_when_every_send_waits_for_its_receive(pp, m, dualpipev, line):
     v = simulate_exchanges(exchange_plan(dualpipev_order(pp, m), pp), pp)
-    one = simulate_exchanges(exchange_plan(one_f_one_b_order(pp, m), pp, shape="line"), pp, shape="line",
+    one = simulate_exchanges(exchange_plan(one_f_one_b_order(pp, m), pp, shape="line"), pp,
                              f_cost=2.0, b_cost=4.0)
     assert (v.makespan, one.makespan) == (dualpipev, line)

@@ -16,7 +16,7 @@ import nam_plugin_index_cache.plugin as plugin
 from nam56r.blocks.dsa import DSA
 from nam56r.blocks.indexer import FullIndexer, causal_topk
 from nam56r.model import Backends, build_model
-from nam56r.recipes import apply_overrides, get_recipe
+from nam56r.recipes import get_recipe
 from nam56r.reference.attention import ReferenceAttention
 from nam56r.state import ForwardState
 from nam56r.testing import prepare_corpus

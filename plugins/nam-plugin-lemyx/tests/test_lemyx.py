@@ -10,7 +10,6 @@ import os
 import statistics
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 import nam_plugin_lemyx.plugin as plugin
 from nam56r.blocks.indexer import FullIndexer
 from nam56r.model import Backends, build_model
-from nam56r.recipes import apply_overrides, get_recipe
+from nam56r.recipes import get_recipe
 from nam56r.state import ForwardState
 from nam56r.testing import prepare_corpus
 from nam_cli.main import run

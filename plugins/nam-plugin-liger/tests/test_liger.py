@@ -13,8 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nam_plugin_liger.plugin as plugin
-from nam56r.recipes import get_recipe
 from nam56r.reference.ce import ReferenceCEHead
 from nam_cli.main import run
 from nam_core.device import DeviceInfo

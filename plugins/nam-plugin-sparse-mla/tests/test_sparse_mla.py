@@ -15,7 +15,6 @@ import torch
 
 import nam_plugin_sparse_mla.plugin as plugin
 from nam56r.backends import AttentionCore
-from nam56r.recipes import apply_overrides, get_recipe
 from nam_core.checks import config_rows
 from nam_core.device import DeviceInfo
 from nam_core.errors import PluginActivationError

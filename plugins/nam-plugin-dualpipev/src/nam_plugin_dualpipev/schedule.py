@@ -381,11 +381,11 @@ def simulate(order: Sequence[Sequence[Op]], pp: int, *, shape: str = "v", f_cost
     return Simulation(max(clock), busy, [len(ops) for ops in order], peak, starts)
 
 
-def simulate_exchanges(plan: Sequence[Sequence[Action]], pp: int, *, shape: str = "v", f_cost: float = F_COST,
+def simulate_exchanges(plan: Sequence[Sequence[Action]], pp: int, *, f_cost: float = F_COST,
                        b_cost: float = B_COST) -> Simulation:
     """Run an exchange plan as NCCL may at worst: a batch completes only when every message in it is matched
-    by the peer's batch that is posted at the same time. Raise ScheduleError on a deadlock."""
-    layout = Layout(pp, shape)
+    by the peer's batch that is posted at the same time. Raise ScheduleError on a deadlock. The plan names each
+    message's ranks, so the layout it was made for (``exchange_plan``'s ``shape``) is not needed here."""
     clock = [0.0] * pp
     busy = [0.0] * pp
     live = [0.0] * pp

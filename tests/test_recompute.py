@@ -222,6 +222,7 @@ def test_mamba_scan_replay_of_the_inductor_compiled_prelude_is_bit_exact(dtype):
     replayed = copy.deepcopy(plain)
     replayed.recompute_scan = True
     x = torch.randn(2, 24, cfg.hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    passes = {"plain": _count_between(plain), "replayed": _count_between(replayed)}
 
     def grads(m):
         xx = x.clone().requires_grad_()
@@ -230,6 +231,20 @@ def test_mamba_scan_replay_of_the_inductor_compiled_prelude_is_bit_exact(dtype):
 
     for got, want in zip(grads(replayed), grads(plain), strict=True):
         assert torch.equal(got, want), seed
+    assert passes == {"plain": [True], "replayed": [True, False]}  # the replay ran, its output dropped
+
+
+def _count_between(mixer) -> list:
+    """Calls of ``mixer._between`` (the prelude and the scan) from now on, as whether each one's output is used:
+    one call a step without recompute, two with the ``mamba-scan`` replay (the replay's output dropped)."""
+    calls, real = [], mixer._between
+
+    def between(*args, **kwargs):
+        calls.append(kwargs.get("output_used", True))
+        return real(*args, **kwargs)
+
+    mixer._between = between
+    return calls
 
 
 def test_mamba_scan_replay_with_a_split_in_proj_is_bit_exact():
@@ -249,6 +264,7 @@ def test_mamba_scan_replay_with_a_split_in_proj_is_bit_exact():
     replayed = copy.deepcopy(plain)
     replayed.recompute_scan = True
     x = torch.randn(2, 24, cfg.hidden, generator=torch.Generator().manual_seed(seed))
+    passes = {"plain": _count_between(plain), "replayed": _count_between(replayed)}
 
     def grads(m):
         xx = x.clone().requires_grad_()
@@ -257,3 +273,4 @@ def test_mamba_scan_replay_with_a_split_in_proj_is_bit_exact():
 
     for got, want in zip(grads(replayed), grads(plain), strict=True):
         assert torch.equal(got, want), seed
+    assert passes == {"plain": [True], "replayed": [True, False]}  # the replay ran, its output dropped

@@ -65,7 +65,25 @@ def test_gated_swiglu_compiled_equals_eager_forward_and_backward(dtype):
 
 
 def test_a_region_compiles_once_per_shape_without_graph_breaks():
-    """``fullgraph=True``: a graph break raises instead of running part of the region eagerly."""
+    """``dynamic=False``: one graph a shape, built at the shape's first call and reused after (the count of graphs
+    dynamo built: 1 after two calls at one shape, 2 after a call at another); ``fullgraph=True``: a graph break
+    raises instead of running part of the region eagerly."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def scaled(x):
+        return x * 2.0 + 1.0
+
+    region = Region(scaled, "compile_glue")
+    built = []
+    for n in (5, 5, 7):
+        x = torch.randn(n)
+        assert torch.equal(region(x), scaled(x))
+        built.append(counters["stats"]["unique_graphs"])
+    assert built == [1, 1, 2]
+
     torch._dynamo.reset()
 
     def breaks(x):

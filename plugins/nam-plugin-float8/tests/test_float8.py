@@ -87,6 +87,21 @@ def test_conversion_swaps_only_those_and_keeps_every_parameter():
     assert convert(model, "rowwise").startswith("float8: 0 nn.Linear")  # a Float8Linear is not picked again
 
 
+@pytest.mark.parametrize("recipe, other", [("rowwise", "tensorwise"), ("tensorwise", "rowwise")])
+def test_the_recipe_reaches_every_float8_linear(recipe, other):
+    """Each converted projection scales as the run asked (the error bounds above cannot tell the two recipes
+    apart: rowwise's error fits inside tensorwise's bound)."""
+    from torchao.float8 import Float8LinearConfig
+
+    model = build_model(_tiny()).to(torch.bfloat16)
+    convert(model, recipe)
+    converted = set(float8_modules(model))
+    configs = [m.config for n, m in model.named_modules() if n in converted]
+    want = Float8LinearConfig.from_recipe_name(recipe)
+    assert want != Float8LinearConfig.from_recipe_name(other)
+    assert configs and all(c == want for c in configs)
+
+
 def test_misaligned_projection_is_refused_by_the_conversion():
     model = build_model(_tiny(aligned=False), device="meta")  # in_proj 64 -> 540
     with pytest.raises(ValueError, match=r"in_proj \[64 -> 540\]"):

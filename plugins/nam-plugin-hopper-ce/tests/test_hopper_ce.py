@@ -65,11 +65,17 @@ y = torch.randint(0, 200, (130,), generator=g)
 m = torch.rand(130, generator=g)
 m[::7] = 0.0
 y[::7] = -100
-grads = {}
+from nam_plugin_hopper_ce import head as head_module
+called = []  # which autograd Function each head's call went through
+for fn in (head_module.HopperLinearCE, head_module.HopperLinearCEGradsInForward):
+    fn.apply = (lambda real, name: lambda *a: (called.append(name), real(*a))[1])(fn.apply, fn.__name__)
+grads, out["paths_used"] = {}, {}
 for name, ce in (("backward", head), ("forward", eager)):
     w, h = w0.clone().requires_grad_(), h0.clone().requires_grad_()
+    called.clear()
     loss = ce(h, w, y, m)
     (loss * 0.37).backward()
+    out["paths_used"][name] = sorted(set(called))
     grads[name] = (loss.detach(), h.grad.float(), w.grad.float())
 (lb, hb, wb), (lf, hf, wf) = grads["backward"], grads["forward"]
 out["paths_loss"] = abs(lb.item() - lf.item()) / abs(lb.item())
@@ -118,8 +124,10 @@ def test_gradients_in_forward_pass_the_self_test_and_agree_with_the_backward_pat
     assert selftest.passed(r), r
     assert r["masked_dh"] == 0.0
     assert interpreted["paths_loss"] < 1e-6, interpreted  # the same fp32 row kernel on the same logits
-    # the two paths differ by where dh and dW are rounded to fp16 (2^-11 relative) and by fp32 summation order
-    assert interpreted["paths_dh"] < 2e-3 and interpreted["paths_dw"] < 2e-3, interpreted
+    assert interpreted["paths_used"] == {"backward": ["HopperLinearCE"], "forward": ["HopperLinearCEGradsInForward"]}
+    # the two paths differ by where dh and dW are rounded to fp16 (2^-11 relative) and by fp32 summation order:
+    # close, and not equal (equal would mean one path ran twice)
+    assert 0 < interpreted["paths_dh"] < 2e-3 and 0 < interpreted["paths_dw"] < 2e-3, interpreted
     assert interpreted["no_grad_loss"] < 1e-6, interpreted
 
 

@@ -664,7 +664,11 @@ def test_siso_arguments_follow_mamba3_siso_combined():
                                                                        (2, 8, 24), (2, 24, 8, 4))
     assert [t.dtype for t in args] == [BF, BF, BF, F32, F32, BF, F32, F32, BF, F32, BF]
     assert all(t.is_contiguous() for t in args)
-    assert torch.equal(q, x["q"][:, :, 0]) and torch.equal(angles.float(), x["angles"])  # already bf16 values
+    # each slot holds its own input's values (the same-shaped pairs q/k, adt/dt/trap, the biases, v/z are
+    # distinct random draws, so a swap shows here)
+    sources = [x["q"][:, :, 0], x["k"][:, :, 0], x["v"], x["adt"], x["dt"], x["trap"], x["q_bias"][:, 0],
+               x["k_bias"][:, 0], x["angles"], x["d"], x["z"]]
+    assert [torch.equal(t, s.to(t.dtype)) for t, s in zip(args, sources)] == [True] * 11
 
 
 def test_mimo_arguments_follow_mamba3_mimo():
@@ -677,6 +681,8 @@ def test_mimo_arguments_follow_mamba3_mimo():
     tensors = args[:14]
     assert [t.dtype for t in tensors] == [BF, BF, BF, F32, F32, BF, F32, F32, F32, F32, F32, F32, F32, BF]
     assert all(t.is_contiguous() for t in tensors)
+    names = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "mimo_x", "mimo_z", "mimo_o", "angles", "d", "z")
+    assert [torch.equal(t, x[n].to(t.dtype)) for t, n in zip(tensors, names)] == [True] * 14  # each in its slot
 
 
 @pytest.mark.parametrize("l", [37, 48])

@@ -249,7 +249,7 @@ def test_requested_plugins_merges_sources_and_env(monkeypatch):
 def test_a_host_activates_once(host):
     h = host()
     h.activate(["good"], CPU)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="already activated plugins; use a fresh host per run"):
         h.activate(["good"], CPU)
 
 

@@ -273,6 +273,17 @@ def test_warm_up_on_the_reference_path_equals_the_models_dense_stage_bit_for_bit
     assert ours[0]["indexer_kl"] > 0
 
 
+def test_the_per_head_target_set_on_the_command_line_reaches_the_models_kl():
+    """``lemyx.target=per-head`` from the run's options to the warm-up's KL: one KL per head against its own index
+    scores, which differs from the head-sum teacher's on the same model and tokens."""
+    assert TINY.index_heads == TINY.attn_heads  # what the per-head target needs
+    per_head = options_for(recipe("lemyx.target=per-head").options["lemyx"], "cpu")
+    assert per_head.target == "per-head" and per_head.warmup_steps > 0
+    kl = {o.target: run_model(dataclasses.replace(Backends.reference(), indexer=Lemyx(FullIndexer(), o)), TINY)[0]
+          ["indexer_kl"] for o in (per_head, dataclasses.replace(per_head, target="head-sum"))}
+    assert kl["per-head"] > 0 and kl["head-sum"] > 0 and not torch.equal(kl["per-head"], kl["head-sum"]), kl
+
+
 def test_hand_over_at_the_configured_step_then_equals_the_wrapped_strategy():
     lemyx = Lemyx(FullIndexer(), Options(warmup_steps=3))
     assert [lemyx.at_step(s) for s in range(5)] == [False, False, False, True, False]

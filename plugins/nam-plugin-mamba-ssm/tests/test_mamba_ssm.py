@@ -369,8 +369,10 @@ def test_compiled_reduce_groups_equals_the_eager_one(dtype):
     random inputs at NAM56R's ratio of 16 heads per group: the fp32 bias gradient within 1e-5 (max error over max value: fp32
     additions in another order), the group gradient within 1e-5 in fp32 and one bf16 rounding (2**-7 relative
     L2) in bf16."""
+    from nam56r.regions import Region
     from nam_core.testing import max_rel_error, new_seed, rel_norm_error
 
+    assert isinstance(mimo.COMPILED_REDUCE, Region) and mimo.COMPILED_REDUCE.fn is mimo.reduce_groups  # compiled
     seed = new_seed()
     d = torch.randn(2, 24, 2, 32, 8, generator=torch.Generator().manual_seed(seed)).to(dtype)  # [b, l, r, h, n]
     (bias, grouped), (want_bias, want_grouped) = mimo.COMPILED_REDUCE(d, 2), mimo.reduce_groups(d, 2)

@@ -7,6 +7,7 @@ import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +51,26 @@ def test_only_the_newest_are_kept_and_load_restores_weights(tmp_path):
     manifest = checkpoint.load(root / "step-00000003", **fresh)
     assert manifest["step"] == 3 and manifest["note"] == 3
     assert torch.equal(fresh["model"].weight, parts["model"].weight)
+
+
+def test_a_save_after_a_resume_from_an_earlier_step_is_kept_with_the_later_branch(tmp_path):
+    """Saved 2 and 4, resumed from 2 (a new branch), saved 3 with keep 1: 3 stays (it was deleted when the
+    pruning counted 4, another branch's, as newer), 2 goes, 4 is not this save's to delete."""
+    root = tmp_path / "checkpoints"
+    parts = _parts()
+    for step in (2, 4):
+        checkpoint.save(root, step, **parts, extra={}, keep=2)
+    folder = checkpoint.save(root, 3, **parts, extra={}, keep=1)
+    assert folder.is_dir() and checkpoint.verify(folder) is not None
+    assert [p.name for p in checkpoint.good_checkpoints(root)] == ["step-00000003", "step-00000004"]
+
+
+def test_pruning_keeps_the_save_and_the_ones_before_it():
+    steps = [Path(f"step-{s:08d}") for s in (1, 2, 3, 5, 6)]
+    names = lambda paths: [p.name[-1] for p in paths]  # noqa: E731
+    assert names(checkpoint.pruned(steps, steps[3], 2)) == ["1", "2"]  # keeps 3 and 5; 6 (later) not counted
+    assert names(checkpoint.pruned(steps, steps[4], 2)) == ["1", "2", "3"]
+    assert checkpoint.pruned(steps, steps[0], 1) == [] and checkpoint.pruned(steps, steps[4], 9) == []
 
 
 def test_resume_auto_without_checkpoints_is_an_error(tmp_path):

@@ -175,8 +175,18 @@ def finish_save(saver, ckpt_root: Path, model, optimizer) -> Path | None:
 def _into_place(tmp: Path, final: Path, ckpt_root: Path, keep: int) -> None:
     """Rename a finished save into place (the same step saved again replaces it), then prune to ``keep``."""
     _rename_in(tmp, final, ckpt_root)
-    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+    for old in pruned(good_checkpoints(ckpt_root), final, keep):
         _remove(old)
+
+
+def pruned(good: list[Path], final: Path, keep: int) -> list[Path]:
+    """What a save of ``final`` deletes from ``good`` (oldest first) to keep ``keep``: the oldest of the
+    checkpoints of earlier steps, so ``final`` and the ``keep - 1`` before it stay. ``final`` is never deleted,
+    nor is a checkpoint of a later step: after a resume from an earlier step, the later ones are another
+    branch's (``--resume auto`` follows the branch that saved last, nam_core/engine/rundir.py), and counting them
+    deleted the save just written when they were ``keep`` or more. Both engines prune with it."""
+    older = [p for p in good if p.name < final.name]
+    return older[:max(0, len(older) - (keep - 1))]
 
 
 def _rename_in(tmp: Path, final: Path, ckpt_root: Path) -> None:

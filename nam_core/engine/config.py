@@ -111,7 +111,8 @@ class TrainConfig:
                                     aka=("save_every", "save_interval", "save_steps"))
     """Save a checkpoint every N steps and at the end; 0: never (benchmarks, whose state nobody resumes)."""
     keep_checkpoints: int = bounded(2, ge=1, aka=("save_total_limit", "keep_last"))
-    """Newest checkpoints kept; older ones are deleted after a successful save."""
+    """Checkpoints kept: after a successful save, it and the ``N - 1`` before it; older ones are deleted. One of a
+    later step (another branch's, after a resume from an earlier checkpoint) is never deleted by a save."""
     async_checkpoints: bool = True
     """Write checkpoints in the background: training pays the copy of the state to host memory, not the write.
     Local engine: torch.distributed.checkpoint, format 3 (nam_core/engine/async_checkpoint.py); megatron engine:

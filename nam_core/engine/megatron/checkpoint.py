@@ -567,7 +567,7 @@ def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, 
         shutil.rmtree(stale, ignore_errors=True)
     files._rename_in(tmp, final, ckpt_root)
     _VERIFIED.add(_verified_key(final, body["sha256"]))  # hashed just above: pruning need not hash it again
-    for old in good_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+    for old in files.pruned(good_checkpoints(ckpt_root), final, keep):
         files._remove(old)
 
 

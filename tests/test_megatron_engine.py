@@ -518,6 +518,18 @@ def test_resume_takes_megatron_checkpoints_only(tmp_path, capsys):
         engine.resolve_resume(str(root / "step-00000004"), root)  # a local-engine checkpoint
 
 
+def test_resume_auto_names_the_damaged_newer_checkpoint_it_skipped(tmp_path):
+    """The engine's resolve passes its warnings on, as the local engine's does: a newer save whose file no
+    longer matches its sha256 is skipped with a line that names it and the one resumed from."""
+    root = tmp_path / "checkpoints"
+    _megatron_checkpoint(root / "step-00000010", 10)
+    _megatron_checkpoint(root / "step-00000020", 20)
+    (root / "step-00000020" / "__0_0.distcp").write_bytes(b"changed")
+    warned = []
+    assert engine.MegatronEngine().resolve_resume("auto", root, warn=warned.append) == root / "step-00000010"
+    assert len(warned) == 1 and "step-00000020" in warned[0] and "resuming from step-00000010" in warned[0], warned
+
+
 def test_both_engines_refuse_an_unreadable_manifest_with_the_same_words(tmp_path):
     from nam_core.engine import checkpoint as local
 

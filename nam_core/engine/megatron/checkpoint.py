@@ -32,6 +32,7 @@ import time
 import warnings
 from dataclasses import is_dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -571,12 +572,13 @@ def _finish(tmp: Path, final: Path, ckpt_root: Path, step: int, manifest: dict, 
         files._remove(old)
 
 
-def resolve_resume(spec: str, ckpt_root: Path) -> Path:
+def resolve_resume(spec: str, ckpt_root: Path, *, warn: Callable[[str], None] | None = None) -> Path:
     """``auto`` -> the newest good megatron-engine checkpoint under ``ckpt_root``; a path -> that folder, if
-    it is one (the layout is checked when it loads)."""
+    it is one (the layout is checked when it loads). ``warn`` gets a line for each newer checkpoint ``auto``
+    skipped as damaged (what it lacked), as the local engine's resolve does."""
     return files.resolve_resume(
         spec, ckpt_root, good=good_checkpoints, what="megatron-engine checkpoint",
-        is_good=lambda folder: inspect(folder)[0] is not None, why=lambda folder: inspect(folder)[1])
+        is_good=lambda folder: inspect(folder)[0] is not None, why=lambda folder: inspect(folder)[1], warn=warn)
 
 
 def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phases: dict | None = None,

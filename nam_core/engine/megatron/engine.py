@@ -50,7 +50,7 @@ class MegatronEngine:
         checkpoint.check_ahead(ckpt_root)
 
     def resolve_resume(self, spec: str, ckpt_root: Path, *, warn: Callable[[str], None]) -> Path:
-        return checkpoint.resolve_resume(spec, ckpt_root)
+        return checkpoint.resolve_resume(spec, ckpt_root, warn=warn)
 
     def barrier(self) -> None:
         import torch

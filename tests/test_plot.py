@@ -84,3 +84,15 @@ def test_a_plot_that_fails_while_saving_leaves_the_old_png_and_a_missing_folder_
     err = capsys.readouterr().err
     assert "is not a folder" in err and "mkdir -p" in err
     assert not (tmp_path / "missing").exists()
+
+
+def test_a_run_killed_mid_write_plots_without_its_torn_last_line_and_a_damaged_line_is_named(tmp_path, capsys):
+    lines = [json.dumps({"step": s, "loss": 5.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0})
+             for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "loss": 5.1, "lm_lo')
+    png = tmp_path / "x.png"
+    assert run(["plot", str(tmp_path), "--out", str(png)]) == 0
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    (tmp_path / "metrics.jsonl").write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
+    assert run(["plot", str(tmp_path), "--out", str(png)]) == 1
+    assert "metrics.jsonl line 2 is not a JSON record: 'not json'" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from nam_core.errors import NamError
 from nam_core.files import write_atomic
 
 
@@ -85,8 +86,26 @@ def step_line(metrics: dict) -> str:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of ``run_dir``'s metrics.jsonl ([] without one). A last line that is not whole JSON (a kill
+    mid-write, as ``truncate_metrics`` says) is left out; any other line that is not a JSON record is a NamError
+    that names it."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif i < len(lines) - 1:
+            raise NamError(f"{path} line {number} is not a JSON record: {line[:80]!r}",
+                           hint="the file was edited or damaged; remove that line (a resume rewrites the file "
+                                "up to its checkpoint)")
+    return records
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> list[str]:

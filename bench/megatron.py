@@ -143,15 +143,17 @@ def request_for(spec: dict, train):
     and train changes as ``--set`` overrides, and the fast backends' plugins by name (``--float8``: the float8
     plugin's ``linears`` option, the swap ``--plugins float8`` makes). ``build`` then activates them on this
     GPU (their self-tests run before the first timed step), lowers the model and checks the layout, exactly as
-    ``nam train`` does."""
+    ``nam train`` does. A local row leaves out the megatron engine's own fields (``MEGATRON_ONLY``: ``--train-set``
+    may set them for the same run's megatron rows; ``nam train`` refuses them on the local engine)."""
     from nam56r.recipes import get_recipe
     from nam56r.run import RunRequest
+    from nam_core.engine.config import MEGATRON_ONLY
 
     base = get_recipe(spec["recipe"]).train
+    skip = ("engine", "device", "tp", "pp", "ep", "plugin_options", *(MEGATRON_ONLY if train.engine == "local" else ()))
     overrides = [f"{k}={v}" for k, v in spec.get("model", {}).items()]
     overrides += [f"train.{f.name}={_setting(getattr(train, f.name))}" for f in dataclasses.fields(train)
-                  if f.name not in ("engine", "device", "tp", "pp", "ep", "plugin_options")
-                  and getattr(train, f.name) != getattr(base, f.name)]
+                  if f.name not in skip and getattr(train, f.name) != getattr(base, f.name)]
     overrides += [f"{k}={v}" for k, v in train.plugin_options.items()]  # throughput --train-set PLUGIN.OPTION=V
     plugins = ["dualpipev"] if train.schedule == "dualpipev" else []
     if spec["backends"] == "fast":

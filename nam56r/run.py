@@ -35,7 +35,7 @@ from nam56r.kinds import BACKEND_KINDS
 from nam56r.recipes import Recipe, apply_overrides, get_recipe
 from nam_core import bounds, selection
 from nam_core.device import DeviceInfo
-from nam_core.engine.config import ENGINES, TrainConfig, recompute_kinds
+from nam_core.engine.config import ENGINES, MEGATRON_ONLY, TrainConfig, recompute_kinds
 from nam_core.engine.contract import Engine, EngineRun, HookChain, Ranks
 from nam_core.errors import CannotRunHere, ConfigError, PluginActivationError
 from nam_core.host import Evaluation, PluginHost, requested_plugins
@@ -111,7 +111,8 @@ def resolve(request: RunRequest, host: PluginHost | None = None) -> Run:
     if steps < 1:
         raise ConfigError(f"--max-steps must be >= 1, found {steps}", hint="--max-steps 80")
     options = {n: info.parse_options(n, train.plugin_options) for n, info in infos.items()}
-    layout = _layout(request, train)
+    layout = _layout(request, train, selected={k[len(selection.TRAIN):] for info in infos.values()
+                                               for k in info.selects if k.startswith(selection.TRAIN)})
     spec = RunSpec(
         recipe=rec.name, model=rec.model, train=train, engine=request.engine, layout=layout, plugins=tuple(names),
         backends=_backends(rec.model, train), options=options, explicit=rec.explicit, notes=tuple(rec.notes),
@@ -476,14 +477,24 @@ def _backends(model: NAM56RConfig, train) -> dict[str, str]:
     return chosen
 
 
-def _layout(request: RunRequest, train) -> Layout:
-    """The layout, refusing one the engine cannot run (the megatron engine's full check is ``_check_megatron``)."""
+def _layout(request: RunRequest, train, *, selected: set[str] = frozenset()) -> Layout:
+    """The layout, refusing one the engine cannot run (the megatron engine's full check is ``_check_megatron``),
+    and on the local engine a megatron-engine train field off its default, unless a requested plugin selects that
+    field (``selected``: the plugin's own rows refuse the engine then, e.g. deepep's)."""
     sizes = {"tp": train.tp, "pp": train.pp, "ep": train.ep}
     if request.engine == "local":
         if request.nproc is not None or set(sizes.values()) != {1}:
             raise ConfigError("--nproc and a parallel layout (--tp, --pp, --ep, train.tp/pp/ep) are megatron-engine "
                               f"options; the local engine runs one process on one device (found "
                               f"nproc={request.nproc}, {sizes})", hint="add --engine megatron, or drop them")
+        default = TrainConfig()
+        changed = {f: getattr(train, f) for f in MEGATRON_ONLY
+                   if f not in selected and getattr(train, f) != getattr(default, f)}
+        if changed:
+            found = ", ".join(f"train.{f}={str(v).lower() if isinstance(v, bool) else v}" for f, v in changed.items())
+            raise ConfigError(f"{found}: megatron-engine setting{'s' if len(changed) > 1 else ''} (Megatron's "
+                              "dispatcher, DDP or optimizer), which the local engine would not apply",
+                              hint="add --engine megatron, or drop " + " ".join(f"--set train.{f}=..." for f in changed))
         return Layout()
     launched = "WORLD_SIZE" in os.environ
     if request.nproc is not None and request.nproc < 1:

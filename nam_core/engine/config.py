@@ -17,6 +17,10 @@ FLEX_PLUGIN = "deepep"
 """The plugin that brings DeepEP and owns its requirement and rows (nam-plugin-deepep); requesting it selects
 ``flex``, and ``flex`` without it is refused (``nam_core.engine.megatron.checks.check_dispatcher``)."""
 ENGINES = ("local", "megatron")
+MEGATRON_ONLY = ("moe_dispatcher", "overlap_grad_reduce", "grad_reduce_in_fp32", "fused_master_weights",
+                 "overlap_param_gather", "moe_shared_expert_overlap")
+"""``TrainConfig`` fields only the megatron engine reads (Megatron's dispatcher, DDP and optimizer settings): a
+local run with one of them off its default is refused (nam56r/run.py), not run without it."""
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 """What the engines train in: the local engine casts the model to it, the megatron engine lowers to it

@@ -231,10 +231,13 @@ def test_fp8_param_gather_needs_the_megatron_engine_and_an_fp8_recipe():
 
 def test_fp8_param_gather_is_refused_with_fused_master_weights():
     """TE's FusedAdam holding the masters of FP8 weights is not offered: the row names both settings."""
-    rows = _rows("te.fp8=current", "te.fp8_param_gather=true", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16)
+    meg = dict(engine="megatron")  # fused_master_weights is a megatron-engine field (the local engine refuses it)
+    rows = _rows("te.fp8=current", "te.fp8_param_gather=true", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16,
+                 **meg)
     row = rows["fused_master_weights"]
     assert row.status == "fail" and "fused_master_weights=false" in row.hint, row
-    assert "fused_master_weights" not in _rows("te.fp8=current", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16)
+    assert "fused_master_weights" not in _rows("te.fp8=current", "train.fused_master_weights=true", ALIGNED, *CUDA_BF16,
+                                               **meg)
 
 
 def test_moe_fusion_is_refused_on_the_local_engine():
@@ -256,7 +259,8 @@ def test_fp8_param_gather_is_refused_with_bf16_gradient_buffers():
     fp32 = spec_for("nam56r-tiny", "te.fp8=current", "te.fp8_param_gather=true", ALIGNED, *CUDA_BF16, plugins=["te"],
                     device="cuda", profile="h200", **meg)
     assert "grad_reduce_in_fp32" not in {r.name for r in plugin.nam_check_config(config=fp32, device=fp32.device)}
-    assert "grad_reduce_in_fp32" not in _rows("te.fp8=current", "train.grad_reduce_in_fp32=false", ALIGNED, *CUDA_BF16)
+    assert "grad_reduce_in_fp32" not in _rows("te.fp8=current", "train.grad_reduce_in_fp32=false", ALIGNED, *CUDA_BF16,
+                                              **meg)
 
 
 def test_grouped_experts_are_refused_on_the_local_engine():
@@ -306,8 +310,8 @@ def test_options_parse_and_refuse():
         plugin.PLUGIN.parse_options("te", {"te.fp8": "e4m3"})
 
 
-def _rows(*overrides, device="cuda", profile="h200", cuda_version=None):
-    spec = spec_for("nam56r-tiny", *overrides, plugins=["te"], device=device, profile=profile)
+def _rows(*overrides, device="cuda", profile="h200", cuda_version=None, **run):
+    spec = spec_for("nam56r-tiny", *overrides, plugins=["te"], device=device, profile=profile, **run)
     dev = spec.device if cuda_version is None else dataclasses.replace(spec.device, cuda_version=cuda_version)
     rows = plugin.nam_check_config(config=spec, device=dev) + config_rows(plugin.NAME, plugin.PLUGIN, spec)
     return {r.name: r for r in rows}

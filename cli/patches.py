@@ -6,15 +6,18 @@ from typing import Annotated
 
 import typer
 
-from nam_cli.console import out, print_json
+from nam_cli.console import err, out, print_json
 from nam_cli.options import JsonOpt, PluginsOpt
 from nam_core.device import DeviceInfo
 from nam_core.host import PluginHost, requested_plugins
+from nam_core.patches import NOT_APPLICABLE, NOT_INSTALLED
 
 app = typer.Typer(help="The patch lane: upstream fixes, their state here, their reproducers.",
                   invoke_without_command=True)
 
-VerifyOpt = Annotated[bool, typer.Option("--verify", help="Run each reproducer (GPU ones only on a GPU).")]
+VerifyOpt = Annotated[bool, typer.Option("--verify", help="Run each reproducer of a patch whose target is installed "
+                                                         "in a version it applies to (GPU ones only on a GPU); exit 1 "
+                                                         "if one raises.")]
 
 
 @app.callback(invoke_without_command=True)
@@ -35,13 +38,15 @@ def patches(plugins: PluginsOpt = None, verify: VerifyOpt = False, json_out: Jso
         row = {"name": patch.name, "plugin": entry.plugin, "target": patch.target, "versions": patch.versions,
                "state": state, "detail": detail, "retire_when": patch.retire_when}
         if verify:
-            row["verify"] = _verify(patch, device)
+            row["verify"] = _verify(patch, state, device)
         rows.append(row)
     if json_out:
         print_json({"patches": rows})
     else:
         _print(rows, verify)
-    if verify and any(r["verify"].startswith("ERROR") for r in rows):
+    failed = [r["name"] for r in rows if verify and r["verify"].startswith("ERROR")]
+    if failed:
+        err.print(f"error: the reproducer of {', '.join(failed)} raised (its verify line says what)", markup=False)
         raise typer.Exit(code=1)
 
 
@@ -53,9 +58,13 @@ def _builtin() -> list:
     return [*engine_patches.lane(), *model_patches.lane()]
 
 
-def _verify(patch, device) -> str:
+def _verify(patch, state: str, device) -> str:
+    """The reproducer's answer, or why it did not run: a target that is not installed, or installed in a
+    version the patch does not apply to, has nothing to reproduce on (its code is absent or other)."""
     if patch.reproduce is None:
         return "no reproducer"
+    if state in (NOT_INSTALLED, NOT_APPLICABLE):
+        return f"skipped: {state}"
     if patch.needs_gpu and not device.is_cuda:
         return "skipped: needs a GPU"
     try:

@@ -160,3 +160,36 @@ def test_a_table_wraps_at_spaces_or_turns_into_blocks(width):
     assert tabular == (width >= 80), text  # the longest words take about 75 columns with the borders
     if not tabular:
         assert "grouped-moe\n  provides: moe: grouped\n  what it does: torch.nn.functional.grouped_mm" in text
+
+
+def test_patches_verify_runs_reproducers_only_where_the_target_is_there_and_names_one_that_raises(monkeypatch,
+                                                                                                  capsys):
+    """A target that is not installed (or in a version outside the patch's floor) has no code to reproduce on:
+    skipped, not an error. A reproducer that raises on an installed target fails the command with a line that
+    names it."""
+    import json
+
+    from nam_cli import patches as cli_patches
+    from nam_cli.main import run
+    from nam_core.patches import Patch
+    from nam_core.registry import Entry
+
+    def broken():
+        raise RuntimeError("reproducer fell over")
+
+    def entry(name, target):
+        return Entry(name, Patch(name=name, target=target, versions=">=1", summary="demo", retire_when="never",
+                                 detect=lambda: True, apply=lambda: None, reproduce=broken), "demo")
+
+    lane = [entry("demo-absent", "nam-test-package-never-installed"), entry("demo-here", "pluggy")]
+    monkeypatch.setattr(cli_patches, "_builtin", lambda: lane[:1])
+    assert run(["patches", "--verify", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["patches"]}
+    assert rows["demo-absent"]["verify"] == "skipped: not-installed"
+    assert all(not r["verify"].startswith("ERROR") for r in rows.values()), rows  # every installed plugin's lane
+    monkeypatch.setattr(cli_patches, "_builtin", lambda: lane)
+    assert run(["patches", "--verify", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert {r["name"]: r["verify"] for r in json.loads(captured.out)["patches"]}["demo-here"] == \
+        "ERROR: RuntimeError: reproducer fell over"
+    assert "error: the reproducer of demo-here raised" in captured.err

@@ -37,8 +37,8 @@ from nam_core.engine import rundir
 from nam_core.errors import ConfigError
 
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (`nam recipe list`).")]
-MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many steps (the LR "
-                        "schedule length is train.total_steps).")]
+MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="The step to stop at, counted from the "
+                        "run's start (a resume trains up to it); the LR schedule length is train.total_steps.")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run folder (default runs/<recipe>).")]
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="Prepared dataset folder (`nam data prepare`); "
                     "default: the Python standard library corpus, prepared once into the cache.")]

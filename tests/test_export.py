@@ -111,6 +111,19 @@ def test_a_torn_megatron_checkpoint_is_refused_with_the_reason(tmp_path, capsys)
     assert not (tmp_path / "export").exists()
 
 
+def test_a_torn_local_checkpoint_is_refused_exit_6_naming_where_the_good_ones_are(trained, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "step-00000002"
+    shutil.copytree(trained / "checkpoints" / "step-00000002", folder)
+    data = next(p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json")
+    data.write_bytes(data.read_bytes()[:-1] + bytes([data.read_bytes()[-1] ^ 0xFF]))
+    assert run(["export", str(folder), "--out", str(tmp_path / "export")]) == 6
+    err = capsys.readouterr().err
+    assert f"checkpoint {folder} failed verification (" in err and f"ls {tmp_path.resolve()}" in err, err
+    assert "NAM_DEBUG" not in err and not (tmp_path / "export").exists()
+
+
 def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
     assert run(["export", str(tmp_path), "--out", str(tmp_path / "export")]) == 2
     err = capsys.readouterr().err

@@ -595,13 +595,19 @@ def model_state(folder: Path) -> tuple[dict, dict]:
     optimizer or a model to load into (``nam export``)."""
     manifest = verify(folder)
     if manifest is None:
-        raise NamError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
-                       hint=f"export a good one: ls {folder.parent}")
+        raise _failed_verification(folder)
     if _dcp_format(manifest):
         from nam_core.engine import async_checkpoint as dcp
 
         return {k[len("model."):]: v for k, v in dcp.read_flat(folder, "model.").items()}, manifest
     return load_tensors(folder / "model.pt"), manifest
+
+
+def _failed_verification(folder: Path) -> RunFolderError:
+    """A checkpoint asked for by path that is torn or altered: exit 6, as a resume from it is, with the folder
+    whose good checkpoints to choose from."""
+    return RunFolderError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
+                          hint=f"export a good one: ls {Path(folder).resolve().parent}")
 
 
 def optimizer_state(folder: Path) -> dict:
@@ -610,8 +616,7 @@ def optimizer_state(folder: Path) -> dict:
     without an optimizer to load into (``nam export --with-optimizer``)."""
     manifest = verify(folder)
     if manifest is None:
-        raise NamError(f"checkpoint {folder} failed verification ({inspect(folder)[1]})",
-                       hint=f"export a good one: ls {folder.parent}")
+        raise _failed_verification(folder)
     if not _dcp_format(manifest):
         return load_tensors(folder / "optimizer.pt")
     from nam_core.engine import async_checkpoint as dcp

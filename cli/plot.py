@@ -41,11 +41,11 @@ def pyplot():
 def curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     """Field -> (steps, values) of one run folder's metrics.jsonl, for the fields of ``PANELS``."""
     from nam_core.engine.metrics import read_metrics
-    from nam_core.errors import NamError
+    from nam_core.errors import ConfigError
 
     records = read_metrics(run_dir)
     if not records:
-        raise NamError(f"{run_dir} has no metrics.jsonl records to plot",
+        raise ConfigError(f"{run_dir} has no metrics.jsonl records to plot",
                        hint="point at a run folder that trained at least one step (runs/NAME)")
     lm = "lm_loss" if any("lm_loss" in r for r in records) else "loss"
     out: dict[str, tuple[list[int], list[float]]] = {}
@@ -101,22 +101,22 @@ def plot(
 
 def _check_writable(out_path: Path) -> None:
     """--out names a file in an existing folder (checked before the runs are read and drawn)."""
-    from nam_core.errors import NamError
+    from nam_core.errors import ConfigError
 
     folder = out_path.parent
     if not folder.is_dir():
-        raise NamError(f"cannot write {out_path}: {folder} is not a folder",
+        raise ConfigError(f"cannot write {out_path}: {folder} is not a folder",
                        hint=f"mkdir -p {folder}  (or pass --out in an existing folder)")
     if out_path.is_dir():
-        raise NamError(f"cannot write {out_path}: it is a folder", hint=f"pass --out {out_path / 'nam-plot.png'}")
+        raise ConfigError(f"cannot write {out_path}: it is a folder", hint=f"pass --out {out_path / 'nam-plot.png'}")
 
 
 def _write(out_path: Path, data: bytes) -> None:
-    from nam_core.errors import NamError
+    from nam_core.errors import RunFolderError
     from nam_core.files import write_atomic
 
     try:
         write_atomic(out_path, data)
     except OSError as exc:
-        raise NamError(f"cannot write {out_path}: {exc.strerror or exc}",
+        raise RunFolderError(f"cannot write {out_path}: {exc.strerror or exc}",
                        hint="pass --out in a folder this user can write, with free space") from exc

@@ -89,7 +89,7 @@ def write(out: Path, state: Mapping[str, torch.Tensor], cfg: NAM56RConfig, *, st
     st = safetensors_torch()
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise NamError(f"{out} exists and is not empty", hint="choose another --out, or pass --overwrite")
+        raise ConfigError(f"{out} exists and is not empty", hint="choose another --out, or pass --overwrite")
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()})
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -215,12 +215,12 @@ def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:
         differ = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
         if differ:
             shown = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items())[:6])
-            raise NamError(f"{path} holds another model than this run's ({len(differ)} fields differ: {shown})",
+            raise ConfigError(f"{path} holds another model than this run's ({len(differ)} fields differ: {shown})",
                            hint="train the recipe it was exported from (its config.json 'model'), or --set the "
                                 "fields to match")
         return load_state(path)
     if not path.is_file():
-        raise NamError(f"--init-from {path}: no such export folder or weights file",
+        raise ConfigError(f"--init-from {path}: no such export folder or weights file",
                        hint="nam export RUN_DIR --out DIR, then --init-from DIR")
     return torch.load(path, map_location="cpu", weights_only=True)
 

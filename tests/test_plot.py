@@ -44,7 +44,7 @@ def test_a_tiny_run_and_another_overlaid_to_a_png(tmp_path, tmp_path_factory, ca
 
 
 def test_a_folder_without_metrics_is_an_error(tmp_path, capsys):
-    assert run(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 1
+    assert run(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
     assert "has no metrics.jsonl records to plot" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
@@ -80,7 +80,7 @@ def test_a_plot_that_fails_while_saving_leaves_the_old_png_and_a_missing_folder_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "x.png"]
     monkeypatch.undo()
 
-    assert run(["plot", str(tmp_path), "--out", str(tmp_path / "missing" / "x.png")]) == 1
+    assert run(["plot", str(tmp_path), "--out", str(tmp_path / "missing" / "x.png")]) == 2
     err = capsys.readouterr().err
     assert "is not a folder" in err and "mkdir -p" in err
     assert not (tmp_path / "missing").exists()
@@ -94,5 +94,5 @@ def test_a_run_killed_mid_write_plots_without_its_torn_last_line_and_a_damaged_l
     assert run(["plot", str(tmp_path), "--out", str(png)]) == 0
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
     (tmp_path / "metrics.jsonl").write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
-    assert run(["plot", str(tmp_path), "--out", str(png)]) == 1
+    assert run(["plot", str(tmp_path), "--out", str(png)]) == 4
     assert "metrics.jsonl line 2 is not a JSON record: 'not json'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from nam_core.errors import NamError
+from nam_core.errors import DataError
 from nam_core.files import write_atomic
 
 
@@ -102,7 +102,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
         if isinstance(record, dict):
             records.append(record)
         elif i < len(lines) - 1:
-            raise NamError(f"{path} line {number} is not a JSON record: {line[:80]!r}",
+            raise DataError(f"{path} line {number} is not a JSON record: {line[:80]!r}",
                            hint="the file was edited or damaged; remove that line (a resume rewrites the file "
                                 "up to its checkpoint)")
     return records

@@ -209,6 +209,17 @@ def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:
     state dict file (``torch.save`` of tensors only: the benches' shared initial weights), read with
     ``weights_only=True``. Either engine maps nam56r's names onto its own model from here."""
     path = Path(path)
+    check_init_from(path, cfg)
+    if path.is_dir():
+        return load_state(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def check_init_from(path: Path, cfg: NAM56RConfig) -> None:
+    """What ``initial_weights`` refuses that its config tells without reading a tensor: a path that is neither an
+    export folder nor a file, an export of another model (the fields that differ named). ``nam train`` asks it
+    before anything is activated or written, dry runs included."""
+    path = Path(path)
     if path.is_dir():
         exported, _ = read_config(path)
         ours, theirs = dataclasses.asdict(cfg), dataclasses.asdict(exported)
@@ -216,13 +227,11 @@ def initial_weights(path: Path, cfg: NAM56RConfig) -> dict[str, torch.Tensor]:
         if differ:
             shown = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items())[:6])
             raise ConfigError(f"{path} holds another model than this run's ({len(differ)} fields differ: {shown})",
-                           hint="train the recipe it was exported from (its config.json 'model'), or --set the "
-                                "fields to match")
-        return load_state(path)
-    if not path.is_file():
+                              hint="train the recipe it was exported from (its config.json 'model'), or --set the "
+                                   "fields to match")
+    elif not path.is_file():
         raise ConfigError(f"--init-from {path}: no such export folder or weights file",
-                       hint="nam export RUN_DIR --out DIR, then --init-from DIR")
-    return torch.load(path, map_location="cpu", weights_only=True)
+                          hint="nam export RUN_DIR --out DIR, then --init-from DIR")
 
 
 def load(folder: Path, *, backends=None, device: str | torch.device = "cpu"):

@@ -308,6 +308,10 @@ def build(run: Run, host: PluginHost, engine: Engine, ranks: Ranks = Ranks(), *,
     from nam_core.patches import apply_all
 
     megatron = run.spec.engine == "megatron"
+    if init_from is not None:  # a missing path or another model's export: refused before the self-tests
+        from nam56r.export import check_init_from
+
+        check_init_from(init_from, run.spec.model)
     device = device or run_device(run.spec, index=int(os.environ.get("LOCAL_RANK", "0")) if megatron else 0)
     run = activate(run, host, device)  # PluginActivationError (exit 3) lists every failed check
     mark_phase("self-tests")

@@ -134,14 +134,18 @@ def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
 
 
 def test_init_from_refuses_another_models_export_with_the_fields(trained, tmp_path, capsys):
-    """`nam train --init-from` an export of another model: refused before a step, naming the differing field."""
+    """`nam train --init-from` an export of another model, or a path that is not there: exit 2 before the run
+    folder is written (dry runs refuse it too), naming the differing field."""
     out = tmp_path / "export"
     assert run(["export", str(trained), "--out", str(out)]) == 0
-    code = run(["train", "--run-dir", str(tmp_path / "other"), "--max-steps", "1", "--set", "seq_len=64",
-                "--init-from", str(out), "-q"])
-    err = capsys.readouterr().err
-    assert code != 0 and "seq_len: 32 there, 64 here" in err, err
-    assert not (tmp_path / "other" / "metrics.jsonl").exists()
+    for dry in ([], ["--dry-run"]):
+        code = run(["train", "--run-dir", str(tmp_path / "other"), "--max-steps", "1", "--set", "seq_len=64",
+                    "--init-from", str(out), "-q", *dry])
+        err = capsys.readouterr().err
+        assert code == 2 and "seq_len: 32 there, 64 here" in err, err
+        assert not (tmp_path / "other").exists()
+    code = run(["train", "--run-dir", str(tmp_path / "other"), "--init-from", str(tmp_path / "nowhere"), "--dry-run"])
+    assert code == 2 and "no such export folder or weights file" in capsys.readouterr().err
 
 
 def test_an_export_with_its_optimizer_continues_the_run(tmp_path_factory, tmp_path, capsys):

@@ -364,8 +364,12 @@ def _memory(plan: dict) -> list[str]:
                      f"+ {m['outside_allocator_gib']:.1f} GiB outside the allocator = {need:.1f} GiB")
     if m.get("fits") is not None:
         verdict = "fits" if m["fits"] else "does NOT fit"
+        largest = m["largest_micro_batch"]
         lines.append(f"  {verdict} in {m['capacity_gib']:.1f} GiB; largest micro-batch that fits: "
-                     f"{m['largest_micro_batch']} (--set train.micro_batch_size=N)")
+                     + (f"{largest} (--set train.micro_batch_size=N)" if largest else "none"))
+        if not m["fits"]:
+            lines.append("  (a start is refused only below the lower bound of weights, optimizer and activations; "
+                         "past it, this plan's estimate says the run would run out of memory)")
     elif m.get("capacity_gib"):
         lines.append(f"  device memory: {m['capacity_gib']:.1f} GiB")
     if m.get("one_gpu_check"):

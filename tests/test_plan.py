@@ -69,6 +69,16 @@ def test_nam56r_planned_against_h200_without_a_gpu(capsys, no_cuda, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_nam56r_on_an_h100_does_not_fit_and_the_plan_says_what_that_means(capsys, no_cuda, tmp_path):
+    """Above the lower bound a start refuses, the measured plan may still say it does not fit: exit 0 with the
+    verdict, no micro-batch named as fitting, and a line that says a start would not be refused."""
+    assert run(["train", "--recipe", "nam56r", "--dry-run", "--device-profile", "h100",
+                "--run-dir", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    assert "does NOT fit in 79.2 GiB; largest micro-batch that fits: none" in text
+    assert "a start is refused only below the lower bound" in text
+
+
 def test_megatron_at_ep8_on_h200_gets_the_memory_estimate(capsys, no_cuda):
     from nam56r.memory import largest_mbs, megatron_estimate, parameter_split
     from nam56r.recipes import get_recipe

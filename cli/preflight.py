@@ -43,6 +43,10 @@ def preflight(
                                            engine=engine, device=device, tp=tp, pp=pp, ep=ep, nproc=nproc), host)
         dev = root.run_device(run.spec, profile=device_profile)
         spec, ev = root.evaluate(run, host, dev)
+        if ev.ok:  # as `nam train` after activation: sizes that cannot fit the device, exit 2 with the numbers
+            from nam56r import memory
+
+            memory.check_fits(spec, dev)
         from nam_core.engine.megatron.optimizer import precision_aware
 
         names, notes, dispatcher = list(spec.plugins), list(spec.notes), spec.train.moe_dispatcher

@@ -36,6 +36,7 @@ REFUSALS = [
     (["--plugins", "index-cache", "--set", "index-cache.pattern=SSSSSSSSS"], 3, "index-cache: pattern"),
     (["--plugins", "dualpipev", "--set", "train.schedule=dualpipev"], 3, "dualpipev: engine"),
     (["--device", "cuda"], 3, "no CUDA device is visible"),
+    (["--set", "hidden=16384"], 2, "the run cannot fit cpu"),
 ]
 
 

@@ -122,7 +122,29 @@ def _run(command, argv: list[str] | None) -> int:
             raise
         report(e)
         return e.exit_code
+    except OSError as e:  # a path a person fixes (an --out, a --run-dir, a cache folder): one block, exit 6
+        readable = _path_error(e)
+        if readable is None or os.environ.get("NAM_DEBUG") == "1":
+            raise
+        report(readable)
+        return readable.exit_code
     return 0
+
+
+def _path_error(exc: OSError):
+    """An OSError that names a path and says what a person can fix there (permission, no such folder, read-only,
+    no space, a file where a folder should be) as a RunFolderError (exit 6); None for any other (a traceback)."""
+    import errno
+
+    from nam_core.engine.rundir import _WHY
+    from nam_core.errors import RunFolderError
+
+    why = {**_WHY, errno.ENOENT: "no such file or folder"}.get(exc.errno)
+    if why is None or not exc.filename:
+        return None
+    return RunFolderError(f"cannot use {exc.filename}: {why}",
+                          hint="check that the path's folder exists and this user may write there, or choose another "
+                               "path (NAM_DEBUG=1 shows where it was met)")
 
 
 def main() -> None:

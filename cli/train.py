@@ -163,9 +163,9 @@ def _train(session, folder, resume: str | None, *, held, quiet: bool, again, say
 
     eng, writes, record, steps = session.engine, session.ranks.writes, session.record(), session.run.max_steps
     rundir.check_usable(folder.path)
-    if writes:
-        held.enter_context(folder)
+    if writes:  # the filesystem's errors readable from the folder's creation on (a --run-dir where none can be)
         held.enter_context(rundir.readable_filesystem_errors(folder.path))
+        held.enter_context(folder)
     began = time.monotonic()
     start = folder.claim(record, resume, good=eng.good_checkpoints, resolve=eng.resolve_resume, again=again,
                          max_steps=steps)  # a resume with no step left: exit 2, nothing written

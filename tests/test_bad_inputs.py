@@ -189,3 +189,21 @@ def test_bad_input_is_refused_with_its_exit_code_and_leaves_nothing(flags, code,
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no cache, no temp folder, nothing
     assert not [p for folder in (data["good"].parent, data["file"].parent) for p in folder.rglob("*")
                 if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("argv", [
+    ["data", "prepare", "{src}", "--out", "/proc/nam-test-output"],
+    ["train", "--run-dir", "/proc/nam-test-run", "--max-steps", "1", "-q"],
+])
+def test_an_output_path_that_cannot_be_made_is_one_error_naming_it_exit_6(argv, tmp_path, capsys):
+    """A path a person fixes on the filesystem (here one under /proc, where no folder can be made) is one error
+    block with the path, not a traceback; an OSError without a path stays a traceback (a bug)."""
+    from nam_cli.main import _path_error
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n" * 50)
+    assert run([a.format(src=src) for a in argv]) == 6
+    err = capsys.readouterr().err
+    assert "cannot use /proc/nam-test-" in err and "Traceback" not in err, err
+    assert _path_error(OSError(5, "Input/output error")) is None

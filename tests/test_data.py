@@ -16,7 +16,7 @@ from nam_core.data import prepare as prepare_module
 from nam_core.data.dataset import PackedSequences, open_dataset
 from nam_core.data.prepare import build_stdlib_corpus, prepare, stdlib_files
 from nam_core.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from nam_core.errors import DataError
+from nam_core.errors import ConfigError, DataError
 
 BYTE = ByteTokenizer()
 
@@ -287,7 +287,7 @@ def test_failed_prepare_leaves_nothing(code_folder, tmp_path, monkeypatch):
 
     # an existing dataset is refused, kept intact by a failing overwrite, and replaced by a good one
     prepare(code_folder, out, BYTE, progress=False)
-    with pytest.raises(DataError, match="exists and is not empty") as e:
+    with pytest.raises(ConfigError, match="exists and is not empty") as e:
         prepare(code_folder, out, BYTE, progress=False)
     assert "--overwrite" in e.value.hint
     before = (out / "dataset.json").read_text()
@@ -370,7 +370,7 @@ def test_cli_prepare_and_inspect_json(code_folder, tmp_path, structure_module):
 
     # NamErrors propagate to nam's main, which prints them and sets the exit code
     result = runner.invoke(app, ["prepare", str(code_folder), "--out", str(out), "--no-structure"])
-    assert isinstance(result.exception, DataError) and result.exception.exit_code == 4
+    assert isinstance(result.exception, ConfigError) and result.exception.exit_code == 2  # a command-line choice
 
 
 # ----------------------------------------------------------------------------------------- integrity
@@ -511,7 +511,7 @@ def test_a_prepare_killed_mid_replace_gets_its_old_dataset_back(code_folder, tmp
     prepare(code_folder, out, BYTE, progress=False)
     dead = dead_pid()
     out.rename(tmp_path / f"ds.old-{dead}")
-    with pytest.raises(DataError, match="exists and is not empty"):  # restored, so not overwritten silently
+    with pytest.raises(ConfigError, match="exists and is not empty"):  # restored, so not overwritten silently
         prepare(code_folder, out, BYTE, progress=False)
     assert open_dataset(out).documents == 2 and not (tmp_path / f"ds.old-{dead}").exists()
 

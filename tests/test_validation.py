@@ -71,7 +71,7 @@ def test_a_dataset_without_the_field_holds_nothing_out(tmp_path, src):
 
 
 def test_a_val_fraction_outside_zero_to_one_is_refused(tmp_path, src, capsys):
-    assert run(["data", "prepare", str(src), "--out", str(tmp_path / "ds"), "--val-fraction", "1.0"]) == 4
+    assert run(["data", "prepare", str(src), "--out", str(tmp_path / "ds"), "--val-fraction", "1.0"]) == 2
     assert "--val-fraction 1.0: expected a share of the documents in [0, 1)" in capsys.readouterr().err
     assert not (tmp_path / "ds").exists()
 

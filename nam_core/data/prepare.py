@@ -71,7 +71,7 @@ from nam_core.data.dataset import (
 )
 from nam_core.data.tokenizer import Tokenizer
 from nam_core.engine.rundir import READ_ONLY, disk_full, free_mb, mount_point, unwritable
-from nam_core.errors import DataError, RunFolderError
+from nam_core.errors import ConfigError, DataError, RunFolderError
 
 Annotator = Callable[[str], "list[int]"]
 
@@ -331,11 +331,11 @@ def _documents(source: _Source, skipped: dict[str, int]) -> Iterator[_Document]:
 
 def _check_destination(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} exists and is a file; a prepared dataset is a folder",
-                        hint="choose another --out folder")
+        raise ConfigError(f"--out {out} exists and is a file; a prepared dataset is a folder",
+                          hint="choose another --out folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise DataError(f"--out {out} exists and is not empty; nothing was written",
-                        hint="pass --overwrite to replace it, or choose another --out folder")
+        raise ConfigError(f"--out {out} exists and is not empty; nothing was written",
+                          hint="pass --overwrite to replace it, or choose another --out folder")
 
 
 def _check_writable(out: Path) -> None:
@@ -468,8 +468,8 @@ def _write(
 ) -> PrepareSummary:
     started = time.perf_counter()
     if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction {val_fraction}: expected a share of the documents in [0, 1)",
-                        hint="e.g. --val-fraction 0.01 holds out 1% of the documents for validation")
+        raise ConfigError(f"--val-fraction {val_fraction}: expected a share of the documents in [0, 1)",
+                          hint="e.g. --val-fraction 0.01 holds out 1% of the documents for validation")
     _check_writable(out)
     cleaned = _clean_leftovers(out)
     _check_destination(out, overwrite)

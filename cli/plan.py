@@ -283,8 +283,10 @@ def writes_section(spec, run_dir: Path | None, data: Path | None) -> dict:
     corpus = (f"reads {data} (prepared by `nam data prepare`)" if data is not None else
               f"the Python standard library corpus, prepared once into {cache} and reused")
     writes = {"run_dir": str(folder), "run_files": files, "data": corpus}
-    if train.device == "cuda":
-        writes["kernel_caches"] = f"{cache}/tilelang, {cache}/triton (compiled once per shape, reused)"
+    if train.device == "cuda":  # TileLang's, Triton's and inductor's: nam's folder, or where the user pointed one
+        from nam_core.cache import planned_kernel_caches
+
+        writes["kernel_caches"] = f"{', '.join(planned_kernel_caches())} (compiled once per shape, reused)"
     return writes
 
 

@@ -30,6 +30,17 @@ otherwise is kept out of the list, as mimo-scan's ``PER_HEAD_CONFIGS``). Triton 
 decorated, so this too must be set before the plugins import their kernels."""
 
 
+_AT_START = {var: os.environ.get(var) for var in KERNEL_CACHES}
+"""The kernel-cache variables as the process found them (the user's), before any compiler set its own default
+(importing ``torch._inductor`` sets ``TORCHINDUCTOR_CACHE_DIR`` to ``/tmp/torchinductor_<user>``)."""
+
+
+def planned_kernel_caches() -> list[str]:
+    """Where a run started now puts each kernel compiler's cache (``use_kernel_caches``, which runs before any
+    plugin loads): the user's own location, else its folder under ``cache_dir()``. The dry-run plan shows it."""
+    return [_AT_START[var] or str(cache_dir() / sub) for var, sub in KERNEL_CACHES.items()]
+
+
 def cache_dir() -> Path:
     """``$NAM_CACHE_DIR``, else ``~/.cache/nam``."""
     return Path(os.environ.get("NAM_CACHE_DIR") or Path.home() / ".cache" / "nam")

@@ -55,7 +55,7 @@ def test_the_json_plan_carries_the_model_numbers(capsys, monkeypatch):
     assert plan["checked_on_hardware"] and plan["device_profile"] is None
 
 
-def test_nam56r_planned_against_h200_without_a_gpu(capsys, no_cuda, tmp_path):
+def test_nam56r_planned_against_h200_without_a_gpu(capsys, no_cuda, tmp_path, monkeypatch):
     assert run(["train", "--recipe", "nam56r", "--dry-run", "--device-profile", "h200",
                 "--run-dir", str(tmp_path / "run")]) == 0
     text = capsys.readouterr().out
@@ -67,6 +67,15 @@ def test_nam56r_planned_against_h200_without_a_gpu(capsys, no_cuda, tmp_path):
     assert "    mamba       2.31B params: weights   4.3 GiB, grads   4.3 GiB, optimizer  25.9 GiB, activations" in text
     assert "fits in 139.8 GiB; largest micro-batch that fits: 3" in text  # fp32-master, no recompute
     assert not (tmp_path / "run").exists()
+    # the kernel caches where the run will put them: inductor's too, in nam's folder (importing torch._inductor,
+    # as the plan does, sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default; the run points it at nam's first)
+    from nam_core import cache
+
+    monkeypatch.setattr(cache, "_AT_START", dict.fromkeys(cache.KERNEL_CACHES))  # none set by the user
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_someone")
+    assert run(["train", "--recipe", "nam56r", "--dry-run", "--device-profile", "h200"]) == 0
+    caches = ", ".join(str(cache.cache_dir() / sub) for sub in ("tilelang", "triton", "inductor"))
+    assert f"kernel caches: {caches} (compiled once per shape, reused)" in capsys.readouterr().out
 
 
 def test_nam56r_on_an_h100_does_not_fit_and_the_plan_says_what_that_means(capsys, no_cuda, tmp_path):

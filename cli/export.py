@@ -117,20 +117,31 @@ def _megatron_optimizer(folder: Path, named: list, state: dict, cfg, numerics: s
     return ExportedOptimizer(step=int(step), numerics=numerics, dtype=dtype, state=out)
 
 
-def _tokenizer(record: dict, spec: str | None) -> tuple[dict, Path | None]:
+def _tokenizer(record: dict, spec: str | None, vocab_size: int) -> tuple[dict, Path | None]:
     """The tokenizer's description and its tokenizer.json (None for the byte tokenizer): ``--tokenizer`` when
-    given, else what the run's dataset was prepared with."""
+    given, else what the run's dataset was prepared with, if that dataset is still the one the run recorded
+    (its files' sha256: data prepared again under the same path may have another tokenizer). Either way its ids
+    must fit the model's ``vocab_size``."""
+    from nam_core.data.dataset import identity
     from nam_core.data.tokenizer import load_tokenizer, tokenizer_from_description
     from nam_core.errors import ConfigError
 
     if spec is not None:
         tok = load_tokenizer(spec)
     else:
-        manifest = Path(record.get("data") or "") / "dataset.json"
-        if not record.get("data") or not manifest.is_file():  # no corpus recorded: rows a test or bench made
-            raise ConfigError(f"the run's dataset ({record.get('data')}) is not there to read its tokenizer from",
+        data = record.get("data")
+        manifest = Path(data or "") / "dataset.json"
+        if not data or not manifest.is_file():  # no corpus recorded: rows a test or bench made
+            raise ConfigError(f"the run's dataset ({data}) is not there to read its tokenizer from",
                               hint="name it: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
+        if record.get("dataset") is not None and identity(data) != record["dataset"]:
+            raise ConfigError(f"the run's dataset {data} changed since the run trained on it (its files' sha256 "
+                              "differ from the run's record): its tokenizer may not be the one the model learned",
+                              hint="name the run's tokenizer: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
         tok = tokenizer_from_description(json.loads(manifest.read_text())["tokenizer"])
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} ids; the model's vocabulary has {vocab_size}",
+                          hint="export with the tokenizer the run was trained with (--tokenizer)")
     desc = tok.describe()
     return desc, Path(desc["path"]) if desc.get("kind") == "huggingface" else None
 
@@ -156,7 +167,7 @@ def export(
     state, manifest, engine = _model_state(folder)
     record = manifest.get("record", {})
     cfg = _model_config(folder, manifest)
-    desc, tok_file = _tokenizer(record, tokenizer)
+    desc, tok_file = _tokenizer(record, tokenizer, cfg.vocab_size)
     source = {"checkpoint": str(folder.resolve()), "recipe": record.get("recipe"), "engine": engine}
     if "layout" in manifest:
         source["layout"] = manifest["layout"]

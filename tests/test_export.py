@@ -124,6 +124,29 @@ def test_a_torn_local_checkpoint_is_refused_exit_6_naming_where_the_good_ones_ar
     assert "NAM_DEBUG" not in err and not (tmp_path / "export").exists()
 
 
+def test_the_tokenizer_is_not_taken_from_a_dataset_changed_since_the_run(trained, tmp_path, capsys):
+    """The run recorded its dataset's sha256; data prepared again under that path may carry another tokenizer, so
+    the export asks for --tokenizer instead of writing the new one. A tokenizer with more ids than the model's
+    vocabulary is refused too."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    manifest_file = run_dir / "checkpoints" / "step-00000002" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())  # the run's record, as the checkpoint keeps it
+    manifest["record"]["dataset"]["sha256"]["tokens.bin"] = "0" * 64  # what the run read is not what is there now
+    manifest_file.write_text(json.dumps(manifest))
+    assert run(["export", str(run_dir), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "changed since the run trained on it" in err and "--tokenizer byte" in err, err
+    assert not (tmp_path / "a").exists()
+    assert run(["export", str(run_dir), "--out", str(tmp_path / "b"), "--tokenizer", "byte"]) == 0
+    manifest["record"]["model"]["vocab_size"] = 200
+    manifest_file.write_text(json.dumps(manifest))
+    assert run(["export", str(run_dir), "--out", str(tmp_path / "c"), "--tokenizer", "byte"]) != 0
+    assert "the tokenizer has 257 ids; the model's vocabulary has 200" in capsys.readouterr().err
+
+
 def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
     assert run(["export", str(tmp_path), "--out", str(tmp_path / "export")]) == 2
     err = capsys.readouterr().err

@@ -110,7 +110,8 @@ class NAM56RConfig:
     bench/results/glue.md ranks measured slower compiled (gated SwiGLU 0.47x, the MIMO backward's group sums
     0.50x: ``mamba-ssm.group_sums=compiled`` still asks for those) and stay eager. Off until measured on the full
     model (``bench/glue.py`` times each region; ``bench/megatron.py throughput --train-set compile_glue=true`` the
-    step). No fall-back: without inductor on the device, one ``CannotRunHere``."""
+    step). No fall-back: without inductor on the device, one ``CannotRunHere``; with another MoE backend, which
+    reads none of it, a ConfigError."""
 
     # --- MoE --------------------------------------------------------------------------------------
     num_experts: int = bounded(16, ge=1, aka=("experts", "n_experts", "n_routed_experts", "num_moe_experts"))
@@ -178,6 +179,9 @@ class NAM56RConfig:
              lambda c: c.mamba_dt_min <= c.mamba_dt_max),
         Rule(("moe_topk", "num_experts"), "moe_topk <= num_experts (a token is routed to moe_topk of the experts)",
              lambda c: c.moe_topk <= c.num_experts),
+        Rule(("compile_glue", "moe_backend"), "compile_glue with moe_backend=grouped (what it compiles is the "
+             "grouped-moe experts' row sums; the other MoE backends would run as without it)",
+             lambda c: not c.compile_glue or c.moe_backend == "grouped"),
         Rule(("qk_rope_dim", "index_head_dim"), "min(qk_rope_dim, index_head_dim) even (the indexer rotates "
              "that many channels in pairs)", lambda c: min(c.qk_rope_dim, c.index_head_dim) % 2 == 0),
         Rule(("pattern", "ngram_orders"), "at least one n-gram order when the pattern starts with R (the "

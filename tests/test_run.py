@@ -37,6 +37,7 @@ REFUSALS = [
     (["--plugins", "dualpipev", "--set", "train.schedule=dualpipev"], 3, "dualpipev: engine"),
     (["--device", "cuda"], 3, "no CUDA device is visible"),
     (["--set", "hidden=16384"], 2, "the run cannot fit cpu"),
+    (["--set", "compile_glue=true"], 2, "expected compile_glue with moe_backend=grouped"),
 ]
 
 

@@ -120,6 +120,12 @@ def train(
     eng = engine_for(run.spec.engine)
     ranks = eng.start(run.spec, dry_run=dry_run, relaunch=_relaunch)
     folder = rundir.RunFolder(run_dir or Path("runs") / run.spec.recipe)
+    if dry_run:  # what a start refuses before writing, that a plan checks too: the folder's kind, the data's
+        from nam_core.data.dataset import check_prepared
+
+        rundir.check_usable(folder.path)
+        if data is not None:
+            check_prepared(data)
     with contextlib.ExitStack() as held:  # what the run holds (the folder's lock, the early check) goes on any exit
         ahead = None
         if resume is not None and not dry_run:  # the checkpoints' sha256 overlaps the self-tests (_verify_ahead)

@@ -207,3 +207,20 @@ def test_an_output_path_that_cannot_be_made_is_one_error_naming_it_exit_6(argv, 
     err = capsys.readouterr().err
     assert "cannot use /proc/nam-test-" in err and "Traceback" not in err, err
     assert _path_error(OSError(5, "Input/output error")) is None
+
+
+@pytest.mark.parametrize("case", ["data", "run-dir"])
+def test_a_dry_run_refuses_missing_data_and_a_file_as_run_folder_as_a_start_does(case, tmp_path, capsys):
+    """The plan named data that is not there and a run folder that cannot be one, exit 0; a start refuses both
+    before writing (4 and 6): the dry run now does too, with the same words."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    flags = ["--data", str(tmp_path / "nowhere"), "--run-dir", str(tmp_path / "run")] if case == "data" else \
+        ["--run-dir", str(blocker)]
+    codes, errors = [], []
+    for dry in (["--dry-run"], []):
+        codes.append(run(["train", "--max-steps", "1", "-q", *flags, *dry]))
+        errors.append(capsys.readouterr().err)
+    assert codes == [4, 4] if case == "data" else codes == [6, 6]
+    assert errors[0] == errors[1] and "error: " in errors[0], errors
+    assert not (tmp_path / "run").exists()

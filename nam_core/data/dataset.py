@@ -194,6 +194,12 @@ def held_out(documents: int, count: int) -> np.ndarray:
     return (2 * np.arange(count, dtype=np.int64) + 1) * documents // (2 * count) if count else np.zeros(0, np.int64)
 
 
+def check_prepared(path: str | Path) -> None:
+    """DataError (exit 4) unless ``path`` holds a readable manifest of this nam's format: what ``open_dataset``
+    refuses first, without reading a token (``nam train --dry-run --data DIR``)."""
+    _load_manifest(Path(path).expanduser())
+
+
 def _load_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST
     if path.exists() and not path.is_dir():

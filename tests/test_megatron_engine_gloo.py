@@ -527,3 +527,17 @@ def test_checkpoints_on_the_training_thread_resume_the_same(tmp_path, ep2):
     on_thread, _ = megatron_checkpoint.model_tensors(tmp_path / "sync" / "checkpoints" / "step-00000004")
     assert background.keys() == on_thread.keys() and len(background) > 5
     assert all(torch.equal(background[k], on_thread[k]) for k in background)
+
+
+def test_a_resume_may_change_the_learning_rate_and_the_weight_decay(tmp_path):
+    """train.lr and train.weight_decay are fields a resume may change (and the NaN guard's hint asks for a lower
+    lr): Megatron-Core 0.19 pairs the saved param groups with this run's by their max_lr, min_lr and start_wd, so
+    such a resume stopped on a KeyError. bf16 with its fp32 groups (their own start_wd): the resume runs, and
+    step 3 runs at twice the lr the uninterrupted run had there (the same point of the schedule)."""
+    first = ["--dtype", "bfloat16", "--set=train.weight_decay=0.1"]
+    full = _run(tmp_path, "run", "megatron", *first)
+    resumed = _run(tmp_path, "run", "megatron", *first, "--set=train.lr=0.006", "--set=train.weight_decay=0.05",
+                   "--resume", str(tmp_path / "run" / "checkpoints" / "step-00000002"))
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert resumed[2]["lr"] == pytest.approx(2 * full[2]["lr"], rel=1e-12), (resumed[2], full[2])
+    assert resumed[:2] == full[:2]  # what came before the checkpoint is kept as it was

@@ -582,14 +582,15 @@ def resolve_resume(spec: str, ckpt_root: Path, *, warn: Callable[[str], None] | 
 
 
 def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phases: dict | None = None,
-                    notes: list | None = None) -> dict:
+                    notes: list | None = None, train=None) -> dict:
     """Restore the model chunks, optimizer and per-rank RNG from ``folder``; refuse another parallel layout.
     Needs the engine's patch lane in force (torch AdamW's state before a load and its steps after one; Megatron's
     reader made to read the files side by side). The gradient buffers are freed during the load; with Megatron's
     precision-aware optimizer the optimizer's state is made once, by Megatron's load, and its load targets stay on
     the GPU when the memory allows, else go to host memory (``targets_stay``; the comment below says why and how
     much). ``phases``, when given, gets the seconds of each part (``LOAD_PHASES``); ``notes`` gets where the
-    targets went and why: both for the run log."""
+    targets went and why: both for the run log. ``train``: this run's TrainConfig, whose lr, min_lr_ratio and
+    weight_decay (fields a resume may change) the loaded param groups take (``this_runs_schedule``)."""
     from megatron.core import dist_checkpointing
 
     clock = _Phases(phases)
@@ -622,6 +623,8 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phas
             for i, model in enumerate(models):
                 unwrap(model).load_state_dict(state["model"] if len(models) == 1 else state["model"][f"model{i}"])
             clock.lap("model")
+            if train is not None:
+                this_runs_schedule(state["optimizer"], before=(manifest.get("record") or {}).get("train"), now=train)
             optimizer.load_state_dict(state["optimizer"])
             clock.lap("optimizer")
         del state
@@ -629,6 +632,42 @@ def load_checkpoint(folder: Path, models: list, optimizer, *, layout: dict, phas
     files.set_rng_state(files.load_tensors(rng), source=rng)
     clock.lap("rest")
     return manifest
+
+
+SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+"""Param-group fields that nam's resumable train fields set (``max_lr`` = lr, ``min_lr`` = lr * min_lr_ratio,
+``start_wd`` / ``end_wd`` = weight_decay, as ``optimizer.build_optimizer`` and the fp32 groups' override ask) and
+that Megatron-Core 0.19's ``DistributedOptimizer.load_state_dict`` matches saved groups to this run's by
+(``param_group_identifier_keys``): a resume with another lr or weight decay found no saved group and stopped on
+a KeyError."""
+
+
+def this_runs_schedule(saved, *, before: dict | None, now) -> None:
+    """In place, the loaded optimizer state's param groups with this run's ``SCHEDULE_KEYS`` values: each value
+    the checkpoint's run set from its train config (``before``, the manifest's record) becomes the one this run
+    sets from ``now``, so Megatron pairs the groups as if nothing changed; nam sets lr and weight decay itself at
+    every step, so nothing else reads them. Values nam did not set (None, another multiplier) are left."""
+    if not before:
+        return
+    old = {"max_lr": before["lr"], "min_lr": before["lr"] * before["min_lr_ratio"],
+           "start_wd": before["weight_decay"], "end_wd": before["weight_decay"]}
+    new = {"max_lr": now.lr, "min_lr": now.lr * now.min_lr_ratio, "start_wd": now.weight_decay,
+           "end_wd": now.weight_decay}
+
+    def groups(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("param_groups"), list):
+                yield from node["param_groups"]
+            for value in node.values():
+                yield from groups(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                yield from groups(value)
+
+    for group in groups(saved):
+        for key in SCHEDULE_KEYS:
+            if group.get(key) is not None and group[key] == old[key]:
+                group[key] = new[key]
 
 
 LOAD_PHASES = ("check", "targets", "read", "model", "optimizer", "rest")

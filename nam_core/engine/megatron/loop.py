@@ -222,7 +222,7 @@ def _start(run: EngineRun, patch_reports: list) -> _Session:
         loading = time.perf_counter()
         with _load_peak() as peak:
             start = checkpoint.load_checkpoint(run.resume_from, models, opt, layout=layout, phases=phases,
-                                               notes=load_notes)["step"]
+                                               notes=load_notes, train=tc)["step"]
         loading = time.perf_counter() - loading
         load_peak = f", peak GPU memory {peak['gib']:.1f} GiB" if peak else ""
         load_peak += "; " + ", ".join(f"{k} {phases[k]:.1f}" for k in checkpoint.LOAD_PHASES if k in phases) + " s"

@@ -134,7 +134,8 @@ def _tokenizer(record: dict, spec: str | None, vocab_size: int) -> tuple[dict, P
         if not data or not manifest.is_file():  # no corpus recorded: rows a test or bench made
             raise ConfigError(f"the run's dataset ({data}) is not there to read its tokenizer from",
                               hint="name it: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")
-        if record.get("dataset") is not None and identity(data) != record["dataset"]:
+        recorded = record.get("dataset")
+        if recorded is not None and {k: v for k, v in identity(data).items() if k in recorded} != recorded:
             raise ConfigError(f"the run's dataset {data} changed since the run trained on it (its files' sha256 "
                               "differ from the run's record): its tokenizer may not be the one the model learned",
                               hint="name the run's tokenizer: --tokenizer byte, or --tokenizer PATH/TO/tokenizer.json")

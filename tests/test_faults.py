@@ -471,6 +471,29 @@ def test_a_resume_on_other_data_under_the_same_path_is_refused_with_the_files_th
     assert (run_dir / rundir.HISTORY).read_text() == history  # nothing written
 
 
+def test_a_resume_on_the_same_files_split_otherwise_is_refused(tmp_path, corpus, base, capsys):
+    """`nam data prepare --val-fraction` changes which documents train, not the files' bytes: a run recorded
+    its split, and a resume on the same data held out otherwise (held-out documents it trained on, or trained
+    documents now held out) is refused; a record from before the split was recorded resumes as before."""
+    from nam_core.data.dataset import identity
+
+    run_dir = copy_base(base, tmp_path)
+    held = identity(corpus)["validation_documents"]
+    for path in [run_dir / "config.json", *(run_dir / "checkpoints").glob("step-*/manifest.json")]:
+        body = json.loads(path.read_text())
+        record = body if path.name == "config.json" else body["record"]
+        record["dataset"]["validation_documents"] = held + 7  # trained on another split of the same files
+        path.write_text(json.dumps(body))
+    assert run(args(run_dir, corpus, "--max-steps", "5", "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert f"(validation_documents: {held + 7} -> {held})" in err, err
+
+    from nam_core.engine.rundir import split_changes
+
+    old = {"dataset": {k: v for k, v in identity(corpus).items() if k != "validation_documents"}}
+    assert split_changes(old, {"dataset": identity(corpus)}) == ({}, [])  # recorded before 2026-12-08
+
+
 def test_resume_auto_follows_the_branch_of_the_last_start_and_says_so(tmp_path, corpus, base, capsys):
     """Base: steps 1-4, checkpoints 2 and 4. A resume from step 2 is a new branch (its step 3 is not base's);
     --resume auto afterwards takes that branch's step-3, not base's newer step-4."""

@@ -353,11 +353,13 @@ def open_dataset(path: str | Path, *, verify_all: bool = False, progress: bool |
 
 
 def identity(path: str | Path) -> dict:
-    """What makes two prepared datasets the same data: the sha256 of every file, and the counts. A run records
-    it, so a resume on data replaced under the same path is refused (rundir.plan)."""
+    """What makes two prepared datasets the same data: the sha256 of every file, the counts, and the
+    validation split (``validation_documents``: prepared again with another ``--val-fraction``, the files are
+    the same bytes but other documents train). A run records it, so a resume on data replaced under the same
+    path, or split otherwise, is refused (rundir.plan)."""
     manifest = _load_manifest(Path(path).expanduser())
     return {"sha256": dict(sorted(manifest["sha256"].items())), "documents": manifest["documents"],
-            "tokens": manifest["tokens"]}
+            "tokens": manifest["tokens"], "validation_documents": int(manifest.get("validation_documents", 0))}
 
 
 def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str, str]:

@@ -369,13 +369,23 @@ def _listed(diffs: list[tuple[str, object, object]]) -> str:
     return "; ".join(lines[:5]) + (" ..." if len(lines) > 5 else "")
 
 
+def _short(value) -> str:
+    """A recorded value for a one-line difference: a sha256 cut to its first 12 characters."""
+    text = str(value)
+    return text if len(text) <= 12 else text[:12] + "..."
+
+
 def split_changes(old: dict, new: dict) -> tuple[dict, list[tuple[str, object, object]]]:
     """The differences between two run records: ``({field: [old, new]} a resume may make, the others)``.
     ``branch`` is where a start sits in the run's lineage, not what the run is; ``dataset`` (the data's
-    checksums) is compared only when the old record has it (runs recorded before 2026-11-25 do not)."""
+    checksums) is compared only when the old record has it (runs recorded before 2026-11-25 do not), and its
+    validation split only when the old record has that (runs recorded before 2026-12-08 do not)."""
     allowed, refused = {}, []
+    split_recorded = "validation_documents" in (old.get("dataset") or {})
     for key, a, b in record_diff(old, new):
         if key == "branch" or (key.startswith("dataset") and "dataset" not in old):
+            continue
+        if key == "dataset.validation_documents" and not split_recorded:
             continue
         if key in RESUMABLE:
             allowed[key] = [a, b]
@@ -636,7 +646,7 @@ def _refuse_other_data(run_dir: Path, refused: list, record: dict) -> None:
     path, or --data names other data): refused with the files that differ."""
     data = [(k, a, b) for k, a, b in refused if k.startswith("dataset.")]
     if data:
-        lines = "; ".join(f"{k.removeprefix('dataset.')}: {str(a)[:12]}... -> {str(b)[:12]}..." for k, a, b in data[:4])
+        lines = "; ".join(f"{k.removeprefix('dataset.')}: {_short(a)} -> {_short(b)}" for k, a, b in data[:4])
         raise ConfigError(f"--resume: the data at {record.get('data')} is not the data run folder {run_dir} was "
                           f"trained on ({lines})",
                           hint="resume on the data it was trained on (prepare it again from the same source, or "

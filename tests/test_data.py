@@ -168,6 +168,29 @@ def test_hf_tokenizer_prepares_with_offsets(tmp_path):
         load_tokenizer(str(tmp_path / "tokenizer.json"), eod_token="<nope>")
 
 
+def test_hf_tokenizer_encodes_each_document_whole_and_as_text(tmp_path):
+    """A tokenizer.json saved with truncation and padding on encodes a document whole and without pad ids; the
+    end-of-document token's string inside a document is text (not a boundary); a lone surrogate (valid JSON) is
+    "?" as the byte tokenizer makes it, not a crash; ids above the count of entries size the vocabulary."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "<|endoftext|>": 1, "a": 2, "b": 3, "?": 4, "<": 5, "|": 6, ">": 7, "endoftext": 8,
+             "far": 70000}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    pre = tokenizers.pre_tokenizers
+    tok.pre_tokenizer = pre.Sequence([pre.WhitespaceSplit(), pre.Punctuation()])
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.enable_truncation(max_length=2)
+    tok.enable_padding(length=12, pad_id=1, pad_token="<|endoftext|>")
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    hf = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert hf.encode("a b a b a").tolist() == [2, 3, 2, 3, 2]  # whole, no pad ids
+    assert hf.encode("a <|endoftext|> b").tolist() == [2, 5, 6, 8, 6, 7, 3]  # no eod (1) inside
+    ids, starts = hf.encode_with_offsets("a \ud800b")
+    assert ids.tolist() == [2, 4, 3] and starts.tolist() == [0, 2, 3]
+    assert hf.vocab_size == 70001 and hf.encode("far").tolist() == [70000]
+
+
 def test_open_dataset_refuses_damage(code_folder, tmp_path):
     out = tmp_path / "ds"
     prepare(code_folder, out, BYTE, progress=False)

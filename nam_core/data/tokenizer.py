@@ -103,9 +103,18 @@ class HFTokenizer:
                 f"{self.path} is not a readable Hugging Face tokenizer.json: {e}",
                 hint="pass the tokenizer.json of a Hugging Face model, or --tokenizer byte",
             ) from e
+        # a document is encoded whole and as text: a tokenizer.json may carry truncation or padding settings
+        # (they cut documents or write pad ids into the data), and a special token's string inside a document
+        # (code that prints "<|endoftext|>") is text, not a document boundary in the middle of it
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self._tok.encode_special_tokens = True
         self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
         self.name = f"hf-{self.sha256[:12]}"  # content-addressed, so caches keyed by name stay honest
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # ids need not be dense: the largest id, not the count of entries, decides the vocabulary (and the dtype
+        # the ids are stored in: a count below 2**16 with an id above it wrapped in uint16)
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.eod_token, self.eod = self._find_eod(eod_token)
 
     def _find_eod(self, eod_token: str | None) -> tuple[str, int]:
@@ -127,10 +136,10 @@ class HFTokenizer:
         )
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        return np.asarray(self._tok.encode(_encodable(text), add_special_tokens=False).ids, dtype=np.int64)
 
     def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        enc = self._tok.encode(text, add_special_tokens=False)
+        enc = self._tok.encode(_encodable(text), add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)
         # offsets are (start, end) character positions in the Python string; a zero-width token at the
         # very end would point one past the last character, so clamp it onto the last one.
@@ -182,3 +191,13 @@ def tokenizer_from_description(desc: dict) -> Tokenizer:
         f"unknown tokenizer kind {kind!r} in a dataset manifest (expected 'byte' or 'huggingface')",
         hint="prepare the dataset again with this nam: nam data prepare SRC --out PATH",
     )
+
+
+def _encodable(text: str) -> str:
+    """``text`` with each lone surrogate (valid in JSON, not in UTF-8) as "?", as the byte tokenizer writes it, so
+    character offsets still index ``text`` (one character for one); the Rust tokenizer refuses such a string."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")

@@ -470,6 +470,14 @@ def test_a_dataset_without_bin_checksums_is_refused_until_they_are_recorded(code
     assert set(json.loads(result.stdout)["sha256"]) == {"tokens.bin", "structure.bin"}
     assert open_dataset(out).integrity["tokens.bin"]["hashed"] is False  # checksum stamped what it hashed
 
+    # a .bin whose checksum is recorded is checked against it, never recorded again: a changed one stays refused
+    assert CliRunner().invoke(app, ["checksum", str(out), "--json"]).exit_code == 0  # nothing missing, all match
+    flip_byte(out / "tokens.bin")
+    result = CliRunner().invoke(app, ["checksum", str(out)])
+    assert isinstance(result.exception, DataError) and "tokens.bin is corrupt or was changed" in str(result.exception)
+    with pytest.raises(DataError, match="tokens.bin is corrupt or was changed"):
+        open_dataset(out)
+
 
 def test_inspect_verify_rehashes_and_reports_json(code_folder, tmp_path):
     from typer.testing import CliRunner

@@ -366,8 +366,9 @@ def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str
     """Record the sha256 of every .bin in an older dataset's manifest (``nam data checksum``); returns them.
 
     The files are trusted as they are now, except that ids above the manifest's largest are refused: those
-    bytes are already damaged. Everything else ``open_dataset`` checks (the .idx hashes, sizes, counts) must
-    pass first. The manifest is replaced atomically."""
+    bytes are already damaged, and so is a .bin whose sha256 the manifest records and that no longer matches it
+    (it is checked, never recorded again). Everything else ``open_dataset`` checks (the .idx hashes, sizes,
+    counts) must pass first. The manifest is replaced atomically."""
     from nam_core.data.integrity import record, scan
 
     path = Path(path).expanduser()
@@ -385,6 +386,12 @@ def add_checksums(path: str | Path, *, progress: bool | None = True) -> dict[str
         digest, largest = scan(path / name, np.dtype(dtype), progress=progress)
         if allowed is not None:
             _check_largest(path, name, largest, int(allowed), what)
+        if name in manifest["sha256"]:
+            if manifest["sha256"][name] != digest:
+                raise DataError(f"{path / name} is corrupt or was changed since it was prepared (its sha256 is not "
+                                "the one the manifest records); nam data checksum records missing checksums only",
+                                hint=f"{_prepare_hint(path)} --overwrite")
+            continue
         added[name] = (digest, largest, np.dtype(dtype))
     manifest["sha256"] = {**manifest["sha256"], **{name: digest for name, (digest, _, _) in added.items()}}
     write_json_atomic(path / MANIFEST, manifest, sort_keys=True)

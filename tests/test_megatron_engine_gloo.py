@@ -541,3 +541,34 @@ def test_a_resume_may_change_the_learning_rate_and_the_weight_decay(tmp_path):
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert resumed[2]["lr"] == pytest.approx(2 * full[2]["lr"], rel=1e-12), (resumed[2], full[2])
     assert resumed[:2] == full[:2]  # what came before the checkpoint is kept as it was
+
+
+def test_a_non_finite_step_keeps_the_checkpoint_that_was_being_written(tmp_path):
+    """Checkpoints every 2 steps, written in the background; step 3's loss is NaN: the guard stops the run, and
+    step 2's save, still in flight when the guard fired, is finished and named as the one to resume from (it
+    was left as a hidden .tmp folder, and the error said none was kept)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([*launcher, str(WORKER), "megatron", str(run_dir), "4", "--non-finite-at", "2"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    kept = run_dir / "checkpoints" / "step-00000002"
+    assert f"non-finite loss at step 2" in proc.stderr and f"last good checkpoint is kept: {kept}" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert megatron_checkpoint.inspect(kept)[0] is not None
+    assert not list((run_dir / "checkpoints").glob(".step-*"))
+
+
+def test_a_stop_during_the_start_trains_no_step_and_writes_no_checkpoint(tmp_path):
+    """SIGTERM while the model is built or the checkpoint loads (a preemption then): the run stops before a
+    step, as the local engine does, where it trained one more step and wrote a checkpoint of it."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([*launcher, str(WORKER), "megatron", str(run_dir), "4", "--stop-after-start"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM after step 0 of 4" in proc.stderr, proc.stderr[-3000:]
+    assert not (run_dir / "checkpoints").is_dir() or not list((run_dir / "checkpoints").glob("*step-*"))
+    assert read_metrics(run_dir) == []

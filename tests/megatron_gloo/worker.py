@@ -90,6 +90,30 @@ def megatron_run(args, recipe) -> None:
     registries; the lowering made from the registered schedule), the host's lifecycle hooks; the worker's own
     rows in place of the corpus."""
     _install_double(fused_adam=args.precision_aware_stand_in)
+    if args.non_finite_at is not None:  # the step's loss as the guard sees it: NaN at that step (0-based)
+        from nam_core.engine.megatron import loop
+
+        real, calls = loop._step_means, []
+
+        def poisoned(run, s, losses):
+            means, notes = real(run, s, losses)
+            calls.append(None)
+            return ({**means, "loss": float("nan")} if len(calls) - 1 == args.non_finite_at else means), notes
+
+        loop._step_means = poisoned
+    if args.stop_after_start:  # SIGTERM as the model's build and the checkpoint's load end (a preemption then)
+        import signal
+
+        from nam_core.engine.megatron import loop
+
+        started = loop._start
+
+        def start_then_stop(*a, **kw):
+            session = started(*a, **kw)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return session
+
+        loop._start = start_then_stop
     if args.fused_adam_stand_in or args.precision_aware_stand_in:
         import fused_adam  # this folder is on sys.path: the script runs from it
 
@@ -230,6 +254,10 @@ def main() -> None:
                     help="megatron runs: a resume finds room on the device for the optimizer's load targets "
                          "(checkpoint.targets_stay keeps them there; without this flag the CPU run has no GPU "
                          "and they go to host memory)")
+    ap.add_argument("--non-finite-at", type=int, default=None,
+                    help="megatron runs from step 0: the loss of this step (0-based) is NaN where the guard reads it")
+    ap.add_argument("--stop-after-start", action="store_true",
+                    help="megatron runs: SIGTERM to this process right after the engine's start (build, load)")
     ap.add_argument("command", nargs="*", help="cli: the nam command after --")
     args = ap.parse_args()
     run = {"megatron": megatron_run, "local": local_run, "grads": grads_run, "cli": cli_run}[args.engine]

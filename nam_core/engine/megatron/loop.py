@@ -86,6 +86,10 @@ def train(run: EngineRun) -> dict:
     with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)
         mark_phase("engine")
+        if signum := _agreed_stop(stop):  # stopped while the model was built or the checkpoint loaded: no step
+            if s.log is not None:
+                s.log.close()
+            raise _stopped(run, signum, s.start, s.last_good)
         try:
             for step in range(s.start, run.max_steps):
                 ctx = run.context(step, parameters=s.parameters, note=s.note)
@@ -344,6 +348,8 @@ def _guard(step: int, update_ok: bool, loss: float, grad_norm: float, s: _Sessio
     if update_ok and math.isfinite(loss) and math.isfinite(grad_norm):
         return
     what = "loss" if not math.isfinite(loss) else "gradient norm"
+    if s.saves is not None:  # a save in flight is of a good step: finished, it is the one to resume from
+        s.last_good = s.saves.wait() or s.last_good
     raise TrainingGuardError(
         f"non-finite {what} at step {step} (rank {torch.distributed.get_rank()}: first non-finite is "
         f"{_first_non_finite(s.models)}); the optimizer already applied this step, so nothing "

@@ -145,8 +145,9 @@ class TrainConfig:
     """Megatron engine: gradients accumulate and reduce in fp32 buffers (Megatron DDP's ``grad_reduce_in_fp32``; 4
     bytes per parameter). ``false`` keeps them in the parameters' dtype (bf16: 2 bytes, as the local engine's
     gradients, which its fp32-master AdamW reads in fp32), saving 2 bytes per parameter (8.8 GiB for NAM56R on one
-    GPU); bf16 sums are rounded at each micro-batch and each reduction. Not part of the checkpoint (Megatron saves
-    no gradient buffers): a resume may change it."""
+    GPU); bf16 sums are rounded at each micro-batch and each reduction. A resume may not change it: Megatron keys
+    the saved optimizer state by the (parameter, gradient) dtypes, so a checkpoint would not load with the other
+    setting (the claim refuses the difference before anything loads)."""
     fused_master_weights: bool = False
     """Megatron engine, ``optimizer_numerics=fp32-master``, bf16: Megatron's precision-aware optimizer at fp32
     (``use_precision_aware_optimizer`` with fp32 main params and moments, ``store_param_remainders``). Transformer
@@ -155,8 +156,8 @@ class TrainConfig:
     same numerics as Megatron's default path, 2 bytes per parameter fewer (8.8 GiB for NAM56R on one GPU), and no
     per-step fp32 gradient copy or master-to-weight copy. Needs Transformer Engine (``nam preflight --engine
     megatron`` has the row); ``bf16-moments`` always runs this way. Refused with ``grad_reduce_in_fp32=false``
-    (the first update of full NAM56R came out non-finite, nam_core/engine/megatron/optimizer.py). A resume keeps
-    the checkpoint's choice."""
+    (the first update of full NAM56R came out non-finite, nam_core/engine/megatron/optimizer.py). A resume with
+    the other value is refused (the saved optimizer state is of the other layout)."""
     overlap_param_gather: bool = False
     """Megatron engine: all-gather the updated parameters bucket by bucket inside the next forward pass instead
     of right after the optimizer step (Megatron DDP's ``overlap_param_gather``, distributed optimizer). Refused by

@@ -77,6 +77,8 @@ def _again(run_dir: Path, ctx: typer.Context | None) -> Callable[..., str]:
             continue
         flag = max((o for o in param.opts if o.startswith("--")), key=len)
         base += [flag] if value is True else [flag, str(value)]
+    if params.get("nproc") is None and os.environ.get(RELAUNCHED_NPROC):  # torchrun's ranks of a --nproc N start
+        base += ["--nproc", os.environ[RELAUNCHED_NPROC]]
     given = list(params.get("set_") or [])
     given_steps = params.get("max_steps")
 
@@ -231,7 +233,13 @@ def _torchrun_argv(argv: list[str], nproc: int) -> list[str]:
             "-m", "nam_cli", *rest]
 
 
+RELAUNCHED_NPROC = "NAM_RELAUNCHED_NPROC"
+"""Set by ``_relaunch`` for torchrun's ranks: the ``--nproc`` the command was given, which the relaunched command
+no longer carries, so the commands printed to continue a run (``_again``) carry it again."""
+
+
 def _relaunch(nproc: int) -> None:
     """Replace this process with torchrun running this same command on ``nproc`` processes."""
+    os.environ[RELAUNCHED_NPROC] = str(nproc)
     argv = _torchrun_argv(sys.argv[1:], nproc)
     os.execv(argv[0], argv)  # noqa: the same command, once per GPU

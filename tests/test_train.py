@@ -157,6 +157,23 @@ def test_nproc_relaunches_the_same_command_under_torchrun():
                         "train", "--engine", "megatron", "--ep", "4", "-q"]
 
 
+def test_the_continue_command_of_a_relaunched_run_carries_its_nproc(tmp_path, monkeypatch):
+    """`--nproc 4` relaunches the command under torchrun without the flag; the command a stop or the summary
+    prints to continue the run must work as written outside torchrun, so it carries `--nproc 4` again."""
+    import typer
+
+    from nam_cli.main import app
+    from nam_cli.train import RELAUNCHED_NPROC, _again
+
+    train = typer.main.get_command(app).commands["train"]
+    as_relaunched = train.make_context("train", ["--engine", "megatron", "--ep", "4"])  # what torchrun's ranks got
+    monkeypatch.setenv(RELAUNCHED_NPROC, "4")
+    again = _again(tmp_path / "run", as_relaunched)(resume="auto")
+    assert again.startswith("nam train --engine megatron --ep 4 --nproc 4 --run-dir ") and again.endswith(" --resume auto")
+    monkeypatch.delenv(RELAUNCHED_NPROC)
+    assert "--nproc" not in _again(tmp_path / "run", as_relaunched)(resume="auto")  # a torchrun of the user's own
+
+
 def test_missing_dataset_is_a_data_error(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run(["train", "--run-dir", str(run_dir), "--data", str(tmp_path / "nope"), "--quiet"]) == 4

@@ -238,14 +238,16 @@ class Session:
     def record(self) -> dict:
         """What makes two runs the same run (config.json; every checkpoint's manifest): resuming under a
         different record is refused, except for the fields ``rundir.RESUMABLE`` names; a resume on data
-        replaced under the same path is refused by the dataset's identity (its checksums)."""
+        replaced under the same path is refused by the dataset's identity (its checksums); one on another number
+        of processes by ``world_size`` (tp, pp and ep are train fields), before the run folder is written."""
         from nam_core.data.dataset import identity
 
         s = self.spec
         return {"recipe": s.recipe, "model": dataclasses.asdict(s.model), "train": dataclasses.asdict(s.train),
                 "plugins": {n: self.host.installed[n].version for n in s.plugins},
                 "data": str(Path(self.data).resolve()) if self.data is not None else None,
-                "dataset": identity(self.data) if self.data is not None else None}
+                "dataset": identity(self.data) if self.data is not None else None,
+                "world_size": s.layout.world_size}
 
     def plugins_info(self) -> dict:
         """What ran (plugins.json): plugins and their distributions, backends, patches, versions, device."""

@@ -494,6 +494,18 @@ def test_a_resume_on_the_same_files_split_otherwise_is_refused(tmp_path, corpus,
     assert split_changes(old, {"dataset": identity(corpus)}) == ({}, [])  # recorded before 2026-12-08
 
 
+def test_a_resume_on_another_number_of_processes_is_refused_before_anything_is_written(base):
+    """The record holds the run's processes (world_size): a megatron run of 2 resumed on 1 is refused by the
+    claim with the difference (exit 2, nothing written), where the checkpoint's layout check stopped it after the
+    run folder had a resume line (exit 1); a record from before it was kept resumes as before."""
+    from nam_core.engine.rundir import split_changes
+
+    config = json.loads((base / "config.json").read_text())
+    assert config["world_size"] == 1  # the local engine: one process
+    assert split_changes({**config, "world_size": 2}, config) == ({}, [("world_size", 2, 1)])
+    assert split_changes({k: v for k, v in config.items() if k != "world_size"}, config) == ({}, [])
+
+
 def test_resume_auto_follows_the_branch_of_the_last_start_and_says_so(tmp_path, corpus, base, capsys):
     """Base: steps 1-4, checkpoints 2 and 4. A resume from step 2 is a new branch (its step 3 is not base's);
     --resume auto afterwards takes that branch's step-3, not base's newer step-4."""

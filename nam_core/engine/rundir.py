@@ -379,11 +379,14 @@ def split_changes(old: dict, new: dict) -> tuple[dict, list[tuple[str, object, o
     """The differences between two run records: ``({field: [old, new]} a resume may make, the others)``.
     ``branch`` is where a start sits in the run's lineage, not what the run is; ``dataset`` (the data's
     checksums) is compared only when the old record has it (runs recorded before 2026-11-25 do not), and its
-    validation split only when the old record has that (runs recorded before 2026-12-08 do not)."""
+    validation split and ``world_size`` (the processes) only when the old record has them (runs recorded before
+    2026-12-08 do not)."""
     allowed, refused = {}, []
     split_recorded = "validation_documents" in (old.get("dataset") or {})
     for key, a, b in record_diff(old, new):
         if key == "branch" or (key.startswith("dataset") and "dataset" not in old):
+            continue
+        if key == "world_size" and "world_size" not in old:  # recorded since 2026-12-08
             continue
         if key == "dataset.validation_documents" and not split_recorded:
             continue

@@ -46,7 +46,7 @@ def curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     records = read_metrics(run_dir)
     if not records:
         raise ConfigError(f"{run_dir} has no metrics.jsonl records to plot",
-                       hint="point at a run folder that trained at least one step (runs/NAME)")
+                          hint="point at a run folder that trained at least one step (runs/NAME)")
     lm = "lm_loss" if any("lm_loss" in r for r in records) else "loss"
     out: dict[str, tuple[list[int], list[float]]] = {}
     for field, _ in PANELS:
@@ -106,7 +106,7 @@ def _check_writable(out_path: Path) -> None:
     folder = out_path.parent
     if not folder.is_dir():
         raise ConfigError(f"cannot write {out_path}: {folder} is not a folder",
-                       hint=f"mkdir -p {folder}  (or pass --out in an existing folder)")
+                          hint=f"mkdir -p {folder}  (or pass --out in an existing folder)")
     if out_path.is_dir():
         raise ConfigError(f"cannot write {out_path}: it is a folder", hint=f"pass --out {out_path / 'nam-plot.png'}")
 
@@ -119,4 +119,4 @@ def _write(out_path: Path, data: bytes) -> None:
         write_atomic(out_path, data)
     except OSError as exc:
         raise RunFolderError(f"cannot write {out_path}: {exc.strerror or exc}",
-                       hint="pass --out in a folder this user can write, with free space") from exc
+                             hint="pass --out in a folder this user can write, with free space") from exc

@@ -87,8 +87,8 @@ def step_line(metrics: dict) -> str:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of ``run_dir``'s metrics.jsonl ([] without one). A last line that is not whole JSON (a kill
-    mid-write, as ``truncate_metrics`` says) is left out; any other line that is not a JSON record is a NamError
-    that names it."""
+    mid-write, as ``truncate_metrics`` says) is left out; any other line that is not a JSON record is a DataError
+    (exit 4) that names it."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -103,8 +103,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
             records.append(record)
         elif i < len(lines) - 1:
             raise DataError(f"{path} line {number} is not a JSON record: {line[:80]!r}",
-                           hint="the file was edited or damaged; remove that line (a resume rewrites the file "
-                                "up to its checkpoint)")
+                            hint="the file was edited or damaged; remove that line (a resume rewrites the file "
+                                 "up to its checkpoint)")
     return records
 
 

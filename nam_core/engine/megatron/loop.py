@@ -86,11 +86,9 @@ def train(run: EngineRun) -> dict:
     with applied(patches.lane()) as patch_reports, StopRequests() as stop:
         s = _start(run, patch_reports)
         mark_phase("engine")
-        if signum := _agreed_stop(stop):  # stopped while the model was built or the checkpoint loaded: no step
-            if s.log is not None:
-                s.log.close()
-            raise _stopped(run, signum, s.start, s.last_good)
         try:
+            if signum := _agreed_stop(stop):  # stopped while the model was built or the checkpoint loaded: no step
+                raise _stopped(run, signum, s.start, s.last_good)
             for step in range(s.start, run.max_steps):
                 ctx = run.context(step, parameters=s.parameters, note=s.note)
                 run.host.before_step(step, ctx)
